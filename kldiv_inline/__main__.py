@@ -1,0 +1,92 @@
+"""Command line: ``python -m kldiv_inline check | bench | plot | results``.
+
+``check``   correctness against float64 PyTorch -> results/<device>/correctness.csv + env.json
+``bench``   timings against the peers          -> results/<device>/bench.csv + env.json
+``plot``    PNGs from the CSVs under results/  (no GPU needed)
+``results`` check, then bench, then plot: what ``make results`` runs.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .envinfo import REPO_ROOT
+
+
+def _device(arg: str | None) -> str:
+    import torch
+
+    if arg in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if arg == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA GPU is visible to torch")
+    return arg
+
+
+def cmd_check(args) -> int:
+    from . import check
+    from .envinfo import device_slug, write_env
+
+    device = _device(args.device)
+    folder = Path(args.results) / device_slug(device)
+    rows = list(check.run_checks(device))
+    path = check.write_csv(rows, folder / "correctness.csv")
+    write_env(folder, device)
+    print(check.summary_table(rows))
+    failed = [r for r in rows if not r["ok"]]
+    for r in failed[:20]:
+        print("FAILED", {k: r[k] for k in ("case", "dtype", "form", "log_target", "reduction", "rel_err")})
+    print(f"{len(rows) - len(failed)} passed, {len(failed)} failed -> {path}")
+    return 1 if failed else 0
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+
+    return bench.main(args)
+
+
+def cmd_plot(args) -> int:
+    from . import plots
+
+    written = plots.plot_all(Path(args.results), Path(args.out) if args.out else None)
+    for p in written:
+        print(p)
+    return 0
+
+
+def cmd_results(args) -> int:
+    status = cmd_check(args)
+    if hasattr(args, "quick"):
+        status |= cmd_bench(args)
+        status |= cmd_plot(args)
+    return status
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kldiv_inline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    results_default = str(REPO_ROOT / "results")
+
+    def common(p):
+        p.add_argument("--results", default=results_default, help="results folder (default: %(default)s)")
+        p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+
+    p = sub.add_parser("check", help="correctness against float64 PyTorch")
+    common(p)
+    p.set_defaults(func=cmd_check)
+    p = sub.add_parser("plot", help="PNGs from the results CSVs")
+    p.add_argument("--results", default=results_default)
+    p.add_argument("--out", default=None, help="where PNGs go (default: beside each CSV)")
+    p.set_defaults(func=cmd_plot)
+    p = sub.add_parser("results", help="check (later: bench and plot)")
+    common(p)
+    p.set_defaults(func=cmd_results)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Correctness checks of the kit's op against PyTorch in float64, over a grid of cases.
+
+Every case draws fresh random inputs (random softmax temperatures, never zeros unless the case is about
+zeros), poisons the allocator with NaN first so that an element the kernel fails to write shows up, and
+compares per element (reduction='none') as well as the reduced scalars.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import itertools
+import math
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from .ops import kl_div, kl_div_from_probs
+from .reference import kl_div_reference, probability_rows, relative_error
+
+# ||out - ref|| / ||ref|| allowed per dtype: a few units of the dtype's rounding, for arrays of values.
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def poison_allocator(device: str, nbytes: int = 64 << 20) -> None:
+    """Fill free memory of the caching allocator with NaN so that unwritten outputs read NaN, not zeros."""
+    if device == "cuda":
+        torch.empty(nbytes // 4, device=device).fill_(float("nan"))  # freed at once, block stays cached
+    # The CPU allocator returns fresh pages (zeros) or reused blocks; its outputs are poisoned by the
+    # per-element comparison itself: a skipped element holds whatever was there, not the reference value.
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    make: Callable[[torch.dtype, str, bool, bool], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _pair(shape_x, shape_t, dtype, device, from_probs, log_target):
+    """input (probabilities or log-probabilities) and target (probabilities or their logs)."""
+    def rows(shape):
+        flat = probability_rows(math.prod(shape[:-1]) if len(shape) > 1 else 1, shape[-1] if shape else 1)
+        return flat.reshape(shape) if shape else flat.reshape(())
+    p, t = rows(shape_x).double(), rows(shape_t).double()
+    x = p if from_probs else p.log()
+    tt = t.log() if log_target else t
+    return x.to(device=device, dtype=dtype), tt.to(device=device, dtype=dtype)
+
+
+def _shaped(shape_x, shape_t=None):
+    return lambda dtype, device, fp, lt: _pair(shape_x, shape_t or shape_x, dtype, device, fp, lt)
+
+
+def _transposed(dtype, device, fp, lt):
+    x, t = _pair((96, 130), (96, 130), dtype, device, fp, lt)
+    return x.t(), t.t()  # both (130, 96), non-contiguous
+
+
+def _sliced(dtype, device, fp, lt):
+    x, t = _pair((64, 257), (64, 257), dtype, device, fp, lt)
+    return x[3:, 1:], t[:61, :-1]  # unaligned starts, strided rows
+
+
+def _target_zeros(dtype, device, fp, lt):
+    x, t = _pair((32, 500), (32, 500), dtype, device, fp, lt)
+    mask = torch.rand(t.shape, device=device) < 0.3
+    t = t.masked_fill(mask, float("-inf") if lt else 0.0)
+    return x, t
+
+
+CASES = [
+    Case("scalar-0d", _shaped(())),
+    Case("vector-1023", _shaped((1023,))),
+    Case("rows-64x1000", _shaped((64, 1000))),
+    Case("3d-4x8x100", _shaped((4, 8, 100))),
+    Case("transposed-130x96", _transposed),
+    Case("sliced-61x256", _sliced),
+    Case("broadcast-target-row", _shaped((48, 333), (1, 333))),
+    Case("broadcast-input-3d", _shaped((1, 7, 65), (5, 7, 65))),
+    Case("target-zeros", _target_zeros),
+    Case("empty-0x5", _shaped((0, 5))),
+]
+
+
+def check_one(x, t, reduction: str, log_target: bool, from_probs: bool) -> float:
+    poison_allocator(x.device.type)
+    f = kl_div_from_probs if from_probs else kl_div
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = f(x, t, reduction=reduction, log_target=log_target)
+    ref = kl_div_reference(x, t, reduction, log_target, from_probs)
+    if out.shape != ref.shape:
+        return float("inf")
+    if out.dtype != torch.result_type(x, t):
+        return float("inf")
+    return relative_error(out, ref)
+
+
+def run_checks(device: str, dtypes=DTYPES, cases=CASES) -> Iterator[dict]:
+    for case, dtype, from_probs, log_target, reduction in itertools.product(
+            cases, dtypes, (True, False), (False, True), ("none", "sum", "mean", "batchmean")):
+        x, t = case.make(dtype, device, from_probs, log_target)
+        err = check_one(x, t, reduction, log_target, from_probs)
+        tol = TOLERANCE[dtype]
+        yield {
+            "device": device, "case": case.name, "dtype": str(dtype).removeprefix("torch."),
+            "form": "probs" if from_probs else "logprobs", "log_target": log_target, "reduction": reduction,
+            "shape": "x".join(map(str, x.shape)) or "()", "rel_err": err, "tol": tol, "ok": err <= tol,
+        }
+
+
+def write_csv(rows: list[dict], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def summary_table(rows: list[dict]) -> str:
+    """One line per (dtype, form): cases run, failures, worst relative error against its tolerance."""
+    lines = [f"{'dtype':<10}{'form':<10}{'checks':>7}{'failed':>7}{'worst rel err':>15}{'tol':>10}"]
+    keys = sorted({(r["dtype"], r["form"]) for r in rows})
+    for dtype, form in keys:
+        sel = [r for r in rows if r["dtype"] == dtype and r["form"] == form]
+        worst = max(r["rel_err"] for r in sel)
+        lines.append(f"{dtype:<10}{form:<10}{len(sel):>7}{sum(not r['ok'] for r in sel):>7}{worst:>15.3e}"
+                     f"{sel[0]['tol']:>10.1e}")
+    return "\n".join(lines)

@@ -1,0 +1,105 @@
+"""What ran where: device names, versions, commit and command, written beside every result file."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def best_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return cpu_model()
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def device_slug(device: str) -> str:
+    """The results folder for a device: e.g. ``nvidia-h100-80gb-hbm3``, or ``cpu-<model>``."""
+    return slug(device_name(device)) if device == "cuda" else "cpu-" + slug(cpu_model())[:48]
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def commit() -> str:
+    """HEAD's hash, with ``+dirty`` when tracked files under kernels/ or kldiv_inline/ differ from it."""
+    head = _git("rev-parse", "HEAD") or os.environ.get("KLDIV_INLINE_COMMIT", "unknown")
+    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", "kernels", "kldiv_inline")
+    return head + ("+dirty" if dirty else "")
+
+
+def driver_version() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout.strip()
+        return out.splitlines()[0] if out else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(device: str) -> dict:
+    env = {
+        "device": device,
+        "device_name": device_name(device),
+        "cpu": cpu_model(),
+        "cpu_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "commit": commit(),
+        "command": " ".join(["python -m kldiv_inline", *sys.argv[1:]]) if sys.argv else "",
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        env.update({
+            "driver": driver_version(),
+            "sm_count": props.multi_processor_count,
+            "capability": f"{props.major}.{props.minor}",
+            "memory_gib": round(props.total_memory / 2**30, 1),
+        })
+    return env
+
+
+def write_env(folder: Path, device: str, extra: dict | None = None) -> Path:
+    """Merge this run's environment into ``folder/env.json`` under the key of the step that ran."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "env.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data.update(environment(device))
+    if extra:
+        data.update(extra)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path

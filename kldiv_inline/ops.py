@@ -1,0 +1,223 @@
+"""The public op: validation, broadcasting, reductions, autograd and torch.library registration.
+
+``kl_div`` has ``torch.nn.functional.kl_div``'s signature and semantics; ``kl_div_from_probs`` takes
+probabilities and takes their log inside the kernel (``F.kl_div(torch.log(p), t, ...)`` in one pass).
+
+Both go through three custom ops (``torch.ops.kldiv_inline.*``) so that ``torch.compile(fullgraph=True)``
+sees them without a graph break and ``torch.library.opcheck`` can test them. The arithmetic always runs in
+the kit's kernels (``kernels/``), never in PyTorch's kl_div or xlogy; only a broadcast input's gradient is
+summed back to its shape with ``sum_to_size``.
+
+Training with a reduced loss: when the input requires grad, the forward pass also writes d loss / d input
+(one write beyond the reads). Backward multiplies it in place by grad_output on the device, a kernel that
+returns at once when grad_output is 1 (``loss.backward()``): no extra pass and no host synchronisation.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from .loader import load
+
+__all__ = ["kl_div", "kl_div_from_probs", "KLDivLoss", "REDUCTIONS"]
+
+REDUCTIONS = ("none", "mean", "sum", "batchmean")
+
+# Same text as torch.nn.functional.kl_div's warning, so filters written for PyTorch apply to us too.
+_MEAN_WARNING = (
+    "reduction: 'mean' divides the total loss by both the batch size and the support size."
+    "'batchmean' divides only by the batch size, and aligns with the KL div math definition."
+    "'mean' will be changed to behave the same as 'batchmean' in the next major release."
+)
+
+
+def _module(device: torch.device):
+    if device.type == "cuda":
+        return load("cuda")
+    if device.type == "cpu":
+        return load("cpu")
+    raise NotImplementedError(f"kldiv_inline: no kernels for device type {device.type!r} (cpu and cuda only)")
+
+
+def _undefined_to_empty(t: Tensor | None, like: Tensor) -> Tensor:
+    # Custom ops cannot return None; an empty tensor stands for "not computed".
+    return t if t is not None else like.new_empty((0,))
+
+
+# ----------------------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("kldiv_inline::kl_div_forward", mutates_args=())
+def _forward_op(input: Tensor, target: Tensor, reduce: bool, divisor: float, log_target: bool,
+                from_probs: bool, want_grad: bool) -> tuple[Tensor, Tensor]:
+    out, grad = _module(input.device).kl_div_forward(input, target, reduce, divisor, log_target, from_probs,
+                                                     want_grad)
+    return out, _undefined_to_empty(grad, input)
+
+
+@_forward_op.register_fake
+def _(input, target, reduce, divisor, log_target, from_probs, want_grad):
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    out = input.new_empty(()) if reduce else input.new_empty(shape)
+    grad = input.new_empty(shape) if (reduce and want_grad) else input.new_empty((0,))
+    return out, grad
+
+
+@torch.library.custom_op("kldiv_inline::kl_div_backward", mutates_args=())
+def _backward_op(grad_out: Tensor, input: Tensor, target: Tensor, reduce: bool, divisor: float,
+                 log_target: bool, from_probs: bool, want_input: bool, want_target: bool) -> tuple[Tensor, Tensor]:
+    gx, gt = _module(input.device).kl_div_backward(grad_out, input, target, reduce, divisor, log_target,
+                                                   from_probs, want_input, want_target)
+    return _undefined_to_empty(gx, input), _undefined_to_empty(gt, input)
+
+
+@_backward_op.register_fake
+def _(grad_out, input, target, reduce, divisor, log_target, from_probs, want_input, want_target):
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    gx = input.new_empty(shape) if want_input else input.new_empty((0,))
+    gt = input.new_empty(shape) if want_target else input.new_empty((0,))
+    return gx, gt
+
+
+@torch.library.custom_op("kldiv_inline::kl_div_scale_grad_", mutates_args=("grad",))
+def _scale_grad_op(grad: Tensor, grad_out: Tensor) -> None:
+    _module(grad.device).kl_div_scale_grad_(grad, grad_out)
+
+
+@_scale_grad_op.register_fake
+def _(grad, grad_out):
+    return None
+
+
+def _setup_context(ctx, inputs, output):
+    input, target, reduce, divisor, log_target, from_probs, want_grad = inputs
+    _, fused_grad = output
+    ctx.flags = (reduce, divisor, log_target, from_probs)
+    ctx.fused = want_grad
+    ctx.fused_used = False
+    ctx.input_shape, ctx.target_shape = input.shape, target.shape
+    ctx.save_for_backward(input, target, fused_grad if want_grad else None)
+
+
+def _backward(ctx, grad_out, _grad_of_fused_grad):
+    input, target, fused_grad = ctx.saved_tensors
+    reduce, divisor, log_target, from_probs = ctx.flags
+    need_x, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    gx = gt = None
+    grad_out = grad_out.to(input.dtype)
+    # The fused gradient is rescaled in place, once: a second backward (retain_graph=True) recomputes.
+    # Under torch.compile the graph stays functional: the out-of-place kernel serves.
+    use_fused = (need_x and ctx.fused and not ctx.fused_used and not torch.compiler.is_compiling())
+    if use_fused:
+        ctx.fused_used = True
+        _scale_grad_op(fused_grad, grad_out)
+        gx = fused_grad
+    if (need_x and not use_fused) or need_t:
+        bx, bt = _backward_op(grad_out, input, target, reduce, divisor, log_target, from_probs,
+                              need_x and not use_fused, need_t)
+        if need_x and not use_fused:
+            gx = bx
+        if need_t:
+            gt = bt
+    if gx is not None and gx.shape != ctx.input_shape:
+        gx = gx.sum_to_size(ctx.input_shape)
+    if gt is not None and gt.shape != ctx.target_shape:
+        gt = gt.sum_to_size(ctx.target_shape)
+    return gx, gt, None, None, None, None, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------ front end
+def _check(input, target, reduction: str, log_target) -> tuple[Tensor, Tensor, torch.Size]:
+    for name, t in (("input", input), ("target", target)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"kl_div: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not (t.is_floating_point()):
+            raise TypeError(f"kl_div: {name} must have a floating-point dtype (float16, bfloat16, float32, "
+                            f"float64), got {t.dtype}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"kl_div: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not isinstance(log_target, bool):
+        raise TypeError(f"kl_div: log_target must be a bool, got {type(log_target).__name__}")
+    if input.device != target.device:
+        raise ValueError(f"kl_div: input and target must be on the same device, got {input.device} and "
+                         f"{target.device}")
+    if input.device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"kl_div: no kernels for {input.device.type} tensors (cpu and cuda only)")
+    try:
+        shape = torch.broadcast_shapes(input.shape, target.shape)
+    except RuntimeError:
+        raise ValueError(f"kl_div: input of shape {tuple(input.shape)} and target of shape "
+                         f"{tuple(target.shape)} are not broadcastable") from None
+    dtype = torch.result_type(input, target)
+    if input.dtype != dtype:
+        input = input.to(dtype)
+    if target.dtype != dtype:
+        target = target.to(dtype)
+    return input, target, shape
+
+
+def _divisor(reduction: str, input: Tensor, shape: torch.Size) -> float:
+    if reduction == "sum":
+        return 1.0
+    if reduction == "mean":
+        return float(shape.numel())
+    return float(input.shape[0]) if input.dim() > 0 else 1.0  # batchmean, as F.kl_div: sum for 0-d input
+
+
+def _kl(input: Tensor, target: Tensor, reduction: str, log_target: bool, from_probs: bool) -> Tensor:
+    input, target, shape = _check(input, target, reduction, log_target)
+    if reduction == "mean":
+        warnings.warn(_MEAN_WARNING, stacklevel=3)
+    reduce = reduction != "none"
+    divisor = _divisor(reduction, input, shape) if reduce else 1.0
+    grad_enabled = torch.is_grad_enabled() and (input.requires_grad or target.requires_grad)
+    if not grad_enabled and not torch.compiler.is_compiling():
+        # Eager inference: call the kernels directly, skipping the dispatcher's Python round trip
+        # (a launch-bound call is dominated by host overhead). Same kernels as the op.
+        out, _ = _module(input.device).kl_div_forward(input, target, reduce, divisor, log_target, from_probs,
+                                                      False)
+        return out
+    want_grad = bool(reduce and grad_enabled and input.requires_grad and input.shape == shape)
+    out, _ = _forward_op(input, target, reduce, divisor, log_target, from_probs, want_grad)
+    return out
+
+
+def kl_div(input: Tensor, target: Tensor, size_average=None, reduce=None, reduction: str = "mean",
+           log_target: bool = False) -> Tensor:
+    """Drop-in for ``torch.nn.functional.kl_div``: ``input`` holds log-probabilities, ``target``
+    probabilities (log-probabilities when ``log_target``). Reductions ``none|mean|sum|batchmean``."""
+    if size_average is not None or reduce is not None:
+        from torch.nn import _reduction
+
+        reduction = _reduction.legacy_get_string(size_average, reduce)
+    return _kl(input, target, reduction, log_target, from_probs=False)
+
+
+def kl_div_from_probs(predictions: Tensor, targets: Tensor, reduction: str = "batchmean",
+                      log_target: bool = False) -> Tensor:
+    """``F.kl_div(torch.log(predictions), targets, reduction=...)`` in one pass: the log is taken in the
+    kernel. Same semantics as that expression, gradients included (w.r.t. the probabilities)."""
+    return _kl(predictions, targets, reduction, log_target, from_probs=True)
+
+
+class KLDivLoss(torch.nn.Module):
+    """Like ``torch.nn.KLDivLoss``, computed by the kit's kernels."""
+
+    def __init__(self, size_average=None, reduce=None, reduction: str = "mean", log_target: bool = False):
+        super().__init__()
+        if size_average is not None or reduce is not None:
+            from torch.nn import _reduction
+
+            reduction = _reduction.legacy_get_string(size_average, reduce)
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"KLDivLoss: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        self.reduction, self.log_target = reduction, log_target
+
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        return _kl(input, target, self.reduction, self.log_target, from_probs=False)
+
+    def extra_repr(self) -> str:
+        return f"reduction={self.reduction!r}, log_target={self.log_target}"
