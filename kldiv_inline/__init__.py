@@ -1,4 +1,14 @@
-"""kldiv-inline: KL-divergence kernels compiled at run time from kernels/*.cu / *.cpp."""
-from .loader import KernelBuildError, ToolchainError, load, load_sources
+"""kldiv-inline: KL-divergence kernels compiled at run time from kernels/*.cu and *.cpp.
 
-__all__ = ["load", "load_sources", "KernelBuildError", "ToolchainError"]
+    import kldiv_inline as K
+    K.kl_div(log_probs, target, reduction="batchmean")        # drop-in for F.kl_div, forward and backward
+    K.kl_div_from_probs(probs, target)                        # F.kl_div(torch.log(p), t, 'batchmean'), fused
+    K.load("cuda")                                            # the compiled module (built on first use)
+    K.load_sources(["my_kernel.cu", "bind.cpp"])              # the same loader for your own kernels
+"""
+from .loader import KernelBuildError, ToolchainError, load, load_sources
+from .ops import KLDivLoss, kl_div, kl_div_from_probs
+from . import kernelbench
+
+__all__ = ["kl_div", "kl_div_from_probs", "KLDivLoss", "load", "load_sources", "KernelBuildError",
+           "ToolchainError", "kernelbench"]

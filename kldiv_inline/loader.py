@@ -231,8 +231,9 @@ def _compiler_errors(log: str) -> list[str]:
     """The lines of a ninja/nvcc/g++ log that state an error, with a little context after each."""
     lines = log.splitlines()
     out = []
+    wrappers = ("FAILED:", "ninja:", "Error building extension")  # ninja's and torch's lines, not the compiler's
     for i, line in enumerate(lines):
-        if re.search(r"\berror\b", line, re.IGNORECASE) and not line.startswith(("FAILED:", "ninja:")):
+        if re.search(r"\berror\b", line, re.IGNORECASE) and not line.startswith(wrappers):
             out.append(line)
             out.extend(l for l in lines[i + 1:i + 3] if l.strip() and "error" not in l.lower())
     return out
@@ -310,8 +311,10 @@ def load_sources(
                 module = _import_built(ext_name, build_dir)
                 _MODULES[ext_name] = module
                 return module
-            except ImportError:  # a damaged cache entry: rebuild it below
-                pass
+            except ImportError:
+                # A damaged cache entry: rebuild it below, from scratch (ninja would keep a broken .so that is
+                # newer than its objects).
+                shutil.rmtree(build_dir, ignore_errors=True)
         _check_toolchain(with_cuda)
         module = _build(ext_name, build_dir, cpp_srcs, cuda_srcs, texts, functions, cflags + include_flags,
                         cuda_cflags + include_flags, list(extra_ldflags), with_cuda, verbose)

@@ -24,6 +24,7 @@ from .loader import load
 __all__ = ["kl_div", "kl_div_from_probs", "KLDivLoss", "REDUCTIONS"]
 
 REDUCTIONS = ("none", "mean", "sum", "batchmean")
+_REDUCTION_SET = frozenset(REDUCTIONS)
 
 # Same text as torch.nn.functional.kl_div's warning, so filters written for PyTorch apply to us too.
 _MEAN_WARNING = (
@@ -33,12 +34,25 @@ _MEAN_WARNING = (
 )
 
 
+_MODULES: dict[str, object] = {}
+
+
 def _module(device: torch.device):
-    if device.type == "cuda":
-        return load("cuda")
-    if device.type == "cpu":
-        return load("cpu")
-    raise NotImplementedError(f"kldiv_inline: no kernels for device type {device.type!r} (cpu and cuda only)")
+    """The compiled module for a device type, looked up once: ``load`` re-hashes the kernel files on every
+    call (that is how an edit is noticed), which costs more than a small launch. After editing a kernel,
+    call ``kldiv_inline.ops.reload()`` (or ``load`` directly) to pick the new build up."""
+    mod = _MODULES.get(device.type)
+    if mod is None:
+        if device.type not in ("cuda", "cpu"):
+            raise NotImplementedError(f"kldiv_inline: no kernels for device type {device.type!r} (cpu and cuda only)")
+        mod = _MODULES[device.type] = load(device.type)
+    return mod
+
+
+def reload() -> None:
+    """Rebuild (if the kernel files changed) and use the current kernels for the next calls."""
+    for backend in list(_MODULES):
+        _MODULES[backend] = load(backend)
 
 
 def _undefined_to_empty(t: Tensor | None, like: Tensor) -> Tensor:
@@ -96,11 +110,20 @@ def _setup_context(ctx, inputs, output):
     ctx.fused = want_grad
     ctx.fused_used = False
     ctx.input_shape, ctx.target_shape = input.shape, target.shape
-    ctx.save_for_backward(input, target, fused_grad if want_grad else None)
+    ctx.save_for_backward(input, target)
+    # Kept outside save_for_backward: backward rescales it in place, which would fail the saved-tensor
+    # version check of a second backward (retain_graph=True). Detached: no reference cycle through grad_fn.
+    ctx.fused_grad = fused_grad.detach() if want_grad else None
+    # The second output (the fused gradient) is not part of the loss: without this, autograd would fill a
+    # zero tensor of its size as its incoming gradient on every backward (a full extra pass).
+    ctx.mark_non_differentiable(fused_grad)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_out, _grad_of_fused_grad):
-    input, target, fused_grad = ctx.saved_tensors
+    input, target = ctx.saved_tensors
+    if grad_out is None:  # the loss took no part in what was differentiated
+        return None, None, None, None, None, None, None
     reduce, divisor, log_target, from_probs = ctx.flags
     need_x, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     gx = gt = None
@@ -110,8 +133,8 @@ def _backward(ctx, grad_out, _grad_of_fused_grad):
     use_fused = (need_x and ctx.fused and not ctx.fused_used and not torch.compiler.is_compiling())
     if use_fused:
         ctx.fused_used = True
-        _scale_grad_op(fused_grad, grad_out)
-        gx = fused_grad
+        gx, ctx.fused_grad = ctx.fused_grad, None
+        _scale_grad_op(gx, grad_out)
     if (need_x and not use_fused) or need_t:
         bx, bt = _backward_op(grad_out, input, target, reduce, divisor, log_target, from_probs,
                               need_x and not use_fused, need_t)
@@ -151,7 +174,14 @@ def _check(input, target, reduction: str, log_target) -> tuple[Tensor, Tensor, t
     except RuntimeError:
         raise ValueError(f"kl_div: input of shape {tuple(input.shape)} and target of shape "
                          f"{tuple(target.shape)} are not broadcastable") from None
-    dtype = torch.result_type(input, target)
+    # torch.result_type for two floating tensors, written so that Dynamo can trace it (torch.result_type
+    # is a graph break): a 0-d tensor yields to a dimensioned one of the same category.
+    if input.dtype == target.dtype:
+        dtype = input.dtype
+    elif (input.dim() == 0) == (target.dim() == 0):
+        dtype = torch.promote_types(input.dtype, target.dtype)
+    else:
+        dtype = target.dtype if input.dim() == 0 else input.dtype
     if input.dtype != dtype:
         input = input.to(dtype)
     if target.dtype != dtype:
@@ -167,7 +197,29 @@ def _divisor(reduction: str, input: Tensor, shape: torch.Size) -> float:
     return float(input.shape[0]) if input.dim() > 0 else 1.0  # batchmean, as F.kl_div: sum for 0-d input
 
 
+_FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
 def _kl(input: Tensor, target: Tensor, reduction: str, log_target: bool, from_probs: bool) -> Tensor:
+    # Fast path for the common valid inference call (one shape, one dtype, no autograd, eager): straight to
+    # the kernels. A launch-bound call is dominated by host time, and every check here costs microseconds.
+    # The kernels re-check devices and dtypes in C++; anything unusual takes the checked path below.
+    if (type(input) is Tensor and type(target) is Tensor and input.dtype is target.dtype
+            and input.dtype in _FLOAT_DTYPES and input.shape == target.shape and type(log_target) is bool
+            and reduction in _REDUCTION_SET
+            and not (torch.is_grad_enabled() and (input.requires_grad or target.requires_grad))
+            and not torch.compiler.is_compiling()):
+        if reduction == "mean":
+            warnings.warn(_MEAN_WARNING, stacklevel=3)
+        if reduction == "none":
+            reduce, divisor = False, 1.0
+        elif reduction == "batchmean":
+            reduce, divisor = True, float(input.shape[0]) if input.dim() > 0 else 1.0
+        else:
+            reduce, divisor = True, (1.0 if reduction == "sum" else float(input.numel()))
+        mod = _MODULES.get("cuda" if input.is_cuda else "cpu") or _module(input.device)
+        return mod.kl_div_forward(input, target, reduce, divisor, log_target, from_probs, False)[0]
+
     input, target, shape = _check(input, target, reduction, log_target)
     if reduction == "mean":
         warnings.warn(_MEAN_WARNING, stacklevel=3)
@@ -175,12 +227,13 @@ def _kl(input: Tensor, target: Tensor, reduction: str, log_target: bool, from_pr
     divisor = _divisor(reduction, input, shape) if reduce else 1.0
     grad_enabled = torch.is_grad_enabled() and (input.requires_grad or target.requires_grad)
     if not grad_enabled and not torch.compiler.is_compiling():
-        # Eager inference: call the kernels directly, skipping the dispatcher's Python round trip
-        # (a launch-bound call is dominated by host overhead). Same kernels as the op.
         out, _ = _module(input.device).kl_div_forward(input, target, reduce, divisor, log_target, from_probs,
                                                       False)
         return out
-    want_grad = bool(reduce and grad_enabled and input.requires_grad and input.shape == shape)
+    # The forward writes the input's gradient when it can lay it out like the input: same shape as the
+    # broadcast, both operands contiguous (otherwise backward computes it).
+    want_grad = bool(reduce and grad_enabled and input.requires_grad and input.shape == shape
+                     and input.is_contiguous() and target.is_contiguous())
     out, _ = _forward_op(input, target, reduce, divisor, log_target, from_probs, want_grad)
     return out
 

@@ -1,0 +1,546 @@
+"""The loader (kldiv_inline/loader.py): cache key and hits, #line error mapping, rebuilds after failures,
+toolchain errors, target architectures, and its lock (concurrent and killed builders).
+
+The tiny test extensions use the CPython C API rather than pybind11 or torch headers, so they compile in about
+a second (the loader passes no_implicit_headers=True). Each test builds into its own cache (KLDIV_INLINE_CACHE
+under tmp_path), except the kit's own modules, which use the default cache that the other tests share.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils import cpp_extension
+
+import kldiv_inline
+from kldiv_inline import loader
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A Python module named TORCH_EXTENSION_NAME with one function, value() -> int, returning VALUE_EXPR.
+_CAPI_MODULE = """\
+#include <Python.h>
+{prelude}
+#define KL_STR_(x) #x
+#define KL_STR(x) KL_STR_(x)
+#define KL_CAT_(a, b) a##b
+#define KL_CAT(a, b) KL_CAT_(a, b)
+static PyObject* py_value(PyObject*, PyObject*) {{ return PyLong_FromLong({value}); }}
+static PyMethodDef methods[] = {{{{"value", py_value, METH_NOARGS, nullptr}}, {{nullptr, nullptr, 0, nullptr}}}};
+static PyModuleDef moddef = {{PyModuleDef_HEAD_INIT, KL_STR(TORCH_EXTENSION_NAME), nullptr, -1, methods}};
+PyMODINIT_FUNC KL_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) {{ return PyModule_Create(&moddef); }}
+"""
+
+
+def capi_module(value: str, prelude: str = "") -> str:
+    return _CAPI_MODULE.format(prelude=prelude, value=value)
+
+
+# The CUDA tiny extension: a kernel and a host function in a .cu, bound from a .cpp.
+TINY_CU = """\
+#include "scale.h"
+__global__ void k(int* p) { *p = SCALE; }
+int value() { return SCALE; }
+"""
+TINY_BIND = capi_module("value()", prelude="int value();")
+
+
+def build_dirs(root: Path | None = None) -> list[Path]:
+    root = root or loader.cache_root()
+    return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh cache for this test; CUDA code is compiled for sm_90 only (fast, and no GPU needed)."""
+    monkeypatch.setenv("KLDIV_INLINE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    root = loader.cache_root()
+    assert root.is_relative_to(tmp_path)
+    return root
+
+
+@pytest.fixture
+def tiny_cuda(tmp_path, cache):
+    """scale.h -> base.h, k.cu (includes scale.h), bind.cpp: value() == 7."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "base.h").write_text("#define BASE 3\n")
+    (src / "scale.h").write_text('#include "base.h"\n#define SCALE (BASE + 4)\n')
+    (src / "k.cu").write_text(TINY_CU)
+    (src / "bind.cpp").write_text(TINY_BIND)
+    return src
+
+
+def tiny_cuda_sources(src: Path) -> list[Path]:
+    return [src / "k.cu", src / "bind.cpp"]
+
+
+# ---------------------------------------------------------------------------------------- subprocesses
+# Loads sys.argv[1:] with load_sources and prints JSON: the value, how long load_sources took (after the
+# imports) and how many times it called cpp_extension.load_inline (0: a cache hit, no ninja).
+_CHILD = r"""
+import json, os, sys, time
+import torch
+from torch.utils import cpp_extension
+import kldiv_inline
+
+calls = []
+_real = cpp_extension.load_inline
+def _counting(*args, **kwargs):
+    calls.append(kwargs.get("name"))
+    return _real(*args, **kwargs)
+cpp_extension.load_inline = _counting
+
+ready, go = os.environ.get("KL_TEST_READY"), os.environ.get("KL_TEST_GO")
+if ready:  # start loading together with the other children
+    open(ready, "w").close()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.005)
+t0 = time.perf_counter()
+m = kldiv_inline.load_sources(sys.argv[1:])
+seconds = time.perf_counter() - t0
+print("RESULT " + json.dumps({"value": m.value(), "load_s": seconds, "builds": len(calls), "file": m.__file__}))
+"""
+
+
+def child_env(**extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def child_cmd(tmp_path: Path, sources) -> list[str]:
+    script = tmp_path / "child_load.py"
+    if not script.exists():
+        script.write_text(_CHILD)
+    # sys.executable is the interpreter running the tests (the project's .venv python).
+    return [sys.executable, str(script), *map(str, sources)]
+
+
+def child_result(proc_stdout: str, proc_stderr: str = "") -> dict:
+    for line in proc_stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise AssertionError(f"the child printed no result\nstdout:\n{proc_stdout}\nstderr:\n{proc_stderr[-4000:]}")
+
+
+def run_child(tmp_path: Path, sources, timeout: float = 180, **env) -> dict:
+    proc = subprocess.run(child_cmd(tmp_path, sources), env=child_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return child_result(proc.stdout, proc.stderr)
+
+
+# ------------------------------------------------------------------------------- 1. cache miss and hit
+def test_second_load_in_process_returns_same_module(tiny_cuda, cache, monkeypatch):
+    m1 = kldiv_inline.load_sources(tiny_cuda_sources(tiny_cuda))
+    assert m1.value() == 7
+    dirs = build_dirs()
+    assert len(dirs) == 1 and (dirs[0] / loader._BUILD_MARK).exists()
+    so_mtime = Path(m1.__file__).stat().st_mtime_ns
+    # The second load is memoised: it neither builds nor imports the .so again.
+    for fn in (loader, "_import_built"), (loader, "_build"), (cpp_extension, "load_inline"):
+        monkeypatch.setattr(*fn, lambda *a, _n=fn[1], **k: pytest.fail(f"the second load called {_n}"))
+    m2 = kldiv_inline.load_sources(tiny_cuda_sources(tiny_cuda))
+    assert m2 is m1
+    assert build_dirs() == dirs
+    assert Path(m1.__file__).stat().st_mtime_ns == so_mtime
+
+
+def test_new_process_is_a_fast_cache_hit(tmp_path, tiny_cuda, cache):
+    m = kldiv_inline.load_sources(tiny_cuda_sources(tiny_cuda))
+    dirs = build_dirs()
+    so_mtime = Path(m.__file__).stat().st_mtime_ns
+    res = run_child(tmp_path, tiny_cuda_sources(tiny_cuda))
+    assert res["value"] == 7
+    assert res["builds"] == 0, "a new process rebuilt an unchanged extension (expected a cache hit)"
+    assert res["file"] == m.__file__
+    assert res["load_s"] < 3.0, f"cache hit took {res['load_s']:.2f} s"
+    assert build_dirs() == dirs
+    assert Path(m.__file__).stat().st_mtime_ns == so_mtime
+
+
+def test_editing_sources_rebuilds(tiny_cuda, cache):
+    srcs = tiny_cuda_sources(tiny_cuda)
+    m1 = kldiv_inline.load_sources(srcs)
+    assert m1.value() == 7
+
+    (tiny_cuda / "k.cu").write_text(TINY_CU.replace("return SCALE;", "return SCALE + 1;"))
+    m2 = kldiv_inline.load_sources(srcs)
+    assert m2.__name__ != m1.__name__
+    assert m2.value() == 8
+    assert len(build_dirs()) == 2
+
+    (tiny_cuda / "bind.cpp").write_text(capi_module("value() + 100", prelude="int value();"))
+    m3 = kldiv_inline.load_sources(srcs)
+    assert m3.__name__ not in (m1.__name__, m2.__name__)
+    assert m3.value() == 108
+    assert len(build_dirs()) == 3
+
+
+def test_editing_included_headers_rebuilds(tiny_cuda, cache):
+    srcs = tiny_cuda_sources(tiny_cuda)
+    m1 = kldiv_inline.load_sources(srcs)
+    assert m1.value() == 7
+
+    (tiny_cuda / "scale.h").write_text('#include "base.h"\n#define SCALE (BASE + 5)\n')  # included by k.cu
+    m2 = kldiv_inline.load_sources(srcs)
+    assert m2.__name__ != m1.__name__
+    assert m2.value() == 8
+
+    (tiny_cuda / "base.h").write_text("#define BASE 10\n")  # included by scale.h, two levels down
+    m3 = kldiv_inline.load_sources(srcs)
+    assert m3.__name__ not in (m1.__name__, m2.__name__)
+    assert m3.value() == 15
+    assert len(build_dirs()) == 3
+
+    # Back to the first contents: the first build again, no new one.
+    (tiny_cuda / "scale.h").write_text('#include "base.h"\n#define SCALE (BASE + 4)\n')
+    (tiny_cuda / "base.h").write_text("#define BASE 3\n")
+    assert kldiv_inline.load_sources(srcs) is m1
+    assert len(build_dirs()) == 3
+
+
+# ------------------------------------------------------------------------ 2. compile-error line mapping
+_BAD_BODY = "// 1\n// 2\n// 3\n// 4\n// 5\n{sig} {{\n  return 1 +;\n}}\n"  # the error is on line 7
+
+
+def _assert_maps_to(err: kldiv_inline.KernelBuildError, location: str):
+    msg = str(err)
+    assert location in msg, msg
+    assert err.errors and location in err.errors[0], err.errors  # the first error line is the real one
+    # No error location in load_inline's generated files, only in ours.
+    assert not re.search(r"(cuda\.cu\(\d+\)|main\.cpp:\d+)", msg), msg
+
+
+def test_cu_compile_error_names_real_file_and_line(tmp_path, cache):
+    bad = tmp_path / "bad.cu"
+    bad.write_text(_BAD_BODY.format(sig="__device__ int f()"))
+    with pytest.raises(kldiv_inline.KernelBuildError) as info:
+        kldiv_inline.load_sources([bad])
+    _assert_maps_to(info.value, f"{bad}(7)")  # nvcc style
+
+
+def test_cpp_compile_error_names_real_file_and_line(tmp_path, cache):
+    bad = tmp_path / "bad.cpp"
+    bad.write_text(_BAD_BODY.format(sig="int f()"))
+    with pytest.raises(kldiv_inline.KernelBuildError) as info:
+        kldiv_inline.load_sources([bad])
+    _assert_maps_to(info.value, f"{bad}:7:")  # gcc style
+
+
+def test_compile_error_in_header_names_the_header(tmp_path, cache):
+    (tmp_path / "bad.h").write_text("// 1\ninline int g() {\n  return 2 *;\n}\n")
+    src = tmp_path / "uses.cpp"
+    src.write_text('// 1\n#include "bad.h"\nint h() { return g(); }\n')
+    with pytest.raises(kldiv_inline.KernelBuildError) as info:
+        kldiv_inline.load_sources([src])
+    _assert_maps_to(info.value, f"{tmp_path / 'bad.h'}:3:")
+
+
+# ------------------------------------------------------------------- 3. rebuild after a failed build
+def test_rebuild_after_failed_build_in_same_process(tmp_path, cache):
+    src = tmp_path / "flaky.cpp"
+    src.write_text(capi_module("4 +"))
+    with pytest.raises(kldiv_inline.KernelBuildError):
+        kldiv_inline.load_sources([src])
+    src.write_text(capi_module("4 + 1"))
+    assert kldiv_inline.load_sources([src]).value() == 5
+
+
+def test_rebuild_after_failed_build_with_same_name(tmp_path, cache):
+    """The fix lies outside the cache key (an <angle> include from include_dirs), so the retry has the
+    failed build's name: torch's JIT versioner alone would skip the build and fail to import (pytorch#119206)."""
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "fix.h").write_text("#define FIXED_VALUE (6 +)\n")
+    src = tmp_path / "samename.cpp"
+    src.write_text(capi_module("FIXED_VALUE", prelude="#include <fix.h>"))
+    with pytest.raises(kldiv_inline.KernelBuildError) as info:
+        kldiv_inline.load_sources([src], include_dirs=[inc])
+    failed_name = info.value.name
+    (inc / "fix.h").write_text("#define FIXED_VALUE (6 + 1)\n")
+    m = kldiv_inline.load_sources([src], include_dirs=[inc])
+    assert m.__name__ == failed_name
+    assert m.value() == 7
+
+
+def test_damaged_cache_entry_is_rebuilt(tmp_path, cache):
+    src = tmp_path / "damaged.cpp"
+    src.write_text(capi_module("9"))
+    # Build and load in children: this process must not map the .so that gets damaged.
+    first = run_child(tmp_path, [src])
+    assert first["value"] == 9 and first["builds"] == 1
+    so = Path(first["file"])
+    so.unlink()
+    so.write_bytes(b"not an ELF file")  # newer than its objects: ninja alone would keep it
+    second = run_child(tmp_path, [src])
+    assert second["value"] == 9 and second["builds"] == 1
+    assert second["file"] == first["file"]
+
+
+# --------------------------------------------------------------------------------- 4. toolchain errors
+@pytest.fixture
+def no_compiler_runs(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load_inline", lambda *a, **k: calls.append(k) or pytest.fail(
+        "load_inline ran although the toolchain check should have failed"))
+    return calls
+
+
+def test_missing_nvcc_raises_toolchain_error(tmp_path, cache, monkeypatch, no_compiler_runs):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    ninja = shutil.which("ninja")
+    assert ninja, "ninja must be installed for the loader"
+    (bindir / "ninja").symlink_to(ninja)
+    monkeypatch.setenv("PATH", str(bindir))  # ninja, but no nvcc
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.setenv(var, "")  # so that monkeypatch restores it, set or not
+        monkeypatch.delenv(var)
+    # Hide the /usr/local/cuda fallback too.
+    real_path = loader.Path
+    hidden = tmp_path / "no-cuda-here"
+    monkeypatch.setattr(loader, "Path", lambda *a: hidden if a == ("/usr/local/cuda",) else real_path(*a))
+    assert loader._cuda_home() is None
+
+    src = tmp_path / "needs_nvcc.cu"
+    src.write_text("__global__ void k() {}\n")
+    with pytest.raises(kldiv_inline.ToolchainError, match="nvcc") as info:
+        kldiv_inline.load_sources([src])
+    assert "CUDA_HOME" in str(info.value)
+    assert no_compiler_runs == []
+    assert build_dirs() == []
+    # A CPU-only build needs no nvcc.
+    assert loader._check_toolchain(with_cuda=False) is None
+
+
+def test_cuda_major_mismatch_raises_toolchain_error(tmp_path, cache, monkeypatch, no_compiler_runs):
+    torch_major = int(torch.version.cuda.split(".")[0])
+    other = (12, 4) if torch_major != 12 else (11, 8)
+    monkeypatch.setattr(loader, "_nvcc_version", lambda home: other)
+    src = tmp_path / "mismatch.cu"
+    src.write_text("__global__ void k() {}\n")
+    with pytest.raises(kldiv_inline.ToolchainError) as info:
+        kldiv_inline.load_sources([src])
+    msg = str(info.value)
+    assert f"CUDA {other[0]}.{other[1]}" in msg and torch.version.cuda in msg, msg
+    assert no_compiler_runs == []
+    assert build_dirs() == []
+
+
+def test_cuda_home_resolution(tmp_path, monkeypatch):
+    def toolkit(root: Path) -> Path:
+        (root / "bin").mkdir(parents=True)
+        (root / "include").mkdir()
+        (root / "bin" / "nvcc").write_text("#!/bin/sh\n")
+        (root / "bin" / "nvcc").chmod(0o755)
+        (root / "include" / "cuda_runtime.h").write_text("")
+        return root
+
+    real = toolkit(tmp_path / "cuda-13.9")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    wrapper = bindir / "nvcc"  # a shell wrapper, not a link (like /usr/local/bin/nvcc on some images)
+    wrapper.write_text(f'#!/bin/sh\nexec {real}/bin/nvcc "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bindir))
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    assert loader._cuda_home() == str(real)
+    other = toolkit(tmp_path / "other")
+    monkeypatch.setenv("CUDA_HOME", str(other))  # CUDA_HOME wins over PATH
+    assert loader._cuda_home() == str(other)
+
+
+# ------------------------------------------------------------------------------- 5. the kit's modules
+# Default cache (no KLDIV_INLINE_CACHE override): built once, shared with the other test files.
+def test_kit_load_cuda_is_the_cuda_module():
+    m = kldiv_inline.load("cuda")
+    assert m.backend() == "cuda"
+    assert m.__name__.startswith("kldiv_cuda_")
+    assert Path(m.__file__).parent.parent == loader.cache_root()
+    assert kldiv_inline.load("cuda") is m
+
+
+def test_kit_load_cpu_is_the_cpu_module():
+    m = kldiv_inline.load("cpu")
+    assert m.backend() == "cpu"
+    assert m.__name__.startswith("kldiv_cpu_")
+    assert kldiv_inline.load("cpu") is not kldiv_inline.load("cuda")
+
+
+# ------------------------------------------------------------------------------------ 6. architectures
+@pytest.mark.parametrize("env, archs", [("8.0;9.0+PTX", ["8.0", "9.0+PTX"]), (" 8.6 9.0 ", ["8.6", "9.0"])])
+def test_cuda_arch_list_honours_env(monkeypatch, env, archs):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", env)
+    assert loader.cuda_arch_list() == archs
+
+
+def test_cuda_arch_list_without_env(monkeypatch):
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert loader.cuda_arch_list() == [loader.DEFAULT_CUDA_ARCH] == ["9.0"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: [(9, 0), (8, 0), (9, 0)][i])
+    assert loader.cuda_arch_list() == ["8.0", "9.0"]
+
+
+def test_gencode_flags():
+    assert loader._gencode_flags(["8.0", "9.0+PTX"]) == [
+        "-gencode=arch=compute_80,code=sm_80",
+        "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_90,code=compute_90",
+    ]
+
+
+def test_arch_list_reaches_nvcc_and_the_cache_key(tmp_path, cache, monkeypatch):
+    src = tmp_path / "arch"
+    src.mkdir()
+    (src / "scale.h").write_text("#define SCALE 7\n")
+    (src / "k.cu").write_text(TINY_CU)
+    (src / "bind.cpp").write_text(TINY_BIND)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
+    m = kldiv_inline.load_sources(tiny_cuda_sources(src))
+    assert m.value() == 7
+    ninja_file = (Path(m.__file__).parent / "build.ninja").read_text()
+    assert sorted(set(re.findall(r"-gencode=\S+", ninja_file))) == sorted(loader._gencode_flags(["8.0", "9.0+PTX"]))
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    m90 = kldiv_inline.load_sources(tiny_cuda_sources(src))
+    assert m90.__name__ != m.__name__  # other targets, other build
+    ninja_file = (Path(m90.__file__).parent / "build.ninja").read_text()
+    assert set(re.findall(r"-gencode=\S+", ninja_file)) == {"-gencode=arch=compute_90,code=sm_90"}
+
+
+# --------------------------------------------------------------------------------------- 7. concurrency
+def test_concurrent_builders_of_one_extension(tmp_path, cache):
+    src = tmp_path / "together.cpp"
+    src.write_text(capi_module("42"))
+    go = tmp_path / "go"
+    procs, readies = [], []
+    for i in range(2):
+        ready = tmp_path / f"ready{i}"
+        readies.append(ready)
+        procs.append(subprocess.Popen(child_cmd(tmp_path, [src]), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=child_env(KL_TEST_READY=ready, KL_TEST_GO=go)))
+    try:
+        deadline = time.monotonic() + 120
+        while not all(r.exists() for r in readies):
+            assert time.monotonic() < deadline, "children did not start"
+            assert all(p.poll() is None for p in procs), "a child exited early"
+            time.sleep(0.01)
+        go.touch()  # both call load_sources now
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, f"child failed:\n{out}\n{err[-4000:]}"
+    results = [child_result(out, err) for out, err in outs]
+    assert [r["value"] for r in results] == [42, 42]
+    # The lock serialised them: one built, the other found the finished build.
+    assert sorted(r["builds"] for r in results) == [0, 1]
+    assert len(build_dirs()) == 1
+
+
+# ------------------------------------------------------------------------------ 8. a killed build
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text.rsplit(")", 1)[1].split()
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _signal(pid: int, sig: int):
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find the builder's compiler processes")
+def test_killed_build_does_not_block_the_next(tmp_path, cache):
+    # pybind11 makes this build take seconds, long enough to kill it half way.
+    src = tmp_path / "killed.cpp"
+    src.write_text("#include <pybind11/pybind11.h>\nint v() { return 13; }\n"
+                   "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"value\", &v); }\n")
+    proc = subprocess.Popen(child_cmd(tmp_path, [src]), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=child_env())
+    try:
+        deadline = time.monotonic() + 120
+        while not list(cache.glob("killed_*/build.ninja")):  # written just before ninja starts
+            assert proc.poll() is None, f"the builder exited early:\n{proc.communicate()}"
+            assert time.monotonic() < deadline, "the builder never started ninja"
+            time.sleep(0.02)
+        time.sleep(1.0)
+        # Kill the builder and everything it started (ninja puts compilers in their own process groups, so
+        # killing the group would leave them running): stop them all, top down, so none starts another, then
+        # kill them.
+        victims: list[int] = []
+        while True:
+            new = [pid for pid in [proc.pid, *_descendants(proc.pid)] if pid not in victims]
+            if not new:
+                break
+            for pid in new:
+                _signal(pid, signal.SIGSTOP)
+            victims += new
+        for pid in victims:
+            _signal(pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    (build_dir,) = build_dirs()
+    assert not (build_dir / loader._BUILD_MARK).exists(), "the build finished before it was killed"
+
+    res = run_child(tmp_path, [src], timeout=180)  # a stale lock would hang here until the timeout
+    assert res["value"] == 13
+    assert res["builds"] == 1
+    assert (build_dir / loader._BUILD_MARK).exists()
+
+
+# ------------------------------------------------------------------------------------ 9. bad arguments
+def test_unknown_backend_raises_value_error(no_compiler_runs):
+    with pytest.raises(ValueError, match="metal"):
+        kldiv_inline.load("metal")
+    assert no_compiler_runs == []
+
+
+def test_bad_sources_raise(tmp_path, cache, no_compiler_runs):
+    with pytest.raises(ValueError):
+        kldiv_inline.load_sources([])
+    with pytest.raises(FileNotFoundError):
+        kldiv_inline.load_sources([tmp_path / "missing.cpp"])
+    (tmp_path / "x.h").write_text("")
+    with pytest.raises(ValueError, match="#include"):
+        kldiv_inline.load_sources([tmp_path / "x.h"])
+    (tmp_path / "x.cu").write_text("")
+    with pytest.raises(ValueError, match="cuda=False"):
+        kldiv_inline.load_sources([tmp_path / "x.cu"], cuda=False)
+    assert no_compiler_runs == []
