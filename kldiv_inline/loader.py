@@ -328,10 +328,12 @@ def _build(ext_name, build_dir: Path, cpp_srcs, cuda_srcs, texts, functions, cfl
     from torch.utils import cpp_extension
 
     build_dir.mkdir(parents=True, exist_ok=True)
-    # Only we build in this directory (we hold its flock), so a lock file left by a killed builder of an
-    # older torch (which used the file's existence as the lock) is stale: remove it.
-    with contextlib.suppress(FileNotFoundError):
-        (build_dir / "lock").unlink()
+    # Torch before 2.14 used the existence of <build>/lock as the lock, so a killed builder left it behind and
+    # every later build waited forever. Only we build in this directory (we hold its flock): such a file is
+    # stale. Torch 2.14+ locks the file with the OS instead (cpp_extension.FileLock); leave it alone there.
+    if not hasattr(cpp_extension, "FileLock"):
+        with contextlib.suppress(FileNotFoundError):
+            (build_dir / "lock").unlink()
     if ext_name in _FAILED:
         # pytorch#119206: the JIT versioner remembers the failed attempt and would skip the rebuild.
         cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(ext_name, None)

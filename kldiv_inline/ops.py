@@ -130,7 +130,10 @@ def _backward(ctx, grad_out, _grad_of_fused_grad):
     grad_out = grad_out.to(input.dtype)
     # The fused gradient is rescaled in place, once: a second backward (retain_graph=True) recomputes.
     # Under torch.compile the graph stays functional: the out-of-place kernel serves.
-    use_fused = (need_x and ctx.fused and not ctx.fused_used and not torch.compiler.is_compiling())
+    # Any tracing (Dynamo, or AOTAutograd alone as in opcheck, which passes tensor subclasses) takes the
+    # functional path too: an in-place update of a forward output cannot be partitioned.
+    use_fused = (need_x and ctx.fused and not ctx.fused_used and type(grad_out) is Tensor
+                 and not torch.compiler.is_compiling())
     if use_fused:
         ctx.fused_used = True
         gx, ctx.fused_grad = ctx.fused_grad, None
@@ -165,8 +168,14 @@ def _check(input, target, reduction: str, log_target) -> tuple[Tensor, Tensor, t
     if not isinstance(log_target, bool):
         raise TypeError(f"kl_div: log_target must be a bool, got {type(log_target).__name__}")
     if input.device != target.device:
-        raise ValueError(f"kl_div: input and target must be on the same device, got {input.device} and "
-                         f"{target.device}")
+        # As in PyTorch, a 0-d CPU tensor combines with a tensor on any device (it is a scalar).
+        if target.dim() == 0 and target.device.type == "cpu":
+            target = target.to(input.device)
+        elif input.dim() == 0 and input.device.type == "cpu":
+            input = input.to(target.device)
+        else:
+            raise ValueError(f"kl_div: input and target must be on the same device, got {input.device} and "
+                             f"{target.device}")
     if input.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(f"kl_div: no kernels for {input.device.type} tensors (cpu and cuda only)")
     try:
@@ -200,7 +209,8 @@ def _divisor(reduction: str, input: Tensor, shape: torch.Size) -> float:
 _FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
-def _kl(input: Tensor, target: Tensor, reduction: str, log_target: bool, from_probs: bool) -> Tensor:
+def _kl(input: Tensor, target: Tensor, reduction: str, log_target: bool, from_probs: bool,
+        warn_mean: bool = True) -> Tensor:
     # Fast path for the common valid inference call (one shape, one dtype, no autograd, eager): straight to
     # the kernels. A launch-bound call is dominated by host time, and every check here costs microseconds.
     # The kernels re-check devices and dtypes in C++; anything unusual takes the checked path below.
@@ -209,7 +219,7 @@ def _kl(input: Tensor, target: Tensor, reduction: str, log_target: bool, from_pr
             and reduction in _REDUCTION_SET
             and not (torch.is_grad_enabled() and (input.requires_grad or target.requires_grad))
             and not torch.compiler.is_compiling()):
-        if reduction == "mean":
+        if reduction == "mean" and warn_mean:
             warnings.warn(_MEAN_WARNING, stacklevel=3)
         if reduction == "none":
             reduce, divisor = False, 1.0
@@ -218,10 +228,14 @@ def _kl(input: Tensor, target: Tensor, reduction: str, log_target: bool, from_pr
         else:
             reduce, divisor = True, (1.0 if reduction == "sum" else float(input.numel()))
         mod = _MODULES.get("cuda" if input.is_cuda else "cpu") or _module(input.device)
-        return mod.kl_div_forward(input, target, reduce, divisor, log_target, from_probs, False)[0]
+        try:
+            return mod.kl_div_forward(input, target, reduce, divisor, log_target, from_probs, False)[0]
+        except RuntimeError:
+            _check(input, target, reduction, log_target)  # raises the same friendly error as the checked path
+            raise
 
     input, target, shape = _check(input, target, reduction, log_target)
-    if reduction == "mean":
+    if reduction == "mean" and warn_mean:
         warnings.warn(_MEAN_WARNING, stacklevel=3)
     reduce = reduction != "none"
     divisor = _divisor(reduction, input, shape) if reduce else 1.0
@@ -231,9 +245,10 @@ def _kl(input: Tensor, target: Tensor, reduction: str, log_target: bool, from_pr
                                                       False)
         return out
     # The forward writes the input's gradient when it can lay it out like the input: same shape as the
-    # broadcast, both operands contiguous (otherwise backward computes it).
+    # broadcast, both operands contiguous (otherwise backward computes it). A broadcast target is not dense
+    # over the broadcast shape (the CUDA kernel's fused path refuses it), hence target.shape == shape too.
     want_grad = bool(reduce and grad_enabled and input.requires_grad and input.shape == shape
-                     and input.is_contiguous() and target.is_contiguous())
+                     and target.shape == shape and input.is_contiguous() and target.is_contiguous())
     out, _ = _forward_op(input, target, reduce, divisor, log_target, from_probs, want_grad)
     return out
 
@@ -243,10 +258,20 @@ def kl_div(input: Tensor, target: Tensor, size_average=None, reduce=None, reduct
     """Drop-in for ``torch.nn.functional.kl_div``: ``input`` holds log-probabilities, ``target``
     probabilities (log-probabilities when ``log_target``). Reductions ``none|mean|sum|batchmean``."""
     if size_average is not None or reduce is not None:
-        from torch.nn import _reduction
-
-        reduction = _reduction.legacy_get_string(size_average, reduce)
+        return _legacy(input, target, size_average, reduce, reduction, log_target)
     return _kl(input, target, reduction, log_target, from_probs=False)
+
+
+def _legacy(input, target, size_average, reduce, reduction, log_target):
+    """F.kl_div's handling of the deprecated arguments, quirks included: they choose the reduction, no
+    'mean' warning is given, and reduction='batchmean' still divides the result by input.size(0)."""
+    from torch.nn import _reduction
+
+    out = _kl(input, target, _reduction.legacy_get_string(size_average, reduce), log_target, from_probs=False,
+              warn_mean=False)
+    if reduction == "batchmean" and input.dim() != 0:
+        out = out / input.size(0)
+    return out
 
 
 def kl_div_from_probs(predictions: Tensor, targets: Tensor, reduction: str = "batchmean",
@@ -270,7 +295,8 @@ class KLDivLoss(torch.nn.Module):
         self.reduction, self.log_target = reduction, log_target
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
-        return _kl(input, target, self.reduction, self.log_target, from_probs=False)
+        # torch.nn.KLDivLoss passes only reduction= to F.kl_div (legacy arguments were turned into it)
+        return kl_div(input, target, reduction=self.reduction, log_target=self.log_target)
 
     def extra_repr(self) -> str:
         return f"reduction={self.reduction!r}, log_target={self.log_target}"
