@@ -234,9 +234,12 @@ def _compiler_errors(log: str) -> list[str]:
     out = []
     wrappers = ("FAILED:", "ninja:", "Error building extension")  # ninja's and torch's lines, not the compiler's
     for i, line in enumerate(lines):
-        if re.search(r"\berror\b", line, re.IGNORECASE) and not line.startswith(wrappers):
+        if (re.search(r"\berror\b", line, re.IGNORECASE) and not line.startswith(wrappers)
+                and not re.search(r"errors? detected in the compilation of", line)):
             out.append(line)
-            out.extend(l for l in lines[i + 1:i + 3] if l.strip() and "error" not in l.lower())
+            # The compiler's context (the source line, a caret), not the next build command.
+            out.extend(l for l in lines[i + 1:i + 3]
+                       if l.strip() and "error" not in l.lower() and not re.match(r"\s*\[\d+/\d+\]", l))
     return out
 
 

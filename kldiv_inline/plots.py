@@ -6,15 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless: CI and GPU nodes have no display
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt  # without a display matplotlib picks the Agg backend by itself
+import pandas as pd
 
 PEER_ORDER = ["kldiv_inline", "torch_eager", "torch_compile", "liger"]
 COLORS = {"kldiv_inline": "tab:red", "torch_eager": "tab:blue", "torch_compile": "tab:green",
-          "liger": "tab:purple"}
+          "liger": "tab:purple", "v0_seed": "tab:gray", "v1_grid_stride": "tab:brown",
+          "v2_vectorized": "tab:olive", "v3_ratio_log": "tab:orange"}
 
 
 def load_bench(path: Path) -> pd.DataFrame:
