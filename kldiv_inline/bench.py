@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import statistics
 import sys
 import time
@@ -22,6 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .goals import goal_rows, goals_markdown
 from .ops import kl_div, kl_div_from_probs
 from .reference import kl_div_reference, probability_rows, relative_error
 
@@ -269,63 +271,6 @@ def sweep_cases(device: str) -> list[Case]:
             + [Case("logprobs", torch.bfloat16, b, 128256, ("fwd",)) for b in (64, 1024)])
 
 
-# The goals of issue 4: (name, pass, form, dtype, batch, features, timer, what, peer or None, bound).
-# "x_floor" goals: our time / floor <= bound. "speedup" goals: peer time / our time >= bound.
-GOALS = [
-    ("P1", "fwd", "probs", "float32", 16384, 16384, "cuda", "x_floor", None, 1.05),
-    ("P1", "fwd", "probs", "float32", 16384, 16384, "cuda", "speedup", "torch_eager", 5.0),
-    ("P1", "fwd", "probs", "float32", 16384, 16384, "cuda", "speedup", "torch_compile", 1.05),
-    ("P1", "fwd", "probs", "float32", 16384, 16384, "cuda", "rel_err", None, 1e-6),
-    ("P2", "fwd", "logprobs", "bfloat16", 4096, 128256, "cuda", "x_floor", None, 1.05),
-    ("P2", "fwd", "logprobs", "bfloat16", 4096, 128256, "cuda", "speedup", "liger", 1.10),
-    ("P3", "fwd+bwd", "probs", "float32", 16384, 16384, "cuda", "x_floor", None, 1.15),
-    ("P3", "fwd+bwd", "probs", "float32", 16384, 16384, "cuda", "speedup", "torch_compile", 1.5),
-    ("P4", "fwd", "probs", "float32", 128, 4096, "wall", "speedup", "torch_eager", 3.0),
-    ("P5", "fwd", "probs", "float32", 2048, 4096, "wall", "speedup", "torch_eager", 3.0),
-]
-
-
-def goal_rows(rows: list[dict]) -> list[dict]:
-    """Each goal of GOALS that this run measured, with its value and whether it is met."""
-    def find(impl, g):
-        for r in rows:
-            if (r["impl"], r["pass"], r["form"], r["dtype"], r["batch"], r["features"], r["timer"]) == \
-                    (impl, *g[1:7]) and r.get("status") == "ok":
-                return r
-        return None
-
-    out = []
-    for g in GOALS:
-        name, what, peer, bound = g[0], g[7], g[8], g[9]
-        ours = find("kldiv_inline", g)
-        if ours is None:
-            continue
-        if what == "x_floor":
-            value, ok, text = ours["x_floor"], ours["x_floor"] <= bound, f"time / floor <= {bound}"
-        elif what == "rel_err":
-            value, ok, text = ours["rel_err"], ours["rel_err"] <= bound, f"relative error <= {bound:g}"
-        else:
-            other = find(peer, g)
-            if other is None:
-                continue
-            value = other["median_ms"] / ours["median_ms"]
-            ok, text = value >= bound, f"{peer} time / ours >= {bound}"
-        out.append({"goal": name, "case": f"{g[1]} {g[2]} {g[3]} {g[4]}x{g[5]}", "target": text,
-                    "value": value, "ours_ms": ours["median_ms"], "met": bool(ok)})
-    return out
-
-
-def goals_markdown(goals: list[dict], env: dict) -> str:
-    lines = [f"Measured on {env.get('device_name')} (torch {env.get('torch')}, CUDA {env.get('cuda')}, "
-             f"commit {env.get('commit')}), `{env.get('command')}`, {env.get('date_utc')}.", "",
-             "| goal | case | target | measured | our median (ms) | met |", "| --- | --- | --- | --- | --- | --- |"]
-    for g in goals:
-        val = f"{g['value']:.2e}" if g["target"].startswith("relative") else f"{g['value']:.3f}"
-        lines.append(f"| {g['goal']} | {g['case']} | {g['target']} | {val} | {g['ours_ms']:.4f} | "
-                     f"{'yes' if g['met'] else 'NO'} |")
-    return "\n".join(lines) + "\n"
-
-
 def write_csv(rows: list[dict], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as fh:
@@ -368,9 +313,7 @@ def main(args) -> int:
         rows += run_case(case, device, read_gbps, variants, reps=reps, warmup=5, flush=flush)
     path = write_csv(rows, folder / "bench.csv")
     env_path = write_env(folder, device, {"read_gbps": round(read_gbps, 1), "copy_gbps": round(copy_gbps, 1)})
-    goals = goal_rows(rows)
-    import json
-
+    goals = goal_rows(rows, device)
     (folder / "goals.md").write_text(goals_markdown(goals, json.loads(env_path.read_text())))
     print(table(rows))
     for g in goals:

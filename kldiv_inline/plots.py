@@ -144,6 +144,21 @@ def plot_correctness(path: Path, ax=None, title: str = ""):
     return ax
 
 
+def write_goals(folder: Path) -> Path:
+    """folder/goals.md from folder/bench.csv and env.json (the verdicts on P1-P5 for that run)."""
+    import json
+
+    from .goals import goal_rows, goals_markdown
+
+    df = pd.read_csv(folder / "bench.csv")
+    rows = df.astype(object).where(df.notna(), None).to_dict("records")
+    env = json.loads((folder / "env.json").read_text()) if (folder / "env.json").exists() else {}
+    device = env.get("device") or ("cuda" if (df["device"] == "cuda").any() else "cpu")
+    path = folder / "goals.md"
+    path.write_text(goals_markdown(goal_rows(rows, device), env))
+    return path
+
+
 def plot_folder(folder: Path, out: Path | None = None) -> list[Path]:
     """Every PNG for one results/<device>/ folder."""
     out = out or folder
@@ -162,6 +177,7 @@ def plot_folder(folder: Path, out: Path | None = None) -> list[Path]:
     bench = folder / "bench.csv"
     if bench.exists():
         df = load_bench(bench)
+        write_goals(folder)
         read_gbps = None
         env = folder / "env.json"
         if env.exists():

@@ -41,12 +41,12 @@ def _fake_rows():
 
 
 def test_goals_are_evaluated_from_rows():
-    goals = {(g["goal"], g["target"]): g for g in bench.goal_rows(_fake_rows())}
+    goals = {(g["goal"], g["target"]): g for g in bench.goal_rows(_fake_rows(), "cuda")}
     assert goals[("P1", "time / floor <= 1.05")]["met"]
     assert goals[("P1", "torch_eager time / ours >= 5.0")]["value"] == pytest.approx(5.5)
     assert goals[("P1", "torch_compile time / ours >= 1.05")]["met"]
     slow = [dict(r, x_floor=1.2) if r["impl"] == "kldiv_inline" else r for r in _fake_rows()]
-    assert not {g["target"]: g for g in bench.goal_rows(slow)}["time / floor <= 1.05"]["met"]
+    assert not {g["target"]: g for g in bench.goal_rows(slow, "cuda")}["time / floor <= 1.05"]["met"]
 
 
 def test_plot_cli_draws_pngs_without_gpu(tmp_path):
