@@ -274,38 +274,10 @@ scale_kernel(T* __restrict__ grad, int64_t n, const T* __restrict__ grad_out) {
     grad[i] = static_cast<T>(static_cast<A>(grad[i]) * go);
 }
 
-// ------------------------------------------------------------------------------------------ dispatch
-// Calls f(form, logt) with the run-time flags turned into std::integral_constant arguments, so that the
-// lambda can read them as compile-time constants: `constexpr int FORM = decltype(form)::value;`.
-template <typename F>
-void dispatch_form(bool from_probs, bool log_target, F&& f) {
-  using Probs = std::integral_constant<int, FORM_PROBS>;
-  using LogP = std::integral_constant<int, FORM_LOGP>;
-  if (from_probs) {
-    if (log_target) f(Probs{}, std::true_type{});
-    else f(Probs{}, std::false_type{});
-  } else {
-    if (log_target) f(LogP{}, std::true_type{});
-    else f(LogP{}, std::false_type{});
-  }
-}
-
-struct Prepared {
-  at::Tensor x, t;
-  std::vector<int64_t> shape;
-  Geometry g;
-};
-
-Prepared prepare(const at::Tensor& input, const at::Tensor& target) {
-  check_operands(input, target);
+// -------------------------------------------------------------------------------------------- checks
+// The backend's own check; everything else is kldiv_plan.h's prepare().
+void check_device(const at::Tensor& input) {
   TORCH_CHECK(input.is_cuda(), "kldiv (cuda backend): expected CUDA tensors, got ", input.device());
-  Prepared p{input, target, broadcast_shape(input, target), {}};
-  if (!make_geometry(p.x, p.t, p.shape, p.g)) {  // too many dimensions to index: dense copies
-    p.x = input.expand(p.shape).contiguous();
-    p.t = target.expand(p.shape).contiguous();
-    TORCH_CHECK(make_geometry(p.x, p.t, p.shape, p.g), "kldiv: internal error planning the iteration");
-  }
-  return p;
 }
 
 }  // namespace
@@ -318,6 +290,7 @@ const char* kl_backend() { return "cuda"; }
 // See kldiv_bindings.cpp for the contract of each entry point.
 std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor& target, bool reduce,
                                        double divisor, bool log_target, bool from_probs, bool want_grad) {
+  check_device(input);
   Prepared p = prepare(input, target);
   const c10::cuda::CUDAGuard guard(input.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -385,19 +358,11 @@ std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor
 std::vector<at::Tensor> kl_div_backward(const at::Tensor& grad_out, const at::Tensor& input,
                                         const at::Tensor& target, bool reduce, double divisor, bool log_target,
                                         bool from_probs, bool want_input, bool want_target) {
+  check_device(input);
   Prepared p = prepare(input, target);
   const c10::cuda::CUDAGuard guard(input.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  TORCH_CHECK(grad_out.scalar_type() == input.scalar_type() && grad_out.device() == input.device(),
-              "kldiv: grad_output must match the input's dtype and device");
-  at::Tensor go;
-  if (reduce) {
-    TORCH_CHECK(grad_out.numel() == 1, "kldiv: a reduced loss takes a single grad_output value");
-    go = grad_out.reshape({1});
-  } else {
-    TORCH_CHECK(grad_out.sizes().vec() == p.shape, "kldiv: grad_output must have the broadcast shape");
-    go = grad_out.contiguous();
-  }
+  const at::Tensor go = prepare_grad_out(grad_out, input, reduce, p.shape);
   const auto opts = input.options();
   at::Tensor gx = want_input ? at::empty(p.shape, opts) : at::Tensor();
   at::Tensor gt = want_target ? at::empty(p.shape, opts) : at::Tensor();

@@ -163,35 +163,9 @@ void scale_in_place(T* grad, int64_t n, const T* grad_out) {
   for (int64_t i = 0; i < n; ++i) grad[i] = static_cast<T>(static_cast<A>(grad[i]) * go);
 }
 
-template <typename F>
-void dispatch_form(bool from_probs, bool log_target, F&& f) {
-  using Probs = std::integral_constant<int, FORM_PROBS>;
-  using LogP = std::integral_constant<int, FORM_LOGP>;
-  if (from_probs) {
-    if (log_target) f(Probs{}, std::true_type{});
-    else f(Probs{}, std::false_type{});
-  } else {
-    if (log_target) f(LogP{}, std::true_type{});
-    else f(LogP{}, std::false_type{});
-  }
-}
-
-struct Prepared {
-  at::Tensor x, t;
-  std::vector<int64_t> shape;
-  Geometry g;
-};
-
-Prepared prepare(const at::Tensor& input, const at::Tensor& target) {
-  check_operands(input, target);
+// The backend's own check; everything else is kldiv_plan.h's prepare().
+void check_device(const at::Tensor& input) {
   TORCH_CHECK(input.device().is_cpu(), "kldiv (cpu backend): expected CPU tensors, got ", input.device());
-  Prepared p{input, target, broadcast_shape(input, target), {}};
-  if (!make_geometry(p.x, p.t, p.shape, p.g)) {
-    p.x = input.expand(p.shape).contiguous();
-    p.t = target.expand(p.shape).contiguous();
-    TORCH_CHECK(make_geometry(p.x, p.t, p.shape, p.g), "kldiv: internal error planning the iteration");
-  }
-  return p;
 }
 
 }  // namespace
@@ -203,6 +177,7 @@ const char* kl_backend() { return "cpu"; }
 
 std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor& target, bool reduce,
                                        double divisor, bool log_target, bool from_probs, bool want_grad) {
+  check_device(input);
   Prepared p = prepare(input, target);
   const auto opts = input.options();
   at::Tensor grad;
@@ -238,17 +213,9 @@ std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor
 std::vector<at::Tensor> kl_div_backward(const at::Tensor& grad_out, const at::Tensor& input,
                                         const at::Tensor& target, bool reduce, double divisor, bool log_target,
                                         bool from_probs, bool want_input, bool want_target) {
+  check_device(input);
   Prepared p = prepare(input, target);
-  TORCH_CHECK(grad_out.scalar_type() == input.scalar_type() && grad_out.device() == input.device(),
-              "kldiv: grad_output must match the input's dtype and device");
-  at::Tensor go;
-  if (reduce) {
-    TORCH_CHECK(grad_out.numel() == 1, "kldiv: a reduced loss takes a single grad_output value");
-    go = grad_out.reshape({1});
-  } else {
-    TORCH_CHECK(grad_out.sizes().vec() == p.shape, "kldiv: grad_output must have the broadcast shape");
-    go = grad_out.contiguous();
-  }
+  const at::Tensor go = prepare_grad_out(grad_out, input, reduce, p.shape);
   const auto opts = input.options();
   at::Tensor gx = want_input ? at::empty(p.shape, opts) : at::Tensor();
   at::Tensor gt = want_target ? at::empty(p.shape, opts) : at::Tensor();

@@ -1,4 +1,5 @@
-// Host-side planning shared by both backends: broadcasting, dimension coalescing and argument checks.
+// Host-side planning shared by both backends: broadcasting, dimension coalescing, argument checks and
+// the dispatch of run-time flags to kernel templates.
 // The kernels iterate over the linear index of the broadcast shape (row-major); `Geometry` maps that index
 // to element offsets in each operand. Adjacent dimensions that are contiguous in both operands are merged,
 // so the common cases (same-shape contiguous, a broadcast row, a transposed view) stay cheap to index.
@@ -9,7 +10,10 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
+
+#include "kldiv_common.h"
 
 namespace kldiv {
 
@@ -94,6 +98,53 @@ void offsets(const Geometry& g, int64_t i, int64_t& ox, int64_t& ot) {
     ot += r * g.stride_t[d];
     i = q;
   }
+}
+
+// Calls f(form, logt) with the run-time flags turned into std::integral_constant arguments, so that a
+// generic lambda can read them as compile-time constants: `constexpr int FORM = decltype(form)::value;`.
+template <typename F>
+void dispatch_form(bool from_probs, bool log_target, F&& f) {
+  using Probs = std::integral_constant<int, FORM_PROBS>;
+  using LogP = std::integral_constant<int, FORM_LOGP>;
+  if (from_probs) {
+    if (log_target) f(Probs{}, std::true_type{});
+    else f(Probs{}, std::false_type{});
+  } else {
+    if (log_target) f(LogP{}, std::true_type{});
+    else f(LogP{}, std::false_type{});
+  }
+}
+
+// Both operands with their iteration geometry over the broadcast shape.
+struct Prepared {
+  at::Tensor x, t;
+  std::vector<int64_t> shape;
+  Geometry g;
+};
+
+// Checks the operands (the caller checks the device type) and plans the iteration.
+inline Prepared prepare(const at::Tensor& input, const at::Tensor& target) {
+  check_operands(input, target);
+  Prepared p{input, target, broadcast_shape(input, target), {}};
+  if (!make_geometry(p.x, p.t, p.shape, p.g)) {  // too many dimensions to index: dense copies
+    p.x = input.expand(p.shape).contiguous();
+    p.t = target.expand(p.shape).contiguous();
+    TORCH_CHECK(make_geometry(p.x, p.t, p.shape, p.g), "kldiv: internal error planning the iteration");
+  }
+  return p;
+}
+
+// grad_output as the backward kernels read it: one value (reduce) or the broadcast shape, contiguous.
+inline at::Tensor prepare_grad_out(const at::Tensor& grad_out, const at::Tensor& input, bool reduce,
+                                   const std::vector<int64_t>& shape) {
+  TORCH_CHECK(grad_out.scalar_type() == input.scalar_type() && grad_out.device() == input.device(),
+              "kldiv: grad_output must match the input's dtype and device");
+  if (reduce) {
+    TORCH_CHECK(grad_out.numel() == 1, "kldiv: a reduced loss takes a single grad_output value");
+    return grad_out.reshape({1});
+  }
+  TORCH_CHECK(grad_out.sizes().vec() == shape, "kldiv: grad_output must have the broadcast shape");
+  return grad_out.contiguous();
 }
 
 }  // namespace kldiv

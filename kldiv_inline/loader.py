@@ -201,8 +201,9 @@ def _cpu_fingerprint() -> str:
 
 
 def _with_line(path: Path, text: str) -> str:
-    # Escape backslashes for Windows-style paths; #line takes a C string.
-    return f'#line 1 "{str(path)}"\n{text}\n'
+    # #line takes a C string literal: escape backslashes and quotes in the path.
+    name = str(path).replace("\\", "\\\\").replace('"', '\\"')
+    return f'#line 1 "{name}"\n{text}\n'
 
 
 # -------------------------------------------------------------------------------------- build + load
