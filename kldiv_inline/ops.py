@@ -3,10 +3,13 @@
 ``kl_div`` has ``torch.nn.functional.kl_div``'s signature and semantics; ``kl_div_from_probs`` takes
 probabilities and takes their log inside the kernel (``F.kl_div(torch.log(p), t, ...)`` in one pass).
 
-Both go through three custom ops (``torch.ops.kldiv_inline.*``) so that ``torch.compile(fullgraph=True)``
-sees them without a graph break and ``torch.library.opcheck`` can test them. The arithmetic always runs in
-the kit's kernels (``kernels/``), never in PyTorch's kl_div or xlogy; only a broadcast input's gradient is
-summed back to its shape with ``sum_to_size``.
+Three paths reach the same kernels (``kernels/``), never PyTorch's kl_div or xlogy (only a broadcast
+operand's gradient is summed back to its shape with ``sum_to_size``):
+- eager, no autograd: the compiled module is called directly (a launch-bound call is mostly host time);
+- eager training: ``_EagerKLDiv``, a ``torch.autograd.Function`` with the backward rule below;
+- under ``torch.compile``: three registered custom ops (``torch.ops.kldiv_inline.*``) with fake
+  implementations and the same backward rule, so ``fullgraph=True`` has no graph break and
+  ``torch.library.opcheck`` can test them.
 
 Training with a reduced loss: when the input requires grad, the forward pass also writes d loss / d input
 (one write beyond the reads). Backward multiplies it in place by grad_output on the device, a kernel that

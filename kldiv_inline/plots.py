@@ -44,14 +44,19 @@ def sweep_frame(df: pd.DataFrame, pass_: str, form: str, dtype: str) -> pd.DataF
     return sel.sort_values("numel")
 
 
+def _per_impl(sel: pd.DataFrame):
+    """(impl, its rows by size) in the plotting order, one row per size."""
+    for impl in _impl_order(sel["impl"].unique()):
+        rows = sel[sel["impl"] == impl].groupby("mib_per_input", as_index=False).first()
+        if not rows.empty:
+            yield impl, rows
+
+
 def plot_time_vs_size(df: pd.DataFrame, pass_: str, form: str, dtype: str, ax=None, title: str = ""):
     """Median time against MiB per input, log-log, with 20-80% bands; the floor as a dashed line."""
     sel = sweep_frame(df, pass_, form, dtype)
     ax = ax or plt.subplots(figsize=(6.4, 4.2))[1]
-    for impl in _impl_order(sel["impl"].unique()):
-        s = sel[sel["impl"] == impl].groupby("mib_per_input", as_index=False).first()
-        if s.empty:
-            continue
+    for impl, s in _per_impl(sel):
         ax.plot(s["mib_per_input"], s["median_ms"], marker="o", ms=3, label=impl, color=COLORS.get(impl))
         ax.fill_between(s["mib_per_input"], s["q20_ms"], s["q80_ms"], alpha=0.2, color=COLORS.get(impl))
     floor = sel.groupby("mib_per_input", as_index=False)["floor_ms"].first()
@@ -71,10 +76,8 @@ def plot_bandwidth(df: pd.DataFrame, pass_: str, form: str, dtype: str, read_gbp
     """Achieved GB/s (bytes that must move / time) against size, with the measured read bandwidth."""
     sel = sweep_frame(df, pass_, form, dtype)
     ax = ax or plt.subplots(figsize=(6.4, 4.2))[1]
-    for impl in _impl_order(sel["impl"].unique()):
-        s = sel[sel["impl"] == impl].groupby("mib_per_input", as_index=False).first()
-        if not s.empty:
-            ax.plot(s["mib_per_input"], s["gbps"], marker="o", ms=3, label=impl, color=COLORS.get(impl))
+    for impl, s in _per_impl(sel):
+        ax.plot(s["mib_per_input"], s["gbps"], marker="o", ms=3, label=impl, color=COLORS.get(impl))
     if read_gbps:
         ax.axhline(read_gbps, color="k", ls="--", lw=1, label=f"measured read {read_gbps:.0f} GB/s")
     ax.set_xscale("log")
