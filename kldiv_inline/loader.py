@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -191,7 +192,9 @@ def _resolve_includes(path: Path, include_dirs: Sequence[Path], seen: dict[Path,
                 break
 
 
+@functools.lru_cache(maxsize=None)
 def _cpu_fingerprint() -> str:
+    """The host CPU, for builds with -march=native (whose code may not run on another CPU)."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("model name", "flags")):
@@ -300,7 +303,8 @@ def load_sources(
     fn_key = sorted(functions.items()) if isinstance(functions, Mapping) else functions
     for part in (repr(list(fn_key) if fn_key is not None else None),
                  repr(cflags), repr(cuda_cflags), repr(list(extra_ldflags)), repr(include_flags),
-                 torch.__version__, str(torch.version.cuda), sys.version, repr(archs), _cpu_fingerprint()):
+                 torch.__version__, str(torch.version.cuda), sys.version, repr(archs),
+                 _cpu_fingerprint() if any("native" in f for f in cflags) else ""):
         key.update(part.encode() + b"\0")
     digest = key.hexdigest()[:16]
     base = re.sub(r"\W", "_", name or srcs[0].stem)
