@@ -5,7 +5,8 @@ import pytest
 import torch
 
 # CUDA code compiles on CPU-only machines for the kit's default architecture.
-os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0") if not torch.cuda.is_available() else None
+if not torch.cuda.is_available():
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
 
 HAS_GPU = torch.cuda.is_available()
 

@@ -18,7 +18,6 @@ case $mode in
   results) PYTHON=python3 make results ;;
   notebooks)
     for nb in notebooks/0*.ipynb; do
-      python3 -m jupyter nbconvert --version >/dev/null 2>&1 || true
       python3 - "$nb" <<'PY'
 import sys, time, nbformat
 from nbclient import NotebookClient
