@@ -30,7 +30,7 @@ def cmd_check(args) -> int:
     from . import check
     from .envinfo import device_slug, write_env
 
-    device = _device(args.device)
+    device = args.device
     folder = Path(args.results) / device_slug(device)
     rows = list(check.run_checks(device))
     path = check.write_csv(rows, folder / "correctness.csv")
@@ -96,6 +96,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=30, help="timed calls per provider and case")
     p.set_defaults(func=cmd_results)
     args = parser.parse_args(argv)
+    if hasattr(args, "device"):
+        args.device = _device(args.device)  # every command sees the resolved device, "cuda" or "cpu"
     return args.func(args)
 
 

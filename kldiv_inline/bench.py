@@ -10,7 +10,6 @@ On a machine without a GPU the same harness times the CPU twin with a wall clock
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import statistics
@@ -23,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from . import check
 from .goals import goal_rows, goals_markdown
 from .ops import kl_div, kl_div_from_probs
 from .reference import kl_div_reference, probability_rows, relative_error
@@ -272,12 +272,7 @@ def sweep_cases(device: str) -> list[Case]:
 
 
 def write_csv(rows: list[dict], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    return path
+    return check.write_csv(rows, path, columns=COLUMNS)
 
 
 def table(rows: list[dict]) -> str:
@@ -296,7 +291,7 @@ def main(args) -> int:
     from .envinfo import device_slug, write_env
     from .variants import variant_names
 
-    device = "cuda" if (getattr(args, "device", "auto") in ("auto", "cuda") and torch.cuda.is_available()) else "cpu"
+    device = args.device  # resolved by the CLI: "cuda" or "cpu"
     folder = Path(args.results) / device_slug(device)
     read_gbps, copy_gbps = read_bandwidth_gbps(device)
     print(f"{device}: read {read_gbps:.0f} GB/s, copy {copy_gbps:.0f} GB/s", file=sys.stderr)

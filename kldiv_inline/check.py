@@ -118,10 +118,11 @@ def run_checks(device: str, dtypes=DTYPES, cases=CASES) -> Iterator[dict]:
         }
 
 
-def write_csv(rows: list[dict], path: Path) -> Path:
+def write_csv(rows: list[dict], path: Path, columns: list[str] | None = None) -> Path:
+    """Rows as CSV; ``columns`` fixes the header (keys outside it are dropped), else the first row's keys."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w = csv.DictWriter(fh, fieldnames=columns or list(rows[0]), extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     return path

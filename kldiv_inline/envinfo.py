@@ -15,10 +15,6 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def best_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -252,12 +252,8 @@ def _kl(input: Tensor, target: Tensor, reduction: str, log_target: bool, from_pr
             and not torch.compiler.is_compiling()):
         if reduction == "mean" and warn_mean:
             warnings.warn(_MEAN_WARNING, stacklevel=3)
-        if reduction == "none":
-            reduce, divisor = False, 1.0
-        elif reduction == "batchmean":
-            reduce, divisor = True, float(input.shape[0]) if input.dim() > 0 else 1.0
-        else:
-            reduce, divisor = True, (1.0 if reduction == "sum" else float(input.numel()))
+        reduce = reduction != "none"
+        divisor = _divisor(reduction, input, input.shape) if reduce else 1.0
         mod = _MODULES.get("cuda" if input.is_cuda else "cpu") or _module(input.device)
         try:
             return mod.kl_div_forward(input, target, reduce, divisor, log_target, from_probs, False)[0]
