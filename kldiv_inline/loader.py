@@ -41,6 +41,7 @@ __all__ = [
     "cache_root",
     "cuda_arch_list",
     "DEFAULT_CUDA_ARCH",
+    "KIT_EXTENSIONS",
 ]
 
 # Compiled for when no GPU is visible and TORCH_CUDA_ARCH_LIST is unset (CI): Hopper, the kit's target.
@@ -381,21 +382,30 @@ def _build(ext_name, build_dir: Path, cpp_srcs, cuda_srcs, texts, functions, cfl
 
 
 # ------------------------------------------------------------------------------------ the kit's own
-def _kit_sources(backend: str, kernels_dir: Path) -> list[Path]:
-    if backend == "cuda":
-        return [kernels_dir / "kldiv.cu", kernels_dir / "kldiv_bindings.cpp"]
-    return [kernels_dir / "kldiv_cpu.cpp", kernels_dir / "kldiv_bindings.cpp"]
+# The kit's extensions: name -> backend -> its source files under kernels/. Each is its own module (its own
+# build and cache entry), so editing one kernel family does not recompile the others.
+KIT_EXTENSIONS: dict[str, dict[str, tuple[str, ...]]] = {
+    # the KL-divergence op (kldiv_inline.ops)
+    "kldiv": {"cuda": ("kldiv.cu", "kldiv_bindings.cpp"), "cpu": ("kldiv_cpu.cpp", "kldiv_bindings.cpp")},
+    # divergences of logits for distillation (kldiv_inline.distill)
+    "distill": {"cuda": ("distill.cu", "distill_bindings.cpp"), "cpu": ("distill_cpu.cpp", "distill_bindings.cpp")},
+}
 
 
-def load(backend: str = "cuda", *, kernels_dir: str | os.PathLike | None = None, verbose: bool = False):
+def load(backend: str = "cuda", *, kernels_dir: str | os.PathLike | None = None, verbose: bool = False,
+         extension: str = "kldiv"):
     """The kit's compiled kernels for ``backend`` ("cuda" or "cpu"), built from ``kernels/`` on first use.
 
-    Both backends export the same functions (see ``kernels/kldiv_bindings.cpp``). ``load("cuda")`` builds
-    CUDA code (it needs nvcc, not a GPU) and never falls back to the CPU module.
+    ``extension`` picks one of the kit's modules (``KIT_EXTENSIONS``): "kldiv" (the KL op, see
+    ``kernels/kldiv_bindings.cpp``) or "distill" (divergences of logits, ``kernels/distill_bindings.cpp``).
+    Both backends of a module export the same functions. ``load("cuda")`` builds CUDA code (it needs nvcc,
+    not a GPU) and never falls back to the CPU module.
     """
     if backend not in ("cuda", "cpu"):
         raise ValueError(f"backend must be 'cuda' or 'cpu', got {backend!r}")
+    if extension not in KIT_EXTENSIONS:
+        raise ValueError(f"extension must be one of {sorted(KIT_EXTENSIONS)}, got {extension!r}")
     kdir = Path(kernels_dir).resolve() if kernels_dir is not None else kernels_root()
     extra = {} if backend == "cuda" else {"extra_cflags": _KIT_CPU_CFLAGS, "extra_ldflags": ["-fopenmp"]}
-    return load_sources(_kit_sources(backend, kdir), name=f"kldiv_{backend}", cuda=backend == "cuda",
-                        verbose=verbose, **extra)
+    return load_sources([kdir / f for f in KIT_EXTENSIONS[extension][backend]], name=f"{extension}_{backend}",
+                        cuda=backend == "cuda", verbose=verbose, **extra)
