@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -67,7 +68,8 @@ template <typename T, typename A> struct Params {
   const int64_t* labels;  // null: no mask
   int64_t ignore_index;
   int64_t n, v, slice;  // slice: entries per block (a multiple of kSliceAlign)
-  A inv_t;
+  A k2;     // log2(e) / T: logits to base-2 exponents
+  A inv_t;  // 1 / T: the gradients' factor
   RowConst<A> c;
   T* gs;  // student gradient rows (stride gs_stride), null if not written by this launch
   int64_t gs_stride;
@@ -165,10 +167,10 @@ __device__ __forceinline__ void cluster_norms(cg::cluster_group& cluster, const 
         for (int r = 0; r < ranks; ++r) {
           const A m = *cluster.map_shared_rank(slot + 2 * w, r);
           const A s = *cluster.map_shared_rank(slot + 2 * w + 1, r);
-          if (s != A(0) || s != s) z += s * d_exp(m - g);
+          if (s != A(0) || s != s) z += s * d_exp2(m - g);
         }
       bcast[2 * w] = g;
-      bcast[2 * w + 1] = d_log(z);
+      bcast[2 * w + 1] = d_log2(z);
     }
   }
   __syncthreads();
@@ -286,7 +288,7 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
     __syncthreads();
   }
   const bool al = aligned16(xs) && (!TWO || aligned16(xt));
-  const A inv_t = p.inv_t;
+  const A k2 = p.k2;
 
   // ---- 1. the normalisers of both rows
   Norm<A> norm[2];
@@ -296,8 +298,8 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
 #pragma unroll
       for (int q = 0; q < N; ++q)
         if (q < valid) {
-          mx[0] = fmax(mx[0], static_cast<A>(vs.v[q]) * inv_t);
-          if (TWO) mx[1] = fmax(mx[1], static_cast<A>(vt.v[q]) * inv_t);
+          mx[0] = fmax(mx[0], static_cast<A>(vs.v[q]) * k2);
+          if (TWO) mx[1] = fmax(mx[1], static_cast<A>(vt.v[q]) * k2);
         }
     });
     mx[0] = block_max(mx[0], scratch);
@@ -308,8 +310,8 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
 #pragma unroll
       for (int q = 0; q < N; ++q)
         if (q < valid) {
-          sm[0] += d_exp(static_cast<A>(vs.v[q]) * inv_t - m0);
-          if (TWO) sm[1] += d_exp(static_cast<A>(vt.v[q]) * inv_t - m1);
+          sm[0] += d_exp2(static_cast<A>(vs.v[q]) * k2 - m0);
+          if (TWO) sm[1] += d_exp2(static_cast<A>(vt.v[q]) * k2 - m1);
         }
     });
     block_sum<2>(sm, scratch);
@@ -330,9 +332,8 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
     norm[1] = Norm<A>{nr[2], nr[3]};
   }
   const RowNorms<A> rn = row_norms(norm[0], norm[1]);
-  // log p_s of an entry of this block's slice (top-k teacher)
-  auto log_ps = [&](T x) { return (static_cast<A>(x) * inv_t - norm[0].mx) - norm[0].lz; };
-  const A scale = static_cast<A>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(inv_t));
+  auto log2_ps = [&](T x) { return log2_prob(static_cast<A>(x), k2, norm[0]); };  // top-k teacher
+  const A scale = static_cast<A>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(p.inv_t));
 
   if constexpr (TOPK) {
     // ---- 2'. a top-k teacher: buckets are the k tokens and the tail (see distill_cpu.cpp's row_topk).
@@ -360,14 +361,14 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
       q_sum += d_exp(lp[j]);
       const int64_t x = idx[j];
       if (x >= lo && x < lo + count) {
-        const A ls = log_ps(xs[x - lo]);
-        point_terms<MODE, LOWP>(bucket_point(d_exp(ls), ls, d_exp(lp[j]), lp[j]), p.c, acc);
+        const A ls2 = log2_ps(xs[x - lo]);
+        point_terms<MODE, LOWP>(bucket_point(d_exp2(ls2), ls2 * A(kLn2), d_exp(lp[j]), lp[j]), p.c, acc);
       }
     }
     v[0] = acc.loss;
     v[1] = acc.ks;
     for (int64_t j = threadIdx.x; j < count; j += blockDim.x)
-      if (!((bits[j >> 5] >> (j & 31)) & 1u)) v[2] += d_exp(log_ps(xs[j]));
+      if (!((bits[j >> 5] >> (j & 31)) & 1u)) v[2] += d_exp2(log2_ps(xs[j]));
     A qs[1] = {q_sum};
     block_sum<1>(qs, scratch);  // every block sums all k: the same value everywhere
     block_sum<4>(v, scratch);
@@ -392,16 +393,17 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
         Vec<T> g;
 #pragma unroll
         for (int q = 0; q < N; ++q)
-          g.v[q] = static_cast<T>(d_exp(log_ps(vs.v[q])) * tail_coef * scale);
+          g.v[q] = static_cast<T>(d_exp2(log2_ps(vs.v[q])) * tail_coef * scale);
         store_chunk(gs + j0, g, valid, ga);
       });
       __syncthreads();  // the members' own gradients overwrite the tail formula written above
       for (int64_t j = threadIdx.x; j < p.k; j += blockDim.x) {
         const int64_t x = idx[j];
         if (x >= lo && x < lo + count) {
-          const A ls = log_ps(xs[x - lo]);
+          const A ls2 = log2_ps(xs[x - lo]);
           gs[x - lo] = static_cast<T>(
-              student_grad<MODE, LOWP>(bucket_point(d_exp(ls), ls, d_exp(lp[j]), lp[j]), p.c, ks) * scale);
+              student_grad<MODE, LOWP>(bucket_point(d_exp2(ls2), ls2 * A(kLn2), d_exp(lp[j]), lp[j]), p.c, ks) *
+              scale);
         }
       }
     }
@@ -422,7 +424,7 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
         Vec<T> g, h;
 #pragma unroll
         for (int q = 0; q < N; ++q) {
-          const Point<A> e = make_point(static_cast<A>(vs.v[q]), static_cast<A>(vt.v[q]), inv_t, rn);
+          const Point<A> e = make_point(static_cast<A>(vs.v[q]), static_cast<A>(vt.v[q]), k2, rn);
           if (q < valid) point_terms<MODE, LOWP>(e, p.c, acc);
           if (gs_in_terms) g.v[q] = static_cast<T>(student_grad<MODE, LOWP>(e, p.c, A(0)) * scale);
           if (gt_in_terms) h.v[q] = static_cast<T>(teacher_grad<MODE, LOWP>(e, p.c, A(0)) * scale);
@@ -454,7 +456,7 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
         Vec<T> g, h;
 #pragma unroll
         for (int q = 0; q < N; ++q) {
-          const Point<A> e = make_point(static_cast<A>(vs.v[q]), static_cast<A>(vt.v[q]), inv_t, rn);
+          const Point<A> e = make_point(static_cast<A>(vs.v[q]), static_cast<A>(vt.v[q]), k2, rn);
           if (gs_later) g.v[q] = static_cast<T>(student_grad<MODE, LOWP>(e, p.c, ks) * scale);
           if (gt_later) h.v[q] = static_cast<T>(teacher_grad<MODE, LOWP>(e, p.c, kt) * scale);
         }
@@ -529,10 +531,14 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // passes for rows longer than a cluster of 16 can hold.
 Launch plan_launch(int64_t v, size_t entry_bytes, bool topk) {
   Launch l;
+  // A research knob: KLDIV_DISTILL_SMEM_KIB sets the shared-memory target per block (so the cluster size) for
+  // tuning runs; unset, the target above.
+  size_t target = kSmemTarget;
+  if (const char* env = std::getenv("KLDIV_DISTILL_SMEM_KIB")) target = static_cast<size_t>(std::atoi(env)) * 1024;
   auto bytes = [&](int64_t slice) {
     return static_cast<size_t>(slice) * entry_bytes + (topk ? static_cast<size_t>((slice + 31) / 32) * 4 : 0);
   };
-  for (size_t budget : {kSmemTarget, kSmemMax}) {
+  for (size_t budget : {target, kSmemMax}) {
     for (int c : {1, 2, 4, 8, 16}) {
       const int64_t slice = round_up((v + c - 1) / c, kSliceAlign);
       if (bytes(slice) <= budget) {
@@ -540,6 +546,7 @@ Launch plan_launch(int64_t v, size_t entry_bytes, bool topk) {
         l.slice = slice;
         l.smem = bytes(slice);
         l.threads = slice >= 8192 ? 512 : slice >= 2048 ? 256 : 128;
+        if (const char* env = std::getenv("KLDIV_DISTILL_THREADS")) l.threads = std::atoi(env);  // research knob
         return l;
       }
     }
@@ -608,6 +615,7 @@ Params<T, A> base_params(const Rows& r, int64_t ignore_index, double beta, doubl
   p.v = r.v;
   p.slice = l.slice;
   p.inv_t = static_cast<A>(1.0 / temperature);
+  p.k2 = static_cast<A>(kLog2e / temperature);
   p.c = row_const<A>(beta);
   p.use_smem = l.use_smem;
   p.phase = -1;

@@ -50,6 +50,24 @@ template <bool LOWP> DS_HD float d_log_p(float v) {
 }
 template <bool LOWP> DS_HD double d_log_p(double v) { return d_log(v); }
 
+// Probabilities are formed in base 2 (x * log2(e) / T is one multiply per logit, and 2^x is one instruction on
+// the GPU: its ex2.approx has a relative error near 2^-22, far below what the loss needs; results below 2^-126
+// flush to 0). The host keeps the accurate exp2. Normalisers are base-2 too; losses and u are natural.
+constexpr double kLn2 = 0.693147180559945309417232121458176568;
+constexpr double kLog2e = 1.442695040888963407359924681001892137;
+DS_HD float d_exp2(float v) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(v));
+  return y;
+#else
+  return exp2f(v);
+#endif
+}
+DS_HD double d_exp2(double v) { return exp2(v); }
+DS_HD float d_log2(float v) { return log2f(v); }
+DS_HD double d_log2(double v) { return log2(v); }
+
 // log(exp(x) + exp(y)) without overflow; -inf when both are -inf.
 template <typename A> DS_HD A log_add_exp(A x, A y) {
   const A hi = x > y ? x : y, lo = x > y ? y : x;
@@ -193,9 +211,9 @@ template <int MODE, bool LOWP, typename A> DS_HD A teacher_grad(const Point<A>& 
   return c.beta * e.pt * (ut - kt);
 }
 
-// A row's softmax normaliser of x / T, kept as (max, log of the sum of exp(x / T - max)): log-probabilities are
-// formed as (x / T - max) - lz, exact near the maximum whatever the logits' offset (one combined logsumexp
-// would be rounded at the offset: 1e-3 at logits of 1e4 in float32).
+// A row's softmax normaliser, in base 2: with a2 = x log2(e) / T, mx = max a2 and lz = log2 of the sum of
+// 2^(a2 - mx). Log-probabilities are formed as (a2 - mx) - lz, exact near the maximum whatever the logits'
+// offset (one combined logsumexp would be rounded at the offset: 1e-3 at logits of 1e4 in float32).
 template <typename A> struct Norm {
   A mx, lz;
 };
@@ -217,19 +235,24 @@ template <typename A> DS_HD RowNorms<A> row_norms(Norm<A> s, Norm<A> t) {
   return r;
 }
 
-// The point of an entry from its logits xs, xt (not yet divided by T) and the rows' normalisers.
+// log2 p of a logit x (not yet scaled; k2 = log2(e) / T) under a row's normaliser.
+template <typename A> DS_HD A log2_prob(A x, A k2, const Norm<A>& n) { return (x * k2 - n.mx) - n.lz; }
+
+// The point of an entry from its logits xs, xt (not yet scaled; k2 = log2(e) / T) and the rows' normalisers.
 // d = lt - ls two ways: where the rows share an offset (close maxima), from the logits' difference first,
-// (xt - xs) / T - dmx - dlz: exact for 16-bit logits and keeping u's digits where the distributions nearly
+// (xt - xs) k2 - dmx - dlz: exact for 16-bit logits and keeping u's digits where the distributions nearly
 // agree; otherwise from each row's shifted logit, (b - mt) - (a - ms) - dlz: exact near each maximum, where
 // the mass is.
-template <typename A> DS_HD Point<A> make_point(A xs, A xt, A inv_t, const RowNorms<A>& r) {
+template <typename A> DS_HD Point<A> make_point(A xs, A xt, A k2, const RowNorms<A>& r) {
   Point<A> e;
-  const A as = xs * inv_t - r.s.mx, at = xt * inv_t - r.t.mx;  // shifted scaled logits
-  e.ls = as - r.s.lz;
-  e.lt = at - r.t.lz;
-  e.ps = d_exp(e.ls);
-  e.pt = d_exp(e.lt);
-  e.d = r.close ? ((xt - xs) * inv_t - r.dmx) - r.dlz : (at - as) - r.dlz;
+  const A as = xs * k2 - r.s.mx, at = xt * k2 - r.t.mx;  // shifted scaled logits, base 2
+  const A ls2 = as - r.s.lz, lt2 = at - r.t.lz;
+  const A d2 = r.close ? ((xt - xs) * k2 - r.dmx) - r.dlz : (at - as) - r.dlz;
+  e.ps = d_exp2(ls2);
+  e.pt = d_exp2(lt2);
+  e.ls = ls2 * A(kLn2);
+  e.lt = lt2 * A(kLn2);
+  e.d = d2 * A(kLn2);
   return e;
 }
 

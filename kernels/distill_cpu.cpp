@@ -35,28 +35,28 @@ inline bool row_masked(const Args& a, int64_t i) {
   return a.r.labels.defined() && a.r.labels.data_ptr<int64_t>()[i] == a.ignore_index;
 }
 
-// The normaliser of x / T over a row: its max and the log of the sum of exp(x / T - max). NaN anywhere gives
-// NaN (as PyTorch's log_softmax); a row of -inf has no mass (lz = -inf).
-template <typename T, typename A> Norm<A> row_norm(const T* x, int64_t v, A inv_t) {
+// The normaliser of a row (distill_common.h's Norm; k2 = log2(e) / T). NaN anywhere gives NaN (as PyTorch's
+// log_softmax); a row of -inf has no mass (lz = -inf).
+template <typename T, typename A> Norm<A> row_norm(const T* x, int64_t v, A k2) {
   A mx = ninf<A>();
   for (int64_t j = 0; j < v; ++j) {
-    const A a = static_cast<A>(x[j]) * inv_t;
+    const A a = static_cast<A>(x[j]) * k2;
     if (a > mx || a != a) mx = a;
     if (mx != mx) return {mx, mx};
   }
   const A shift = mx == ninf<A>() ? A(0) : mx;  // a +inf maximum turns the sum into NaN below
   double sum = 0.0;
-  for (int64_t j = 0; j < v; ++j) sum += static_cast<double>(d_exp(static_cast<A>(x[j]) * inv_t - shift));
-  return {mx, d_log(static_cast<A>(sum))};
+  for (int64_t j = 0; j < v; ++j) sum += static_cast<double>(d_exp2(static_cast<A>(x[j]) * k2 - shift));
+  return {mx, d_log2(static_cast<A>(sum))};
 }
 
 // Loss and gradient sums of a row given both log-normalisers.
 template <typename T, int MODE, typename A>
-Terms<double> row_terms(const T* s, const T* t, int64_t v, A inv_t, const RowNorms<A>& rn, const RowConst<A>& c) {
+Terms<double> row_terms(const T* s, const T* t, int64_t v, A k2, const RowNorms<A>& rn, const RowConst<A>& c) {
   Terms<double> acc{0.0, 0.0, 0.0};
   for (int64_t j = 0; j < v; ++j) {
     Terms<A> e{A(0), A(0), A(0)};
-    point_terms<MODE, false>(make_point(static_cast<A>(s[j]), static_cast<A>(t[j]), inv_t, rn), c, e);
+    point_terms<MODE, false>(make_point(static_cast<A>(s[j]), static_cast<A>(t[j]), k2, rn), c, e);
     acc.loss += e.loss;
     acc.ks += e.ks;
     acc.kt += e.kt;
@@ -66,10 +66,10 @@ Terms<double> row_terms(const T* s, const T* t, int64_t v, A inv_t, const RowNor
 
 // Gradients of a row (already scaled by `scale`, i.e. the reduction's divisor and 1/T); either output may be null.
 template <typename T, int MODE, typename A>
-void row_grad(const T* s, const T* t, int64_t v, A inv_t, const RowNorms<A>& rn, const RowConst<A>& c, A ks, A kt,
+void row_grad(const T* s, const T* t, int64_t v, A k2, const RowNorms<A>& rn, const RowConst<A>& c, A ks, A kt,
               A scale, T* gs, T* gt) {
   for (int64_t j = 0; j < v; ++j) {
-    const Point<A> e = make_point(static_cast<A>(s[j]), static_cast<A>(t[j]), inv_t, rn);
+    const Point<A> e = make_point(static_cast<A>(s[j]), static_cast<A>(t[j]), k2, rn);
     if (gs) gs[j] = static_cast<T>(student_grad<MODE, false>(e, c, ks) * scale);
     if (gt) gt[j] = static_cast<T>(teacher_grad<MODE, false>(e, c, kt) * scale);
   }
@@ -78,10 +78,10 @@ void row_grad(const T* s, const T* t, int64_t v, A inv_t, const RowNorms<A>& rn,
 // A top-k row: the k tokens and the tail (the rest of the vocabulary) as buckets. Members are marked in `mark` (scratch of v bytes);
 // a duplicate or out-of-range index makes the row's loss NaN (the Python layer rejects them first).
 template <typename T, int MODE, typename A>
-A row_topk(const T* s, int64_t v, const int64_t* idx, const A* lp, int64_t k, A inv_t, const RowConst<A>& c,
+A row_topk(const T* s, int64_t v, const int64_t* idx, const A* lp, int64_t k, A k2, const RowConst<A>& c,
            A scale, T* gs, std::vector<unsigned char>& mark) {
-  const Norm<A> ns = row_norm<T, A>(s, v, inv_t);
-  auto log_p = [&](int64_t j) { return (static_cast<A>(s[j]) * inv_t - ns.mx) - ns.lz; };
+  const Norm<A> ns = row_norm<T, A>(s, v, k2);
+  auto log2_p = [&](int64_t j) { return log2_prob(static_cast<A>(s[j]), k2, ns); };
   mark.assign(v, 0);
   bool bad = false;
   double q_sum = 0.0;
@@ -101,14 +101,14 @@ A row_topk(const T* s, int64_t v, const int64_t* idx, const A* lp, int64_t k, A 
   }
   double p_tail = 0.0;
   for (int64_t j = 0; j < v; ++j)
-    if (!mark[j]) p_tail += static_cast<double>(d_exp(log_p(j)));
+    if (!mark[j]) p_tail += static_cast<double>(d_exp2(log2_p(j)));
   const A q_tail = static_cast<A>(std::max(0.0, 1.0 - q_sum));
   const Point<A> tail = bucket_point(static_cast<A>(p_tail), d_log(static_cast<A>(p_tail)), q_tail, d_log(q_tail));
   Terms<A> acc{A(0), A(0), A(0)};
   double loss = 0.0, ks = 0.0;
   auto member = [&](int64_t j) {
-    const A ls = log_p(idx[j]);
-    return bucket_point(d_exp(ls), ls, d_exp(lp[j]), lp[j]);
+    const A ls2 = log2_p(idx[j]);
+    return bucket_point(d_exp2(ls2), ls2 * A(kLn2), d_exp(lp[j]), lp[j]);
   };
   // k == v: no token is left for a tail (the teacher's 1 - sum exp(logprobs) is then only its rounding).
   const int64_t buckets = k < v ? k + 1 : k;
@@ -122,7 +122,7 @@ A row_topk(const T* s, int64_t v, const int64_t* idx, const A* lp, int64_t k, A 
     // Tail entries share their bucket's gradient in proportion to their probability.
     const A tail_coef = tail.ps > A(0) ? student_grad<MODE, false>(tail, c, static_cast<A>(ks)) / tail.ps : A(0);
     for (int64_t j = 0; j < v; ++j)
-      if (!mark[j]) gs[j] = static_cast<T>(d_exp(log_p(j)) * tail_coef * scale);
+      if (!mark[j]) gs[j] = static_cast<T>(d_exp2(log2_p(j)) * tail_coef * scale);
     for (int64_t j = 0; j < k; ++j)
       gs[idx[j]] = static_cast<T>(student_grad<MODE, false>(member(j), c, static_cast<A>(ks)) * scale);
   }
@@ -135,7 +135,7 @@ void forward_rows(const Args& a, double inv_div, at::Tensor& rows_loss, at::Tens
   using A = typename AccOf<T>::type;
   const Rows& r = a.r;
   const RowConst<A> c = row_const<A>(a.beta);
-  const A inv_t = static_cast<A>(a.inv_t), scale = static_cast<A>(inv_div * a.inv_t);
+  const A k2 = static_cast<A>(a.inv_t * kLog2e), scale = static_cast<A>(inv_div * a.inv_t);
   A* out = rows_loss.data_ptr<A>();
 #pragma omp parallel if (r.n * r.v >= kParallelMin)
   {
@@ -153,15 +153,15 @@ void forward_rows(const Args& a, double inv_div, at::Tensor& rows_loss, at::Tens
       }
       if (r.topk()) {
         out[i] = row_topk<T, MODE, A>(s, r.v, r.idx.data_ptr<int64_t>() + i * r.k, r.lp.data_ptr<A>() + i * r.k,
-                                      r.k, inv_t, c, scale, gsi, mark);
+                                      r.k, k2, c, scale, gsi, mark);
         continue;
       }
       const T* t = r.t.data_ptr<T>() + i * r.t.stride(0);
-      const RowNorms<A> rn = row_norms(row_norm<T, A>(s, r.v, inv_t), row_norm<T, A>(t, r.v, inv_t));
-      const Terms<double> sums = row_terms<T, MODE, A>(s, t, r.v, inv_t, rn, c);
+      const RowNorms<A> rn = row_norms(row_norm<T, A>(s, r.v, k2), row_norm<T, A>(t, r.v, k2));
+      const Terms<double> sums = row_terms<T, MODE, A>(s, t, r.v, k2, rn, c);
       out[i] = static_cast<A>(sums.loss);
       if (gsi || gti)
-        row_grad<T, MODE, A>(s, t, r.v, inv_t, rn, c, static_cast<A>(sums.ks), static_cast<A>(sums.kt), scale, gsi,
+        row_grad<T, MODE, A>(s, t, r.v, k2, rn, c, static_cast<A>(sums.ks), static_cast<A>(sums.kt), scale, gsi,
                              gti);
     }
   }
@@ -174,7 +174,7 @@ void phase_rows(const Args& a, int64_t phase, const at::Tensor& norms, const at:
   using A = typename AccOf<T>::type;
   const Rows& r = a.r;
   const RowConst<A> c = row_const<A>(a.beta);
-  const A inv_t = static_cast<A>(a.inv_t), sc = static_cast<A>(scale_v * a.inv_t);
+  const A k2 = static_cast<A>(a.inv_t * kLog2e), sc = static_cast<A>(scale_v * a.inv_t);
 #pragma omp parallel for schedule(static) if (r.n * r.v >= kParallelMin)
   for (int64_t i = 0; i < r.n; ++i) {
     const T* s = r.s.data_ptr<T>() + i * r.s.stride(0);
@@ -183,8 +183,8 @@ void phase_rows(const Args& a, int64_t phase, const at::Tensor& norms, const at:
     T* gti = gt.defined() ? gt.data_ptr<T>() + i * r.v : nullptr;
     const bool masked = row_masked(a, i);
     if (phase == PHASE_NORMS) {
-      const Norm<A> ns = masked ? Norm<A>{ninf<A>(), ninf<A>()} : row_norm<T, A>(s, r.v, inv_t);
-      const Norm<A> nt = masked ? Norm<A>{ninf<A>(), ninf<A>()} : row_norm<T, A>(t, r.v, inv_t);
+      const Norm<A> ns = masked ? Norm<A>{ninf<A>(), ninf<A>()} : row_norm<T, A>(s, r.v, k2);
+      const Norm<A> nt = masked ? Norm<A>{ninf<A>(), ninf<A>()} : row_norm<T, A>(t, r.v, k2);
       A* o = out.data_ptr<A>() + 4 * i;
       o[0] = ns.mx;
       o[1] = ns.lz;
@@ -202,7 +202,7 @@ void phase_rows(const Args& a, int64_t phase, const at::Tensor& norms, const at:
     const RowNorms<A> rn = row_norms(Norm<A>{l[0], l[1]}, Norm<A>{l[2], l[3]});
     A ks = A(0), kt = A(0);
     if (phase == PHASE_TERMS) {
-      const Terms<double> sums = row_terms<T, MODE, A>(s, t, r.v, inv_t, rn, c);
+      const Terms<double> sums = row_terms<T, MODE, A>(s, t, r.v, k2, rn, c);
       A* o = out.data_ptr<A>() + 3 * i;
       o[0] = static_cast<A>(sums.loss);
       o[1] = static_cast<A>(sums.ks);
@@ -211,7 +211,7 @@ void phase_rows(const Args& a, int64_t phase, const at::Tensor& norms, const at:
       ks = ksums.data_ptr<A>()[2 * i];
       kt = ksums.data_ptr<A>()[2 * i + 1];
     }
-    if (gsi || gti) row_grad<T, MODE, A>(s, t, r.v, inv_t, rn, c, ks, kt, sc, gsi, gti);
+    if (gsi || gti) row_grad<T, MODE, A>(s, t, r.v, k2, rn, c, ks, kt, sc, gsi, gti);
   }
 }
 
