@@ -21,6 +21,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -28,6 +30,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -80,7 +83,6 @@ template <typename T, typename A> struct Params {
   const A* norms_in;  // [n, 4], phases after PHASE_NORMS
   const A* k_in;      // [n, 2], PHASE_GRAD
   A* out;             // -1: loss per row [n]; PHASE_NORMS: [n, 4]; PHASE_TERMS: [n, 3]
-  bool use_smem;
 };
 
 // ------------------------------------------------------------------------------------------ reductions
@@ -105,39 +107,40 @@ template <int NV, typename A> __device__ __forceinline__ void block_sum(A (&v)[N
     for (int i = 0; i < NV; ++i) scratch[warp * NV + i] = v[i];
   __syncthreads();
 #pragma unroll
-  for (int i = 0; i < NV; ++i) {
-    A x = lane < warps ? scratch[lane * NV + i] : A(0);
-    v[i] = warp_sum(x);
-  }
+  for (int i = 0; i < NV; ++i) v[i] = warp_sum(lane < warps ? scratch[lane * NV + i] : A(0));
   __syncthreads();  // scratch is reused by the next reduction
 }
 
-template <typename A> __device__ __forceinline__ A block_max(A v, A* scratch) {
+template <int NV, typename A> __device__ __forceinline__ void block_max(A (&v)[NV], A* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  v = warp_max(v);
-  if (lane == 0) scratch[warp] = v;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) v[i] = warp_max(v[i]);
+  if (lane == 0)
+#pragma unroll
+    for (int i = 0; i < NV; ++i) scratch[warp * NV + i] = v[i];
   __syncthreads();
-  v = warp_max(lane < warps ? scratch[lane] : ninf<A>());
+#pragma unroll
+  for (int i = 0; i < NV; ++i) v[i] = warp_max(lane < warps ? scratch[lane * NV + i] : ninf<A>());
   __syncthreads();
-  return v;
 }
 
-// NV sums over the cluster's blocks. `slot` (NV values in this block's shared memory) must be used for one
-// reduction only per launch: blocks read each other's slots after the cluster barrier, and a block keeps its
-// shared memory until the final barrier before it exits. Every block adds the ranks' values in rank order.
+// Cross-block reductions of a cluster. Each block publishes its values in `slot` (its shared memory; one slot
+// per reduction and launch: blocks read each other's slots after the barrier, and keep their shared memory until
+// the final barrier before they exit). Lane r of warp 0 reads rank r's values, and every block combines them in
+// the same fixed order, so all blocks of the cluster hold identical results.
 template <int NV, typename A>
 __device__ __forceinline__ void cluster_sum(cg::cluster_group& cluster, A (&v)[NV], A* slot, A* bcast) {
   if (threadIdx.x == 0)
 #pragma unroll
     for (int i = 0; i < NV; ++i) slot[i] = v[i];
   cluster.sync();
-  if (threadIdx.x == 0) {
-    const int ranks = static_cast<int>(cluster.num_blocks());
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const bool mine = lane < static_cast<int>(cluster.num_blocks());
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-      A acc = A(0);
-      for (int r = 0; r < ranks; ++r) acc += *cluster.map_shared_rank(slot + i, r);
-      bcast[i] = acc;
+      const A x = warp_sum(mine ? *cluster.map_shared_rank(slot + i, lane) : A(0));
+      if (lane == 0) bcast[i] = x;
     }
   }
   __syncthreads();
@@ -145,8 +148,8 @@ __device__ __forceinline__ void cluster_sum(cg::cluster_group& cluster, A (&v)[N
   for (int i = 0; i < NV; ++i) v[i] = bcast[i];
 }
 
-// The rows' normalisers over the cluster from each block's (max, sum of exp(x - max)) of two rows: the
-// cluster's max, and the log of the blocks' sums rescaled to it.
+// The rows' normalisers over the cluster from each block's (max, sum of 2^(x - max)) of two rows: the cluster's
+// max, and log2 of the blocks' sums rescaled to it.
 template <typename A>
 __device__ __forceinline__ void cluster_norms(cg::cluster_group& cluster, const A (&mx)[2], const A (&sm)[2],
                                               A* slot, A* bcast, Norm<A> (&norm)[2]) {
@@ -157,20 +160,19 @@ __device__ __forceinline__ void cluster_norms(cg::cluster_group& cluster, const 
     slot[3] = sm[1];
   }
   cluster.sync();
-  if (threadIdx.x == 0) {
-    const int ranks = static_cast<int>(cluster.num_blocks());
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const bool mine = lane < static_cast<int>(cluster.num_blocks());
+#pragma unroll
     for (int w = 0; w < 2; ++w) {
-      A g = ninf<A>();
-      for (int r = 0; r < ranks; ++r) g = fmax(g, *cluster.map_shared_rank(slot + 2 * w, r));
-      A z = A(0);
-      if (g != ninf<A>())
-        for (int r = 0; r < ranks; ++r) {
-          const A m = *cluster.map_shared_rank(slot + 2 * w, r);
-          const A s = *cluster.map_shared_rank(slot + 2 * w + 1, r);
-          if (s != A(0) || s != s) z += s * d_exp2(m - g);
-        }
-      bcast[2 * w] = g;
-      bcast[2 * w + 1] = d_log2(z);
+      const A m = mine ? *cluster.map_shared_rank(slot + 2 * w, lane) : ninf<A>();
+      const A s = mine ? *cluster.map_shared_rank(slot + 2 * w + 1, lane) : A(0);
+      const A g = warp_max(m);
+      const A z = warp_sum(g == ninf<A>() || s == A(0) ? A(0) : s * d_exp2(m - g));
+      if (lane == 0) {
+        bcast[2 * w] = g;
+        bcast[2 * w + 1] = d_log2(z);
+      }
     }
   }
   __syncthreads();
@@ -178,43 +180,46 @@ __device__ __forceinline__ void cluster_norms(cg::cluster_group& cluster, const 
   norm[1] = Norm<A>{bcast[2], bcast[3]};
 }
 
-// ------------------------------------------------------------------------------------------- the kernel
-// Visits the entries [0, count) of a slice in chunks of Vec<T>::N: f(j0, xs[N], xt[N], valid) where valid is the
-// number of entries of the chunk in the slice. Loads are 16-byte vectors where `aligned`.
-template <typename T, bool TWO, typename F>
-__device__ __forceinline__ void for_chunks(const T* s, const T* t, int64_t count, bool aligned, F&& f) {
-  constexpr int N = Vec<T>::N;
-  const int64_t chunks = (count + N - 1) / N;
-  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
-    const int64_t j0 = c * N;
-    const int valid = static_cast<int>(min64(N, count - j0));
-    Vec<T> xs, xt;
-    if (aligned && valid == N) {
-      xs = *reinterpret_cast<const Vec<T>*>(s + j0);
-      if (TWO) xt = *reinterpret_cast<const Vec<T>*>(t + j0);
-    } else {
+// --------------------------------------------------------------------------------------- slices of a row
+// Loads Vec<T>::N entries: one 16-byte load where `vec`, else one by one.
+template <typename T> __device__ __forceinline__ Vec<T> load_chunk(const T* p, bool vec) {
+  if (vec) return *reinterpret_cast<const Vec<T>*>(p);
+  Vec<T> out;
 #pragma unroll
-      for (int q = 0; q < N; ++q) {
-        xs.v[q] = q < valid ? s[j0 + q] : T(0);
-        if (TWO) xt.v[q] = q < valid ? t[j0 + q] : T(0);
-      }
-    }
-    f(j0, xs, xt, valid);
-  }
+  for (int q = 0; q < Vec<T>::N; ++q) out.v[q] = p[q];
+  return out;
 }
 
-// Stores a chunk of gradients: one 16-byte streaming store where aligned and whole, else element by element.
-template <typename T> __device__ __forceinline__ void store_chunk(T* dst, const Vec<T>& g, int valid, bool aligned) {
-  if (aligned && valid == Vec<T>::N) {
+// Stores a chunk of gradients: one 16-byte streaming (evict-first) store where `vec`, else one by one.
+template <typename T> __device__ __forceinline__ void store_chunk(T* dst, const Vec<T>& g, bool vec) {
+  if (vec) {
     __stcs(reinterpret_cast<uint4*>(dst), *reinterpret_cast<const uint4*>(&g));
-  } else {  // unrolled with a predicate: a run-time loop bound would index g in local memory
+  } else {
 #pragma unroll
-    for (int q = 0; q < Vec<T>::N; ++q)
-      if (q < valid) dst[q] = g.v[q];
+    for (int q = 0; q < Vec<T>::N; ++q) dst[q] = g.v[q];
   }
 }
 
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// The largest of a chunk's raw values (packed max for 16-bit types: half the instructions).
+template <typename T> __device__ __forceinline__ float chunk_max(const Vec<T>& v) {
+  float m = static_cast<float>(v.v[0]);
+#pragma unroll
+  for (int q = 1; q < Vec<T>::N; ++q) m = fmaxf(m, static_cast<float>(v.v[q]));
+  return m;
+}
+__device__ __forceinline__ double chunk_max(const Vec<double>& v) { return fmax(v.v[0], v.v[1]); }
+__device__ __forceinline__ float chunk_max(const Vec<c10::BFloat16>& v) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+  const __nv_bfloat162 m = __hmax2(__hmax2(h[0], h[1]), __hmax2(h[2], h[3]));
+  return fmaxf(__low2float(m), __high2float(m));
+}
+__device__ __forceinline__ float chunk_max(const Vec<c10::Half>& v) {
+  const __half2* h = reinterpret_cast<const __half2*>(&v);
+  const __half2 m = __hmax2(__hmax2(h[0], h[1]), __hmax2(h[2], h[3]));
+  return fmaxf(__low2float(m), __high2float(m));
+}
 
 // Copies `count` entries from device memory into shared memory (16-byte asynchronous copies where aligned).
 template <typename T> __device__ __forceinline__ void copy_slice(T* dst, const T* src, int64_t count) {
@@ -232,38 +237,52 @@ template <typename T> __device__ __forceinline__ void copy_slice(T* dst, const T
   asm volatile("cp.async.commit_group;\n" ::);
 }
 
-template <typename T, int MODE, bool TOPK>
+// ------------------------------------------------------------------------------------------- the kernel
+// What a launch computes, fixed at compile time for the hot cases so that their loops carry nothing else.
+enum Cfg : int {
+  CFG_INFER = 0,    // the loss only (one device)
+  CFG_STUDENT = 1,  // the loss and the student's gradient (one device): training
+  CFG_GENERIC = 2,  // anything, by run-time flags: teacher gradients, vocabulary-parallel phases
+};
+
+// One row per cluster (see the top of this file). SMEM: the row's slices sit in shared memory (else each pass
+// reads device memory). A masked row writes zeros and skips every barrier (its whole cluster agrees).
+template <typename T, int MODE, bool TOPK, bool SMEM, int CFG>
 __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typename AccOf<T>::type> p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // thread-block clusters need sm_90; the host refuses older GPUs before launching
 #else
   using A = typename AccOf<T>::type;
   constexpr int N = Vec<T>::N;
-  constexpr bool LOWP = sizeof(T) == 2;
   constexpr bool TWO = !TOPK;  // a teacher row beside the student's
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ A scratch[kWarps * 4];
-  __shared__ A slot_lse[4], slot_terms[4], bcast[4];
+  __shared__ A slot_norms[4], slot_terms[4], bcast[4];
 
   cg::cluster_group cluster = cg::this_cluster();
   const int64_t ranks = cluster.num_blocks();
   const int64_t rank = cluster.block_rank();
   const int64_t row = blockIdx.x / ranks;
-  if (row >= p.n) return;  // the whole cluster: its blocks share the row
   const int64_t lo = rank * p.slice;
   const int64_t count = max64(0, min64(p.v - lo, p.slice));
   const T* gsrc = p.s + row * p.s_stride + lo;
   const T* gtsrc = TWO ? p.t + row * p.t_stride + lo : nullptr;
-  T* gs = p.gs ? p.gs + row * p.gs_stride + lo : nullptr;
-  T* gt = p.gt ? p.gt + row * p.v + lo : nullptr;
+  // Which gradients this launch writes (constants for the compile-time configurations).
+  T* gs = CFG == CFG_INFER ? nullptr : (p.gs ? p.gs + row * p.gs_stride + lo : nullptr);
+  T* gt = CFG == CFG_GENERIC && p.gt ? p.gt + row * p.v + lo : nullptr;
+  const bool w_gs = CFG == CFG_STUDENT || (CFG == CFG_GENERIC && gs != nullptr);
+  const bool w_gt = CFG == CFG_GENERIC && gt != nullptr;
   const bool writes_out = rank == 0 && p.out != nullptr;
 
   if (p.labels && p.labels[row] == p.ignore_index) {  // masked: zeros, and no barrier (the cluster agrees)
     const Vec<T> zero{};
     for (int64_t j0 = threadIdx.x * N; j0 < count; j0 += blockDim.x * N) {
-      const int valid = static_cast<int>(min64(N, count - j0));
-      if (gs) store_chunk(gs + j0, zero, valid, aligned16(gs));
-      if (gt) store_chunk(gt + j0, zero, valid, aligned16(gt));
+      const bool whole = j0 + N <= count;
+#pragma unroll
+      for (int q = 0; q < N; ++q) {
+        if (w_gs && (whole || j0 + q < count)) gs[j0 + q] = zero.v[q];
+        if (w_gt && (whole || j0 + q < count)) gt[j0 + q] = zero.v[q];
+      }
     }
     if (writes_out && threadIdx.x == 0) {
       if (p.phase == -1) p.out[row] = A(0);
@@ -275,47 +294,56 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
 
   const T* xs = gsrc;
   const T* xt = gtsrc;
-  if (p.use_smem) {
+  if constexpr (SMEM) {
     T* sm_s = reinterpret_cast<T*>(smem_raw);
     copy_slice(sm_s, gsrc, count);
     xs = sm_s;
     if (TWO) {
-      T* sm_t = sm_s + p.slice;
-      copy_slice(sm_t, gtsrc, count);
-      xt = sm_t;
+      copy_slice(sm_s + p.slice, gtsrc, count);
+      xt = sm_s + p.slice;
     }
     asm volatile("cp.async.wait_all;\n" ::);
     __syncthreads();
   }
-  const bool al = aligned16(xs) && (!TWO || aligned16(xt));
+  // Whole chunks of N entries, then the tail one by one. Shared-memory slices start 16-byte aligned.
+  const int64_t chunks = count / N;
+  const bool vec = SMEM || (aligned16(xs) && (!TWO || aligned16(xt)));
+  const bool gs_vec = gs && aligned16(gs), gt_vec = gt && aligned16(gt);
   const A k2 = p.k2;
 
   // ---- 1. the normalisers of both rows
   Norm<A> norm[2];
   if (p.phase == -1 || p.phase == PHASE_NORMS) {
     A mx[2] = {ninf<A>(), ninf<A>()};
-    for_chunks<T, TWO>(xs, xt, count, al, [&](int64_t, const Vec<T>& vs, const Vec<T>& vt, int valid) {
-#pragma unroll
-      for (int q = 0; q < N; ++q)
-        if (q < valid) {
-          mx[0] = fmax(mx[0], static_cast<A>(vs.v[q]) * k2);
-          if (TWO) mx[1] = fmax(mx[1], static_cast<A>(vt.v[q]) * k2);
-        }
-    });
-    mx[0] = block_max(mx[0], scratch);
-    if (TWO) mx[1] = block_max(mx[1], scratch);
+    for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+      mx[0] = fmax(mx[0], static_cast<A>(chunk_max(load_chunk(xs + c * N, vec))));
+      if (TWO) mx[1] = fmax(mx[1], static_cast<A>(chunk_max(load_chunk(xt + c * N, vec))));
+    }
+    for (int64_t j = chunks * N + threadIdx.x; j < count; j += blockDim.x) {
+      mx[0] = fmax(mx[0], static_cast<A>(xs[j]));
+      if (TWO) mx[1] = fmax(mx[1], static_cast<A>(xt[j]));
+    }
+    block_max<2>(mx, scratch);
+    mx[0] *= k2;  // k2 > 0: the max of the scaled logits
+    mx[1] *= k2;
     A sm[2] = {A(0), A(0)};
     const A m0 = mx[0] == ninf<A>() ? A(0) : mx[0], m1 = mx[1] == ninf<A>() ? A(0) : mx[1];
-    for_chunks<T, TWO>(xs, xt, count, al, [&](int64_t, const Vec<T>& vs, const Vec<T>& vt, int valid) {
+    for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+      const Vec<T> vs = load_chunk(xs + c * N, vec);
 #pragma unroll
-      for (int q = 0; q < N; ++q)
-        if (q < valid) {
-          sm[0] += d_exp2(static_cast<A>(vs.v[q]) * k2 - m0);
-          if (TWO) sm[1] += d_exp2(static_cast<A>(vt.v[q]) * k2 - m1);
-        }
-    });
+      for (int q = 0; q < N; ++q) sm[0] += d_exp2(static_cast<A>(vs.v[q]) * k2 - m0);
+      if (TWO) {
+        const Vec<T> vt = load_chunk(xt + c * N, vec);
+#pragma unroll
+        for (int q = 0; q < N; ++q) sm[1] += d_exp2(static_cast<A>(vt.v[q]) * k2 - m1);
+      }
+    }
+    for (int64_t j = chunks * N + threadIdx.x; j < count; j += blockDim.x) {
+      sm[0] += d_exp2(static_cast<A>(xs[j]) * k2 - m0);
+      if (TWO) sm[1] += d_exp2(static_cast<A>(xt[j]) * k2 - m1);
+    }
     block_sum<2>(sm, scratch);
-    cluster_norms(cluster, mx, sm, slot_lse, bcast, norm);
+    cluster_norms(cluster, mx, sm, slot_norms, bcast, norm);
     if (p.phase == PHASE_NORMS) {
       if (writes_out && threadIdx.x == 0) {
         p.out[4 * row] = norm[0].mx;
@@ -331,42 +359,40 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
     norm[0] = Norm<A>{nr[0], nr[1]};
     norm[1] = Norm<A>{nr[2], nr[3]};
   }
-  const RowNorms<A> rn = row_norms(norm[0], norm[1]);
-  auto log2_ps = [&](T x) { return log2_prob(static_cast<A>(x), k2, norm[0]); };  // top-k teacher
   const A scale = static_cast<A>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(p.inv_t));
 
   if constexpr (TOPK) {
     // ---- 2'. a top-k teacher: buckets are the k tokens and the tail (see distill_cpu.cpp's row_topk).
     const int64_t words = (p.slice + 31) / 32;
-    unsigned* bits = reinterpret_cast<unsigned*>(smem_raw + (p.use_smem ? p.slice * sizeof(T) : 0));
+    unsigned* bits = reinterpret_cast<unsigned*>(smem_raw + (SMEM ? p.slice * sizeof(T) : 0));
     for (int64_t w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0u;
     __syncthreads();
     const int64_t* idx = p.idx + row * p.k;
     const A* lp = p.lp + row * p.k;
+    auto log2_ps = [&](T x) { return log2_prob(static_cast<A>(x), k2, norm[0]); };
     A bad = A(0);
     for (int64_t j = threadIdx.x; j < p.k; j += blockDim.x) {
       const int64_t x = idx[j];
-      if (x < 0 || x >= p.v) bad = A(1);
-      else if (x >= lo && x < lo + count) {
+      if (x < 0 || x >= p.v) {
+        bad = A(1);
+      } else if (x >= lo && x < lo + count) {
         const unsigned bit = 1u << ((x - lo) & 31);
         if (atomicOr(&bits[(x - lo) >> 5], bit) & bit) bad = A(1);  // a duplicate
       }
     }
     __syncthreads();
     // Terms of this block's members, its part of the student's tail mass, and the teacher's mass (all k).
-    A v[4] = {A(0), A(0), A(0), bad};  // loss, ks, p_tail, bad
-    A q_sum = A(0);
     Terms<A> acc{A(0), A(0), A(0)};
+    A q_sum = A(0);
     for (int64_t j = threadIdx.x; j < p.k; j += blockDim.x) {
       q_sum += d_exp(lp[j]);
       const int64_t x = idx[j];
       if (x >= lo && x < lo + count) {
         const A ls2 = log2_ps(xs[x - lo]);
-        point_terms<MODE, LOWP>(bucket_point(d_exp2(ls2), ls2 * A(kLn2), d_exp(lp[j]), lp[j]), p.c, acc);
+        point_terms<MODE, true, false>(bucket_point(d_exp2(ls2), ls2 * A(kLn2), d_exp(lp[j]), lp[j]), p.c, acc);
       }
     }
-    v[0] = acc.loss;
-    v[1] = acc.ks;
+    A v[4] = {acc.loss, acc.ks, A(0), bad};  // loss, ks, p_tail, bad
     for (int64_t j = threadIdx.x; j < count; j += blockDim.x)
       if (!((bits[j >> 5] >> (j & 31)) & 1u)) v[2] += d_exp2(log2_ps(xs[j]));
     A qs[1] = {q_sum};
@@ -379,59 +405,72 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
     const Point<A> tail = bucket_point(p_tail, d_log(p_tail), q_tail, d_log(q_tail));
     if (p.k < p.v) {
       Terms<A> ta{A(0), A(0), A(0)};
-      point_terms<MODE, LOWP>(tail, p.c, ta);
+      point_terms<MODE, true, false>(tail, p.c, ta);
       loss += ta.loss;
       ks += ta.ks;
     }
-    const A nan = std::numeric_limits<A>::quiet_NaN();
-    if (v[3] != A(0)) loss = ks = nan;
+    if (v[3] != A(0)) loss = ks = std::numeric_limits<A>::quiet_NaN();
     if (writes_out && threadIdx.x == 0) p.out[row] = loss;
-    if (gs) {
-      const A tail_coef = tail.ps > A(0) ? student_grad<MODE, LOWP>(tail, p.c, ks) / tail.ps : A(0);
-      const bool ga = aligned16(gs);
-      for_chunks<T, false>(xs, xs, count, al, [&](int64_t j0, const Vec<T>& vs, const Vec<T>&, int valid) {
+    if (w_gs) {
+      const A tail_coef = tail.ps > A(0) ? student_grad<MODE>(tail, p.c, ks) / tail.ps : A(0);
+      for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+        const Vec<T> vs = load_chunk(xs + c * N, vec);
         Vec<T> g;
 #pragma unroll
-        for (int q = 0; q < N; ++q)
-          g.v[q] = static_cast<T>(d_exp2(log2_ps(vs.v[q])) * tail_coef * scale);
-        store_chunk(gs + j0, g, valid, ga);
-      });
+        for (int q = 0; q < N; ++q) g.v[q] = static_cast<T>(d_exp2(log2_ps(vs.v[q])) * tail_coef * scale);
+        store_chunk(gs + c * N, g, gs_vec);
+      }
+      for (int64_t j = chunks * N + threadIdx.x; j < count; j += blockDim.x)
+        gs[j] = static_cast<T>(d_exp2(log2_ps(xs[j])) * tail_coef * scale);
       __syncthreads();  // the members' own gradients overwrite the tail formula written above
       for (int64_t j = threadIdx.x; j < p.k; j += blockDim.x) {
         const int64_t x = idx[j];
         if (x >= lo && x < lo + count) {
           const A ls2 = log2_ps(xs[x - lo]);
           gs[x - lo] = static_cast<T>(
-              student_grad<MODE, LOWP>(bucket_point(d_exp2(ls2), ls2 * A(kLn2), d_exp(lp[j]), lp[j]), p.c, ks) *
-              scale);
+              student_grad<MODE>(bucket_point(d_exp2(ls2), ls2 * A(kLn2), d_exp(lp[j]), lp[j]), p.c, ks) * scale);
         }
       }
     }
     cluster.sync();
     return;
   } else {
-    // ---- 2. terms (and the gradients that need no row sum); 3. the other gradients.
-    // Which gradients need the row's K: the student's unless forward KL, the teacher's unless reverse KL.
-    const bool s_needs_k = MODE != FORWARD_KL, t_needs_k = MODE != REVERSE_KL;
-    const bool do_terms = p.phase != PHASE_GRAD;
-    const bool gs_in_terms = gs && !s_needs_k, gt_in_terms = gt && !t_needs_k;
-    const bool gs_later = gs && s_needs_k, gt_later = gt && t_needs_k;
-    const bool gsa = gs && aligned16(gs), gta = gt && aligned16(gt);
+    // ---- 2. terms, and the gradients that need no row sum; 3. the gradients that do.
+    const bool gs_in_terms = w_gs && !student_needs_k<MODE>(), gt_in_terms = w_gt && !teacher_needs_k<MODE>();
+    const bool gs_later = w_gs && student_needs_k<MODE>(), gt_later = w_gt && teacher_needs_k<MODE>();
+    // The row sums this launch needs: ks for a student gradient that needs it; both in the generic launch.
+    constexpr bool KS = CFG == CFG_GENERIC || (CFG == CFG_STUDENT && student_needs_k<MODE>());
+    constexpr bool KT = CFG == CFG_GENERIC;
+    const RowNorms<A> rn = row_norms(norm[0], norm[1]);
     A ks = A(0), kt = A(0);
-    if (do_terms) {
+    if (p.phase != PHASE_GRAD) {
       Terms<A> acc{A(0), A(0), A(0)};
-      for_chunks<T, true>(xs, xt, count, al, [&](int64_t j0, const Vec<T>& vs, const Vec<T>& vt, int valid) {
-        Vec<T> g, h;
+      // `close` is a row's constant: each value gets its own loop, with nothing of the other inside.
+      auto terms_pass = [&](auto close_c) {
+        constexpr bool CLOSE = decltype(close_c)::value;
+        auto entry = [&](T xa, T xb, T& ga, T& gb) {
+          const Point<A> e = make_point<CLOSE>(static_cast<A>(xa), static_cast<A>(xb), k2, rn);
+          point_terms<MODE, KS, KT>(e, p.c, acc);
+          if (gs_in_terms) ga = static_cast<T>(student_grad<MODE>(e, p.c, A(0)) * scale);
+          if (gt_in_terms) gb = static_cast<T>(teacher_grad<MODE>(e, p.c, A(0)) * scale);
+        };
+        for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+          const Vec<T> vs = load_chunk(xs + c * N, vec), vt = load_chunk(xt + c * N, vec);
+          Vec<T> g, h;
 #pragma unroll
-        for (int q = 0; q < N; ++q) {
-          const Point<A> e = make_point(static_cast<A>(vs.v[q]), static_cast<A>(vt.v[q]), k2, rn);
-          if (q < valid) point_terms<MODE, LOWP>(e, p.c, acc);
-          if (gs_in_terms) g.v[q] = static_cast<T>(student_grad<MODE, LOWP>(e, p.c, A(0)) * scale);
-          if (gt_in_terms) h.v[q] = static_cast<T>(teacher_grad<MODE, LOWP>(e, p.c, A(0)) * scale);
+          for (int q = 0; q < N; ++q) entry(vs.v[q], vt.v[q], g.v[q], h.v[q]);
+          if (gs_in_terms) store_chunk(gs + c * N, g, gs_vec);
+          if (gt_in_terms) store_chunk(gt + c * N, h, gt_vec);
         }
-        if (gs_in_terms) store_chunk(gs + j0, g, valid, gsa);
-        if (gt_in_terms) store_chunk(gt + j0, h, valid, gta);
-      });
+        for (int64_t j = chunks * N + threadIdx.x; j < count; j += blockDim.x) {
+          T ga, gb;
+          entry(xs[j], xt[j], ga, gb);
+          if (gs_in_terms) gs[j] = ga;
+          if (gt_in_terms) gt[j] = gb;
+        }
+      };
+      if (rn.close) terms_pass(std::true_type{});
+      else terms_pass(std::false_type{});
       A v[3] = {acc.loss, acc.ks, acc.kt};
       block_sum<3>(v, scratch);
       cluster_sum<3>(cluster, v, slot_terms, bcast);
@@ -450,21 +489,33 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
       ks = p.k_in[2 * row];
       kt = p.k_in[2 * row + 1];
     }
-    const bool grad_pass = p.phase != PHASE_TERMS && (gs_later || gt_later);
-    if (grad_pass) {
-      for_chunks<T, true>(xs, xt, count, al, [&](int64_t j0, const Vec<T>& vs, const Vec<T>& vt, int valid) {
-        Vec<T> g, h;
+    if (p.phase != PHASE_TERMS && (gs_later || gt_later)) {
+      auto grad_pass = [&](auto close_c) {
+        constexpr bool CLOSE = decltype(close_c)::value;
+        auto entry = [&](T xa, T xb, T& ga, T& gb) {
+          const Point<A> e = make_point<CLOSE>(static_cast<A>(xa), static_cast<A>(xb), k2, rn);
+          if (gs_later) ga = static_cast<T>(student_grad<MODE>(e, p.c, ks) * scale);
+          if (gt_later) gb = static_cast<T>(teacher_grad<MODE>(e, p.c, kt) * scale);
+        };
+        for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+          const Vec<T> vs = load_chunk(xs + c * N, vec), vt = load_chunk(xt + c * N, vec);
+          Vec<T> g, h;
 #pragma unroll
-        for (int q = 0; q < N; ++q) {
-          const Point<A> e = make_point(static_cast<A>(vs.v[q]), static_cast<A>(vt.v[q]), k2, rn);
-          if (gs_later) g.v[q] = static_cast<T>(student_grad<MODE, LOWP>(e, p.c, ks) * scale);
-          if (gt_later) h.v[q] = static_cast<T>(teacher_grad<MODE, LOWP>(e, p.c, kt) * scale);
+          for (int q = 0; q < N; ++q) entry(vs.v[q], vt.v[q], g.v[q], h.v[q]);
+          if (gs_later) store_chunk(gs + c * N, g, gs_vec);
+          if (gt_later) store_chunk(gt + c * N, h, gt_vec);
         }
-        if (gs_later) store_chunk(gs + j0, g, valid, gsa);
-        if (gt_later) store_chunk(gt + j0, h, valid, gta);
-      });
+        for (int64_t j = chunks * N + threadIdx.x; j < count; j += blockDim.x) {
+          T ga, gb;
+          entry(xs[j], xt[j], ga, gb);
+          if (gs_later) gs[j] = ga;
+          if (gt_later) gt[j] = gb;
+        }
+      };
+      if (rn.close) grad_pass(std::true_type{});
+      else grad_pass(std::false_type{});
     }
-    if (p.phase == -1 || p.phase == PHASE_TERMS) cluster.sync();  // others may still read this block's slots
+    if (p.phase != PHASE_GRAD) cluster.sync();  // others may still read this block's slots
   }
 #endif
 }
@@ -599,6 +650,22 @@ template <typename Kernel> void launch_rows(Kernel kernel, const Launch& l, int6
   C10_CUDA_CHECK(cudaLaunchKernelExC(&cfg, reinterpret_cast<const void*>(kernel), args));
 }
 
+// Launches the kernel instance for a launch plan and configuration. The compile-time configurations exist for
+// the hot cases only (16-bit and float32 logits, full teacher rows, slices in shared memory); everything else
+// takes the generic instance.
+template <typename T, int MODE, bool TOPK, typename A>
+void launch_for(const Launch& l, int cfg, int64_t n, const Params<T, A>& p, cudaStream_t stream) {
+  if constexpr (TOPK || std::is_same<T, double>::value) {
+    if (l.use_smem) launch_rows(rows_kernel<T, MODE, TOPK, true, CFG_GENERIC>, l, n, &p, stream);
+    else launch_rows(rows_kernel<T, MODE, TOPK, false, CFG_GENERIC>, l, n, &p, stream);
+  } else {
+    if (!l.use_smem) launch_rows(rows_kernel<T, MODE, false, false, CFG_GENERIC>, l, n, &p, stream);
+    else if (cfg == CFG_INFER) launch_rows(rows_kernel<T, MODE, false, true, CFG_INFER>, l, n, &p, stream);
+    else if (cfg == CFG_STUDENT) launch_rows(rows_kernel<T, MODE, false, true, CFG_STUDENT>, l, n, &p, stream);
+    else launch_rows(rows_kernel<T, MODE, false, true, CFG_GENERIC>, l, n, &p, stream);
+  }
+}
+
 template <typename T, typename A>
 Params<T, A> base_params(const Rows& r, int64_t ignore_index, double beta, double temperature, const Launch& l) {
   Params<T, A> p{};
@@ -617,7 +684,6 @@ Params<T, A> base_params(const Rows& r, int64_t ignore_index, double beta, doubl
   p.inv_t = static_cast<A>(1.0 / temperature);
   p.k2 = static_cast<A>(kLog2e / temperature);
   p.c = row_const<A>(beta);
-  p.use_smem = l.use_smem;
   p.phase = -1;
   return p;
 }
@@ -687,10 +753,11 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
       p.scale_dev = inv_div.defined() ? inv_div.data_ptr<double>() : nullptr;
       p.scale_host = inv_host;
       p.out = rows_loss.data_ptr<A>();
+      const int cfg = want_teacher ? CFG_GENERIC : (want_student ? CFG_STUDENT : CFG_INFER);
       dispatch_mode(mode_of(beta), [&](auto mode_c) {
         constexpr int MODE = decltype(mode_c)::value;
-        if (r.topk()) launch_rows(rows_kernel<T, MODE, true>, l, r.n, &p, stream);
-        else launch_rows(rows_kernel<T, MODE, false>, l, r.n, &p, stream);
+        if (r.topk()) launch_for<T, MODE, true>(l, cfg, r.n, p, stream);
+        else launch_for<T, MODE, false>(l, cfg, r.n, p, stream);
       });
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
@@ -749,7 +816,7 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
     p.k_in = phase == PHASE_GRAD && (ws || wt) ? ksums->data_ptr<A>() : nullptr;
     p.out = out.defined() ? out.data_ptr<A>() : nullptr;
     dispatch_mode(mode, [&](auto mode_c) {
-      launch_rows(rows_kernel<T, decltype(mode_c)::value, false>, l, r.n, &p, stream);
+      launch_for<T, decltype(mode_c)::value, false>(l, CFG_GENERIC, r.n, p, stream);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

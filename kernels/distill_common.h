@@ -8,12 +8,14 @@
 //   JSD (0 < beta < 1):    beta KL(pt || m) + (1 - beta) KL(ps || m),  m = (1 - beta) ps + beta pt.
 // A top-k teacher uses the same functions over k + 1 "buckets" (the k tokens and the tail) in place of entries.
 //
-// Accuracy: every KL is summed in its non-negative form, entry by entry,
+// Accuracy. Every KL is summed in its non-negative form, entry by entry,
 //   KL(p || q) = sum_v [p log(p / q) - p + q] = sum_v q f(u),  u = log p - log q,  f(u) = u e^u - expm1(u) >= 0,
-// (the added terms sum to 0 because p and q are normalised). No entry is negative, so a divergence is never
-// below 0 however closely student and teacher agree, and f is evaluated by its series where |u| is small, where
-// p log(p / q) alone would cancel. An error c in the row's normaliser moves the sum only by c * KL (f'(u) summed
-// with weights q is the KL itself), so the logsumexp's rounding costs a relative, not an absolute, error.
+// (the added terms sum to 0 because p and q are normalised; for the JSD they cancel within each entry, so its
+// plain summand is already >= 0). No entry is negative, so a divergence is never below 0 however closely student
+// and teacher agree, and where |u| is small, where p log(p / q) alone would cancel, f (and the JSD's summand)
+// comes from its power series. d = lt - ls is formed from the logits' difference (make_point), so u keeps its
+// digits. An error c in a row's normaliser moves the sum only by c * KL (f'(u) summed with weights q is the KL
+// itself): the logsumexp's rounding costs a relative, not an absolute, error.
 #pragma once
 
 #include <cmath>
@@ -36,23 +38,14 @@ inline int mode_of(double beta) { return beta == 0.0 ? FORWARD_KL : (beta == 1.0
 template <typename A> DS_HD A ninf() { return -std::numeric_limits<A>::infinity(); }
 
 // Accurate exp and log in the accumulation type (float lanes for 16-bit and float32 logits, double for float64).
-// LOWP (16-bit logits) may use the device's hardware log: its ~2^-22 absolute error is far below the inputs' own
-// resolution. exp stays accurate: the probabilities weigh every term.
 DS_HD float d_exp(float v) { return expf(v); }
 DS_HD double d_exp(double v) { return exp(v); }
 DS_HD float d_log(float v) { return logf(v); }
 DS_HD double d_log(double v) { return log(v); }
-template <bool LOWP> DS_HD float d_log_p(float v) {
-#if defined(__CUDA_ARCH__)
-  if (LOWP) return __logf(v);
-#endif
-  return d_log(v);
-}
-template <bool LOWP> DS_HD double d_log_p(double v) { return d_log(v); }
 
-// Probabilities are formed in base 2 (x * log2(e) / T is one multiply per logit, and 2^x is one instruction on
-// the GPU: its ex2.approx has a relative error near 2^-22, far below what the loss needs; results below 2^-126
-// flush to 0). The host keeps the accurate exp2. Normalisers are base-2 too; losses and u are natural.
+// Probabilities are formed in base 2: x log2(e) / T is one multiply per logit, and 2^x is one instruction on the
+// GPU (ex2.approx: relative error near 2^-22, far below what the loss needs; results below 2^-126 flush to 0).
+// The host keeps the accurate exp2. Normalisers are base-2 too; losses, u and d are natural.
 constexpr double kLn2 = 0.693147180559945309417232121458176568;
 constexpr double kLog2e = 1.442695040888963407359924681001892137;
 DS_HD float d_exp2(float v) {
@@ -68,6 +61,117 @@ DS_HD double d_exp2(double v) { return exp2(v); }
 DS_HD float d_log2(float v) { return log2f(v); }
 DS_HD double d_log2(double v) { return log2(v); }
 
+// Horner's rule: c[0] + c[1] x + ... + c[N-1] x^(N-1).
+template <int N, typename A> DS_HD A horner(const A* c, A x) {
+  A r = c[N - 1];
+#pragma unroll
+  for (int i = N - 2; i >= 0; --i) r = r * x + c[i];
+  return r;
+}
+template <int N, typename A> DS_HD A horner(const A (&c)[N], A x) { return horner<N, A>(&c[0], x); }
+
+// Where |u| (or |d|) is below this, the series are used.
+constexpr double kSeriesLimit = 0.5;
+
+// f(u) / u^2 = sum_{k>=2} (k - 1) / k! u^(k-2) on |u| < 0.5. float: a degree-6 Chebyshev fit (relative error
+// 8.8e-8 in float arithmetic, the Horner rounding itself; the Taylor series needs degree 8 for that); double: the
+// Taylor series to u^16 (truncation below 3e-17).
+DS_HD float f_over_u2(float u) {
+  constexpr float c[7] = {0.5f, 0.33333337119711653f, 0.12500000425576246f, 0.03333212212184884f,
+                          0.006944308299484956f, 0.0012001555757105312f, 0.00017469932608297052f};
+  return horner(c, u);
+}
+DS_HD double f_over_u2(double u) {
+  constexpr double c[15] = {1.0 / 2, 2.0 / 6, 3.0 / 24, 4.0 / 120, 5.0 / 720, 6.0 / 5040, 7.0 / 40320,
+                            8.0 / 362880, 9.0 / 3628800, 10.0 / 39916800, 11.0 / 479001600, 12.0 / 6227020800,
+                            13.0 / 87178291200, 14.0 / 1307674368000, 15.0 / 20922789888000};
+  return horner(c, u);
+}
+
+// The summand q f(u) = p log(p / q) - p + q of KL(p || q), u = log p - log q. p == 0 contributes q (the limit of
+// p log p), q == 0 < p contributes +inf, p == q == 0 contributes 0.
+// Both forms are evaluated and one selected: no divergent branch in the entries' loops.
+template <typename A> DS_HD A kl_term(A p, A q, A u) {
+  const A series = q * (u * u) * f_over_u2(u);
+  const A direct = (p > A(0) ? p * u : A(0)) - p + q;
+  return u > A(-kSeriesLimit) && u < A(kSeriesLimit) ? series : direct;
+}
+
+// ------------------------------------------------------------------------------------------ the JSD's series
+// With d = lt - ls, the JSD's per-entry quantities are functions of d alone, times ps:
+//   u_s = ls - log m = -log(1 - beta + beta e^d),   u_t = lt - log m = d + u_s,
+//   summand / ps = beta e^d u_t + (1 - beta) u_s       (>= 0, ~ beta (1 - beta) d^2 / 2 near 0).
+// Near d = 0 both cancel; their Taylor coefficients depend on beta only, so they are computed once per call
+// (jsd_series, in double) and evaluated by Horner's rule where |d| < kSeriesLimit. The nearest singularity of
+// u_s is at |d| >= pi, so at |d| = 0.5 the terms shrink like (0.5 / pi)^k: kJsdTerms terms leave < 1e-15.
+constexpr int kJsdTerms = 20;
+// Terms evaluated: float needs 10 (truncation < 1e-8 at |d| = 0.5), double all.
+template <typename A> constexpr int jsd_terms() { return sizeof(A) == 4 ? 10 : kJsdTerms; }
+
+// Power series of u_s(d) / d (us[]) and summand(d) / (ps d^2) (g[]), to kJsdTerms terms each.
+inline void jsd_series(double beta, double (&us)[kJsdTerms], double (&g)[kJsdTerms]) {
+  constexpr int N = kJsdTerms + 2;  // coefficients of d^0 .. d^(N-1)
+  double e[N], w[N], log1p_w[N], pw[N], nxt[N];
+  double fact = 1.0;
+  for (int k = 0; k < N; ++k) {
+    if (k > 0) fact *= k;
+    e[k] = 1.0 / fact;                   // e^d
+    w[k] = k == 0 ? 0.0 : beta / fact;   // beta (e^d - 1), no constant term
+    log1p_w[k] = 0.0;
+    pw[k] = w[k];
+  }
+  // log(1 + w) = w - w^2/2 + w^3/3 - ...; w has no constant term, so w^j starts at d^j.
+  for (int j = 1; j < N; ++j) {
+    for (int k = 0; k < N; ++k) log1p_w[k] += ((j % 2) ? 1.0 : -1.0) * pw[k] / j;
+    for (int k = 0; k < N; ++k) {  // pw <- pw * w
+      double acc = 0.0;
+      for (int i = 0; i <= k; ++i) acc += pw[i] * w[k - i];
+      nxt[k] = acc;
+    }
+    for (int k = 0; k < N; ++k) pw[k] = nxt[k];
+  }
+  double u_s[N], u_t[N], sum[N];
+  for (int k = 0; k < N; ++k) {
+    u_s[k] = -log1p_w[k];
+    u_t[k] = u_s[k] + (k == 1 ? 1.0 : 0.0);
+  }
+  for (int k = 0; k < N; ++k) {  // beta e^d u_t + (1 - beta) u_s
+    double acc = 0.0;
+    for (int i = 0; i <= k; ++i) acc += e[i] * u_t[k - i];
+    sum[k] = beta * acc + (1.0 - beta) * u_s[k];
+  }
+  for (int k = 0; k < kJsdTerms; ++k) {
+    us[k] = u_s[k + 1];  // u_s(0) = 0
+    g[k] = sum[k + 2];   // the summand starts at d^2
+  }
+}
+
+// ------------------------------------------------------------------------------------- entries and rows
+// One entry (or bucket): log-probabilities and probabilities of student and teacher, and d = lt - ls.
+template <typename A> struct Point {
+  A ls, lt, ps, pt, d;
+};
+
+// Constants of a row that every entry needs: beta, the logs of the mixture weights and the JSD's series.
+template <typename A> struct RowConst {
+  A beta, log_1mb, log_b;
+  A us[kJsdTerms], g[kJsdTerms];
+};
+
+template <typename A> inline RowConst<A> row_const(double beta) {
+  RowConst<A> c;
+  c.beta = static_cast<A>(beta);
+  c.log_1mb = beta < 1.0 ? static_cast<A>(std::log1p(-beta)) : ninf<A>();
+  c.log_b = beta > 0.0 ? static_cast<A>(std::log(beta)) : ninf<A>();
+  double us[kJsdTerms], g[kJsdTerms];
+  jsd_series(beta, us, g);
+  for (int k = 0; k < kJsdTerms; ++k) {
+    c.us[k] = static_cast<A>(us[k]);
+    c.g[k] = static_cast<A>(g[k]);
+  }
+  return c;
+}
+
 // log(exp(x) + exp(y)) without overflow; -inf when both are -inf.
 template <typename A> DS_HD A log_add_exp(A x, A y) {
   const A hi = x > y ? x : y, lo = x > y ? y : x;
@@ -75,139 +179,77 @@ template <typename A> DS_HD A log_add_exp(A x, A y) {
   return hi + d_log(A(1) + d_exp(lo - hi));
 }
 
-// Where |u| is below this, f(u) comes from its series (truncation below the type's rounding there).
-template <typename A> DS_HD A series_limit() { return A(0.5); }
-
-// f(u) / u^2 = sum_{k>=2} (k - 1) / k! u^(k-2), Horner form. float: terms to u^10 (truncation < 3e-8 of the
-// value at |u| = 0.5); double: to u^16 (< 3e-17).
-DS_HD float f_over_u2(float u) {
-  float r = 1.0f / 403200.0f;  // 9/10!
-  r = r * u + 1.0f / 45360.0f;  // 8/9!
-  r = r * u + 1.0f / 5760.0f;   // 7/8!
-  r = r * u + 1.0f / 840.0f;
-  r = r * u + 1.0f / 144.0f;
-  r = r * u + 1.0f / 30.0f;
-  r = r * u + 1.0f / 8.0f;
-  r = r * u + 1.0f / 3.0f;
-  return r * u + 0.5f;
-}
-DS_HD double f_over_u2(double u) {
-  // (k - 1) / k! for k = 16 .. 2
-  double r = 15.0 / 20922789888000.0;
-  r = r * u + 14.0 / 1307674368000.0;
-  r = r * u + 13.0 / 87178291200.0;
-  r = r * u + 12.0 / 6227020800.0;
-  r = r * u + 11.0 / 479001600.0;
-  r = r * u + 10.0 / 39916800.0;
-  r = r * u + 9.0 / 3628800.0;
-  r = r * u + 8.0 / 362880.0;
-  r = r * u + 7.0 / 40320.0;
-  r = r * u + 6.0 / 5040.0;
-  r = r * u + 5.0 / 720.0;
-  r = r * u + 4.0 / 120.0;
-  r = r * u + 3.0 / 24.0;
-  r = r * u + 2.0 / 6.0;
-  return r * u + 0.5;
-}
-
-// The summand q f(u) = p log(p / q) - p + q of KL(p || q), u = log p - log q (given, computed accurately by the
-// caller). p == 0 contributes q (the limit of p log p), q == 0 < p contributes +inf, p == q == 0 contributes 0.
-template <typename A> DS_HD A kl_term(A p, A q, A u) {
-  const A au = u < A(0) ? -u : u;
-  if (au < series_limit<A>()) return q * (u * u) * f_over_u2(u);
-  return (p > A(0) ? p * u : A(0)) - p + q;
-}
-
-// One entry (or bucket): log-probabilities and probabilities of student and teacher, and d = lt - ls computed
-// without the rounding of the two normalisers' difference where the caller can (see the kernels).
-template <typename A> struct Point {
-  A ls, lt, ps, pt, d;
-};
-
-// Constants of a row that every entry needs: beta and the logs of the mixture weights (JSD only).
-template <typename A> struct RowConst {
-  A beta, log_1mb, log_b;
-};
-
-template <typename A> DS_HD RowConst<A> row_const(double beta) {
-  RowConst<A> c;
-  c.beta = static_cast<A>(beta);
-  c.log_1mb = beta < 1.0 ? static_cast<A>(std::log1p(-beta)) : ninf<A>();
-  c.log_b = beta > 0.0 ? static_cast<A>(std::log(beta)) : ninf<A>();
-  return c;
-}
-
-// log m, m = (1 - beta) ps + beta pt; in log space when m is not a normal number (both probabilities underflow
-// while their logs are finite: log m is then still finite and needed).
-template <bool LOWP, typename A> DS_HD A log_mixture(const Point<A>& e, const RowConst<A>& c) {
-  const A m = (A(1) - c.beta) * e.ps + c.beta * e.pt;
-  if (m >= std::numeric_limits<A>::min()) return d_log_p<LOWP>(m);
-  return log_add_exp(e.ls + c.log_1mb, e.lt + c.log_b);
-}
-
-DS_HD float d_expm1(float v) { return expm1f(v); }
-DS_HD double d_expm1(double v) { return expm1(v); }
-DS_HD float d_log1p(float v) { return log1pf(v); }
-DS_HD double d_log1p(double v) { return log1p(v); }
-
-// u_s = ls - log m and u_t = lt - log m. Where the two distributions nearly agree (|d| small) from d alone:
-// u_s = -log((1 - beta) + beta e^d) = -log1p(beta expm1(d)) and u_t = d + u_s, which keeps the digits that
-// ls - log m cancels; elsewhere directly (there d + u_s could cancel two large numbers).
-template <bool LOWP, typename A> DS_HD void mixture_u(const Point<A>& e, const RowConst<A>& c, A& us, A& ut) {
-  if (e.d > A(-0.5) && e.d < A(0.5)) {
-    us = -d_log1p(c.beta * d_expm1(e.d));
+// u_s and u_t of the JSD (see above): from the series near d = 0, else from log m, in log space where m is not
+// a normal number (both probabilities underflow while their logs are finite).
+template <typename A> DS_HD void mixture_u(const Point<A>& e, const RowConst<A>& c, A& us, A& ut) {
+  if (e.d > A(-kSeriesLimit) && e.d < A(kSeriesLimit)) {
+    us = e.d * horner<jsd_terms<A>()>(&c.us[0], e.d);
     ut = e.d + us;
-  } else {
-    const A lm = log_mixture<LOWP>(e, c);
-    us = e.ls - lm;
-    ut = e.lt - lm;
+    return;
   }
+  const A m = (A(1) - c.beta) * e.ps + c.beta * e.pt;
+  const A lm = m >= std::numeric_limits<A>::min() ? d_log(m) : log_add_exp(e.ls + c.log_1mb, e.lt + c.log_b);
+  us = e.ls - lm;
+  ut = e.lt - lm;
 }
 
-// Sums over a row (or the part of it held here) that the gradients need, beside the loss itself:
-// ks = sum ps * u_s and kt = sum pt * u_t, the KL of student (teacher) to the distribution it is compared with,
-// in the plain form p log(p / q) (the gradient is p (u - K); a zero p contributes 0).
+// Sums over a row (or the part of it held here): the loss, and what the gradients need beside it,
+// ks = sum ps u_s and kt = sum pt u_t (the KL of student, teacher to what it is compared with, in the plain form
+// p log(p / q); the gradient is p (u - K); a zero p contributes 0).
 template <typename A> struct Terms {
   A loss, ks, kt;
 };
 
-// loss of one entry, and its parts of ks and kt. Non-negative (see the top of this file).
-template <int MODE, bool LOWP, typename A> DS_HD void point_terms(const Point<A>& e, const RowConst<A>& c,
-                                                                  Terms<A>& acc) {
+// The loss of one entry (>= 0) and its parts of ks (KS) and kt (KT).
+template <int MODE, bool KS, bool KT, typename A>
+DS_HD void point_terms(const Point<A>& e, const RowConst<A>& c, Terms<A>& acc) {
   if (MODE == FORWARD_KL) {  // KL(pt || ps): q = ps, u = lt - ls
     acc.loss += kl_term(e.pt, e.ps, e.d);
-    acc.kt += e.pt > A(0) ? e.pt * e.d : A(0);
+    if (KT) acc.kt += e.pt > A(0) ? e.pt * e.d : A(0);
   } else if (MODE == REVERSE_KL) {  // KL(ps || pt)
     acc.loss += kl_term(e.ps, e.pt, -e.d);
-    acc.ks += e.ps > A(0) ? -e.ps * e.d : A(0);
+    if (KS) acc.ks += e.ps > A(0) ? -e.ps * e.d : A(0);
   } else {
-    const A m = (A(1) - c.beta) * e.ps + c.beta * e.pt;
     A us, ut;
-    mixture_u<LOWP>(e, c, us, ut);
-    acc.loss += c.beta * kl_term(e.pt, m, ut) + (A(1) - c.beta) * kl_term(e.ps, m, us);
-    acc.ks += e.ps > A(0) ? e.ps * us : A(0);
-    acc.kt += e.pt > A(0) ? e.pt * ut : A(0);
+    mixture_u(e, c, us, ut);
+    A entry;
+    if (e.d > A(-kSeriesLimit) && e.d < A(kSeriesLimit)) {
+      entry = e.ps * (e.d * e.d) * horner<jsd_terms<A>()>(&c.g[0], e.d);
+    } else {  // beta pt u_t + (1 - beta) ps u_s; >= 0 up to rounding
+      const A a = e.pt > A(0) ? c.beta * e.pt * ut : A(0);
+      const A b = e.ps > A(0) ? (A(1) - c.beta) * e.ps * us : A(0);
+      entry = a + b > A(0) ? a + b : A(0);  // (NaN stays NaN)
+      if (a + b != a + b) entry = a + b;
+    }
+    acc.loss += entry;
+    if (KS) acc.ks += e.ps > A(0) ? e.ps * us : A(0);
+    if (KT) acc.kt += e.pt > A(0) ? e.pt * ut : A(0);
   }
 }
 
+// Which row sums a mode's gradients need: the student's gradient needs ks unless forward KL, the teacher's kt
+// unless reverse KL.
+template <int MODE> constexpr bool student_needs_k() { return MODE != FORWARD_KL; }
+template <int MODE> constexpr bool teacher_needs_k() { return MODE != REVERSE_KL; }
+
 // d loss / d a_v (a = student logits / T) of an entry whose own probability is e.ps, before the 1/T and the
 // reduction's scale: ps - pt (forward), ps (u_s - ks) (reverse), (1 - beta) ps (u_s - ks) (JSD).
-template <int MODE, bool LOWP, typename A> DS_HD A student_grad(const Point<A>& e, const RowConst<A>& c, A ks) {
+template <int MODE, typename A> DS_HD A student_grad(const Point<A>& e, const RowConst<A>& c, A ks) {
   if (MODE == FORWARD_KL) return e.ps - e.pt;
   if (!(e.ps > A(0))) return e.ps != e.ps ? e.ps : A(0);  // NaN stays NaN; no mass, no gradient
   if (MODE == REVERSE_KL) return e.ps * (-e.d - ks);
   A us, ut;
-  mixture_u<LOWP>(e, c, us, ut);
+  mixture_u(e, c, us, ut);
   return (A(1) - c.beta) * e.ps * (us - ks);
 }
 
 // d loss / d b_v (b = teacher logits / T): pt (u_t - kt) (forward), pt - ps (reverse), beta pt (u_t - kt) (JSD).
-template <int MODE, bool LOWP, typename A> DS_HD A teacher_grad(const Point<A>& e, const RowConst<A>& c, A kt) {
+template <int MODE, typename A> DS_HD A teacher_grad(const Point<A>& e, const RowConst<A>& c, A kt) {
   if (MODE == REVERSE_KL) return e.pt - e.ps;
   if (!(e.pt > A(0))) return e.pt != e.pt ? e.pt : A(0);
   if (MODE == FORWARD_KL) return e.pt * (e.d - kt);
   A us, ut;
-  mixture_u<LOWP>(e, c, us, ut);
+  mixture_u(e, c, us, ut);
   return c.beta * e.pt * (ut - kt);
 }
 
@@ -239,15 +281,15 @@ template <typename A> DS_HD RowNorms<A> row_norms(Norm<A> s, Norm<A> t) {
 template <typename A> DS_HD A log2_prob(A x, A k2, const Norm<A>& n) { return (x * k2 - n.mx) - n.lz; }
 
 // The point of an entry from its logits xs, xt (not yet scaled; k2 = log2(e) / T) and the rows' normalisers.
-// d = lt - ls two ways: where the rows share an offset (close maxima), from the logits' difference first,
-// (xt - xs) k2 - dmx - dlz: exact for 16-bit logits and keeping u's digits where the distributions nearly
-// agree; otherwise from each row's shifted logit, (b - mt) - (a - ms) - dlz: exact near each maximum, where
-// the mass is.
-template <typename A> DS_HD Point<A> make_point(A xs, A xt, A k2, const RowNorms<A>& r) {
+// d = lt - ls two ways (CLOSE is r.close, a row's constant, hoisted out of the entries' loop by the callers):
+// where the rows share an offset, from the logits' difference first, (xt - xs) k2 - dmx - dlz: exact for 16-bit
+// logits and keeping u's digits where the distributions nearly agree; otherwise from each row's shifted logit,
+// (b - mt) - (a - ms) - dlz: exact near each maximum, where the mass is.
+template <bool CLOSE, typename A> DS_HD Point<A> make_point(A xs, A xt, A k2, const RowNorms<A>& r) {
   Point<A> e;
   const A as = xs * k2 - r.s.mx, at = xt * k2 - r.t.mx;  // shifted scaled logits, base 2
   const A ls2 = as - r.s.lz, lt2 = at - r.t.lz;
-  const A d2 = r.close ? ((xt - xs) * k2 - r.dmx) - r.dlz : (at - as) - r.dlz;
+  const A d2 = CLOSE ? ((xt - xs) * k2 - r.dmx) - r.dlz : (at - as) - r.dlz;
   e.ps = d_exp2(ls2);
   e.pt = d_exp2(lt2);
   e.ls = ls2 * A(kLn2);

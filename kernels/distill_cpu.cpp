@@ -50,13 +50,19 @@ template <typename T, typename A> Norm<A> row_norm(const T* x, int64_t v, A k2) 
   return {mx, d_log2(static_cast<A>(sum))};
 }
 
+// An entry's point (the row's `close` chooses make_point's form; the CPU needs no hoisting).
+template <typename T, typename A> Point<A> point_at(T xs, T xt, A k2, const RowNorms<A>& rn) {
+  return rn.close ? make_point<true>(static_cast<A>(xs), static_cast<A>(xt), k2, rn)
+                  : make_point<false>(static_cast<A>(xs), static_cast<A>(xt), k2, rn);
+}
+
 // Loss and gradient sums of a row given both log-normalisers.
 template <typename T, int MODE, typename A>
 Terms<double> row_terms(const T* s, const T* t, int64_t v, A k2, const RowNorms<A>& rn, const RowConst<A>& c) {
   Terms<double> acc{0.0, 0.0, 0.0};
   for (int64_t j = 0; j < v; ++j) {
     Terms<A> e{A(0), A(0), A(0)};
-    point_terms<MODE, false>(make_point(static_cast<A>(s[j]), static_cast<A>(t[j]), k2, rn), c, e);
+    point_terms<MODE, true, true>(point_at(s[j], t[j], k2, rn), c, e);
     acc.loss += e.loss;
     acc.ks += e.ks;
     acc.kt += e.kt;
@@ -69,9 +75,9 @@ template <typename T, int MODE, typename A>
 void row_grad(const T* s, const T* t, int64_t v, A k2, const RowNorms<A>& rn, const RowConst<A>& c, A ks, A kt,
               A scale, T* gs, T* gt) {
   for (int64_t j = 0; j < v; ++j) {
-    const Point<A> e = make_point(static_cast<A>(s[j]), static_cast<A>(t[j]), k2, rn);
-    if (gs) gs[j] = static_cast<T>(student_grad<MODE, false>(e, c, ks) * scale);
-    if (gt) gt[j] = static_cast<T>(teacher_grad<MODE, false>(e, c, kt) * scale);
+    const Point<A> e = point_at(s[j], t[j], k2, rn);
+    if (gs) gs[j] = static_cast<T>(student_grad<MODE>(e, c, ks) * scale);
+    if (gt) gt[j] = static_cast<T>(teacher_grad<MODE>(e, c, kt) * scale);
   }
 }
 
@@ -114,17 +120,17 @@ A row_topk(const T* s, int64_t v, const int64_t* idx, const A* lp, int64_t k, A 
   const int64_t buckets = k < v ? k + 1 : k;
   for (int64_t j = 0; j < buckets; ++j) {
     acc = Terms<A>{A(0), A(0), A(0)};
-    point_terms<MODE, false>(j < k ? member(j) : tail, c, acc);
+    point_terms<MODE, true, true>(j < k ? member(j) : tail, c, acc);
     loss += acc.loss;
     ks += acc.ks;
   }
   if (gs) {
     // Tail entries share their bucket's gradient in proportion to their probability.
-    const A tail_coef = tail.ps > A(0) ? student_grad<MODE, false>(tail, c, static_cast<A>(ks)) / tail.ps : A(0);
+    const A tail_coef = tail.ps > A(0) ? student_grad<MODE>(tail, c, static_cast<A>(ks)) / tail.ps : A(0);
     for (int64_t j = 0; j < v; ++j)
       if (!mark[j]) gs[j] = static_cast<T>(d_exp2(log2_p(j)) * tail_coef * scale);
     for (int64_t j = 0; j < k; ++j)
-      gs[idx[j]] = static_cast<T>(student_grad<MODE, false>(member(j), c, static_cast<A>(ks)) * scale);
+      gs[idx[j]] = static_cast<T>(student_grad<MODE>(member(j), c, static_cast<A>(ks)) * scale);
   }
   return static_cast<A>(loss);
 }

@@ -50,6 +50,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--once", action="store_true", help="one call per configuration (for ncu), no timing")
     ap.add_argument("--smem-kib", default="", help="comma list of KLDIV_DISTILL_SMEM_KIB values to sweep")
     ap.add_argument("--threads", default="", help="comma list of KLDIV_DISTILL_THREADS values to sweep")
     args = ap.parse_args()
@@ -70,6 +71,12 @@ def main():
     floor2 = 2 * nbytes / read_gbps / 1e6
     print(f"read {read_gbps:.0f} GB/s; floor fwd+bwd {floor3:.3f} ms, fwd {floor2:.3f} ms", flush=True)
     mod = K.load("cuda", extension="distill")
+    if args.once:  # e.g. ncu --clock-control none -k regex:rows_kernel python tools/distill_probe.py --once
+        for beta in (0.0, 0.5):
+            mod.distill_forward(s, t, None, None, lab, -100, beta, 2.0, 2, True, False)
+        mod.distill_forward(s, t, None, None, lab, -100, 0.0, 2.0, 2, False, False)
+        torch.cuda.synchronize()
+        return
     rows = []
 
     def add(name, ms, floor, extra=""):
