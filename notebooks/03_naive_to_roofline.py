@@ -250,11 +250,11 @@ step("kldiv_inline", K.kl_div_from_probs, small, small_inputs)
 # beside it. Sources are compiled with `#line` directives, so a compiler error names the real file and line,
 # and `KernelBuildError.errors` holds those lines.
 #
-# Below, a copy of a kernel in a temporary folder: on a GPU, `v3_ratio_log.cu` with its bindings (we change
-# its block size); without one, a tiny C++ module in plain CPython API (no torch headers: it compiles in
-# about a second) whose only function returns a constant. The builds of this section go to a temporary
-# cache, removed at the end. (For the kit's own kernels the loop is the same: edit `kernels/kldiv.cu`, then
-# `kldiv_inline.ops.reload()`.)
+# Below, a copy of a kernel in a temporary folder: on a GPU, `v3_ratio_log.cu` with the header and bindings
+# it shares with the other variants (we change its block size); without one, a tiny C++ module in plain
+# CPython API (no torch headers: it compiles in about a second) whose only function returns a constant. The
+# builds of this section go to a temporary cache, removed at the end. (For the kit's own kernels the loop is
+# the same: edit `kernels/kldiv.cu`, then `kldiv_inline.ops.reload()`.)
 
 # %%
 import shutil
@@ -278,7 +278,7 @@ PyMODINIT_FUNC CAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create
 """
 
 if DEVICE == "cuda":
-    for name in ("v3_ratio_log.cu", "variant_bindings.cpp"):
+    for name in ("v3_ratio_log.cu", "variant_common.cuh", "variant_bindings.cpp"):
         shutil.copy(variants_dir() / name, WORK / name)
     SOURCES = [WORK / "v3_ratio_log.cu", WORK / "variant_bindings.cpp"]
     ORIGINAL, EDITED = "constexpr int kThreads = 512;", "constexpr int kThreads = 256;"
