@@ -42,7 +42,7 @@ if (ROOT / "kldiv_inline").is_dir() and str(ROOT) not in sys.path:
 import matplotlib.pyplot as plt
 
 import kldiv_inline as K
-from kldiv_inline import plots
+from kldiv_inline import harness, plots
 
 # %matplotlib inline
 
@@ -72,6 +72,8 @@ print(module.__file__)
 # disagree on where the NaN and infinite values are.
 
 # %%
+from IPython.display import display
+
 from kldiv_inline.reference import kl_div_reference, probability_rows, relative_error
 
 p = probability_rows(64, 1000, device=DEVICE)
@@ -89,27 +91,54 @@ print(f"relative error {relative_error(ours, ref):.1e}")
 # behind a sum. The three forms are PyTorch's (`input` = log-probabilities), the same with `log_target=True`,
 # and the fused probability form. `"mean"` divides by every element, not by the batch, and warns as PyTorch
 # does; the warning is silenced here.
+#
+# From here on the comparisons go through `harness.check`, the kit's one check for any op (the notebook 4
+# uses it on a kernel of its own): it runs the reference on the same inputs upcast to float64, runs the op
+# with fresh memory poisoned (NaN: an element a kernel forgets to write cannot pass), and compares output by
+# output (shape, NaN and inf in the same places, relative error against the dtype's tolerance).
 
 # %%
 import warnings
 
+import pandas as pd
+
 from kldiv_inline.ops import REDUCTIONS
 
 logp = p.log()
-FORMS = [  # (name, op, input, target, log_target, from_probs)
-    ("probs", K.kl_div_from_probs, p, t, False, True),
-    ("logprobs", K.kl_div, logp, t, False, False),
-    ("log_target", K.kl_div, logp, t.log(), True, False),
-]
-print(f"{'reduction':<11}{'form':<12}{'shape':>12}{'rel err':>10}")
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    for reduction in REDUCTIONS:
-        for name, op, x, y, log_target, from_probs in FORMS:
-            out = op(x, y, reduction=reduction, log_target=log_target)
-            ref = kl_div_reference(x, y, reduction, log_target, from_probs)
-            assert out.shape == ref.shape and out.dtype == x.dtype
-            print(f"{reduction:<11}{name:<12}{str(tuple(out.shape)):>12}{relative_error(out, ref):>10.1e}")
+FORMS = {  # name: (our op, its inputs, log_target, from_probs)
+    "probs": (K.kl_div_from_probs, (p, t), False, True),
+    "logprobs": (K.kl_div, (logp, t), False, False),
+    "log_target": (K.kl_div, (logp, t.log()), True, False),
+}
+
+
+def check_forms(provider, reference, **options):
+    """harness.check of provider(op, reduction, log_target) against reference(reduction, log_target,
+    from_probs), for every reduction and form: one frame, one row each."""
+    frames = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for reduction in REDUCTIONS:
+            for name, (op, args, log_target, from_probs) in FORMS.items():
+                case = harness.Case(f"{reduction} {name}", args, {"reduction": reduction, "form": name})
+                frames.append(harness.check({"kldiv_inline": provider(op, reduction, log_target)},
+                                            reference(reduction, log_target, from_probs), [case], **options))
+    return pd.concat(frames, ignore_index=True)
+
+
+def loss(op, reduction, log_target):
+    return lambda x, y: op(x, y, reduction=reduction, log_target=log_target)
+
+
+def reference_loss(reduction, log_target, from_probs):
+    return lambda x, y: kl_div_reference(x, y, reduction, log_target, from_probs)
+
+
+checked = check_forms(loss, reference_loss)
+display(checked.pivot_table(index="reduction", columns="form", values="rel_err", sort=False))
+assert checked["ok"].all(), checked[~checked["ok"]]
+for op, args, log_target, _ in FORMS.values():  # the result's dtype is the inputs', as PyTorch's
+    assert all(loss(op, r, log_target)(*args).dtype == args[0].dtype for r in ("none", "sum"))
 
 # %% [markdown]
 # ## Dtypes
@@ -117,17 +146,16 @@ with warnings.catch_warnings():
 # float16 and bfloat16 inputs are computed in float32; float32 sums stay in float32 for a few terms per
 # thread and go on in double; float64 is float64 throughout. The reference takes the same (rounded) inputs,
 # so the error below is the kernel's own, including the rounding of the result to the input's dtype.
-# Tolerances are `check.TOLERANCE`: a few units of each dtype's rounding.
+# Tolerances are `harness.TOLERANCE`: a few units of each dtype's rounding.
 
 # %%
-from kldiv_inline.check import TOLERANCE
+from kldiv_inline.harness import TOLERANCE
 
-for dtype, tol in TOLERANCE.items():
-    x, y = p.to(dtype), t.to(dtype)
-    out = K.kl_div_from_probs(x, y)
-    err = relative_error(out, kl_div_reference(x, y, "batchmean", from_probs=True))
-    print(f"{str(dtype):<16} result {str(out.dtype):<16} rel err {err:.1e}  tolerance {tol:.0e}")
-    assert out.dtype == dtype and err <= tol
+by_dtype = [harness.Case(str(dtype).removeprefix("torch."), (p.to(dtype), t.to(dtype))) for dtype in TOLERANCE]
+checked = harness.check({"kldiv_inline": K.kl_div_from_probs}, reference_loss("batchmean", False, True), by_dtype)
+display(checked[["case", "rel_err", "tol", "ok"]])
+assert checked["ok"].all()
+assert all(K.kl_div_from_probs(*case.args).dtype == case.args[0].dtype for case in by_dtype)
 
 # %% [markdown]
 # ## Shapes and memory layouts
@@ -191,33 +219,33 @@ with warnings.catch_warnings():
 # the target, for every reduction (a random weighting stands for the upstream gradient of `"none"`). When
 # the input requires grad and the loss is reduced, the forward pass already writes d loss / d input (one
 # write more, no extra read) and backward only scales it: the training step costs one pass over the data.
+#
+# The providers return both gradients; `setup` gives every call (the reference's too) fresh leaves that
+# require grad. The tolerance is two roundings of float32: the fused gradient is rounded when written and
+# again when scaled by the upstream gradient.
 
 # %%
 weight = torch.randn(p.shape, dtype=torch.float64, device=DEVICE)
 
 
-def gradients(op, x, y, reduction, log_target):
-    """d loss / d input and d loss / d target by autograd."""
-    x, y = x.detach().requires_grad_(), y.detach().requires_grad_()
-    loss = op(x, y, reduction=reduction, log_target=log_target)
-    loss.backward(weight.to(loss.dtype) if reduction == "none" else None)
-    return x.grad, y.grad
+def gradients(loss_fn, reduction):
+    """d loss / d input and d loss / d target by autograd, through loss_fn."""
+    def grads(x, y):
+        out = loss_fn(x, y)
+        out.backward(weight.to(out.dtype) if reduction == "none" else None)
+        return x.grad, y.grad
+    return grads
 
 
-def reference_op(from_probs):
-    return lambda x, y, reduction, log_target: kl_div_reference(x, y, reduction, log_target, from_probs)
+def leaves(x, y):
+    return x.detach().requires_grad_(), y.detach().requires_grad_()
 
 
-print(f"{'reduction':<11}{'form':<12}{'d/d input':>10}{'d/d target':>12}")
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    for reduction in REDUCTIONS:
-        for name, op, x, y, log_target, from_probs in FORMS:
-            gx, gy = gradients(op, x, y, reduction, log_target)
-            rx, ry = gradients(reference_op(from_probs), x.double(), y.double(), reduction, log_target)
-            ex, ey = relative_error(gx, rx), relative_error(gy, ry)
-            print(f"{reduction:<11}{name:<12}{ex:>10.1e}{ey:>12.1e}")
-            assert max(ex, ey) <= 2e-5  # float32: a couple of roundings
+checked = check_forms(lambda op, r, lt: gradients(loss(op, r, lt), r),
+                      lambda r, lt, fp: gradients(reference_loss(r, lt, fp), r),
+                      setup=leaves, tolerance={torch.float32: 2e-5})
+display(checked.pivot_table(index="reduction", columns="form", values="rel_err", sort=False))
+assert checked["ok"].all(), checked[~checked["ok"]]
 
 # %% [markdown]
 # `torch.autograd.gradcheck` compares those gradients with finite differences, in float64, for both
@@ -364,7 +392,7 @@ if seed is not None:
 # float32 sums per thread and add those in double, so the error should stay flat as $n$ grows. Below:
 # `batchmean` of rows of 1024 probabilities (softmax of unit-variance logits, so that none rounds to 0 in
 # 16 bits) against float64 of the same rounded inputs, per dtype, over `SWEEP_NUMEL` elements. Dotted lines:
-# the tolerances of `check.TOLERANCE`. For 16-bit inputs the error is mostly the rounding of the result
+# the tolerances of `harness.TOLERANCE`. For 16-bit inputs the error is mostly the rounding of the result
 # itself to 16 bits.
 
 # %%
@@ -373,11 +401,12 @@ errors = {dtype: [] for dtype in TOLERANCE}
 for numel in SWEEP_NUMEL:
     p64 = probability_rows(numel // FEATURES, FEATURES, dtype=torch.float64, device=DEVICE, scale=1.0)
     t64 = probability_rows(numel // FEATURES, FEATURES, dtype=torch.float64, device=DEVICE, scale=1.0)
-    for dtype in TOLERANCE:
-        x, y = p64.to(dtype), t64.to(dtype)
-        err = relative_error(K.kl_div_from_probs(x, y), kl_div_reference(x, y, "batchmean", from_probs=True))
-        errors[dtype].append(err)
+    cases = [harness.Case(str(dtype), (p64.to(dtype), t64.to(dtype))) for dtype in TOLERANCE]
     del p64, t64
+    checked = harness.check({"kldiv_inline": K.kl_div_from_probs}, reference_loss("batchmean", False, True), cases)
+    for dtype, err in zip(TOLERANCE, checked["rel_err"]):
+        errors[dtype].append(err)
+    del cases
 
 fig, ax = plt.subplots(figsize=(6.4, 4.2))
 for (dtype, errs), color in zip(errors.items(), plt.cm.tab10.colors):

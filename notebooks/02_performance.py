@@ -1,11 +1,14 @@
 # %% [markdown]
 # # 2. Performance: the kit's op against PyTorch eager, torch.compile and Liger
 #
-# The same harness as `python -m kldiv_inline bench` (`kldiv_inline.bench`): every provider is checked
-# against float64 before it is timed (a wrong one is reported, not timed); CUDA events after warm-up, the L2
-# cache flushed before each call when the inputs fit in it, inputs rotated among several sets; the median
-# with 20% and 80% quantiles. The **floor** is the bytes that must move (each input read once; for
-# forward + backward the gradient written once too) over the read bandwidth measured at the start.
+# The same code as `python -m kldiv_inline bench` (`kldiv_inline.bench`, the KL suite on the kit's one
+# harness, `kldiv_inline.harness`): every provider is checked against float64 before it is timed (a wrong
+# one is reported, not timed); CUDA events after warm-up, the L2 cache flushed before each call when the
+# inputs fit in it, inputs rotated among several sets; the median with 20% and 80% quantiles. The **floor**
+# is the bytes that must move (each input read once; for forward + backward the gradient written once too)
+# over the best read bandwidth measured at the start (`kldiv_inline.floors`: PyTorch's `x.sum()` and, on a
+# GPU, the kit's own read kernel); on a card it knows, each row also gives the percentage of the vendor's
+# peak bandwidth.
 #
 # The figures are drawn by `kldiv_inline.plots`, the functions that draw `results/<device>/*.png`, so the
 # last section can lay this run beside the committed results of the same device.
@@ -28,7 +31,7 @@ FULL = os.environ.get("KLDIV_NB_FULL", "1" if DEVICE == "cuda" else "0") == "1"
 QUICK_FEATURES = 1024
 QUICK_BATCHES = (16, 64, 256, 1024)
 REPS = 30 if FULL else 5  # timed calls per provider and case
-BANDWIDTH_BYTES = 1 << 30 if DEVICE == "cuda" else 64 << 20  # buffer of the read-bandwidth measurement
+BANDWIDTH_BYTES = 1 << 30 if DEVICE == "cuda" else 64 << 20  # buffer of the floor's read-bandwidth measurement
 
 # %%
 import sys
@@ -57,7 +60,7 @@ print(f"device {DEVICE}, FULL={FULL}, torch {torch.__version__}")
 # L2 cache.
 
 # %%
-from kldiv_inline import bench
+from kldiv_inline import bench, floors
 
 TIMER = "cuda" if DEVICE == "cuda" else "wall"
 if FULL:
@@ -71,30 +74,31 @@ for case in headline + sweep:
     print(f"{'headline' if case in headline else 'sweep':<9}{case.form:<9}{str(case.dtype):<15}"
           f"{case.batch:>6} x {case.features:<7}{', '.join(case.passes):<14}timer {case.timer}")
 
-read_gbps, copy_gbps = bench.read_bandwidth_gbps(DEVICE, BANDWIDTH_BYTES)
-print(f"\nmeasured on {DEVICE}: read {read_gbps:.0f} GB/s, copy {copy_gbps:.0f} GB/s (read + write)")
+floor = floors.measure_floor(DEVICE, BANDWIDTH_BYTES)
+sources = ", ".join(f"{name} {gbps:.0f}" for name, gbps in floor.sources.items())
+print(f"\nfloor on {DEVICE}: {floor.gbps:.0f} GB/s from {floor.source} (GB/s read by {sources}); "
+      f"vendor peak: {floors.device_peak_gbps(DEVICE) or 'not known here'}")
 
 # %% [markdown]
 # ## Timing
 #
-# `bench.run_case` times our op and the peers that exist on this device (`bench.providers`: on a GPU
-# torch.compile, and Liger when it is installed) on each case and returns one row per provider and pass;
-# `bench.table` prints them. The first torch.compile call of a shape includes its compilation; warm-up
-# calls absorb it.
+# `bench.run_case` hands our op and the peers that exist on this device (`bench.providers`: on a GPU
+# torch.compile, and Liger when it is installed) to `harness.bench`, one case per pass, and returns one row
+# per provider and pass; `bench.table` prints them. The first torch.compile call of a shape includes its
+# compilation; warm-up calls absorb it.
 
 # %%
-flush = bench.L2Flush(DEVICE)
 rows = {"headline": [], "sweep": []}
 t0 = time.perf_counter()
 for kind, cases in (("headline", headline), ("sweep", sweep)):
     for case in cases:
-        rows[kind] += bench.run_case(case, DEVICE, read_gbps, variants=[], reps=REPS, warmup=3, flush=flush)
+        rows[kind] += bench.run_case(case, DEVICE, floor, variants=[], reps=REPS, warmup=3)
 print(bench.table(rows["headline"] + rows["sweep"]))
 print(f"\n{time.perf_counter() - t0:.0f} s")
 missing = sorted({r["impl"] for r in rows["sweep"] if r["status"] == "not installed"})
 if missing:
     print("not installed here:", ", ".join(missing))
-bad = [r for r in rows["headline"] + rows["sweep"] if r["impl"] == "kldiv_inline" and r["status"] != "ok"]
+bad = [r for r in rows["headline"] + rows["sweep"] if r["impl"] == bench.OURS and r["status"] != "ok"]
 assert not bad, bad
 
 # %% [markdown]
@@ -103,7 +107,7 @@ assert not bad, bad
 # The rows go through the files the CLI writes (`bench.write_csv`, then `plots.load_bench`, here in a
 # temporary folder), so the frame is exactly what the committed plots are drawn from. For every swept
 # (pass, form, dtype): time per call against size (log-log, 20-80% bands, the floor dashed), and the
-# achieved bandwidth (bytes that must move / time) against the measured read bandwidth. Then the speed-up
+# achieved bandwidth (bytes that must move / time) against the floor's bandwidth. Then the speed-up
 # of our op over each peer at the headline cases: above 1, ours is faster.
 #
 # On a CPU, inputs of a few MiB sit in its caches, so times under the "floor" (measured on a buffer of
@@ -121,34 +125,31 @@ def frame(rows):
     return plots.load_bench(bench.write_csv(rows, SCRATCH / "bench.csv"))
 
 
-def show_bench(df, read_gbps, title, cases=None):
+def show_bench(df, floor_gbps, title, cases=None):
     """Time and bandwidth against size for each swept (pass, form, dtype), then the speed-ups."""
     for pass_, form, dtype in sorted(set(zip(df["pass"], df["form"], df["dtype"]))):
         if plots.sweep_frame(df, pass_, form, dtype)["numel"].nunique() < 2:
             continue  # a single size: no curve to draw
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-        plots.plot_time_vs_size(df, pass_, form, dtype, ax=axes[0])
-        plots.plot_bandwidth(df, pass_, form, dtype, read_gbps, ax=axes[1])
+        plots.plot_time_vs_size(df, pass_, form, dtype, ax=axes[0], ours=bench.OURS)
+        plots.plot_bandwidth(df, pass_, form, dtype, floor_gbps, ax=axes[1], ours=bench.OURS)
         fig.suptitle(title, fontsize=9)
         fig.tight_layout()
         plt.show()
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    plots.plot_speedups(df, cases=cases, ax=ax)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    plots.plot_speedups(df, bench.OURS, cases=cases, title=title)
     plt.show()
 
 
 df = frame(rows["headline"] + rows["sweep"])
-HEADLINE_CASES = list(plots.headline_frame(frame(rows["headline"]))["case"].unique())
-show_bench(df, read_gbps, f"this run: {DEVICE}, torch {torch.__version__}", cases=HEADLINE_CASES)
+HEADLINE_CASES = list(plots.headline_frame(frame(rows["headline"]), bench.OURS)["case"].unique())
+show_bench(df, floor.gbps, f"this run: {DEVICE}, torch {torch.__version__}", cases=HEADLINE_CASES)
 
 # %% [markdown]
 # At the headline cases, each provider's time, its ratio to ours and its distance from the floor
 # (`plots.headline_frame`, the table behind the bars):
 
 # %%
-(plots.headline_frame(frame(rows["headline"]))
+(plots.headline_frame(frame(rows["headline"]), bench.OURS)
  .pivot_table(index="case", columns="impl", values=["median_ms", "x_floor"])
  .round(3))
 
@@ -156,7 +157,7 @@ show_bench(df, read_gbps, f"this run: {DEVICE}, torch {torch.__version__}", case
 # ## The committed results of this device
 #
 # `make results` on a machine writes `results/<device>/bench.csv` and `env.json` (card, commit, command,
-# measured bandwidth). If this device has a folder there, the cell draws it with the same function as this
+# the floor's bandwidth). If this device has a folder there, the cell draws it with the same function as this
 # run, so the two can be compared figure by figure. Expect differences where a size is launch-bound (host
 # speed) and on a different card.
 
@@ -167,9 +168,10 @@ committed = ROOT / "results" / device_slug(DEVICE)
 if (committed / "bench.csv").exists():
     env_file = committed / "env.json"
     env = json.loads(env_file.read_text()) if env_file.exists() else {}
-    print({k: env.get(k) for k in ("device_name", "torch", "commit", "command", "date_utc", "read_gbps")})
-    show_bench(plots.load_bench(committed / "bench.csv"), env.get("read_gbps"),
-               f"committed: {committed.relative_to(ROOT)}")
+    floor_gbps = env.get("floor_gbps", env.get("read_gbps"))  # runs before the kit's read kernel: read_gbps
+    print({k: env.get(k) for k in ("device_name", "torch", "commit", "command", "date_utc")})
+    print(f"floor {floor_gbps} GB/s")
+    show_bench(plots.load_bench(committed / "bench.csv"), floor_gbps, f"committed: {committed.relative_to(ROOT)}")
 else:
     folders = sorted(p.parent.name for p in (ROOT / "results").glob("*/bench.csv"))
     print(f"no committed results for this device ({committed.relative_to(ROOT)}); "

@@ -58,63 +58,61 @@ print(f"device {DEVICE}, FULL={FULL}, torch {torch.__version__}")
 # %% [markdown]
 # ## The floor
 #
-# Reading both inputs once at the read bandwidth measured on this device (a `sum` over
-# `BANDWIDTH_BYTES`): that is the time of a kernel that does nothing but read. On an H200, measured in one
-# run: 4279 GB/s, so 0.50 ms for the two 1 GiB inputs.
+# Reading both inputs once at the best read bandwidth measured on this device (`kldiv_inline.floors`: a
+# `sum` over `BANDWIDTH_BYTES` and, on a GPU, the kit's own read kernel, `kernels/read_floor.cu`): that is
+# the time of a kernel that does nothing but read. On an H200, measured in one run with `x.sum()`: 4279 GB/s,
+# so 0.50 ms for the two 1 GiB inputs.
 
 # %%
-from kldiv_inline import bench
-from kldiv_inline.reference import kl_div_reference, relative_error
+from kldiv_inline import bench, floors, harness
 from kldiv_inline.variants import load_variant, variant_names, variants_dir
 
-read_gbps, _ = bench.read_bandwidth_gbps(DEVICE, BANDWIDTH_BYTES)
+floor = floors.measure_floor(DEVICE, BANDWIDTH_BYTES)
 TIMER = "cuda" if DEVICE == "cuda" else "wall"
 case = bench.Case("probs", torch.float32, BATCH, FEATURES, ("fwd",), TIMER)
-floor_ms = case.bytes_moved("fwd") / read_gbps / 1e6
-print(f"{DEVICE}: read {read_gbps:.0f} GB/s; {BATCH} x {FEATURES} float32, "
+floor_ms = floor.ms(case.bytes_moved("fwd"))
+print(f"{DEVICE}: read {floor.gbps:.0f} GB/s ({floor.source}); {BATCH} x {FEATURES} float32, "
       f"{case.bytes_moved('fwd') / 2**30:.3f} GiB to read: floor {floor_ms:.4f} ms")
 print("variants:", ", ".join(variant_names()))
 
 # %% [markdown]
-# Each step goes through `step`: `bench.check_provider` compares the loss with float64 first (a wrong
-# kernel is reported and not timed), then `bench.time_cuda` (CUDA events; the L2 cache flushed before each
-# call when the inputs fit in it) or `bench.time_wall` (back-to-back calls from Python, one synchronisation
-# per 50 on a GPU). The rows have the bench CSV's columns. (On a CPU, inputs of a few MiB sit in its caches:
-# times under the floor are possible there.)
+# Each step goes through `step`, which hands the kernel to the kit's harness, as `python -m kldiv_inline
+# bench` does: `harness.bench` checks the loss against PyTorch's in float64 first (a wrong kernel is
+# reported and not timed), then times it with CUDA events (the L2 cache flushed before each call when the
+# inputs fit in it) or, for a `wall` case, back to back from Python (one synchronisation per 50 calls on a
+# GPU). `rows` keeps the harness's rows. (On a CPU, inputs of a few MiB sit in its caches: times under the
+# floor are possible there.)
 
 # %%
 x, t = bench.make_inputs(case, DEVICE)
-flush = bench.L2Flush(DEVICE)
+REFERENCE = bench.reference("probs", "fwd")  # F.kl_div(torch.log(p), t, "batchmean"), run in float64
 rows = []
 
 
 def step(impl, fn, case=case, inputs=(x, t)):
-    """Check fn against float64, then time it; print one line and keep a row like bench's."""
-    floor = case.bytes_moved("fwd") / read_gbps / 1e6
-    row = {"device": DEVICE, "impl": impl, "pass": "fwd", "form": case.form, "dtype": "float32",
-           "batch": case.batch, "features": case.features, "floor_ms": floor, "timer": case.timer}
-    row["rel_err"] = err = bench.check_provider(fn, *inputs, case, "fwd")
-    if not err <= bench.TOL[case.dtype]:
-        print(f"{impl:<16} WRONG: relative error {err:.1e}, not timed")
-        rows.append({**row, "status": "wrong"})
+    """Check fn against float64, then time it (harness.bench); print one line and keep the row."""
+    shape = {"batch": case.batch, "features": case.features}
+    hcase = harness.Case(f"{case.batch}x{case.features}", inputs, shape)
+    r = harness.bench({impl: fn}, [hcase], reference=REFERENCE, bytes_moved=lambda *_: case.bytes_moved("fwd"),
+                      timer=case.timer, reps=REPS, warmup=3, floor=floor, inference_mode=True).iloc[0]
+    rows.append(r.to_dict())
+    if r.status != "ok":
+        print(f"{impl:<16} {r.status.upper()}: relative error {r.rel_err:.1e}, not timed")
         return
-    with torch.inference_mode():
-        if case.timer == "wall" or DEVICE != "cuda":
-            times = bench.time_wall(fn, [inputs], REPS, 3, DEVICE, inner=50 if DEVICE == "cuda" else 1)
-        else:
-            fits = case.bytes_moved("fwd") <= 2 * bench.l2_bytes(DEVICE)
-            times = bench.time_cuda(fn, [inputs], REPS, 3, flush if fits else None)
-    med, q20, q80 = bench.quantiles(times)
-    rows.append({**row, "median_ms": med, "q20_ms": q20, "q80_ms": q80, "status": "ok",
-                 "gbps": case.bytes_moved("fwd") / med / 1e6, "x_floor": med / floor})
-    print(f"{impl:<16} rel err {err:.1e}   {med:9.4f} ms  ({q20:.4f}-{q80:.4f})   {med / floor:6.2f} x floor")
+    peak = f"   {r.pct_of_peak:5.1f}% of peak" if r.pct_of_peak == r.pct_of_peak else ""  # NaN off a known card
+    print(f"{impl:<16} rel err {r.rel_err:.1e}   {r.median_ms:9.4f} ms  ({r.q20_ms:.4f}-{r.q80_ms:.4f})   "
+          f"{r.x_floor:6.2f} x floor{peak}")
 
 
 def run_variant(name, case=case, inputs=(x, t)):
     if DEVICE != "cuda":
         print(f"{name:<16} skipped: the variants are CUDA kernels and there is no GPU here")
         return
-    step(name, load_variant(name).kl_div_probs_batchmean, case, inputs)
+    fn = load_variant(name).kl_div_probs_batchmean
+    if name == "v0_seed":  # its result has shape [1] (notebook 1): compare and time its value as a 0-d view
+        step(name, lambda p, t: fn(p, t).reshape(()), case, inputs)
+    else:
+        step(name, fn, case, inputs)
 
 
 # %% [markdown]
@@ -215,9 +213,9 @@ for impl, fn in bench.providers(case, DEVICE, [], "fwd").items():
 # %%
 done = [r for r in rows if r["status"] == "ok" and r["batch"] == BATCH]
 fig, ax = plt.subplots(figsize=(7, 0.45 * len(done) + 1.2))
-ax.barh([r["impl"] for r in done], [r["median_ms"] for r in done],
+ax.barh([r["provider"] for r in done], [r["median_ms"] for r in done],
         xerr=[[r["median_ms"] - r["q20_ms"] for r in done], [r["q80_ms"] - r["median_ms"] for r in done]],
-        color=[plots.COLORS.get(r["impl"], "tab:gray") for r in done])
+        color=[plots.COLORS.get(r["provider"], "tab:gray") for r in done])
 ax.axvline(floor_ms, color="k", ls="--", lw=1, label=f"floor {floor_ms:.3f} ms")
 ax.invert_yaxis()
 ax.set_xlabel("median time per call (ms)")
@@ -298,14 +296,13 @@ def edit(old, new):
 
 
 def build():
-    """load_sources, timed; then what the module computes."""
+    """load_sources, timed; then what the module computes (on a GPU: the loss, checked by the harness)."""
     t0 = time.perf_counter()
     mod = K.load_sources(SOURCES)
     print(f"module {mod.__name__}, ready in {time.perf_counter() - t0:.2f} s")
     if DEVICE == "cuda":
-        loss = mod.kl_div_probs_batchmean(x, t)
-        ref = kl_div_reference(x, t, "batchmean", from_probs=True)
-        print(f"  loss {loss.item():.6f}, rel err {relative_error(loss, ref):.1e}")
+        checked = harness.check({"edited": mod.kl_div_probs_batchmean}, REFERENCE, [harness.Case("loss", (x, t))])
+        print(f"  rel err {checked['rel_err'].iloc[0]:.1e}, ok: {checked['ok'].iloc[0]}")
     else:
         print(f"  value() = {mod.value()}")
     return mod
