@@ -5,6 +5,9 @@
     K.kl_div_from_probs(probs, target)                        # F.kl_div(torch.log(p), t, 'batchmean'), fused
     K.load("cuda")                                            # the compiled module (built on first use)
     K.load_sources(["my_kernel.cu", "bind.cpp"])              # the same loader for your own kernels
+
+    from kldiv_inline import harness                          # check, time and plot any op against
+    harness.check(...), harness.bench(...), harness.plot(...) # float64 PyTorch, its peers and the floor
 """
 from .loader import KernelBuildError, ToolchainError, load, load_sources
 from .ops import KLDivLoss, kl_div, kl_div_from_probs
