@@ -5,28 +5,41 @@ errors name those files), keys its cache on a name the caller picks, does not re
 in the same process (pytorch#119206), and needs a GPU or ``TORCH_CUDA_ARCH_LIST`` to pick a target.
 This module adds, around it:
 
-* a name that carries a hash of every source and every header they include (found by following
-  ``#include "..."``), the flags, the torch/CUDA versions and the target architectures: an edit rebuilds,
-  an unchanged tree is a cache hit, and a hit in a new process imports the ``.so`` directly (no ninja);
-* ``#line`` directives, so errors point at ``kernels/kldiv.cu:123``, and ``KernelBuildError`` carrying them;
-* clear ``ToolchainError`` messages for a missing ``nvcc``/``ninja`` or a CUDA major-version mismatch;
-* an OS file lock (released by the kernel if a builder dies) so concurrent builders don't collide and a
-  killed build never blocks the next one.
+* a name that carries a hash of every source and every header they include (``#include "..."`` beside them
+  or in the include dirs, ``#include <...>`` in the include dirs), the flags, the torch/CUDA versions and the
+  target architectures: an edit rebuilds, an unchanged tree is a cache hit, and a hit in a new process
+  imports the ``.so`` directly (no ninja);
+* a manifest written last in each build (the ``.so``'s size and SHA-256): a hit imports only a ``.so`` that
+  matches it, so a truncated or damaged file is rebuilt instead of crashing the process (SIGBUS), and a hit
+  writes and locks nothing, so a prebuilt cache on a read-only mount works;
+* ``#line`` directives, so errors point at ``kernels/kldiv.cu:123``, and ``KernelBuildError`` carrying them
+  (also for a module that links but does not load: an undefined symbol, demangled);
+* checks before any compiler runs, each with a message that says what to fix: ``ToolchainError`` for a
+  missing ``nvcc``/``ninja``, a ``CUDA_HOME`` without ``bin/nvcc``, a CUDA major-version mismatch or an
+  architecture nvcc cannot target; ``ValueError`` for a ``TORCH_CUDA_ARCH_LIST`` entry torch does not accept
+  or ``functions=[...]`` without ``<torch/extension.h>``;
+* an OS file lock, taken only to build (released by the kernel if a builder dies), so concurrent builders
+  don't collide and a killed build never blocks the next one;
+* one line on stderr when a build starts and ends (the ``kldiv_inline`` logger), silent on cache hits.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
 import importlib.machinery
 import importlib.util
+import json
+import logging
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
-import sysconfig
+import time
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -51,8 +64,15 @@ CUDA_SUFFIXES = (".cu",)
 CPP_SUFFIXES = (".cpp", ".cc", ".cxx")
 HEADER_SUFFIXES = (".h", ".hpp", ".cuh")
 
-_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
-_BUILD_MARK = "kldiv_inline.ok"  # written after a successful build; its presence makes a hit importable
+# `#include "x.h"` or `#include <x.h>`: (the opening delimiter, the name)
+_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*([<"])([^">\n]+)[">]', re.MULTILINE)
+# The headers that declare what load_inline's generated bindings use (pybind11, torch::wrap_pybind_function).
+_BINDINGS_HEADER_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]torch/(extension|python)\.h[">]', re.MULTILINE)
+# Written last in a build (JSON: the .so's name, size and SHA-256, the build's seconds); a cache entry is a
+# hit only when its .so matches it.
+_BUILD_MARK = "kldiv_inline.manifest.json"
+# Part of every cache key: a change to what a cache entry holds gives every extension a new name.
+_CACHE_LAYOUT = "2"
 
 # Flags of the kit's own kernels. -O3 everywhere; the CPU twin uses OpenMP (torch ships libgomp.so.1, which
 # the dynamic linker reuses) and -march=native is safe because the build is JIT on the machine that runs it
@@ -77,14 +97,57 @@ class KernelBuildError(RuntimeError):
 
 
 class ToolchainError(RuntimeError):
-    """A build tool is missing or does not match torch (nvcc, ninja, CUDA major version)."""
+    """A build tool is missing or does not match torch (nvcc, ninja, CUDA_HOME, CUDA version, target arch)."""
+
+
+class _StderrHandler(logging.Handler):
+    """Writes to the ``sys.stderr`` of the moment (a notebook or pytest replaces it after import)."""
+
+    def emit(self, record):
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
+        except Exception:  # logging's contract: report, never raise
+            self.handleError(record)
+
+
+# A cold build takes up to a minute: without a word it looks like a hang, so build announcements reach stderr
+# by default. Silence them with logging.getLogger("kldiv_inline").setLevel(logging.WARNING).
+_log = logging.getLogger("kldiv_inline")
+if not any(getattr(h, "kldiv_inline_default", False) for h in _log.handlers):
+    _handler = _StderrHandler()
+    _handler.kldiv_inline_default = True
+    _handler.setFormatter(logging.Formatter("kldiv_inline: %(message)s"))
+    _log.addHandler(_handler)
+    if _log.level == logging.NOTSET:
+        _log.setLevel(logging.INFO)
+    _log.propagate = False
 
 
 # ----------------------------------------------------------------------------------------------- paths
+_PACKAGE = Path(__file__).resolve().parent
+_PACKAGED_KERNELS = _PACKAGE / "_kernels"  # where a wheel puts kernels/ (pyproject.toml maps it)
+_CHECKOUT = _PACKAGE.parent  # a source checkout (editable install): pyproject.toml and kernels/ beside us
+
+
 def kernels_root() -> Path:
-    """The kit's ``kernels/`` directory (``KLDIV_INLINE_KERNELS`` overrides)."""
+    """The kit's kernel sources: ``KLDIV_INLINE_KERNELS`` if set, else the copy an installed wheel ships
+    (``kldiv_inline/_kernels``), else the checkout's ``kernels/``."""
     env = os.environ.get("KLDIV_INLINE_KERNELS")
-    return Path(env).resolve() if env else Path(__file__).resolve().parent.parent / "kernels"
+    if env:
+        root = Path(env).expanduser().resolve()
+        if not root.is_dir():
+            raise FileNotFoundError(f"KLDIV_INLINE_KERNELS={env} is not a directory: point it at a kernels/ "
+                                    "directory (or unset it to use the kit's own).")
+        return root
+    if _PACKAGED_KERNELS.is_dir():
+        return _PACKAGED_KERNELS
+    if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "kernels").is_dir():
+        return _CHECKOUT / "kernels"
+    raise FileNotFoundError(f"kldiv_inline's kernel sources are missing: neither {_PACKAGED_KERNELS} (an "
+                            f"installed wheel) nor {_CHECKOUT / 'kernels'} (a source checkout) exists. Reinstall "
+                            "the package (`pip install .` ships them) or set KLDIV_INLINE_KERNELS to a kernels/ "
+                            "directory.")
 
 
 def cache_root() -> Path:
@@ -98,10 +161,15 @@ def cache_root() -> Path:
 
 # ----------------------------------------------------------------------------------------- toolchain
 def _cuda_home() -> str | None:
-    """CUDA_HOME/CUDA_PATH, else the toolkit holding the ``nvcc`` on PATH (following wrapper links)."""
+    """CUDA_HOME, else CUDA_PATH (torch's order), else the toolkit holding the ``nvcc`` on PATH (following
+    wrapper links). A variable that is set must name a toolkit: another one is never used in its place."""
     for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var) and os.path.exists(os.path.join(os.environ[var], "bin", "nvcc")):
-            return os.environ[var]
+        home = os.environ.get(var)
+        if home:
+            if not os.path.isfile(os.path.join(home, "bin", "nvcc")):
+                raise ToolchainError(f"{var}={home} has no bin/nvcc: point {var} at a CUDA toolkit (the directory "
+                                     f"holding bin/nvcc, e.g. /usr/local/cuda) or unset it to use the nvcc on PATH.")
+            return home
     nvcc = shutil.which("nvcc")
     candidates = []
     if nvcc:
@@ -155,15 +223,53 @@ def _check_toolchain(with_cuda: bool) -> str | None:
     return home
 
 
+# The names torch.utils.cpp_extension accepts in TORCH_CUDA_ARCH_LIST, with what each stands for.
+_NAMED_ARCHES = {
+    "Kepler+Tesla": "3.7", "Kepler": "3.5+PTX", "Maxwell+Tegra": "5.3", "Maxwell": "5.0;5.2+PTX",
+    "Pascal": "6.0;6.1+PTX", "Volta+Tegra": "7.2", "Volta": "7.0+PTX", "Turing": "7.5+PTX",
+    "Ampere+Tegra": "8.7", "Ampere": "8.0;8.6+PTX", "Ada": "8.9+PTX", "Hopper": "9.0+PTX",
+    "Blackwell+Tegra": "11.0", "Blackwell": "10.0;10.3;12.0;12.1+PTX", "Rubin": "10.7+PTX",
+}
+# A compute capability: 9.0, 9.0a (arch-specific features), 10.0f (family); +PTX also embeds PTX.
+_ARCH_RE = re.compile(r"(\d+)\.(\d)([af]?)(\+PTX)?")
+
+
 def cuda_arch_list() -> list[str]:
-    """Target architectures: TORCH_CUDA_ARCH_LIST if set, else the visible GPUs', else DEFAULT_CUDA_ARCH."""
+    """Target architectures: TORCH_CUDA_ARCH_LIST if set (entries separated by ';' or spaces, names expanded
+    as torch expands them; "native" is the same as unset), else the visible GPUs', else DEFAULT_CUDA_ARCH.
+    An entry torch would not accept raises ValueError before anything is compiled."""
     env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
-    if env:
-        return [a for a in re.split(r"[;\s]+", env) if a]
+    if env and env != "native":
+        archs: list[str] = []
+        for entry in filter(None, re.split(r"[;\s]+", env)):
+            for arch in _NAMED_ARCHES.get(entry, entry).split(";"):
+                if not _ARCH_RE.fullmatch(arch):
+                    raise ValueError(_bad_arch_message(env, entry))
+                if arch not in archs:
+                    archs.append(arch)
+        return archs
     if torch.cuda.is_available():
         caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
         return [f"{ma}.{mi}" for ma, mi in sorted(caps)]
     return [DEFAULT_CUDA_ARCH]
+
+
+def _bad_arch_message(env: str, entry: str) -> str:
+    names = {n.lower(): n for n in _NAMED_ARCHES}
+    ptx = entry.endswith("+PTX")
+    bare = entry.removesuffix("+PTX")
+    m = re.fullmatch(r"(?:sm_?|compute_?)?(\d+?)[.,_]?(\d)([af]?)", bare, re.IGNORECASE)
+    if bare.lower() in names:  # names carry their own +PTX
+        hint = names[bare.lower()]
+    elif m:
+        hint = f"{int(m.group(1))}.{m.group(2)}{m.group(3).lower()}" + ("+PTX" if ptx else "")
+    else:
+        hint = None
+    return (f"TORCH_CUDA_ARCH_LIST={env!r}: {entry!r} is not a CUDA architecture torch accepts"
+            + (f" (did you mean {hint!r}?)" if hint else "") + ". Separate entries with ';' or spaces; each is a "
+            "compute capability like '9.0', '9.0a' (arch-specific) or '10.0f' (family), optionally with '+PTX' "
+            f"(also embed PTX), or one of torch's names: {', '.join(_NAMED_ARCHES)}; 'native' alone means the "
+            "visible GPUs.")
 
 
 def _gencode_flags(archs: Sequence[str]) -> list[str]:
@@ -177,20 +283,52 @@ def _gencode_flags(archs: Sequence[str]) -> list[str]:
     return flags
 
 
+@functools.lru_cache(maxsize=None)
+def _nvcc_targets(cuda_home: str) -> frozenset[int]:
+    """The compute capabilities (as 90, 100, ...) this nvcc compiles for; empty if it cannot say."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--list-gpu-arch"], capture_output=True,
+                             text=True, timeout=60, check=False).stdout
+        return frozenset(int(n) for n in re.findall(r"compute_(\d+)", out))
+    return frozenset()
+
+
+def _check_archs(cuda_home: str, archs: Sequence[str]) -> None:
+    """ToolchainError before compiling for an architecture this nvcc does not know (it would fail ~15 s into
+    the build with an error that names no source)."""
+    known = _nvcc_targets(cuda_home)
+    if not known:
+        return
+    bad = [a for a in archs if int("".join(_ARCH_RE.fullmatch(a).group(1, 2))) not in known]
+    if bad:
+        targets = ", ".join(f"{n // 10}.{n % 10}" for n in sorted(known))
+        raise ToolchainError(f"nvcc at {cuda_home} cannot compile for {', '.join(map(repr, bad))} (from "
+                             f"TORCH_CUDA_ARCH_LIST or the visible GPUs); it targets {targets}. Set "
+                             "TORCH_CUDA_ARCH_LIST to some of those, or use a CUDA toolkit that knows the GPU.")
+
+
 # ------------------------------------------------------------------------------------------ sources
 def _resolve_includes(path: Path, include_dirs: Sequence[Path], seen: dict[Path, str]) -> None:
-    """Read ``path`` and, recursively, every quoted include found beside it or in include_dirs."""
+    """Read ``path`` and, recursively, every header it includes that the compiler would find where we can see
+    it: ``"..."`` beside the including file, then in include_dirs; ``<...>`` in include_dirs only. Headers
+    found elsewhere (the system's, torch's, CUDA's) are not followed."""
     path = path.resolve()
     if path in seen:
         return
     text = path.read_text()
     seen[path] = text
-    for inc in _INCLUDE_RE.findall(text):
-        for d in (path.parent, *include_dirs):
+    for delim, inc in _INCLUDE_RE.findall(text):
+        for d in (path.parent, *include_dirs) if delim == '"' else include_dirs:
             cand = d / inc
             if cand.is_file():
                 _resolve_includes(cand, include_dirs, seen)
                 break
+
+
+def _include_flag(d: Path) -> str:
+    # torch writes the flags into build.ninja, whose commands run in the shell: quote for the shell (spaces),
+    # then escape ninja's own '$'.
+    return "-I" + shlex.quote(str(d)).replace("$", "$$")
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,9 +350,20 @@ def _with_line(path: Path, text: str) -> str:
 
 # -------------------------------------------------------------------------------------- build + load
 @contextlib.contextmanager
-def _flock(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
+def _build_lock(ext_name: str):
+    """Hold the OS lock of one extension's cache entry (only builders take it: a hit needs no lock)."""
+    root = cache_root()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fh = open(root / f".{ext_name}.lock", "a+")
+    except OSError as e:
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        # OSError(EACCES, ...) is a PermissionError; EROFS stays a plain OSError.
+        raise OSError(e.errno, f"the extension cache {root} is read-only ({e.strerror}) and holds no usable "
+                               f"build of {ext_name}: build it once where the cache is writable, or set "
+                               "KLDIV_INLINE_CACHE to a writable directory.") from e
+    with fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
@@ -222,15 +371,97 @@ def _flock(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _import_built(name: str, build_dir: Path):
-    so = build_dir / f"{name}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
-    if not so.exists():
-        so = build_dir / f"{name}.so"
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:  # ~1 ms per MB (the kit's CUDA module: 6 MB)
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _verified_so(build_dir: Path) -> Path | None:
+    """The entry's ``.so`` if the build finished (its manifest exists) and the file still matches the manifest,
+    else None. Importing a cut-short ``.so`` would kill the process with SIGBUS, not raise."""
+    try:
+        manifest = json.loads((build_dir / _BUILD_MARK).read_text())
+        so = build_dir / manifest["so"]
+        if so.stat().st_size == manifest["size"] and _sha256(so) == manifest["sha256"]:
+            return so
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _write_manifest(build_dir: Path, so: Path, build_s: float) -> None:
+    manifest = {"so": so.name, "size": so.stat().st_size, "sha256": _sha256(so), "build_s": round(build_s, 2)}
+    tmp = build_dir / f"{_BUILD_MARK}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(tmp, build_dir / _BUILD_MARK)  # atomic: a reader sees no manifest or a whole one
+
+
+def _import_so(name: str, so: Path):
     spec = importlib.util.spec_from_file_location(name, so,
                                                   loader=importlib.machinery.ExtensionFileLoader(name, str(so)))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _import_cached(name: str, build_dir: Path):
+    """The module of a complete, intact cache entry, or None (missing, unfinished, damaged, or it no longer
+    loads, e.g. torch was reinstalled under the same version: all of which a rebuild fixes)."""
+    so = _verified_so(build_dir)
+    if so is None:
+        return None
+    with contextlib.suppress(ImportError):
+        return _import_so(name, so)
+    return None
+
+
+def _demangle(symbol: str) -> str:
+    cxxfilt = shutil.which("c++filt")
+    if cxxfilt and symbol.startswith("_Z"):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run([cxxfilt, symbol], capture_output=True, text=True, timeout=10).stdout.strip()
+            if out:
+                return out
+    return symbol
+
+
+def _load_failure(name: str, err: ImportError) -> Exception:
+    """A KernelBuildError for a module that linked but does not load because a symbol is missing (shared
+    libraries may link with undefined symbols; the dynamic loader finds out); other import errors as they are."""
+    m = re.search(r"undefined symbol: (\S+)", str(err))
+    if not m:
+        return err
+    symbol = m.group(1)
+    readable = _demangle(symbol)
+    shown = readable if readable == symbol else f"{readable} ({symbol})"
+    return KernelBuildError(name, [
+        f"the built module does not load: undefined symbol {shown}",
+        "  it is declared and used, but not defined in the sources given: add the source file that defines it, "
+        "or make the definition's name, signature and namespace match the declaration",
+    ], str(err))
+
+
+def _expected_build_s(base: str, with_cuda: bool, texts: Mapping[Path, str]) -> int:
+    """Seconds the build will take: the last build of the same extension (its manifest), else a guess."""
+    pattern = re.compile(re.escape(base) + r"_[0-9a-f]{16}")
+    last = None
+    with contextlib.suppress(OSError):
+        for entry in cache_root().iterdir():
+            if pattern.fullmatch(entry.name):
+                with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                    mark = entry / _BUILD_MARK
+                    when, seconds = mark.stat().st_mtime, float(json.loads(mark.read_text())["build_s"])
+                    if last is None or when > last[0]:
+                        last = (when, seconds)
+    if last is not None:
+        return max(1, round(last[1]))
+    # torch's and pybind11's headers dominate a small extension's build (measured here: 25 s for the CPU twin,
+    # 50 s for the CUDA module; 1-5 s without them).
+    heavy = any(re.search(r'#\s*include\s*[<"](torch|ATen|c10|pybind11)/', t) for t in texts.values())
+    return (60 if heavy else 5) if with_cuda else (25 if heavy else 2)
 
 
 def _compiler_errors(log: str) -> list[str]:
@@ -262,11 +493,12 @@ def load_sources(
 ):
     """Build (or fetch from the cache) an extension from source files and return its Python module.
 
-    ``paths``: ``.cu`` files go to nvcc, ``.cpp`` files to the host compiler; headers they include with
-    ``#include "..."`` (beside them or in ``include_dirs``) are part of the cache key. ``functions`` lists
-    the functions to bind (their declarations must be visible in a ``.cpp`` source); leave it out when a
-    ``.cpp`` source holds its own ``PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)``. ``cuda`` defaults to
-    "any .cu given". The module is memoised per process.
+    ``paths``: ``.cu`` files go to nvcc, ``.cpp`` files to the host compiler; the headers they include
+    (``#include "..."`` beside them or in ``include_dirs``, ``#include <...>`` in ``include_dirs``) are part
+    of the cache key. ``functions`` lists the functions to bind (their declarations must be visible in a
+    ``.cpp`` source, which must include ``<torch/extension.h>``); leave it out when a ``.cpp`` source holds
+    its own ``PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)``. ``cuda`` defaults to "any .cu given". The module
+    is memoised per process.
     """
     srcs = [Path(p).resolve() for p in paths]
     if not srcs:
@@ -282,6 +514,8 @@ def load_sources(
     with_cuda = bool(cuda_srcs) if cuda is None else cuda
     if cuda_srcs and not with_cuda:
         raise ValueError("cuda=False but .cu sources were given")
+    if isinstance(functions, str):
+        functions = [functions]
     incs = [Path(d).resolve() for d in include_dirs]
     for d in {p.parent for p in srcs}:
         if d not in incs:
@@ -290,13 +524,15 @@ def load_sources(
     texts: dict[Path, str] = {}
     for p in srcs:
         _resolve_includes(p, incs, texts)
+    if functions is not None:
+        _check_bindings_header(cpp_srcs, incs, functions)
 
     cflags = list(_KIT_CFLAGS) + list(extra_cflags)
     cuda_cflags = list(_KIT_CUDA_CFLAGS) + list(extra_cuda_cflags)
     archs = cuda_arch_list() if with_cuda else []
     if with_cuda:
         cuda_cflags += _gencode_flags(archs)
-    include_flags = [f"-I{d}" for d in incs]
+    include_flags = [_include_flag(d) for d in incs]
 
     key = hashlib.sha256()
     for p in sorted(texts):
@@ -304,7 +540,7 @@ def load_sources(
     fn_key = sorted(functions.items()) if isinstance(functions, Mapping) else functions
     for part in (repr(list(fn_key) if fn_key is not None else None),
                  repr(cflags), repr(cuda_cflags), repr(list(extra_ldflags)), repr(include_flags),
-                 torch.__version__, str(torch.version.cuda), sys.version, repr(archs),
+                 torch.__version__, str(torch.version.cuda), sys.version, repr(archs), _CACHE_LAYOUT,
                  _cpu_fingerprint() if any("native" in f for f in cflags) else ""):
         key.update(part.encode() + b"\0")
     digest = key.hexdigest()[:16]
@@ -313,40 +549,47 @@ def load_sources(
 
     if ext_name in _MODULES:
         return _MODULES[ext_name]
-
     build_dir = cache_root() / ext_name
-    with _flock(cache_root() / f".{ext_name}.lock"):
-        if (build_dir / _BUILD_MARK).exists():
-            try:
-                module = _import_built(ext_name, build_dir)
-                _MODULES[ext_name] = module
-                return module
-            except ImportError:
-                # A damaged cache entry: rebuild it below, from scratch (ninja would keep a broken .so that is
-                # newer than its objects).
-                shutil.rmtree(build_dir, ignore_errors=True)
-        _check_toolchain(with_cuda)
-        module = _build(ext_name, build_dir, cpp_srcs, cuda_srcs, texts, functions, cflags + include_flags,
-                        cuda_cflags + include_flags, list(extra_ldflags), with_cuda, verbose)
+    module = _import_cached(ext_name, build_dir)  # a hit: no lock, no writes (the cache may be read-only)
+    if module is None:
+        cuda_home = _check_toolchain(with_cuda)
+        if with_cuda:
+            _check_archs(cuda_home, archs)
+        with _build_lock(ext_name):
+            module = _import_cached(ext_name, build_dir)  # another process may have built it while we waited
+            if module is None:
+                module = _build(ext_name, build_dir, cpp_srcs, cuda_srcs, texts, functions,
+                                cflags + include_flags, cuda_cflags + include_flags, list(extra_ldflags),
+                                with_cuda, verbose, _expected_build_s(base, with_cuda, texts))
     _MODULES[ext_name] = module
     return module
 
 
+def _check_bindings_header(cpp_srcs: Sequence[Path], include_dirs: Sequence[Path], functions) -> None:
+    """load_inline appends generated pybind11 bindings to the .cpp sources, and with no_implicit_headers
+    nothing includes what they need: say so before a compiler fails on the generated code."""
+    reached: dict[Path, str] = {}
+    for p in cpp_srcs:
+        _resolve_includes(p, include_dirs, reached)
+    if not any(_BINDINGS_HEADER_RE.search(text) for text in reached.values()):
+        given = ", ".join(map(str, cpp_srcs)) or "none"
+        raise ValueError(f"functions={list(functions)} are bound by code generated after the .cpp sources, which "
+                         f"needs `#include <torch/extension.h>`, but no .cpp source (given: {given}) includes it, "
+                         "directly or through its headers: add it to one of them (the loader adds no headers).")
+
+
 def _build(ext_name, build_dir: Path, cpp_srcs, cuda_srcs, texts, functions, cflags, cuda_cflags, ldflags,
-           with_cuda, verbose):
+           with_cuda, verbose, expected_s: int):
+    """Build from scratch into build_dir (we hold its lock), import, then write the manifest that makes the
+    entry a cache hit. An unfinished build (killed, failed) leaves no manifest and is started over next time;
+    ninja alone would keep a damaged .so that is newer than its objects."""
     from torch.utils import cpp_extension
 
-    build_dir.mkdir(parents=True, exist_ok=True)
-    # Torch before 2.14 used the existence of <build>/lock as the lock, so a killed builder left it behind and
-    # every later build waited forever. Only we build in this directory (we hold its flock): such a file is
-    # stale. Torch 2.14+ locks the file with the OS instead (cpp_extension.FileLock); leave it alone there.
-    if not hasattr(cpp_extension, "FileLock"):
-        with contextlib.suppress(FileNotFoundError):
-            (build_dir / "lock").unlink()
+    shutil.rmtree(build_dir, ignore_errors=True)
+    build_dir.mkdir(parents=True)
     if ext_name in _FAILED:
         # pytorch#119206: the JIT versioner remembers the failed attempt and would skip the rebuild.
         cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(ext_name, None)
-    (build_dir / _BUILD_MARK).unlink(missing_ok=True)
 
     cpp_sources = [_with_line(p, texts[p]) for p in cpp_srcs]
     if functions is not None:
@@ -355,6 +598,8 @@ def _build(ext_name, build_dir: Path, cpp_srcs, cuda_srcs, texts, functions, cfl
     cuda_sources = [_with_line(p, texts[p]) for p in cuda_srcs]
     if not cpp_sources:
         cpp_sources = ["// no host sources"]
+    _log.info("building %s (first use of these sources, ~%d s)...", ext_name, expected_s)
+    start = time.perf_counter()
     try:
         module = cpp_extension.load_inline(
             name=ext_name,
@@ -376,8 +621,16 @@ def _build(ext_name, build_dir: Path, cpp_srcs, cuda_srcs, texts, functions, cfl
         if isinstance(e, subprocess.CalledProcessError) and e.output:
             log += "\n" + (e.output.decode() if isinstance(e.output, bytes) else e.output)
         raise KernelBuildError(ext_name, _compiler_errors(log), log) from None
+    except ImportError as e:
+        _FAILED.add(ext_name)
+        failure = _load_failure(ext_name, e)
+        if failure is e:
+            raise
+        raise failure from None
     _FAILED.discard(ext_name)
-    (build_dir / _BUILD_MARK).write_text("ok\n")
+    seconds = time.perf_counter() - start
+    _write_manifest(build_dir, Path(module.__file__), seconds)
+    _log.info("built %s in %.1f s", ext_name, seconds)
     return module
 
 

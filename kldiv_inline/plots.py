@@ -45,7 +45,8 @@ def _lines(df: pd.DataFrame, by: str, x: str, ours: str | None):
         yield name, rows, style
 
 
-def draw_time(ax, df: pd.DataFrame, *, by: str, x: str, xlabel: str, ours: str | None = None):
+def draw_time(ax, df: pd.DataFrame, *, by: str, x: str, xlabel: str, ours: str | None = None,
+              legend: bool = True):
     """Median time against ``x``, log-log, 20-80% bands, the floor dashed."""
     for name, rows, style in _lines(df, by, x, ours):
         ax.plot(rows[x], rows["median_ms"], marker="o", ms=3, label=name, **style)
@@ -58,7 +59,8 @@ def draw_time(ax, df: pd.DataFrame, *, by: str, x: str, xlabel: str, ours: str |
     ax.set_xlabel(xlabel)
     ax.set_ylabel("time per call (ms)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    if legend:
+        ax.legend(fontsize=8)
     return ax
 
 
@@ -71,7 +73,7 @@ def _peak_gbps(df: pd.DataFrame) -> float | None:
 
 
 def draw_gbps(ax, df: pd.DataFrame, *, by: str, x: str, xlabel: str, ours: str | None = None,
-              floor_gbps: float | None = None):
+              floor_gbps: float | None = None, legend: bool = True):
     """Achieved GB/s (bytes that must move / time) against ``x``, 20-80% bands, the floor's bandwidth
     dashed (``floor_gbps``, else the rows') and the vendor peak dotted."""
     for name, rows, style in _lines(df, by, x, ours):
@@ -80,17 +82,28 @@ def draw_gbps(ax, df: pd.DataFrame, *, by: str, x: str, xlabel: str, ours: str |
         ax.fill_between(rows[x], gb / rows["q80_ms"], gb / rows["q20_ms"], alpha=0.2, color=style["color"])
     if floor_gbps is None and "floor_gbps" in df and df["floor_gbps"].notna().any():
         floor_gbps = float(df["floor_gbps"].max())
-    if floor_gbps:
-        ax.axhline(floor_gbps, color="k", ls="--", lw=1, label=f"floor: read {floor_gbps:.0f} GB/s")
-    peak = _peak_gbps(df)
-    if peak:
-        ax.axhline(peak, color="k", ls=":", lw=1, label=f"vendor peak {peak:.0f} GB/s")
+    # Labelled as in draw_time, so one legend serves both panels; the values are written on the lines.
+    for value, ls, label in ((floor_gbps, "--", "floor"), (_peak_gbps(df), ":", "vendor peak")):
+        if value:
+            ax.axhline(value, color="k", ls=ls, lw=1, label=label)
+            ax.annotate(f"{label} {value:.0f} GB/s", (0.01, value), xycoords=("axes fraction", "data"),
+                        va="bottom", fontsize=7)
     ax.set_xscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("GB/s of required traffic")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    if legend:
+        ax.legend(fontsize=8)
     return ax
+
+
+def legend_outside(fig, axes) -> None:
+    """One legend for all ``axes`` (each label once), right of them, so it covers no line."""
+    handles = {}
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    fig.legend(list(handles.values()), list(handles), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
 
 
 def plot_timings(timed: pd.DataFrame, ours: str | None = None, title: str | None = None):
@@ -99,18 +112,20 @@ def plot_timings(timed: pd.DataFrame, ours: str | None = None, title: str | None
     if "bytes" in df and df["bytes"].notna().any():
         df["mib_moved"] = df["bytes"] / 2**20
         x, xlabel = "mib_moved", "MiB moved per call"
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-        draw_time(axes[0], df, by="provider", x=x, xlabel=xlabel, ours=ours)
-        draw_gbps(axes[1], df, by="provider", x=x, xlabel=xlabel, ours=ours)
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+        draw_time(axes[0], df, by="provider", x=x, xlabel=xlabel, ours=ours, legend=False)
+        draw_gbps(axes[1], df, by="provider", x=x, xlabel=xlabel, ours=ours, legend=False)
     else:  # no bytes_moved: time per case, in the cases' order
         df["case_index"] = df["case"].map({c: i for i, c in enumerate(dict.fromkeys(df["case"]))})
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        draw_time(ax, df, by="provider", x="case_index", xlabel="case", ours=ours)
+        axes = [ax]
+        draw_time(ax, df, by="provider", x="case_index", xlabel="case", ours=ours, legend=False)
         ax.set_xscale("linear")
         ax.set_xticks(range(df["case_index"].max() + 1), list(dict.fromkeys(df["case"])), rotation=20)
     fig.suptitle(title or f"{', '.join(dict.fromkeys(df['device']))}: time and bandwidth per provider",
                  fontsize=9)
     fig.tight_layout()
+    legend_outside(fig, axes)
     return fig
 
 
@@ -138,21 +153,21 @@ def sweep_frame(df: pd.DataFrame, pass_: str, form: str, dtype: str) -> pd.DataF
 
 
 def plot_time_vs_size(df: pd.DataFrame, pass_: str, form: str, dtype: str, ax=None, title: str = "",
-                      ours: str | None = None):
+                      ours: str | None = None, legend: bool = True):
     """Median time against MiB per input, log-log, with 20-80% bands; the floor as a dashed line."""
     ax = ax or plt.subplots(figsize=(6.4, 4.2))[1]
     draw_time(ax, sweep_frame(df, pass_, form, dtype), by="impl", x="mib_per_input", xlabel="MiB per input",
-              ours=ours)
+              ours=ours, legend=legend)
     ax.set_title(title or f"{pass_}, {form}, {dtype}")
     return ax
 
 
 def plot_bandwidth(df: pd.DataFrame, pass_: str, form: str, dtype: str, read_gbps: float | None = None,
-                   ax=None, title: str = "", ours: str | None = None):
+                   ax=None, title: str = "", ours: str | None = None, legend: bool = True):
     """Achieved GB/s (bytes that must move / time) against size, with the floor's read bandwidth."""
     ax = ax or plt.subplots(figsize=(6.4, 4.2))[1]
     draw_gbps(ax, sweep_frame(df, pass_, form, dtype), by="impl", x="mib_per_input", xlabel="MiB per input",
-              ours=ours, floor_gbps=read_gbps)
+              ours=ours, floor_gbps=read_gbps, legend=legend)
     ax.set_title(title or f"bandwidth, {pass_}, {form}, {dtype}")
     return ax
 
@@ -221,14 +236,9 @@ def plot_speedups(df: pd.DataFrame, ours: str, peers: list[str] | None = None, c
         ax.set_title(f"{pass_}: time of each peer / time of {ours}", fontsize=9, loc="left")
         ax.grid(True, axis="x", which="both", alpha=0.3)
     axes[-1, 0].set_xlabel(f"speed-up of {ours} (log scale; right of 1: {ours} is faster)")
-    handles = {}
-    for ax in axes[:, 0]:
-        for h, label in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(label, h)
-    fig.legend([handles[i] for i in impls if i in handles], [i for i in impls if i in handles],
-               loc="upper left", bbox_to_anchor=(0.80, 0.98), fontsize=8, title="peer", title_fontsize=8)
     fig.suptitle(title or f"speed-up of {ours} over each peer", fontsize=10, x=0.02, ha="left")
-    fig.tight_layout(rect=(0, 0, 0.79, 0.97))
+    fig.tight_layout()
+    legend_outside(fig, axes[:, 0])
     return fig
 
 
@@ -287,10 +297,11 @@ def plot_folder(folder: Path, out: Path | None = None, *, ours: str, peers: list
         for (pass_, form, dtype), g in df.groupby(["pass", "form", "dtype"]):
             if sweep_frame(df, pass_, form, dtype)["numel"].nunique() < 2:
                 continue
-            fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-            plot_time_vs_size(df, pass_, form, dtype, ax=axes[0], ours=ours)
-            plot_bandwidth(df, pass_, form, dtype, read_gbps, ax=axes[1], ours=ours)
+            fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+            plot_time_vs_size(df, pass_, form, dtype, ax=axes[0], ours=ours, legend=False)
+            plot_bandwidth(df, pass_, form, dtype, read_gbps, ax=axes[1], ours=ours, legend=False)
             fig.tight_layout()
+            legend_outside(fig, axes)
             save(fig, f"time_{pass_.replace('+', '_')}_{form}_{dtype}.png")
         if not headline_frame(df, ours).empty:
             save(plot_speedups(df, ours, peers), "speedups.png")

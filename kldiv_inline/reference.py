@@ -1,6 +1,8 @@
 """The truth the kernels are checked against: PyTorch's own kl_div evaluated in float64."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -42,3 +44,52 @@ def relative_error(out: Tensor, ref: Tensor) -> float:
     if denom == 0:
         return 0.0 if num == 0 else float("inf")
     return float(num / denom)
+
+
+def _kl_rows(lp: Tensor, lq: Tensor) -> Tensor:
+    """sum_v p (log p - log q) over the last dim, with 0 where p == 0 (so -inf - -inf never reaches the sum)."""
+    p = lp.exp()
+    return (p * torch.where(p > 0, lp - lq, torch.zeros((), dtype=lp.dtype, device=lp.device))).sum(-1)
+
+
+def _divergence(ls: Tensor, lt: Tensor, beta: float) -> Tensor:
+    if beta == 0:
+        return _kl_rows(lt, ls)
+    if beta == 1:
+        return _kl_rows(ls, lt)
+    lm = torch.logsumexp(torch.stack([ls + math.log1p(-beta), lt + math.log(beta)]), dim=0)
+    return beta * _kl_rows(lt, lm) + (1 - beta) * _kl_rows(ls, lm)
+
+
+def generalized_jsd_reference(student_logits: Tensor, teacher_logits: Tensor | None = None, *, teacher_topk=None,
+                              beta: float = 0.0, temperature: float = 1.0, labels: Tensor | None = None,
+                              ignore_index: int = -100, reduction: str = "batchmean") -> Tensor:
+    """The distillation divergence of ``kldiv_inline.generalized_jsd`` written plainly in float64 PyTorch
+    (TRL's generalized_jsd_loss convention, label masks, the top-k teacher's k + 1 buckets); differentiable, so
+    autograd of it is the reference gradient."""
+    ls = torch.log_softmax(student_logits.double() / temperature, dim=-1)
+    if teacher_topk is None:
+        per_token = _divergence(ls, torch.log_softmax(teacher_logits.double() / temperature, dim=-1), beta)
+    else:
+        idx, lp = teacher_topk
+        idx, lp = idx.long(), lp.double()
+        member = torch.zeros_like(ls, dtype=torch.bool).scatter(-1, idx, True)
+        p_tail = (ls.exp() * ~member).sum(-1, keepdim=True)
+        q_tail = (1 - lp.exp().sum(-1, keepdim=True)).clamp_min(0)
+        ls_b, lt_b = ls.gather(-1, idx), lp
+        if idx.shape[-1] < ls.shape[-1]:  # a tail bucket only where some of the vocabulary is outside the top-k
+            ls_b = torch.cat([ls_b, p_tail.log()], dim=-1)
+            lt_b = torch.cat([lt_b, q_tail.log()], dim=-1)
+        per_token = _divergence(ls_b, lt_b, beta)
+    if labels is not None:
+        keep = labels != ignore_index
+        per_token = torch.where(keep, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
+        count = keep.sum()
+    else:
+        count = torch.tensor(per_token.numel(), device=per_token.device)
+    if reduction == "none":
+        return per_token
+    total = per_token.sum()
+    if reduction == "sum":
+        return total
+    return torch.where(count > 0, total / count.clamp_min(1), torch.zeros_like(total))

@@ -2,13 +2,17 @@
 run as written), wrong providers caught and never timed, the timing columns, the floors and vendor peaks."""
 import math
 import textwrap
+from pathlib import Path
 
 import matplotlib.figure
+import numpy as np
 import pytest
 import torch
 
 import kldiv_inline
 from kldiv_inline import floors, harness
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SCALE2_CPP = textwrap.dedent("""
     // y = 2 x, elementwise, float32 (a researcher's first kernel).
@@ -65,17 +69,20 @@ def _cases(device, sizes=(1 << 10, 1 << 14)):
     return [harness.Case(f"n={n}", (torch.rand(n, device=device),)) for n in sizes]
 
 
+def readme_snippet() -> str:
+    """The python block of the README's section "Your own kernel"."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Your own kernel"):]
+    return section[section.index("```python\n") + 10:section.index("```\n", section.index("```python"))]
+
+
 def test_readme_snippet_runs_as_written_on_cpu(scale2_dir, monkeypatch):
     monkeypatch.chdir(scale2_dir)
-    dev = "cpu"
-    # -- the snippet (README "Your own kernel"), unchanged --
-    mod = kldiv_inline.load_sources(["scale2.cpp"], name="scale2")          # any kernel of theirs
-    cases = [harness.Case(f"n={n}", (torch.rand(n, device=dev),)) for n in (1 << 16, 1 << 22)]
-    checked = harness.check({"mine": mod.scale2}, reference=lambda x: 2 * x, cases=cases)
-    timed = harness.bench({"mine": mod.scale2, "torch": lambda x: 2 * x}, cases=cases,
-                          bytes_moved=lambda x: 2 * x.numel() * x.element_size())
-    fig = harness.plot(timed)
-    # --
+    snippet = readme_snippet()
+    assert "harness.check(" in snippet and "harness.bench(" in snippet and "harness.plot(" in snippet
+    scope = {"dev": "cpu"}
+    exec(compile(snippet, "README.md", "exec"), scope)
+    checked, timed, fig = scope["checked"], scope["timed"], scope["fig"]
     assert list(checked.columns[:2]) == ["provider", "case"]
     assert {"max_abs_err", "rel_err", "ok"} <= set(checked.columns)
     assert checked["ok"].all() and (checked["rel_err"] == 0).all()
@@ -214,15 +221,10 @@ def test_read_kernel_reads_every_byte():
     mod = floors.load_read_kernel()
     for nbytes in (16, 16 * 1000 + 16, 64 << 20):
         words = torch.randint(-2**31, 2**31, (nbytes // 4,), dtype=torch.int64).to(torch.int32)
-        expected = 0
-        for w in words.view(torch.uint8).numpy().view("uint32").tolist():
-            expected ^= w
+        expected = np.bitwise_xor.reduce(words.numpy().view(np.uint32))
         for unroll in (1, 2, 4, 8):
-            blocks = mod.read_floor(words.cuda(), unroll).cpu().numpy().view("uint32").tolist()
-            got = 0
-            for b in blocks:
-                got ^= b
-            assert got == expected, (nbytes, unroll)
+            blocks = mod.read_floor(words.cuda(), unroll).cpu().numpy().view(np.uint32)
+            assert np.bitwise_xor.reduce(blocks) == expected, (nbytes, unroll)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         mod.read_floor(torch.zeros(3, device="cuda"))
 
@@ -237,6 +239,20 @@ def test_floor_is_the_best_source():
     peak = floors.device_peak_gbps("cuda")
     if peak:
         assert floor.gbps < peak
+
+
+@pytest.mark.gpu
+def test_readme_snippet_runs_as_written_on_cuda(tmp_path, monkeypatch):
+    """The same block with dev = "cuda" and a CUDA scale2 behind the same name."""
+    (tmp_path / "scale2.cu").write_text(SCALE2_CU)
+    (tmp_path / "bind.cpp").write_text(SCALE2_CU_BIND)
+    mod = kldiv_inline.load_sources([tmp_path / "scale2.cu", tmp_path / "bind.cpp"], name="scale2_cuda")
+    monkeypatch.setattr(kldiv_inline, "load_sources", lambda *a, **k: mod)
+    scope = {"dev": "cuda"}
+    exec(compile(readme_snippet(), "README.md", "exec"), scope)
+    assert scope["checked"]["ok"].all() and (scope["timed"]["status"] == "ok").all()
+    assert (scope["timed"]["timer"] == "cuda").all() and scope["timed"]["floor_source"].notna().all()
+    assert isinstance(scope["fig"], matplotlib.figure.Figure)
 
 
 @pytest.mark.gpu

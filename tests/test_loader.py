@@ -149,7 +149,7 @@ def test_second_load_in_process_returns_same_module(tiny_cuda, cache, monkeypatc
     assert len(dirs) == 1 and (dirs[0] / loader._BUILD_MARK).exists()
     so_mtime = Path(m1.__file__).stat().st_mtime_ns
     # The second load is memoised: it neither builds nor imports the .so again.
-    for fn in (loader, "_import_built"), (loader, "_build"), (cpp_extension, "load_inline"):
+    for fn in (loader, "_import_so"), (loader, "_build"), (cpp_extension, "load_inline"):
         monkeypatch.setattr(*fn, lambda *a, _n=fn[1], **k: pytest.fail(f"the second load called {_n}"))
     m2 = kldiv_inline.load_sources(tiny_cuda_sources(tiny_cuda))
     assert m2 is m1
@@ -259,18 +259,19 @@ def test_rebuild_after_failed_build_in_same_process(tmp_path, cache):
 
 
 def test_rebuild_after_failed_build_with_same_name(tmp_path, cache):
-    """The fix lies outside the cache key (an <angle> include from include_dirs), so the retry has the
-    failed build's name: torch's JIT versioner alone would skip the build and fail to import (pytorch#119206)."""
+    """The fix lies outside the cache key (a header found through a raw -I flag, which the loader does not
+    follow), so the retry has the failed build's name: torch's JIT versioner alone would skip the build and
+    fail to import (pytorch#119206)."""
     inc = tmp_path / "inc"
     inc.mkdir()
     (inc / "fix.h").write_text("#define FIXED_VALUE (6 +)\n")
     src = tmp_path / "samename.cpp"
     src.write_text(capi_module("FIXED_VALUE", prelude="#include <fix.h>"))
     with pytest.raises(kldiv_inline.KernelBuildError) as info:
-        kldiv_inline.load_sources([src], include_dirs=[inc])
+        kldiv_inline.load_sources([src], extra_cflags=[f"-I{inc}"])
     failed_name = info.value.name
     (inc / "fix.h").write_text("#define FIXED_VALUE (6 + 1)\n")
-    m = kldiv_inline.load_sources([src], include_dirs=[inc])
+    m = kldiv_inline.load_sources([src], extra_cflags=[f"-I{inc}"])
     assert m.__name__ == failed_name
     assert m.value() == 7
 
@@ -360,8 +361,12 @@ def test_cuda_home_resolution(tmp_path, monkeypatch):
         monkeypatch.delenv(var)
     assert loader._cuda_home() == str(real)
     other = toolkit(tmp_path / "other")
-    monkeypatch.setenv("CUDA_HOME", str(other))  # CUDA_HOME wins over PATH
-    assert loader._cuda_home() == str(other)
+    monkeypatch.setenv("CUDA_PATH", str(real))
+    assert loader._cuda_home() == str(real)  # CUDA_PATH wins over PATH
+    monkeypatch.setenv("CUDA_HOME", str(other))
+    assert loader._cuda_home() == str(other)  # and CUDA_HOME over CUDA_PATH (torch's order)
+    monkeypatch.setenv("CUDA_PATH", str(tmp_path / "nowhere"))
+    assert loader._cuda_home() == str(other)  # the variable not in use is not checked
 
 
 # ------------------------------------------------------------------------------- 5. the kit's modules
@@ -379,6 +384,25 @@ def test_kit_load_cpu_is_the_cpu_module():
     assert m.backend() == "cpu"
     assert m.__name__.startswith("kldiv_cpu_")
     assert kldiv_inline.load("cpu") is not kldiv_inline.load("cuda")
+
+
+def test_kernels_root_packaged_copy_then_checkout(tmp_path, monkeypatch):
+    monkeypatch.delenv("KLDIV_INLINE_KERNELS", raising=False)
+    assert loader.kernels_root() == REPO / "kernels"  # this checkout (no packaged copy beside the package)
+    packaged = tmp_path / "_kernels"
+    packaged.mkdir()
+    monkeypatch.setattr(loader, "_PACKAGED_KERNELS", packaged)
+    assert loader.kernels_root() == packaged  # an installed wheel
+    monkeypatch.setattr(loader, "_PACKAGED_KERNELS", tmp_path / "absent")
+    monkeypatch.setattr(loader, "_CHECKOUT", tmp_path / "not-a-checkout")
+    with pytest.raises(FileNotFoundError) as info:
+        loader.kernels_root()
+    assert "KLDIV_INLINE_KERNELS" in str(info.value) and str(tmp_path / "absent") in str(info.value)
+    monkeypatch.setenv("KLDIV_INLINE_KERNELS", str(tmp_path / "typo"))
+    with pytest.raises(FileNotFoundError, match="KLDIV_INLINE_KERNELS"):
+        loader.kernels_root()
+    monkeypatch.setenv("KLDIV_INLINE_KERNELS", str(packaged))
+    assert loader.kernels_root() == packaged
 
 
 # ------------------------------------------------------------------------------------ 6. architectures
@@ -543,4 +567,333 @@ def test_bad_sources_raise(tmp_path, cache, no_compiler_runs):
     (tmp_path / "x.cu").write_text("")
     with pytest.raises(ValueError, match="cuda=False"):
         kldiv_inline.load_sources([tmp_path / "x.cu"], cuda=False)
+    assert no_compiler_runs == []
+
+
+# ------------------------------------------------------------------------- 10. damaged and read-only caches
+def _so_of(build_dir: Path) -> Path:
+    (so,) = [p for p in build_dir.iterdir() if p.suffix == ".so"]
+    return so
+
+
+def test_truncated_cached_so_is_rebuilt(tmp_path, cache):
+    """A cut-short copy of the .so (disk full, interrupted copy) would kill the importing process with SIGBUS."""
+    src = tmp_path / "truncated.cpp"
+    src.write_text(capi_module("11"))
+    first = run_child(tmp_path, [src])
+    so = Path(first["file"])
+    data = so.read_bytes()
+    so.write_bytes(data[: len(data) // 2])
+    second = run_child(tmp_path, [src])  # before the manifest check: the child died with SIGBUS
+    assert second["value"] == 11 and second["builds"] == 1
+    assert second["file"] == first["file"] and so.stat().st_size == len(data)
+
+
+def test_corrupted_cached_so_of_same_size_is_rebuilt(tmp_path, cache):
+    src = tmp_path / "flipped.cpp"
+    src.write_text(capi_module("12"))
+    first = run_child(tmp_path, [src])
+    so = Path(first["file"])
+    data = bytearray(so.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    so.write_bytes(bytes(data))
+    second = run_child(tmp_path, [src])
+    assert second["value"] == 12 and second["builds"] == 1
+    assert so.read_bytes() != bytes(data)
+
+
+def test_manifest_records_the_so(tmp_path, cache):
+    src = tmp_path / "manifest.cpp"
+    src.write_text(capi_module("1"))
+    m = kldiv_inline.load_sources([src])
+    so = Path(m.__file__)
+    manifest = json.loads((so.parent / loader._BUILD_MARK).read_text())
+    import hashlib
+    assert manifest["so"] == so.name
+    assert manifest["size"] == so.stat().st_size
+    assert manifest["sha256"] == hashlib.sha256(so.read_bytes()).hexdigest()
+    assert manifest["build_s"] > 0
+
+
+def _refuse_writes_under(root: Path, monkeypatch: pytest.MonkeyPatch):
+    """Make every write, create, rename and delete under ``root`` fail with EROFS, as on a read-only mount
+    (the tests may run as root, which chmod does not stop)."""
+    import builtins
+    import errno
+    import io
+
+    root_s = os.path.abspath(root)
+
+    def inside(p) -> bool:
+        if isinstance(p, int):
+            return False
+        path = os.path.abspath(os.fsdecode(p))
+        return path == root_s or path.startswith(root_s + os.sep)
+
+    def erofs(p):
+        return OSError(errno.EROFS, os.strerror(errno.EROFS), os.fsdecode(p))
+
+    real_open, real_os_open = builtins.open, os.open
+
+    def open_(file, mode="r", *a, **k):
+        if inside(file) and any(c in mode for c in "wax+"):
+            raise erofs(file)
+        return real_open(file, mode, *a, **k)
+
+    def os_open(path, flags, *a, **k):
+        if inside(path) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND):
+            raise erofs(path)
+        return real_os_open(path, flags, *a, **k)
+
+    def refusing(real):
+        def f(path, *a, **k):
+            if inside(path):
+                raise erofs(path)
+            return real(path, *a, **k)
+        return f
+
+    monkeypatch.setattr(builtins, "open", open_)
+    monkeypatch.setattr(io, "open", open_)
+    monkeypatch.setattr(os, "open", os_open)
+    for name in ("mkdir", "rename", "replace", "unlink", "remove", "rmdir", "utime", "chmod", "symlink", "link"):
+        monkeypatch.setattr(os, name, refusing(getattr(os, name)))
+
+
+def test_read_only_cache_hit_imports_without_writing(tmp_path, cache):
+    src = tmp_path / "prebuilt.cpp"
+    src.write_text(capi_module("21"))
+    assert run_child(tmp_path, [src])["builds"] == 1  # built elsewhere: this process has not loaded it
+    before = sorted(p.relative_to(cache) for p in cache.rglob("*"))
+    with pytest.MonkeyPatch.context() as mp:
+        _refuse_writes_under(cache, mp)
+        assert kldiv_inline.load_sources([src]).value() == 21  # before: EROFS opening the lock file
+    assert sorted(p.relative_to(cache) for p in cache.rglob("*")) == before
+
+
+def test_read_only_cache_miss_says_what_to_do(tmp_path, cache, no_compiler_runs):
+    cache.mkdir(parents=True)
+    src = tmp_path / "never_built.cpp"
+    src.write_text(capi_module("22"))
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(OSError) as info:
+        _refuse_writes_under(cache, mp)
+        kldiv_inline.load_sources([src])
+    msg = str(info.value)
+    assert "read-only" in msg and str(cache) in msg and "KLDIV_INLINE_CACHE" in msg and "never_built" in msg, msg
+    assert no_compiler_runs == []
+
+
+def _read_only_mount_prefix(path: Path) -> list[str] | None:
+    """A command prefix that runs its command with ``path`` bind-mounted read-only (a private mount
+    namespace), or None where this machine does not allow it."""
+    unshare = shutil.which("unshare")
+    if not unshare or not Path("/proc/self/ns/mnt").exists():
+        return None
+    for flags in (["-m"], ["-r", "-m"]):  # root; else a user namespace
+        script = f'mount --bind -o ro "$0" "$0" && exec "$@"'
+        prefix = [unshare, *flags, "sh", "-c", script, str(path)]
+        probe = subprocess.run([*prefix, "sh", "-c", f'! touch "{path}/.probe" 2>/dev/null'], capture_output=True)
+        if probe.returncode == 0:
+            return prefix
+    return None
+
+
+def test_read_only_mounted_cache_hit_in_new_process(tmp_path, cache):
+    src = tmp_path / "mounted.cpp"
+    src.write_text(capi_module("23"))
+    first = run_child(tmp_path, [src])
+    prefix = _read_only_mount_prefix(cache)
+    if prefix is None:
+        pytest.skip("cannot bind-mount read-only here (unshare/mount not permitted)")
+    proc = subprocess.run([*prefix, *child_cmd(tmp_path, [src])], env=child_env(), capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    res = child_result(proc.stdout, proc.stderr)
+    assert res["value"] == 23 and res["builds"] == 0 and res["file"] == first["file"]
+
+
+# ------------------------------------------------------------------- 11. paths with spaces and non-ASCII
+def test_paths_with_spaces_and_non_ascii(tmp_path, monkeypatch):
+    root = tmp_path / "my kernels é $HOME"  # $: ninja's escape character, and the shell's
+    inc = tmp_path / "inc dir ü"
+    root.mkdir()
+    inc.mkdir()
+    monkeypatch.setenv("KLDIV_INLINE_CACHE", str(tmp_path / "cache dir ß"))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    (root / "base.h").write_text("#define BASE 3\n")  # beside the sources, #include "..."
+    (inc / "scale.h").write_text("#define SCALE (BASE + 4)\n")  # through include_dirs, #include <...>
+    (root / "k.cu").write_text('#include "base.h"\n#include <scale.h>\n'
+                               "__global__ void k(int* p) { *p = SCALE; }\nint value() { return SCALE; }\n")
+    (root / "bind.cpp").write_text(TINY_BIND)
+    m = kldiv_inline.load_sources([root / "k.cu", root / "bind.cpp"], include_dirs=[inc])
+    assert m.value() == 7
+    assert Path(m.__file__).parent.parent == loader.cache_root()
+
+    (root / "bad.cpp").write_text(_BAD_BODY.format(sig="int f()"))
+    with pytest.raises(kldiv_inline.KernelBuildError) as info:
+        kldiv_inline.load_sources([root / "bad.cpp"])
+    _assert_maps_to(info.value, f"{root / 'bad.cpp'}:7:")
+
+
+# -------------------------------------------------------------------- 12. what the cache key covers
+def test_editing_angle_included_header_from_include_dirs_rebuilds(tmp_path, cache):
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "cfg.h").write_text("#include <deep.h>\n#define CFG (DEEP * 2)\n")
+    (inc / "deep.h").write_text("#define DEEP 5\n")
+    src = tmp_path / "angle.cpp"
+    src.write_text(capi_module("CFG", prelude="#include <cfg.h>"))  # and <Python.h>: not in include_dirs
+    m1 = kldiv_inline.load_sources([src], include_dirs=[inc])
+    assert m1.value() == 10
+    (inc / "deep.h").write_text("#define DEEP 6\n")  # two levels down, angle brackets both times
+    m2 = kldiv_inline.load_sources([src], include_dirs=[inc])
+    assert m2.__name__ != m1.__name__
+    assert m2.value() == 12
+
+
+# ------------------------------------------------------------------ 13. bindings and link errors
+def test_functions_without_torch_extension_h_says_to_include_it(tmp_path, cache, no_compiler_runs):
+    src = tmp_path / "plain.cpp"
+    src.write_text("int twice(int x) { return 2 * x; }\n")
+    with pytest.raises(ValueError, match=r"torch/extension\.h") as info:
+        kldiv_inline.load_sources([src], functions=["twice"])
+    assert str(src) in str(info.value)
+    assert no_compiler_runs == []
+
+
+def test_functions_with_torch_extension_h_in_an_included_header_pass_the_check(tmp_path, cache, monkeypatch):
+    reached = []
+
+    def stop(*a, **k):
+        reached.append(k["functions"])
+        raise RuntimeError("stopped before compiling")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", stop)
+    (tmp_path / "common.h").write_text("#pragma once\n#include <torch/extension.h>\n")
+    src = tmp_path / "bound.cpp"
+    src.write_text('#include "common.h"\nint twice(int x) { return 2 * x; }\n')
+    with pytest.raises(kldiv_inline.KernelBuildError, match="stopped before compiling"):
+        kldiv_inline.load_sources([src], functions=["twice"])
+    assert reached == [["twice"]]
+
+
+def test_undefined_symbol_at_import_is_a_build_error(tmp_path, cache):
+    src = tmp_path / "undefined.cpp"
+    src.write_text(capi_module("missing_helper(3)", prelude="int missing_helper(int);"))
+    with pytest.raises(kldiv_inline.KernelBuildError) as info:
+        kldiv_inline.load_sources([src])
+    msg = str(info.value)
+    assert "missing_helper(int)" in msg and "not defined" in msg, msg
+    assert any("missing_helper(int)" in e for e in info.value.errors)
+    assert not (build_dirs()[0] / loader._BUILD_MARK).exists()  # not a cache hit next time
+
+
+# ----------------------------------------------------------------------- 14. announcing cold builds
+def _announcements(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("kldiv_inline:")]
+
+
+def test_cold_build_says_so_once_and_hits_are_silent(tmp_path, cache, capfd):
+    src = tmp_path / "announced.cpp"
+    src.write_text(capi_module("5"))
+    m = kldiv_inline.load_sources([src])
+    lines = _announcements(capfd.readouterr().err)
+    assert len(lines) == 2, lines
+    assert re.fullmatch(rf"kldiv_inline: building {m.__name__} \(first use of these sources, ~\d+ s\)\.\.\.",
+                        lines[0]), lines
+    assert re.fullmatch(rf"kldiv_inline: built {m.__name__} in \d+\.\d s", lines[1]), lines
+    built_s = json.loads((Path(m.__file__).parent / loader._BUILD_MARK).read_text())["build_s"]
+
+    assert kldiv_inline.load_sources([src]) is m
+    proc = subprocess.run(child_cmd(tmp_path, [src]), env=child_env(), capture_output=True, text=True, timeout=180)
+    assert child_result(proc.stdout, proc.stderr)["builds"] == 0
+    assert _announcements(capfd.readouterr().err + proc.stderr) == []
+
+    # An edit: the estimate is the last build's time of the same extension.
+    src.write_text(capi_module("6"))
+    kldiv_inline.load_sources([src])
+    lines = _announcements(capfd.readouterr().err)
+    assert f"~{max(1, round(built_s))} s)" in lines[0], lines
+
+
+def test_build_announcements_can_be_silenced(tmp_path, cache, capfd):
+    import logging
+    src = tmp_path / "quiet.cpp"
+    src.write_text(capi_module("5"))
+    log = logging.getLogger("kldiv_inline")
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        kldiv_inline.load_sources([src])
+    finally:
+        log.setLevel(level)
+    assert _announcements(capfd.readouterr().err) == []
+
+
+# ------------------------------------------------------------------------------- 15. CUDA_HOME
+@pytest.mark.parametrize("var", ["CUDA_HOME", "CUDA_PATH"])
+def test_cuda_home_without_nvcc_raises(tmp_path, cache, monkeypatch, no_compiler_runs, var):
+    for v in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.setenv(v, "")
+        monkeypatch.delenv(v)
+    nowhere = tmp_path / "nowhere"
+    monkeypatch.setenv(var, str(nowhere))
+    src = tmp_path / "needs_toolkit.cu"
+    src.write_text("__global__ void k() {}\n")
+    with pytest.raises(kldiv_inline.ToolchainError) as info:
+        kldiv_inline.load_sources([src])
+    msg = str(info.value)
+    assert f"{var}={nowhere}" in msg and "bin/nvcc" in msg, msg
+    assert no_compiler_runs == []
+    assert build_dirs() == []
+
+
+# ---------------------------------------------------------------------------- 16. TORCH_CUDA_ARCH_LIST
+@pytest.mark.parametrize("env, archs", [
+    ("Hopper", ["9.0+PTX"]),
+    ("Ampere", ["8.0", "8.6+PTX"]),
+    ("Ada 9.0a", ["8.9+PTX", "9.0a"]),
+    ("Blackwell+Tegra;Hopper", ["11.0", "9.0+PTX"]),
+    ("8.0;8.0;9.0", ["8.0", "9.0"]),
+])
+def test_cuda_arch_list_maps_names_as_torch_does(monkeypatch, env, archs):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", env)
+    assert loader.cuda_arch_list() == archs
+
+
+def test_cuda_arch_list_native_is_the_visible_gpus(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "native")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert loader.cuda_arch_list() == [loader.DEFAULT_CUDA_ARCH]
+
+
+@pytest.mark.parametrize("env, bad, hint", [
+    ("sm_90", "sm_90", "9.0"),
+    ("9,0", "9,0", "9.0"),
+    ("8.0;compute_90", "compute_90", "9.0"),
+    ("Hopper+PTX", "Hopper+PTX", "Hopper"),
+    ("hopper", "hopper", "Hopper"),
+    ("90", "90", "9.0"),
+])
+def test_bad_cuda_arch_list_is_rejected_before_compiling(tmp_path, cache, monkeypatch, no_compiler_runs, env, bad,
+                                                         hint):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", env)
+    src = tmp_path / "arch.cu"
+    src.write_text("__global__ void k() {}\n")
+    with pytest.raises(ValueError) as info:
+        kldiv_inline.load_sources([src])
+    msg = str(info.value)
+    assert "TORCH_CUDA_ARCH_LIST" in msg and repr(bad) in msg and f"{hint!r}" in msg, msg
+    assert "Hopper" in msg and "+PTX" in msg  # the accepted forms
+    assert no_compiler_runs == []
+
+
+def test_cuda_arch_that_nvcc_cannot_target_is_rejected_before_compiling(tmp_path, cache, monkeypatch,
+                                                                        no_compiler_runs):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "3.5;9.0")  # 3.5 (Kepler) left nvcc in CUDA 12
+    src = tmp_path / "old_arch.cu"
+    src.write_text("__global__ void k() {}\n")
+    with pytest.raises(kldiv_inline.ToolchainError) as info:
+        kldiv_inline.load_sources([src])
+    msg = str(info.value)
+    assert "'3.5'" in msg and "9.0" in msg and "nvcc" in msg, msg
     assert no_compiler_runs == []

@@ -1,0 +1,769 @@
+// Divergences of logits for distillation on CUDA (the math: distill_common.h; the contract: distill_bindings.cpp).
+//
+// One row (a token's logits over the vocabulary, 128k-256k entries) per thread-block cluster. Each block of the
+// cluster copies its slice of the student's (and teacher's) row into shared memory once, so the row is read from
+// device memory exactly once however many passes the math needs:
+//   1. the normalisers of both rows: each block's max and sum of exponentials, combined across the cluster through
+//      distributed shared memory (every block combines all blocks' values in the same order: identical results);
+//   2. the divergence terms (and the gradients that need no row sum: forward KL's p_s - p_t), cluster-summed;
+//   3. the remaining gradients (reverse KL and JSD need the row's K = sum p u first).
+// The gradients are streamed out (evict-first stores); the loss per row is reduced over rows by a second,
+// single-block kernel in a fixed order. No atomics on values, no host synchronisation: deterministic, and
+// capturable in a CUDA graph. Rows too long for shared memory read their slices from device memory in each pass
+// instead (the cluster keeps its working set small, so the later passes mostly hit L2).
+//
+// The same kernel runs one phase at a time for a vocabulary split across processes (distill_phase): the caller
+// combines the rows' statistics across ranks between the phases.
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "distill_common.h"
+#include "distill_plan.h"
+
+namespace cg = cooperative_groups;
+
+namespace distill {
+namespace {
+
+constexpr int kMaxThreads = 512;
+constexpr int kWarps = kMaxThreads / 32;
+constexpr int kSliceAlign = 16;  // entries: a slice starts on a 16-byte boundary for every dtype
+// Shared memory for a row's slices: small enough for three blocks per SM (loads of one overlap the math of
+// the others), else as much as a block may have.
+constexpr size_t kSmemTarget = 72 * 1024;
+constexpr size_t kSmemMax = 200 * 1024;
+
+__host__ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+template <typename T> struct AccOf { using type = float; };
+template <> struct AccOf<double> { using type = double; };
+
+template <typename T> struct alignas(16) Vec {
+  static constexpr int N = 16 / sizeof(T);
+  T v[N];
+};
+
+template <typename T, typename A> struct Params {
+  const T* s;
+  const T* t;  // null for a top-k teacher
+  int64_t s_stride, t_stride;
+  const int64_t* idx;  // top-k: [n, k]
+  const A* lp;
+  int64_t k;
+  const int64_t* labels;  // null: no mask
+  int64_t ignore_index;
+  int64_t n, v, slice;  // slice: entries per block (a multiple of kSliceAlign)
+  A inv_t;
+  RowConst<A> c;
+  T* gs;  // student gradient rows (stride gs_stride), null if not written by this launch
+  int64_t gs_stride;
+  T* gt;  // teacher gradient, contiguous [n, v], null if not written
+  const double* scale_dev;  // 1 / unmasked rows, computed on the device (batchmean); null: scale_host
+  double scale_host;
+  int phase;  // -1: all phases (one device); else PHASE_NORMS / PHASE_TERMS / PHASE_GRAD
+  const A* norms_in;  // [n, 4], phases after PHASE_NORMS
+  const A* k_in;      // [n, 2], PHASE_GRAD
+  A* out;             // -1: loss per row [n]; PHASE_NORMS: [n, 4]; PHASE_TERMS: [n, 3]
+  bool use_smem;
+};
+
+// ------------------------------------------------------------------------------------------ reductions
+template <typename A> __device__ __forceinline__ A warp_sum(A v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+template <typename A> __device__ __forceinline__ A warp_max(A v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// NV sums over the block, returned to every thread. Fixed order: deterministic. `scratch` holds kWarps * NV.
+template <int NV, typename A> __device__ __forceinline__ void block_sum(A (&v)[NV], A* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) v[i] = warp_sum(v[i]);
+  if (lane == 0)
+#pragma unroll
+    for (int i = 0; i < NV; ++i) scratch[warp * NV + i] = v[i];
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    A x = lane < warps ? scratch[lane * NV + i] : A(0);
+    v[i] = warp_sum(x);
+  }
+  __syncthreads();  // scratch is reused by the next reduction
+}
+
+template <typename A> __device__ __forceinline__ A block_max(A v, A* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_max(v);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = warp_max(lane < warps ? scratch[lane] : ninf<A>());
+  __syncthreads();
+  return v;
+}
+
+// NV sums over the cluster's blocks. `slot` (NV values in this block's shared memory) must be used for one
+// reduction only per launch: blocks read each other's slots after the cluster barrier, and a block keeps its
+// shared memory until the final barrier before it exits. Every block adds the ranks' values in rank order.
+template <int NV, typename A>
+__device__ __forceinline__ void cluster_sum(cg::cluster_group& cluster, A (&v)[NV], A* slot, A* bcast) {
+  if (threadIdx.x == 0)
+#pragma unroll
+    for (int i = 0; i < NV; ++i) slot[i] = v[i];
+  cluster.sync();
+  if (threadIdx.x == 0) {
+    const int ranks = static_cast<int>(cluster.num_blocks());
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      A acc = A(0);
+      for (int r = 0; r < ranks; ++r) acc += *cluster.map_shared_rank(slot + i, r);
+      bcast[i] = acc;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < NV; ++i) v[i] = bcast[i];
+}
+
+// The rows' normalisers over the cluster from each block's (max, sum of exp(x - max)) of two rows: the
+// cluster's max, and the log of the blocks' sums rescaled to it.
+template <typename A>
+__device__ __forceinline__ void cluster_norms(cg::cluster_group& cluster, const A (&mx)[2], const A (&sm)[2],
+                                              A* slot, A* bcast, Norm<A> (&norm)[2]) {
+  if (threadIdx.x == 0) {
+    slot[0] = mx[0];
+    slot[1] = sm[0];
+    slot[2] = mx[1];
+    slot[3] = sm[1];
+  }
+  cluster.sync();
+  if (threadIdx.x == 0) {
+    const int ranks = static_cast<int>(cluster.num_blocks());
+    for (int w = 0; w < 2; ++w) {
+      A g = ninf<A>();
+      for (int r = 0; r < ranks; ++r) g = fmax(g, *cluster.map_shared_rank(slot + 2 * w, r));
+      A z = A(0);
+      if (g != ninf<A>())
+        for (int r = 0; r < ranks; ++r) {
+          const A m = *cluster.map_shared_rank(slot + 2 * w, r);
+          const A s = *cluster.map_shared_rank(slot + 2 * w + 1, r);
+          if (s != A(0) || s != s) z += s * d_exp(m - g);
+        }
+      bcast[2 * w] = g;
+      bcast[2 * w + 1] = d_log(z);
+    }
+  }
+  __syncthreads();
+  norm[0] = Norm<A>{bcast[0], bcast[1]};
+  norm[1] = Norm<A>{bcast[2], bcast[3]};
+}
+
+// ------------------------------------------------------------------------------------------- the kernel
+// Visits the entries [0, count) of a slice in chunks of Vec<T>::N: f(j0, xs[N], xt[N], valid) where valid is the
+// number of entries of the chunk in the slice. Loads are 16-byte vectors where `aligned`.
+template <typename T, bool TWO, typename F>
+__device__ __forceinline__ void for_chunks(const T* s, const T* t, int64_t count, bool aligned, F&& f) {
+  constexpr int N = Vec<T>::N;
+  const int64_t chunks = (count + N - 1) / N;
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    const int64_t j0 = c * N;
+    const int valid = static_cast<int>(min64(N, count - j0));
+    Vec<T> xs, xt;
+    if (aligned && valid == N) {
+      xs = *reinterpret_cast<const Vec<T>*>(s + j0);
+      if (TWO) xt = *reinterpret_cast<const Vec<T>*>(t + j0);
+    } else {
+#pragma unroll
+      for (int q = 0; q < N; ++q) {
+        xs.v[q] = q < valid ? s[j0 + q] : T(0);
+        if (TWO) xt.v[q] = q < valid ? t[j0 + q] : T(0);
+      }
+    }
+    f(j0, xs, xt, valid);
+  }
+}
+
+// Stores a chunk of gradients: one 16-byte streaming store where aligned and whole, else element by element.
+template <typename T> __device__ __forceinline__ void store_chunk(T* dst, const Vec<T>& g, int valid, bool aligned) {
+  if (aligned && valid == Vec<T>::N) {
+    __stcs(reinterpret_cast<uint4*>(dst), *reinterpret_cast<const uint4*>(&g));
+  } else {  // unrolled with a predicate: a run-time loop bound would index g in local memory
+#pragma unroll
+    for (int q = 0; q < Vec<T>::N; ++q)
+      if (q < valid) dst[q] = g.v[q];
+  }
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// Copies `count` entries from device memory into shared memory (16-byte asynchronous copies where aligned).
+template <typename T> __device__ __forceinline__ void copy_slice(T* dst, const T* src, int64_t count) {
+  constexpr int N = Vec<T>::N;
+  if (aligned16(src)) {
+    const int64_t chunks = count / N;
+    const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(base + static_cast<unsigned>(c * 16)),
+                   "l"(src + c * N));
+    for (int64_t j = chunks * N + threadIdx.x; j < count; j += blockDim.x) dst[j] = src[j];
+  } else {
+    for (int64_t j = threadIdx.x; j < count; j += blockDim.x) dst[j] = src[j];
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+
+template <typename T, int MODE, bool TOPK>
+__global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typename AccOf<T>::type> p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // thread-block clusters need sm_90; the host refuses older GPUs before launching
+#else
+  using A = typename AccOf<T>::type;
+  constexpr int N = Vec<T>::N;
+  constexpr bool LOWP = sizeof(T) == 2;
+  constexpr bool TWO = !TOPK;  // a teacher row beside the student's
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ A scratch[kWarps * 4];
+  __shared__ A slot_lse[4], slot_terms[4], bcast[4];
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int64_t ranks = cluster.num_blocks();
+  const int64_t rank = cluster.block_rank();
+  const int64_t row = blockIdx.x / ranks;
+  if (row >= p.n) return;  // the whole cluster: its blocks share the row
+  const int64_t lo = rank * p.slice;
+  const int64_t count = max64(0, min64(p.v - lo, p.slice));
+  const T* gsrc = p.s + row * p.s_stride + lo;
+  const T* gtsrc = TWO ? p.t + row * p.t_stride + lo : nullptr;
+  T* gs = p.gs ? p.gs + row * p.gs_stride + lo : nullptr;
+  T* gt = p.gt ? p.gt + row * p.v + lo : nullptr;
+  const bool writes_out = rank == 0 && p.out != nullptr;
+
+  if (p.labels && p.labels[row] == p.ignore_index) {  // masked: zeros, and no barrier (the cluster agrees)
+    const Vec<T> zero{};
+    for (int64_t j0 = threadIdx.x * N; j0 < count; j0 += blockDim.x * N) {
+      const int valid = static_cast<int>(min64(N, count - j0));
+      if (gs) store_chunk(gs + j0, zero, valid, aligned16(gs));
+      if (gt) store_chunk(gt + j0, zero, valid, aligned16(gt));
+    }
+    if (writes_out && threadIdx.x == 0) {
+      if (p.phase == -1) p.out[row] = A(0);
+      else if (p.phase == PHASE_NORMS) p.out[4 * row] = p.out[4 * row + 1] = p.out[4 * row + 2] = p.out[4 * row + 3] = ninf<A>();
+      else if (p.phase == PHASE_TERMS) p.out[3 * row] = p.out[3 * row + 1] = p.out[3 * row + 2] = A(0);
+    }
+    return;
+  }
+
+  const T* xs = gsrc;
+  const T* xt = gtsrc;
+  if (p.use_smem) {
+    T* sm_s = reinterpret_cast<T*>(smem_raw);
+    copy_slice(sm_s, gsrc, count);
+    xs = sm_s;
+    if (TWO) {
+      T* sm_t = sm_s + p.slice;
+      copy_slice(sm_t, gtsrc, count);
+      xt = sm_t;
+    }
+    asm volatile("cp.async.wait_all;\n" ::);
+    __syncthreads();
+  }
+  const bool al = aligned16(xs) && (!TWO || aligned16(xt));
+  const A inv_t = p.inv_t;
+
+  // ---- 1. the normalisers of both rows
+  Norm<A> norm[2];
+  if (p.phase == -1 || p.phase == PHASE_NORMS) {
+    A mx[2] = {ninf<A>(), ninf<A>()};
+    for_chunks<T, TWO>(xs, xt, count, al, [&](int64_t, const Vec<T>& vs, const Vec<T>& vt, int valid) {
+#pragma unroll
+      for (int q = 0; q < N; ++q)
+        if (q < valid) {
+          mx[0] = fmax(mx[0], static_cast<A>(vs.v[q]) * inv_t);
+          if (TWO) mx[1] = fmax(mx[1], static_cast<A>(vt.v[q]) * inv_t);
+        }
+    });
+    mx[0] = block_max(mx[0], scratch);
+    if (TWO) mx[1] = block_max(mx[1], scratch);
+    A sm[2] = {A(0), A(0)};
+    const A m0 = mx[0] == ninf<A>() ? A(0) : mx[0], m1 = mx[1] == ninf<A>() ? A(0) : mx[1];
+    for_chunks<T, TWO>(xs, xt, count, al, [&](int64_t, const Vec<T>& vs, const Vec<T>& vt, int valid) {
+#pragma unroll
+      for (int q = 0; q < N; ++q)
+        if (q < valid) {
+          sm[0] += d_exp(static_cast<A>(vs.v[q]) * inv_t - m0);
+          if (TWO) sm[1] += d_exp(static_cast<A>(vt.v[q]) * inv_t - m1);
+        }
+    });
+    block_sum<2>(sm, scratch);
+    cluster_norms(cluster, mx, sm, slot_lse, bcast, norm);
+    if (p.phase == PHASE_NORMS) {
+      if (writes_out && threadIdx.x == 0) {
+        p.out[4 * row] = norm[0].mx;
+        p.out[4 * row + 1] = norm[0].lz;
+        p.out[4 * row + 2] = norm[1].mx;
+        p.out[4 * row + 3] = norm[1].lz;
+      }
+      cluster.sync();  // no block leaves while another may still read its slots
+      return;
+    }
+  } else {
+    const A* nr = p.norms_in + 4 * row;
+    norm[0] = Norm<A>{nr[0], nr[1]};
+    norm[1] = Norm<A>{nr[2], nr[3]};
+  }
+  const RowNorms<A> rn = row_norms(norm[0], norm[1]);
+  // log p_s of an entry of this block's slice (top-k teacher)
+  auto log_ps = [&](T x) { return (static_cast<A>(x) * inv_t - norm[0].mx) - norm[0].lz; };
+  const A scale = static_cast<A>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(inv_t));
+
+  if constexpr (TOPK) {
+    // ---- 2'. a top-k teacher: buckets are the k tokens and the tail (see distill_cpu.cpp's row_topk).
+    const int64_t words = (p.slice + 31) / 32;
+    unsigned* bits = reinterpret_cast<unsigned*>(smem_raw + (p.use_smem ? p.slice * sizeof(T) : 0));
+    for (int64_t w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0u;
+    __syncthreads();
+    const int64_t* idx = p.idx + row * p.k;
+    const A* lp = p.lp + row * p.k;
+    A bad = A(0);
+    for (int64_t j = threadIdx.x; j < p.k; j += blockDim.x) {
+      const int64_t x = idx[j];
+      if (x < 0 || x >= p.v) bad = A(1);
+      else if (x >= lo && x < lo + count) {
+        const unsigned bit = 1u << ((x - lo) & 31);
+        if (atomicOr(&bits[(x - lo) >> 5], bit) & bit) bad = A(1);  // a duplicate
+      }
+    }
+    __syncthreads();
+    // Terms of this block's members, its part of the student's tail mass, and the teacher's mass (all k).
+    A v[4] = {A(0), A(0), A(0), bad};  // loss, ks, p_tail, bad
+    A q_sum = A(0);
+    Terms<A> acc{A(0), A(0), A(0)};
+    for (int64_t j = threadIdx.x; j < p.k; j += blockDim.x) {
+      q_sum += d_exp(lp[j]);
+      const int64_t x = idx[j];
+      if (x >= lo && x < lo + count) {
+        const A ls = log_ps(xs[x - lo]);
+        point_terms<MODE, LOWP>(bucket_point(d_exp(ls), ls, d_exp(lp[j]), lp[j]), p.c, acc);
+      }
+    }
+    v[0] = acc.loss;
+    v[1] = acc.ks;
+    for (int64_t j = threadIdx.x; j < count; j += blockDim.x)
+      if (!((bits[j >> 5] >> (j & 31)) & 1u)) v[2] += d_exp(log_ps(xs[j]));
+    A qs[1] = {q_sum};
+    block_sum<1>(qs, scratch);  // every block sums all k: the same value everywhere
+    block_sum<4>(v, scratch);
+    cluster_sum<4>(cluster, v, slot_terms, bcast);
+    A loss = v[0], ks = v[1];
+    const A p_tail = v[2];
+    const A q_tail = fmax(A(1) - qs[0], A(0));
+    const Point<A> tail = bucket_point(p_tail, d_log(p_tail), q_tail, d_log(q_tail));
+    if (p.k < p.v) {
+      Terms<A> ta{A(0), A(0), A(0)};
+      point_terms<MODE, LOWP>(tail, p.c, ta);
+      loss += ta.loss;
+      ks += ta.ks;
+    }
+    const A nan = std::numeric_limits<A>::quiet_NaN();
+    if (v[3] != A(0)) loss = ks = nan;
+    if (writes_out && threadIdx.x == 0) p.out[row] = loss;
+    if (gs) {
+      const A tail_coef = tail.ps > A(0) ? student_grad<MODE, LOWP>(tail, p.c, ks) / tail.ps : A(0);
+      const bool ga = aligned16(gs);
+      for_chunks<T, false>(xs, xs, count, al, [&](int64_t j0, const Vec<T>& vs, const Vec<T>&, int valid) {
+        Vec<T> g;
+#pragma unroll
+        for (int q = 0; q < N; ++q)
+          g.v[q] = static_cast<T>(d_exp(log_ps(vs.v[q])) * tail_coef * scale);
+        store_chunk(gs + j0, g, valid, ga);
+      });
+      __syncthreads();  // the members' own gradients overwrite the tail formula written above
+      for (int64_t j = threadIdx.x; j < p.k; j += blockDim.x) {
+        const int64_t x = idx[j];
+        if (x >= lo && x < lo + count) {
+          const A ls = log_ps(xs[x - lo]);
+          gs[x - lo] = static_cast<T>(
+              student_grad<MODE, LOWP>(bucket_point(d_exp(ls), ls, d_exp(lp[j]), lp[j]), p.c, ks) * scale);
+        }
+      }
+    }
+    cluster.sync();
+    return;
+  } else {
+    // ---- 2. terms (and the gradients that need no row sum); 3. the other gradients.
+    // Which gradients need the row's K: the student's unless forward KL, the teacher's unless reverse KL.
+    const bool s_needs_k = MODE != FORWARD_KL, t_needs_k = MODE != REVERSE_KL;
+    const bool do_terms = p.phase != PHASE_GRAD;
+    const bool gs_in_terms = gs && !s_needs_k, gt_in_terms = gt && !t_needs_k;
+    const bool gs_later = gs && s_needs_k, gt_later = gt && t_needs_k;
+    const bool gsa = gs && aligned16(gs), gta = gt && aligned16(gt);
+    A ks = A(0), kt = A(0);
+    if (do_terms) {
+      Terms<A> acc{A(0), A(0), A(0)};
+      for_chunks<T, true>(xs, xt, count, al, [&](int64_t j0, const Vec<T>& vs, const Vec<T>& vt, int valid) {
+        Vec<T> g, h;
+#pragma unroll
+        for (int q = 0; q < N; ++q) {
+          const Point<A> e = make_point(static_cast<A>(vs.v[q]), static_cast<A>(vt.v[q]), inv_t, rn);
+          if (q < valid) point_terms<MODE, LOWP>(e, p.c, acc);
+          if (gs_in_terms) g.v[q] = static_cast<T>(student_grad<MODE, LOWP>(e, p.c, A(0)) * scale);
+          if (gt_in_terms) h.v[q] = static_cast<T>(teacher_grad<MODE, LOWP>(e, p.c, A(0)) * scale);
+        }
+        if (gs_in_terms) store_chunk(gs + j0, g, valid, gsa);
+        if (gt_in_terms) store_chunk(gt + j0, h, valid, gta);
+      });
+      A v[3] = {acc.loss, acc.ks, acc.kt};
+      block_sum<3>(v, scratch);
+      cluster_sum<3>(cluster, v, slot_terms, bcast);
+      ks = v[1];
+      kt = v[2];
+      if (writes_out && threadIdx.x == 0) {
+        if (p.phase == -1) {
+          p.out[row] = v[0];
+        } else {
+          p.out[3 * row] = v[0];
+          p.out[3 * row + 1] = v[1];
+          p.out[3 * row + 2] = v[2];
+        }
+      }
+    } else {
+      ks = p.k_in[2 * row];
+      kt = p.k_in[2 * row + 1];
+    }
+    const bool grad_pass = p.phase != PHASE_TERMS && (gs_later || gt_later);
+    if (grad_pass) {
+      for_chunks<T, true>(xs, xt, count, al, [&](int64_t j0, const Vec<T>& vs, const Vec<T>& vt, int valid) {
+        Vec<T> g, h;
+#pragma unroll
+        for (int q = 0; q < N; ++q) {
+          const Point<A> e = make_point(static_cast<A>(vs.v[q]), static_cast<A>(vt.v[q]), inv_t, rn);
+          if (gs_later) g.v[q] = static_cast<T>(student_grad<MODE, LOWP>(e, p.c, ks) * scale);
+          if (gt_later) h.v[q] = static_cast<T>(teacher_grad<MODE, LOWP>(e, p.c, kt) * scale);
+        }
+        if (gs_later) store_chunk(gs + j0, g, valid, gsa);
+        if (gt_later) store_chunk(gt + j0, h, valid, gta);
+      });
+    }
+    if (p.phase == -1 || p.phase == PHASE_TERMS) cluster.sync();  // others may still read this block's slots
+  }
+#endif
+}
+
+// 1 / (rows whose label is not ignore_index), 0 when there are none: the batchmean divisor, on the device.
+__global__ void __launch_bounds__(1024)
+inv_count_kernel(const int64_t* __restrict__ labels, int64_t n, int64_t ignore_index, double* __restrict__ inv) {
+  __shared__ long long part[32];
+  long long c = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) c += labels[i] != ignore_index;
+  for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = c;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    long long total = 0;
+    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) total += part[w];
+    *inv = total > 0 ? 1.0 / static_cast<double>(total) : 0.0;
+  }
+}
+
+// loss = (sum of the rows' losses, in a fixed order, in double) * scale.
+template <typename A>
+__global__ void __launch_bounds__(1024)
+total_kernel(const A* __restrict__ rows, int64_t n, const double* __restrict__ scale_dev, double scale_host,
+             A* __restrict__ out) {
+  __shared__ double part[32];
+  double s = 0.0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += static_cast<double>(rows[i]);
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double total = 0.0;
+    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) total += part[w];
+    *out = static_cast<A>(total * (scale_dev ? *scale_dev : scale_host));
+  }
+}
+
+// grad[row] *= grad_out (one value or one per row); a block whose factor is 1 returns at once.
+template <typename T>
+__global__ void __launch_bounds__(256) scale_rows_kernel(T* grad, int64_t n, int64_t v, int64_t stride,
+                                                         const double* __restrict__ go, bool per_row) {
+  using A = typename AccOf<T>::type;
+  for (int64_t row = blockIdx.y; row < n; row += gridDim.y) {
+    const A f = static_cast<A>(go[per_row ? row : 0]);
+    if (f == A(1)) continue;
+    T* g = grad + row * stride;
+    for (int64_t j = blockIdx.x * blockDim.x + threadIdx.x; j < v; j += static_cast<int64_t>(gridDim.x) * blockDim.x)
+      g[j] = static_cast<T>(static_cast<A>(g[j]) * f);
+  }
+}
+
+// ------------------------------------------------------------------------------------------- launching
+struct Launch {
+  int cluster = 1, threads = 128;
+  int64_t slice = 0;
+  size_t smem = 0;
+  bool use_smem = true;
+};
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// The smallest cluster whose blocks' slices fit the shared-memory target (else the maximum), or global-memory
+// passes for rows longer than a cluster of 16 can hold.
+Launch plan_launch(int64_t v, size_t entry_bytes, bool topk) {
+  Launch l;
+  auto bytes = [&](int64_t slice) {
+    return static_cast<size_t>(slice) * entry_bytes + (topk ? static_cast<size_t>((slice + 31) / 32) * 4 : 0);
+  };
+  for (size_t budget : {kSmemTarget, kSmemMax}) {
+    for (int c : {1, 2, 4, 8, 16}) {
+      const int64_t slice = round_up((v + c - 1) / c, kSliceAlign);
+      if (bytes(slice) <= budget) {
+        l.cluster = c;
+        l.slice = slice;
+        l.smem = bytes(slice);
+        l.threads = slice >= 8192 ? 512 : slice >= 2048 ? 256 : 128;
+        return l;
+      }
+    }
+  }
+  l.use_smem = false;  // read each pass from device memory: a cluster of 16 keeps the row's passes in L2
+  l.cluster = 16;
+  l.slice = round_up((v + 15) / 16, kSliceAlign);
+  l.smem = topk ? static_cast<size_t>((l.slice + 31) / 32) * 4 : 0;
+  l.threads = 512;
+  return l;
+}
+
+// A kernel's shared-memory limit and cluster-size permission, raised once per kernel and device (setting a
+// function attribute costs microseconds, a sizeable share of a small call).
+void prepare_kernel(const void* kernel, size_t smem, bool big_cluster) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, std::pair<size_t, bool>> done;
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  auto& state = done[{kernel, dev}];
+  if (smem > state.first) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    state.first = smem;
+  }
+  if (big_cluster && !state.second) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    state.second = true;
+  }
+}
+
+template <typename Kernel> void launch_rows(Kernel kernel, const Launch& l, int64_t n, const void* params,
+                                            cudaStream_t stream) {
+  prepare_kernel(reinterpret_cast<const void*>(kernel), l.smem, l.cluster > 8);
+  const int64_t blocks = n * l.cluster;
+  TORCH_CHECK(blocks < (int64_t(1) << 31), "distill: too many rows for one launch");
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(l.threads);
+  cfg.dynamicSmemBytes = l.smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = l.cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  void* args[] = {const_cast<void*>(params)};
+  C10_CUDA_CHECK(cudaLaunchKernelExC(&cfg, reinterpret_cast<const void*>(kernel), args));
+}
+
+template <typename T, typename A>
+Params<T, A> base_params(const Rows& r, int64_t ignore_index, double beta, double temperature, const Launch& l) {
+  Params<T, A> p{};
+  p.s = r.s.data_ptr<T>();
+  p.t = r.t.defined() ? r.t.data_ptr<T>() : nullptr;
+  p.s_stride = r.s.stride(0);
+  p.t_stride = r.t.defined() ? r.t.stride(0) : 0;
+  p.idx = r.idx.defined() ? r.idx.data_ptr<int64_t>() : nullptr;
+  p.lp = r.lp.defined() ? r.lp.data_ptr<A>() : nullptr;
+  p.k = r.k;
+  p.labels = r.labels.defined() ? r.labels.data_ptr<int64_t>() : nullptr;
+  p.ignore_index = ignore_index;
+  p.n = r.n;
+  p.v = r.v;
+  p.slice = l.slice;
+  p.inv_t = static_cast<A>(1.0 / temperature);
+  p.c = row_const<A>(beta);
+  p.use_smem = l.use_smem;
+  p.phase = -1;
+  return p;
+}
+
+void check_device(const at::Tensor& x) {
+  TORCH_CHECK(x.is_cuda(), "distill (cuda backend): expected CUDA tensors, got ", x.device());
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device()));
+  TORCH_CHECK(major >= 9, "distill (cuda backend): the kernels use thread-block clusters, which need compute "
+              "capability 9.0 (Hopper) or newer; this GPU has ", major, ".x. Use CPU tensors instead.");
+}
+
+// A gradient written over the student's own logits (the fused LM head does this) is safe only where the row's
+// slices sit in shared memory: a later pass may read a logit the gradient already replaced.
+void check_in_place(const at::Tensor& gs, const Rows& r, const Launch& l) {
+  TORCH_CHECK(!gs.defined() || l.use_smem || !gs.is_alias_of(r.s),
+              "distill: an in-place gradient needs rows that fit on chip (vocabulary of ", r.v, " is too long)");
+}
+
+}  // namespace
+}  // namespace distill
+
+using namespace distill;
+
+const char* distill_backend() { return "cuda"; }
+
+std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::optional<at::Tensor>& teacher,
+                                        const c10::optional<at::Tensor>& topk_idx,
+                                        const c10::optional<at::Tensor>& topk_lp,
+                                        const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
+                                        double temperature, int64_t reduction, bool want_student,
+                                        bool want_teacher, const c10::optional<at::Tensor>& grad_student_out) {
+  check_device(student);
+  check_scalars(beta, temperature, reduction);
+  const Rows r = prepare_rows(student, teacher, topk_idx, topk_lp, labels);
+  TORCH_CHECK(!(want_teacher && r.topk()), "distill: no gradient for a top-k teacher");
+  const c10::cuda::CUDAGuard guard(student.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const auto acc = acc_type(r.s.scalar_type());
+  const auto dopts = r.s.options().dtype(at::kDouble);
+  at::Tensor rows_loss = at::empty({r.n}, r.s.options().dtype(acc));
+  at::Tensor gs = want_student ? grad_buffer(grad_student_out, r) : at::Tensor();
+  at::Tensor gt = want_teacher ? at::empty({r.n, r.v}, r.s.options()) : at::Tensor();
+  // batchmean with labels: the divisor is counted on the device (no synchronisation); otherwise known here.
+  at::Tensor inv_div;
+  double inv_host = 1.0;
+  if (reduction == RED_BATCHMEAN) {
+    if (r.labels.defined() && r.n > 0) {
+      inv_div = at::empty({}, dopts);
+      inv_count_kernel<<<1, 1024, 0, stream>>>(r.labels.data_ptr<int64_t>(), r.n, ignore_index,
+                                              inv_div.data_ptr<double>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    } else {
+      inv_host = r.n > 0 ? 1.0 / static_cast<double>(r.n) : 0.0;
+    }
+  }
+  if (r.n > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.s.scalar_type(), "distill_forward", [&] {
+      using T = scalar_t;
+      using A = typename AccOf<T>::type;
+      const Launch l = plan_launch(r.v, sizeof(T) * (r.topk() ? 1 : 2), r.topk());
+      check_in_place(gs, r, l);
+      Params<T, A> p = base_params<T, A>(r, ignore_index, beta, temperature, l);
+      p.gs = want_student ? gs.data_ptr<T>() : nullptr;
+      p.gs_stride = want_student ? gs.stride(0) : 0;
+      p.gt = want_teacher ? gt.data_ptr<T>() : nullptr;
+      p.scale_dev = inv_div.defined() ? inv_div.data_ptr<double>() : nullptr;
+      p.scale_host = inv_host;
+      p.out = rows_loss.data_ptr<A>();
+      dispatch_mode(mode_of(beta), [&](auto mode_c) {
+        constexpr int MODE = decltype(mode_c)::value;
+        if (r.topk()) launch_rows(rows_kernel<T, MODE, true>, l, r.n, &p, stream);
+        else launch_rows(rows_kernel<T, MODE, false>, l, r.n, &p, stream);
+      });
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+  if (reduction == RED_NONE) return {rows_loss, gs, gt};
+  at::Tensor loss = at::empty({}, r.s.options().dtype(acc));
+  AT_DISPATCH_FLOATING_TYPES(acc, "distill_total", [&] {
+    total_kernel<scalar_t><<<1, 1024, 0, stream>>>(rows_loss.data_ptr<scalar_t>(), r.n,
+                                                   inv_div.defined() ? inv_div.data_ptr<double>() : nullptr,
+                                                   inv_host, loss.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {loss, gs, gt};
+}
+
+std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, const at::Tensor& teacher,
+                                      const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
+                                      double temperature, const c10::optional<at::Tensor>& norms,
+                                      const c10::optional<at::Tensor>& ksums, const c10::optional<at::Tensor>& scale,
+                                      bool want_student, bool want_teacher,
+                                      const c10::optional<at::Tensor>& grad_student_out) {
+  check_device(student);
+  check_scalars(beta, temperature, RED_SUM);
+  const Rows r = prepare_rows(student, teacher, c10::nullopt, c10::nullopt, labels);
+  const c10::cuda::CUDAGuard guard(student.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const auto acc = acc_type(r.s.scalar_type());
+  const int mode = mode_of(beta);
+  TORCH_CHECK(phase >= PHASE_NORMS && phase <= PHASE_GRAD, "distill: unknown phase ", phase);
+  if (phase != PHASE_NORMS) check_row_stats(opt(norms), r, 4, "the rows' normalisers");
+  auto needs_k = [&](bool teacher_side) { return teacher_side ? mode != REVERSE_KL : mode != FORWARD_KL; };
+  const bool ws = want_student && (phase == PHASE_TERMS ? !needs_k(false) : phase == PHASE_GRAD && needs_k(false));
+  const bool wt = want_teacher && (phase == PHASE_TERMS ? !needs_k(true) : phase == PHASE_GRAD && needs_k(true));
+  if (phase == PHASE_GRAD && (ws || wt)) check_row_stats(opt(ksums), r, 2, "the rows' K sums");
+  if (ws || wt)
+    TORCH_CHECK(scale.has_value() && scale->numel() == 1 && scale->scalar_type() == at::kDouble &&
+                    scale->device() == r.s.device(),
+                "distill: the gradient scale must be one float64 value on the logits' device");
+  at::Tensor out = phase == PHASE_NORMS ? at::empty({r.n, 4}, r.s.options().dtype(acc))
+                   : phase == PHASE_TERMS ? at::empty({r.n, 3}, r.s.options().dtype(acc)) : at::Tensor();
+  at::Tensor gs = ws ? grad_buffer(grad_student_out, r) : at::Tensor();
+  at::Tensor gt = wt ? at::empty({r.n, r.v}, r.s.options()) : at::Tensor();
+  if (r.n == 0 || (phase == PHASE_GRAD && !(ws || wt))) return {out, gs, gt};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.s.scalar_type(), "distill_phase", [&] {
+    using T = scalar_t;
+    using A = typename AccOf<T>::type;
+    const Launch l = plan_launch(r.v, 2 * sizeof(T), false);
+    check_in_place(gs, r, l);
+    Params<T, A> p = base_params<T, A>(r, ignore_index, beta, temperature, l);
+    p.phase = static_cast<int>(phase);
+    p.gs = ws ? gs.data_ptr<T>() : nullptr;
+    p.gs_stride = ws ? gs.stride(0) : 0;
+    p.gt = wt ? gt.data_ptr<T>() : nullptr;
+    p.scale_dev = (ws || wt) ? scale->data_ptr<double>() : nullptr;
+    p.norms_in = phase != PHASE_NORMS ? norms->data_ptr<A>() : nullptr;
+    p.k_in = phase == PHASE_GRAD && (ws || wt) ? ksums->data_ptr<A>() : nullptr;
+    p.out = out.defined() ? out.data_ptr<A>() : nullptr;
+    dispatch_mode(mode, [&](auto mode_c) {
+      launch_rows(rows_kernel<T, decltype(mode_c)::value, false>, l, r.n, &p, stream);
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {out, gs, gt};
+}
+
+void distill_scale_grad_(at::Tensor grad, const at::Tensor& grad_out) {
+  TORCH_CHECK(grad.is_cuda() && grad.dim() == 2 && grad.stride(1) == 1,
+              "distill: scale_grad_ needs a [rows, vocab] CUDA tensor with unit stride along the vocabulary");
+  TORCH_CHECK(grad_out.device() == grad.device() && (grad_out.numel() == 1 || grad_out.numel() == grad.size(0)),
+              "distill: grad_output must hold one value or one per row, on the gradient's device");
+  if (grad.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(grad.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor go = grad_out.to(at::kDouble).contiguous();
+  const bool per_row = go.numel() != 1 || grad.size(0) == 1;
+  const int64_t n = grad.size(0), v = grad.size(1);
+  const dim3 grid(static_cast<unsigned>(min64((v + 255) / 256, 64)),
+                  static_cast<unsigned>(min64(n, 65535)));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "distill_scale_grad", [&] {
+    scale_rows_kernel<scalar_t><<<grid, 256, 0, stream>>>(grad.data_ptr<scalar_t>(), n, v, grad.stride(0),
+                                                          go.data_ptr<double>(), per_row);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}

@@ -1,0 +1,55 @@
+// Python bindings of the distillation kernels. Both backends (distill.cu for CUDA, distill_cpu.cpp for the CPU
+// twin) implement these functions with the same semantics; the loader builds this file with one of them.
+// The caller is kldiv_inline/distill.py, which validates arguments and lays the logits out as rows first.
+#include <torch/extension.h>
+
+#include <vector>
+
+// "cuda" or "cpu": which backend this module was built with.
+const char* distill_backend();
+
+// The divergence of student and teacher over rows of logits (distill_common.h has the math), all on this device.
+// student [n, v]; exactly one of teacher [n, v] (same dtype) and a top-k teacher (topk_idx int64 [n, k],
+// topk_lp [n, k] log-probabilities, float32 or float64 for float64 logits); labels int64 [n] or None
+// (rows whose label is ignore_index are masked). reduction: 0 none, 1 sum, 2 batchmean (over unmasked rows).
+// Returns {loss ([n] for none, else 0-d; float32, float64 for float64 logits), d loss / d student logits if
+// want_student (written into grad_student_out when given, which may alias the student logits), d loss / d teacher
+// logits if want_teacher}. The gradients are those of the reduced loss (for none: of the sum of the rows' losses).
+std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::optional<at::Tensor>& teacher,
+                                        const c10::optional<at::Tensor>& topk_idx,
+                                        const c10::optional<at::Tensor>& topk_lp,
+                                        const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
+                                        double temperature, int64_t reduction, bool want_student,
+                                        bool want_teacher, const c10::optional<at::Tensor>& grad_student_out);
+
+// One phase of a call whose vocabulary is split across processes (each holds a slice of every row):
+//   0 (norms): returns {[n, 4] the normalisers of student and teacher logits / T over this slice: (max, log of
+//              the sum of exp(x / T - max)) of each, see distill_common.h's Norm}
+//   1 (terms): given the rows' global normalisers [n, 4], returns {[n, 3] this slice's (loss, ks, kt) sums, and the
+//              gradients that need no row sums: the student's for forward KL, the teacher's for reverse KL}
+//   2 (grad):  given the normalisers and the global (ks, kt) [n, 2], returns {undefined, the remaining gradients}
+// scale: a 0-d float64 tensor (the reduction's divisor, 1 / unmasked rows for batchmean), multiplied with 1/T.
+std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, const at::Tensor& teacher,
+                                      const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
+                                      double temperature, const c10::optional<at::Tensor>& norms,
+                                      const c10::optional<at::Tensor>& ksums, const c10::optional<at::Tensor>& scale,
+                                      bool want_student, bool want_teacher,
+                                      const c10::optional<at::Tensor>& grad_student_out);
+
+// grad [n, v] *= grad_out (one value, or one per row), skipped (on the device) for rows whose factor is 1.
+void distill_scale_grad_(at::Tensor grad, const at::Tensor& grad_out);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kldiv_inline distillation kernels";
+  m.def("backend", &distill_backend, "which backend this module holds: 'cuda' or 'cpu'");
+  m.def("distill_forward", &distill_forward, "divergence of student and teacher logits (see distill_bindings.cpp)",
+        py::arg("student"), py::arg("teacher"), py::arg("topk_idx"), py::arg("topk_lp"), py::arg("labels"),
+        py::arg("ignore_index"), py::arg("beta"), py::arg("temperature"), py::arg("reduction"),
+        py::arg("want_student"), py::arg("want_teacher"), py::arg("grad_student_out") = py::none());
+  m.def("distill_phase", &distill_phase, "one phase of a vocabulary-parallel divergence", py::arg("phase"),
+        py::arg("student"), py::arg("teacher"), py::arg("labels"), py::arg("ignore_index"), py::arg("beta"),
+        py::arg("temperature"), py::arg("norms"), py::arg("ksums"), py::arg("scale"), py::arg("want_student"),
+        py::arg("want_teacher"), py::arg("grad_student_out") = py::none());
+  m.def("distill_scale_grad_", &distill_scale_grad_, "grad *= grad_out per row, skipping factors of 1",
+        py::arg("grad"), py::arg("grad_out"));
+}

@@ -1,0 +1,333 @@
+// Divergences of logits for distillation on the CPU: the twin of distill.cu, with the same entry points and
+// semantics (distill_common.h holds the per-entry arithmetic, distill_plan.h the checks).
+//
+// One row (token) at a time, rows spread over OpenMP threads; every sum over a row runs in order in double, so
+// results do not depend on the thread count. A row is read in three passes (logsumexp, terms, gradient): the
+// CPU twin is the reference semantics and the CI path, not a fast path.
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "distill_common.h"
+#include "distill_plan.h"
+
+namespace distill {
+namespace {
+
+template <typename T> struct AccOf { using type = float; };
+template <> struct AccOf<double> { using type = double; };
+
+// Below this many rows x vocabulary one thread is faster than waking the OpenMP team.
+constexpr int64_t kParallelMin = 1 << 16;
+
+struct Args {
+  Rows r;
+  int64_t ignore_index;
+  double beta, inv_t;
+};
+
+inline bool row_masked(const Args& a, int64_t i) {
+  return a.r.labels.defined() && a.r.labels.data_ptr<int64_t>()[i] == a.ignore_index;
+}
+
+// The normaliser of x / T over a row: its max and the log of the sum of exp(x / T - max). NaN anywhere gives
+// NaN (as PyTorch's log_softmax); a row of -inf has no mass (lz = -inf).
+template <typename T, typename A> Norm<A> row_norm(const T* x, int64_t v, A inv_t) {
+  A mx = ninf<A>();
+  for (int64_t j = 0; j < v; ++j) {
+    const A a = static_cast<A>(x[j]) * inv_t;
+    if (a > mx || a != a) mx = a;
+    if (mx != mx) return {mx, mx};
+  }
+  const A shift = mx == ninf<A>() ? A(0) : mx;  // a +inf maximum turns the sum into NaN below
+  double sum = 0.0;
+  for (int64_t j = 0; j < v; ++j) sum += static_cast<double>(d_exp(static_cast<A>(x[j]) * inv_t - shift));
+  return {mx, d_log(static_cast<A>(sum))};
+}
+
+// Loss and gradient sums of a row given both log-normalisers.
+template <typename T, int MODE, typename A>
+Terms<double> row_terms(const T* s, const T* t, int64_t v, A inv_t, const RowNorms<A>& rn, const RowConst<A>& c) {
+  Terms<double> acc{0.0, 0.0, 0.0};
+  for (int64_t j = 0; j < v; ++j) {
+    Terms<A> e{A(0), A(0), A(0)};
+    point_terms<MODE, false>(make_point(static_cast<A>(s[j]), static_cast<A>(t[j]), inv_t, rn), c, e);
+    acc.loss += e.loss;
+    acc.ks += e.ks;
+    acc.kt += e.kt;
+  }
+  return acc;
+}
+
+// Gradients of a row (already scaled by `scale`, i.e. the reduction's divisor and 1/T); either output may be null.
+template <typename T, int MODE, typename A>
+void row_grad(const T* s, const T* t, int64_t v, A inv_t, const RowNorms<A>& rn, const RowConst<A>& c, A ks, A kt,
+              A scale, T* gs, T* gt) {
+  for (int64_t j = 0; j < v; ++j) {
+    const Point<A> e = make_point(static_cast<A>(s[j]), static_cast<A>(t[j]), inv_t, rn);
+    if (gs) gs[j] = static_cast<T>(student_grad<MODE, false>(e, c, ks) * scale);
+    if (gt) gt[j] = static_cast<T>(teacher_grad<MODE, false>(e, c, kt) * scale);
+  }
+}
+
+// A top-k row: the k tokens and the tail (the rest of the vocabulary) as buckets. Members are marked in `mark` (scratch of v bytes);
+// a duplicate or out-of-range index makes the row's loss NaN (the Python layer rejects them first).
+template <typename T, int MODE, typename A>
+A row_topk(const T* s, int64_t v, const int64_t* idx, const A* lp, int64_t k, A inv_t, const RowConst<A>& c,
+           A scale, T* gs, std::vector<unsigned char>& mark) {
+  const Norm<A> ns = row_norm<T, A>(s, v, inv_t);
+  auto log_p = [&](int64_t j) { return (static_cast<A>(s[j]) * inv_t - ns.mx) - ns.lz; };
+  mark.assign(v, 0);
+  bool bad = false;
+  double q_sum = 0.0;
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t x = idx[j];
+    if (x < 0 || x >= v || mark[x]) {
+      bad = true;
+      break;
+    }
+    mark[x] = 1;
+    q_sum += static_cast<double>(d_exp(lp[j]));
+  }
+  const A nan = std::numeric_limits<A>::quiet_NaN();
+  if (bad) {
+    if (gs) std::fill(gs, gs + v, static_cast<T>(nan));
+    return nan;
+  }
+  double p_tail = 0.0;
+  for (int64_t j = 0; j < v; ++j)
+    if (!mark[j]) p_tail += static_cast<double>(d_exp(log_p(j)));
+  const A q_tail = static_cast<A>(std::max(0.0, 1.0 - q_sum));
+  const Point<A> tail = bucket_point(static_cast<A>(p_tail), d_log(static_cast<A>(p_tail)), q_tail, d_log(q_tail));
+  Terms<A> acc{A(0), A(0), A(0)};
+  double loss = 0.0, ks = 0.0;
+  auto member = [&](int64_t j) {
+    const A ls = log_p(idx[j]);
+    return bucket_point(d_exp(ls), ls, d_exp(lp[j]), lp[j]);
+  };
+  // k == v: no token is left for a tail (the teacher's 1 - sum exp(logprobs) is then only its rounding).
+  const int64_t buckets = k < v ? k + 1 : k;
+  for (int64_t j = 0; j < buckets; ++j) {
+    acc = Terms<A>{A(0), A(0), A(0)};
+    point_terms<MODE, false>(j < k ? member(j) : tail, c, acc);
+    loss += acc.loss;
+    ks += acc.ks;
+  }
+  if (gs) {
+    // Tail entries share their bucket's gradient in proportion to their probability.
+    const A tail_coef = tail.ps > A(0) ? student_grad<MODE, false>(tail, c, static_cast<A>(ks)) / tail.ps : A(0);
+    for (int64_t j = 0; j < v; ++j)
+      if (!mark[j]) gs[j] = static_cast<T>(d_exp(log_p(j)) * tail_coef * scale);
+    for (int64_t j = 0; j < k; ++j)
+      gs[idx[j]] = static_cast<T>(student_grad<MODE, false>(member(j), c, static_cast<A>(ks)) * scale);
+  }
+  return static_cast<A>(loss);
+}
+
+// The rows of distill_forward. (OpenMP pragmas cannot sit inside the AT_DISPATCH macros' arguments.)
+template <typename T, int MODE>
+void forward_rows(const Args& a, double inv_div, at::Tensor& rows_loss, at::Tensor& gs, at::Tensor& gt) {
+  using A = typename AccOf<T>::type;
+  const Rows& r = a.r;
+  const RowConst<A> c = row_const<A>(a.beta);
+  const A inv_t = static_cast<A>(a.inv_t), scale = static_cast<A>(inv_div * a.inv_t);
+  A* out = rows_loss.data_ptr<A>();
+#pragma omp parallel if (r.n * r.v >= kParallelMin)
+  {
+    std::vector<unsigned char> mark;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < r.n; ++i) {
+      const T* s = r.s.data_ptr<T>() + i * r.s.stride(0);
+      T* gsi = gs.defined() ? gs.data_ptr<T>() + i * gs.stride(0) : nullptr;
+      T* gti = gt.defined() ? gt.data_ptr<T>() + i * r.v : nullptr;
+      if (row_masked(a, i)) {
+        out[i] = A(0);
+        if (gsi) std::fill(gsi, gsi + r.v, T(0));
+        if (gti) std::fill(gti, gti + r.v, T(0));
+        continue;
+      }
+      if (r.topk()) {
+        out[i] = row_topk<T, MODE, A>(s, r.v, r.idx.data_ptr<int64_t>() + i * r.k, r.lp.data_ptr<A>() + i * r.k,
+                                      r.k, inv_t, c, scale, gsi, mark);
+        continue;
+      }
+      const T* t = r.t.data_ptr<T>() + i * r.t.stride(0);
+      const RowNorms<A> rn = row_norms(row_norm<T, A>(s, r.v, inv_t), row_norm<T, A>(t, r.v, inv_t));
+      const Terms<double> sums = row_terms<T, MODE, A>(s, t, r.v, inv_t, rn, c);
+      out[i] = static_cast<A>(sums.loss);
+      if (gsi || gti)
+        row_grad<T, MODE, A>(s, t, r.v, inv_t, rn, c, static_cast<A>(sums.ks), static_cast<A>(sums.kt), scale, gsi,
+                             gti);
+    }
+  }
+}
+
+// The rows of distill_phase: see distill_bindings.cpp. ws/wt: which gradients this phase writes.
+template <typename T, int MODE>
+void phase_rows(const Args& a, int64_t phase, const at::Tensor& norms, const at::Tensor& ksums, double scale_v,
+                at::Tensor& out, at::Tensor& gs, at::Tensor& gt) {
+  using A = typename AccOf<T>::type;
+  const Rows& r = a.r;
+  const RowConst<A> c = row_const<A>(a.beta);
+  const A inv_t = static_cast<A>(a.inv_t), sc = static_cast<A>(scale_v * a.inv_t);
+#pragma omp parallel for schedule(static) if (r.n * r.v >= kParallelMin)
+  for (int64_t i = 0; i < r.n; ++i) {
+    const T* s = r.s.data_ptr<T>() + i * r.s.stride(0);
+    const T* t = r.t.data_ptr<T>() + i * r.t.stride(0);
+    T* gsi = gs.defined() ? gs.data_ptr<T>() + i * gs.stride(0) : nullptr;
+    T* gti = gt.defined() ? gt.data_ptr<T>() + i * r.v : nullptr;
+    const bool masked = row_masked(a, i);
+    if (phase == PHASE_NORMS) {
+      const Norm<A> ns = masked ? Norm<A>{ninf<A>(), ninf<A>()} : row_norm<T, A>(s, r.v, inv_t);
+      const Norm<A> nt = masked ? Norm<A>{ninf<A>(), ninf<A>()} : row_norm<T, A>(t, r.v, inv_t);
+      A* o = out.data_ptr<A>() + 4 * i;
+      o[0] = ns.mx;
+      o[1] = ns.lz;
+      o[2] = nt.mx;
+      o[3] = nt.lz;
+      continue;
+    }
+    if (masked) {
+      if (phase == PHASE_TERMS) std::fill(out.data_ptr<A>() + 3 * i, out.data_ptr<A>() + 3 * i + 3, A(0));
+      if (gsi) std::fill(gsi, gsi + r.v, T(0));
+      if (gti) std::fill(gti, gti + r.v, T(0));
+      continue;
+    }
+    const A* l = norms.data_ptr<A>() + 4 * i;
+    const RowNorms<A> rn = row_norms(Norm<A>{l[0], l[1]}, Norm<A>{l[2], l[3]});
+    A ks = A(0), kt = A(0);
+    if (phase == PHASE_TERMS) {
+      const Terms<double> sums = row_terms<T, MODE, A>(s, t, r.v, inv_t, rn, c);
+      A* o = out.data_ptr<A>() + 3 * i;
+      o[0] = static_cast<A>(sums.loss);
+      o[1] = static_cast<A>(sums.ks);
+      o[2] = static_cast<A>(sums.kt);
+    } else if (ksums.defined()) {
+      ks = ksums.data_ptr<A>()[2 * i];
+      kt = ksums.data_ptr<A>()[2 * i + 1];
+    }
+    if (gsi || gti) row_grad<T, MODE, A>(s, t, r.v, inv_t, rn, c, ks, kt, sc, gsi, gti);
+  }
+}
+
+template <typename T> void scale_rows(at::Tensor& grad, const double* g, bool per_row) {
+  using A = typename AccOf<T>::type;
+#pragma omp parallel for schedule(static) if (grad.numel() >= kParallelMin)
+  for (int64_t i = 0; i < grad.size(0); ++i) {
+    const A f = static_cast<A>(g[per_row ? i : 0]);
+    if (f == A(1)) continue;
+    T* row = grad.data_ptr<T>() + i * grad.stride(0);
+    for (int64_t j = 0; j < grad.size(1); ++j) row[j] = static_cast<T>(static_cast<A>(row[j]) * f);
+  }
+}
+
+void check_device(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu(), "distill (cpu backend): expected CPU tensors, got ", x.device());
+}
+
+int64_t unmasked_rows(const Args& a) {
+  if (!a.r.labels.defined()) return a.r.n;
+  const int64_t* lab = a.r.labels.data_ptr<int64_t>();
+  int64_t count = 0;
+  for (int64_t i = 0; i < a.r.n; ++i) count += lab[i] != a.ignore_index;
+  return count;
+}
+
+}  // namespace
+}  // namespace distill
+
+using namespace distill;
+
+const char* distill_backend() { return "cpu"; }
+
+std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::optional<at::Tensor>& teacher,
+                                        const c10::optional<at::Tensor>& topk_idx,
+                                        const c10::optional<at::Tensor>& topk_lp,
+                                        const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
+                                        double temperature, int64_t reduction, bool want_student,
+                                        bool want_teacher, const c10::optional<at::Tensor>& grad_student_out) {
+  check_device(student);
+  check_scalars(beta, temperature, reduction);
+  Args a{prepare_rows(student, teacher, topk_idx, topk_lp, labels), ignore_index, beta, 1.0 / temperature};
+  const Rows& r = a.r;
+  TORCH_CHECK(!(want_teacher && r.topk()), "distill: no gradient for a top-k teacher");
+  const auto acc = acc_type(r.s.scalar_type());
+  at::Tensor rows_loss = at::empty({r.n}, r.s.options().dtype(acc));
+  at::Tensor gs = want_student ? grad_buffer(grad_student_out, r) : at::Tensor();
+  at::Tensor gt = want_teacher ? at::empty({r.n, r.v}, r.s.options()) : at::Tensor();
+  const int64_t count = unmasked_rows(a);
+  // The gradients are those of the reduced loss: batchmean divides by the unmasked rows (none: per row, scaled
+  // in backward by grad_output).
+  const double inv_div = reduction == RED_BATCHMEAN ? (count > 0 ? 1.0 / static_cast<double>(count) : 0.0) : 1.0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.s.scalar_type(), "distill_forward", [&] {
+    dispatch_mode(mode_of(beta), [&](auto mode_c) {
+      forward_rows<scalar_t, decltype(mode_c)::value>(a, inv_div, rows_loss, gs, gt);
+    });
+  });
+  if (reduction == RED_NONE) return {rows_loss, gs, gt};
+  double total = 0.0;
+  AT_DISPATCH_FLOATING_TYPES(acc, "distill_total", [&] {
+    const scalar_t* l = rows_loss.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < r.n; ++i) total += static_cast<double>(l[i]);
+  });
+  at::Tensor loss = at::empty({}, r.s.options().dtype(acc));
+  AT_DISPATCH_FLOATING_TYPES(acc, "distill_loss", [&] {
+    *loss.data_ptr<scalar_t>() = static_cast<scalar_t>(total * inv_div);
+  });
+  return {loss, gs, gt};
+}
+
+std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, const at::Tensor& teacher,
+                                      const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
+                                      double temperature, const c10::optional<at::Tensor>& norms,
+                                      const c10::optional<at::Tensor>& ksums, const c10::optional<at::Tensor>& scale,
+                                      bool want_student, bool want_teacher,
+                                      const c10::optional<at::Tensor>& grad_student_out) {
+  check_device(student);
+  check_scalars(beta, temperature, RED_SUM);
+  Args a{prepare_rows(student, teacher, c10::nullopt, c10::nullopt, labels), ignore_index, beta, 1.0 / temperature};
+  const Rows& r = a.r;
+  const auto acc = acc_type(r.s.scalar_type());
+  const int mode = mode_of(beta);
+  TORCH_CHECK(phase >= PHASE_NORMS && phase <= PHASE_GRAD, "distill: unknown phase ", phase);
+  if (phase != PHASE_NORMS) check_row_stats(opt(norms), r, 4, "the rows' normalisers");
+  if (phase == PHASE_GRAD && ((want_student && mode != FORWARD_KL) || (want_teacher && mode != REVERSE_KL)))
+    check_row_stats(opt(ksums), r, 2, "the rows' K sums");
+  const bool grads = phase != PHASE_NORMS && (want_student || want_teacher);
+  if (grads)
+    TORCH_CHECK(scale.has_value() && scale->numel() == 1 && scale->scalar_type() == at::kDouble,
+                "distill: the gradient scale must be one float64 value");
+  const double scale_v = grads ? scale->item<double>() : 0.0;
+  // PHASE_TERMS writes the gradients that need no row sums (student's in forward KL, teacher's in reverse KL);
+  // PHASE_GRAD writes the others.
+  auto needs_k = [&](bool teacher_side) { return teacher_side ? mode != REVERSE_KL : mode != FORWARD_KL; };
+  const bool ws = want_student && (phase == PHASE_TERMS ? !needs_k(false) : phase == PHASE_GRAD && needs_k(false));
+  const bool wt = want_teacher && (phase == PHASE_TERMS ? !needs_k(true) : phase == PHASE_GRAD && needs_k(true));
+  at::Tensor out = phase == PHASE_NORMS ? at::empty({r.n, 4}, r.s.options().dtype(acc))
+                   : phase == PHASE_TERMS ? at::empty({r.n, 3}, r.s.options().dtype(acc)) : at::Tensor();
+  at::Tensor gs = ws ? grad_buffer(grad_student_out, r) : at::Tensor();
+  at::Tensor gt = wt ? at::empty({r.n, r.v}, r.s.options()) : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.s.scalar_type(), "distill_phase", [&] {
+    dispatch_mode(mode, [&](auto mode_c) {
+      phase_rows<scalar_t, decltype(mode_c)::value>(a, phase, opt(norms), opt(ksums), scale_v, out, gs, gt);
+    });
+  });
+  return {out, gs, gt};
+}
+
+void distill_scale_grad_(at::Tensor grad, const at::Tensor& grad_out) {
+  TORCH_CHECK(grad.device().is_cpu() && grad.dim() == 2 && grad.stride(1) == 1,
+              "distill: scale_grad_ needs a [rows, vocab] CPU tensor with unit stride along the vocabulary");
+  TORCH_CHECK(grad_out.device() == grad.device() && (grad_out.numel() == 1 || grad_out.numel() == grad.size(0)),
+              "distill: grad_output must hold one value or one per row");
+  const at::Tensor go = grad_out.to(at::kDouble).contiguous();
+  const double* g = go.data_ptr<double>();
+  const bool per_row = go.numel() != 1 || grad.size(0) == 1;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "distill_scale_grad",
+                                  [&] { scale_rows<scalar_t>(grad, g, per_row); });
+}

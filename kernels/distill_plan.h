@@ -1,0 +1,111 @@
+// Host-side planning shared by both distillation backends (distill.cu, distill_cpu.cpp): the operands' checks,
+// their layout as rows, and the dispatch of run-time choices to kernel templates. kldiv_inline/distill.py checks
+// first with friendlier messages; these checks keep a direct call of the module from reading out of bounds.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "distill_common.h"
+
+namespace distill {
+
+// Logits as rows: s (and t) are [n, v] with unit stride along the vocabulary and any row stride; the top-k
+// teacher's indices (int64) and log-probabilities (float32, float64 for float64 logits) are contiguous [n, k];
+// labels are contiguous int64 [n]. Undefined tensors stand for "not given".
+struct Rows {
+  at::Tensor s, t, idx, lp, labels;
+  int64_t n = 0, v = 0, k = 0;
+  bool has_teacher() const { return t.defined(); }
+  bool topk() const { return idx.defined(); }
+};
+
+inline at::Tensor opt(const c10::optional<at::Tensor>& o) { return o.has_value() ? *o : at::Tensor(); }
+
+inline at::ScalarType acc_type(at::ScalarType st) { return st == at::kDouble ? at::kDouble : at::kFloat; }
+
+inline Rows prepare_rows(const at::Tensor& student, const c10::optional<at::Tensor>& teacher,
+                         const c10::optional<at::Tensor>& topk_idx, const c10::optional<at::Tensor>& topk_lp,
+                         const c10::optional<at::Tensor>& labels) {
+  Rows r;
+  r.s = student;
+  r.t = opt(teacher);
+  r.idx = opt(topk_idx);
+  r.lp = opt(topk_lp);
+  r.labels = opt(labels);
+  TORCH_CHECK(r.s.dim() == 2 && r.s.stride(1) == 1, "distill: student logits must be [rows, vocab] with unit "
+              "stride along the vocabulary, got sizes ", r.s.sizes(), " strides ", r.s.strides());
+  TORCH_CHECK(at::isFloatingType(r.s.scalar_type()), "distill: logits must be floating point, got ",
+              r.s.scalar_type());
+  r.n = r.s.size(0);
+  r.v = r.s.size(1);
+  TORCH_CHECK(r.t.defined() != r.idx.defined(), "distill: give exactly one of teacher logits and a top-k teacher");
+  if (r.t.defined()) {
+    TORCH_CHECK(r.t.sizes() == r.s.sizes() && r.t.stride(1) == 1, "distill: teacher logits must match the "
+                "student's [rows, vocab] with unit stride along the vocabulary");
+    TORCH_CHECK(r.t.scalar_type() == r.s.scalar_type() && r.t.device() == r.s.device(),
+                "distill: teacher logits must have the student's dtype and device");
+  } else {
+    TORCH_CHECK(r.lp.defined(), "distill: a top-k teacher needs log-probabilities beside its indices");
+    TORCH_CHECK(r.idx.dim() == 2 && r.idx.size(0) == r.n && r.idx.is_contiguous() &&
+                    r.idx.scalar_type() == at::kLong && r.idx.device() == r.s.device(),
+                "distill: top-k indices must be contiguous int64 [rows, k] on the logits' device");
+    TORCH_CHECK(r.lp.sizes() == r.idx.sizes() && r.lp.is_contiguous() &&
+                    r.lp.scalar_type() == acc_type(r.s.scalar_type()) && r.lp.device() == r.s.device(),
+                "distill: top-k log-probabilities must be contiguous [rows, k], float32 (float64 for float64 "
+                "logits), beside the indices");
+    r.k = r.idx.size(1);
+  }
+  if (r.labels.defined()) {
+    TORCH_CHECK(r.labels.dim() == 1 && r.labels.size(0) == r.n && r.labels.is_contiguous() &&
+                    r.labels.scalar_type() == at::kLong && r.labels.device() == r.s.device(),
+                "distill: labels must be contiguous int64 [rows] on the logits' device");
+  }
+  return r;
+}
+
+// The per-row statistics passed between the phases of a vocabulary-parallel call: [n, width] of the
+// accumulation type on the logits' device.
+inline void check_row_stats(const at::Tensor& x, const Rows& r, int64_t width, const char* what) {
+  TORCH_CHECK(x.defined() && x.dim() == 2 && x.size(0) == r.n && x.size(1) == width && x.is_contiguous() &&
+                  x.scalar_type() == acc_type(r.s.scalar_type()) && x.device() == r.s.device(),
+              "distill: ", what, " must be contiguous [rows, ", width, "] of the accumulation dtype on the logits' "
+              "device");
+}
+
+// Output buffer for the student's gradient: a given one (written in place, e.g. over the logits themselves) or
+// a new one.
+inline at::Tensor grad_buffer(const c10::optional<at::Tensor>& given, const Rows& r) {
+  if (!given.has_value()) return at::empty({r.n, r.v}, r.s.options());
+  const at::Tensor& g = *given;
+  TORCH_CHECK(g.dim() == 2 && g.size(0) == r.n && g.size(1) == r.v && g.stride(1) == 1 &&
+                  g.scalar_type() == r.s.scalar_type() && g.device() == r.s.device(),
+              "distill: the gradient buffer must be [rows, vocab] of the logits' dtype and device, unit stride "
+              "along the vocabulary");
+  return g;
+}
+
+// Calls f(mode) with the mode as a std::integral_constant.
+template <typename F> void dispatch_mode(int mode, F&& f) {
+  switch (mode) {
+    case FORWARD_KL: f(std::integral_constant<int, FORWARD_KL>{}); break;
+    case REVERSE_KL: f(std::integral_constant<int, REVERSE_KL>{}); break;
+    default: f(std::integral_constant<int, JSD>{}); break;
+  }
+}
+
+// Phases of a vocabulary-parallel call (the caller combines rows' statistics across ranks in between).
+enum Phase : int { PHASE_NORMS = 0, PHASE_TERMS = 1, PHASE_GRAD = 2 };
+
+inline void check_scalars(double beta, double temperature, int64_t reduction) {
+  TORCH_CHECK(beta >= 0.0 && beta <= 1.0, "distill: beta must lie in [0, 1], got ", beta);
+  TORCH_CHECK(temperature > 0.0 && std::isfinite(temperature), "distill: temperature must be positive and "
+              "finite, got ", temperature);
+  TORCH_CHECK(reduction >= RED_NONE && reduction <= RED_BATCHMEAN, "distill: unknown reduction code ", reduction);
+}
+
+}  // namespace distill

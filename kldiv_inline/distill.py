@@ -1,0 +1,301 @@
+"""Divergences of logits for distillation: forward KL, reverse KL and the generalized Jensen-Shannon divergence
+between them, with a temperature, label masks and top-k teachers; one fused kernel forward and backward.
+
+    loss = generalized_jsd(student_logits, teacher_logits, beta=0.0, temperature=2.0, labels=labels)
+    loss = generalized_jsd(student_logits, teacher_topk=(indices, logprobs))   # a served teacher's top-k
+
+The convention is TRL's (GKD trainer) and Liger-Kernel's: with s = log_softmax(student / T) and t =
+log_softmax(teacher / T), beta = 0 is KL(teacher || student), beta = 1 is KL(student || teacher), and
+0 < beta < 1 is beta KL(teacher || m) + (1 - beta) KL(student || m) with m = (1 - beta) p_s + beta p_t. No T^2
+factor is applied (as TRL). The softmaxes are never materialised: the kernels (kernels/distill*.{cu,cpp}) read
+each row of logits, form both log-normalisers, the divergence and its gradient in one pass on chip.
+
+Training: when the student's (or the teacher's) logits require grad, the forward pass also writes
+d loss / d logits (the reduced loss's), and backward only rescales it in place when grad_output != 1: one write
+beyond the forward's reads, no extra pass, no host synchronisation.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .loader import load
+
+__all__ = ["generalized_jsd", "GeneralizedJSDLoss", "REDUCTIONS"]
+
+REDUCTIONS = ("batchmean", "sum", "none")
+_REDUCTION_CODE = {"none": 0, "sum": 1, "batchmean": 2}
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+_MODULES: dict[str, object] = {}
+
+
+def _module(device: torch.device):
+    """The compiled distillation module for a device type, looked up once per process (see ops._module)."""
+    mod = _MODULES.get(device.type)
+    if mod is None:
+        if device.type not in ("cuda", "cpu"):
+            raise NotImplementedError(f"generalized_jsd: no kernels for {device.type!r} tensors (cpu and cuda only)")
+        mod = _MODULES[device.type] = load(device.type, extension="distill")
+    return mod
+
+
+def reload() -> None:
+    """Rebuild (if the kernel files changed) and use the current kernels for the next calls."""
+    for backend in list(_MODULES):
+        _MODULES[backend] = load(backend, extension="distill")
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _empty_if_none(t: Optional[Tensor], like: Tensor) -> Tensor:
+    return t if t is not None else like.new_empty((0,))
+
+
+# ----------------------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("kldiv_inline::distill_forward", mutates_args=())
+def _forward_op(student: Tensor, teacher: Optional[Tensor], topk_idx: Optional[Tensor], topk_lp: Optional[Tensor],
+                labels: Optional[Tensor], ignore_index: int, beta: float, temperature: float, reduction: int,
+                want_student: bool, want_teacher: bool) -> tuple[Tensor, Tensor, Tensor]:
+    loss, gs, gt = _module(student.device).distill_forward(student, teacher, topk_idx, topk_lp, labels, ignore_index,
+                                                           beta, temperature, reduction, want_student, want_teacher)
+    return loss, _empty_if_none(gs, student), _empty_if_none(gt, student)
+
+
+@_forward_op.register_fake
+def _(student, teacher, topk_idx, topk_lp, labels, ignore_index, beta, temperature, reduction, want_student,
+      want_teacher):
+    acc = _acc_dtype(student.dtype)
+    loss = student.new_empty((student.shape[0],) if reduction == 0 else (), dtype=acc)
+    gs = student.new_empty(student.shape) if want_student else student.new_empty((0,))
+    gt = student.new_empty(student.shape) if want_teacher else student.new_empty((0,))
+    return loss, gs, gt
+
+
+def _setup_context(ctx, inputs, output):
+    student, teacher, topk_idx, topk_lp, labels, ignore_index, beta, temperature, reduction, ws, wt = inputs
+    _, gs, gt = output
+    ctx.save_for_backward(student, teacher, topk_idx, topk_lp, labels)
+    ctx.args = (ignore_index, beta, temperature, reduction)
+    ctx.wanted = (ws, wt)
+    # Held outside save_for_backward: backward rescales them in place, and hands them over as the gradients.
+    ctx.fused = (gs.detach() if ws else None, gt.detach() if wt else None)
+    ctx.mark_non_differentiable(gs, gt)
+    ctx.set_materialize_grads(False)
+
+
+def _scaled(grad: Tensor, grad_out: Tensor, in_place: bool) -> Tensor:
+    """grad (the reduced loss's gradient, [rows, vocab]) times grad_out (one value or one per row)."""
+    if in_place:
+        _module(grad.device).distill_scale_grad_(grad, grad_out)
+        return grad
+    factor = grad_out.reshape(-1, 1) if grad_out.dim() == 1 else grad_out
+    return (grad * factor).to(grad.dtype)
+
+
+def _backward(ctx, grad_out, _g_student, _g_teacher):
+    if grad_out is None:
+        return (None,) * 11
+    if torch.is_grad_enabled():
+        raise RuntimeError("generalized_jsd: double backward (create_graph=True) is not supported: its gradient "
+                           "has no graph of its own, so a penalty on it would be silently dropped")
+    student, teacher, topk_idx, topk_lp, labels = ctx.saved_tensors
+    need_s = ctx.needs_input_grad[0] and ctx.wanted[0]
+    need_t = ctx.needs_input_grad[1] and ctx.wanted[1]
+    gs, gt = ctx.fused
+    tracing = torch.compiler.is_compiling() or type(grad_out) is not Tensor
+    if gs is None and gt is None or tracing or (need_s and gs is None) or (need_t and gt is None):
+        # A second backward (retain_graph=True) or a traced one: compute the gradients again, out of place.
+        _, gs, gt = _forward_op(student, teacher, topk_idx, topk_lp, labels, *ctx.args, need_s, need_t)
+        in_place = not tracing
+    else:
+        ctx.fused = (None, None)  # rescaled in place once; a second backward recomputes
+        in_place = True
+    grad_out = grad_out.to(_acc_dtype(student.dtype))
+    out_s = _scaled(gs, grad_out, in_place) if need_s else None
+    out_t = _scaled(gt, grad_out, in_place) if need_t else None
+    return (out_s, out_t) + (None,) * 9
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------ front end
+def _check_number(name: str, value, low: float, high: float, low_open: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"generalized_jsd: {name} must be a real number, got {type(value).__name__}")
+    v = float(value)
+    if not (v > low if low_open else v >= low) or not v <= high:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ValueError(f"generalized_jsd: {name} must lie in {interval}, got {value!r}")
+    return v
+
+
+def _rows(x: Tensor, vocab: int) -> Tensor:
+    """[..., V] -> [rows, V] with unit stride along the vocabulary (a view where possible)."""
+    x2 = x.reshape(-1, vocab)
+    return x2 if x2.stride(-1) == 1 or vocab == 1 else x2.contiguous()
+
+
+def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int) -> tuple[Tensor, Tensor]:
+    if not (isinstance(teacher_topk, Sequence) and len(teacher_topk) == 2):
+        raise TypeError("generalized_jsd: teacher_topk must be a pair (indices, logprobs)")
+    idx, lp = teacher_topk
+    if not isinstance(idx, Tensor) or not isinstance(lp, Tensor):
+        raise TypeError("generalized_jsd: teacher_topk must hold two tensors (indices, logprobs)")
+    if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+        raise TypeError(f"generalized_jsd: top-k indices must have an integer dtype, got {idx.dtype}")
+    if not lp.is_floating_point():
+        raise TypeError(f"generalized_jsd: top-k log-probabilities must be floating point, got {lp.dtype}")
+    if idx.shape != lp.shape or idx.dim() < 1 or idx.shape[:-1] != lead:
+        raise ValueError(f"generalized_jsd: top-k indices {tuple(idx.shape)} and log-probabilities "
+                         f"{tuple(lp.shape)} must both be [..., k] with the logits' leading dims {tuple(lead)}")
+    k = idx.shape[-1]
+    if not 1 <= k <= vocab:
+        raise ValueError(f"generalized_jsd: top-k needs 1 <= k <= vocabulary ({vocab}), got k = {k}")
+    if idx.device != student.device or lp.device != student.device:
+        raise ValueError("generalized_jsd: the top-k teacher must be on the logits' device")
+    if lp.requires_grad and torch.is_grad_enabled():
+        raise ValueError("generalized_jsd: no gradient flows to a top-k teacher's log-probabilities; detach them")
+    idx2 = idx.reshape(-1, k).to(torch.int64).contiguous()
+    lp2 = lp.reshape(-1, k).to(_acc_dtype(student.dtype)).contiguous()
+    if idx2.numel() and not _is_tracing(idx2):
+        # One host synchronisation: a wrong index must be an error, not a wrong number. (Under torch.compile or
+        # CUDA-graph capture this check is skipped; the kernels then make such a row's loss NaN.)
+        bad_range = (idx2.min() < 0) | (idx2.max() >= vocab)
+        srt = idx2.sort(dim=-1).values
+        dup = (srt[:, 1:] == srt[:, :-1]).any() if k > 1 else torch.zeros((), dtype=torch.bool, device=idx2.device)
+        bad_range, dup = (bool(v) for v in torch.stack([bad_range, dup]).cpu())
+        if bad_range:
+            raise ValueError(f"generalized_jsd: top-k indices must lie in [0, {vocab})")
+        if dup:
+            raise ValueError("generalized_jsd: top-k indices of a token must be distinct")
+    return idx2, lp2
+
+
+def _is_tracing(t: Tensor) -> bool:
+    return (torch.compiler.is_compiling() or t.device.type == "meta" or type(t) is not Tensor
+            or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+def _prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, labels, ignore_index, reduction):
+    """Checks every argument and lays the logits out as rows; returns the kernel's arguments and the shape of
+    the per-token loss."""
+    if not isinstance(student_logits, Tensor):
+        raise TypeError(f"generalized_jsd: student_logits must be a tensor, got {type(student_logits).__name__}")
+    if student_logits.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"generalized_jsd: logits must be float16, bfloat16, float32 or float64, got "
+                        f"{student_logits.dtype}")
+    if student_logits.dim() < 1 or student_logits.shape[-1] < 1:
+        raise ValueError(f"generalized_jsd: logits need a vocabulary dimension of size >= 1 (last), got shape "
+                         f"{tuple(student_logits.shape)}")
+    if student_logits.device.type not in ("cpu", "cuda", "meta"):
+        raise NotImplementedError(f"generalized_jsd: no kernels for {student_logits.device.type} tensors")
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+        raise ValueError(f"generalized_jsd: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    beta = _check_number("beta", beta, 0.0, 1.0, low_open=False)
+    temperature = _check_number("temperature", temperature, 0.0, float("inf"), low_open=True)
+    if temperature == float("inf"):
+        raise ValueError("generalized_jsd: temperature must be finite")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"generalized_jsd: ignore_index must be an int, got {type(ignore_index).__name__}")
+    vocab, lead = student_logits.shape[-1], student_logits.shape[:-1]
+    if (teacher_logits is None) == (teacher_topk is None):
+        raise ValueError("generalized_jsd: give exactly one of teacher_logits and teacher_topk")
+    teacher = idx = lp = None
+    if teacher_logits is not None:
+        if not isinstance(teacher_logits, Tensor):
+            raise TypeError(f"generalized_jsd: teacher_logits must be a tensor, got {type(teacher_logits).__name__}")
+        if teacher_logits.shape != student_logits.shape:
+            raise ValueError(f"generalized_jsd: student logits {tuple(student_logits.shape)} and teacher logits "
+                             f"{tuple(teacher_logits.shape)} must have the same shape")
+        if teacher_logits.dtype != student_logits.dtype:
+            raise TypeError(f"generalized_jsd: student ({student_logits.dtype}) and teacher ({teacher_logits.dtype}) "
+                            "logits must have the same dtype; convert one of them")
+        if teacher_logits.device != student_logits.device:
+            raise ValueError(f"generalized_jsd: student logits on {student_logits.device}, teacher logits on "
+                             f"{teacher_logits.device}: they must be on one device")
+        teacher = _rows(teacher_logits, vocab)
+    else:
+        idx, lp = _validate_topk(teacher_topk, student_logits, lead, vocab)
+    lab = None
+    if labels is not None:
+        if not isinstance(labels, Tensor) or labels.dtype.is_floating_point or labels.dtype.is_complex:
+            raise TypeError("generalized_jsd: labels must be an integer tensor")
+        if labels.shape != lead:
+            raise ValueError(f"generalized_jsd: labels must have the logits' leading shape {tuple(lead)}, got "
+                             f"{tuple(labels.shape)}")
+        if labels.device != student_logits.device:
+            raise ValueError(f"generalized_jsd: labels on {labels.device}, logits on {student_logits.device}")
+        lab = labels.reshape(-1).to(torch.int64).contiguous()
+    args = (_rows(student_logits, vocab), teacher, idx, lp, lab, int(ignore_index), beta, temperature,
+            _REDUCTION_CODE[reduction])
+    return args, lead
+
+
+def generalized_jsd(student_logits: Tensor, teacher_logits: Optional[Tensor] = None, *,
+                    teacher_topk: Optional[tuple[Tensor, Tensor]] = None, beta: float = 0.0,
+                    temperature: float = 1.0, labels: Optional[Tensor] = None, ignore_index: int = -100,
+                    reduction: str = "batchmean") -> Tensor:
+    """Divergence between the student's and the teacher's softmax(logits / temperature), per token.
+
+    ``student_logits``, ``teacher_logits``: ``[..., V]`` (vocabulary last), float16/bfloat16/float32/float64 of
+    one dtype, any strides. ``beta = 0``: forward KL(teacher || student); ``beta = 1``: reverse
+    KL(student || teacher); in between the generalized JSD ``beta KL(t || m) + (1 - beta) KL(s || m)``,
+    ``m = (1 - beta) p_s + beta p_t``. No ``T**2`` factor is applied (multiply the loss yourself if you want it).
+
+    ``labels`` (the leading shape, integer): tokens whose label is ``ignore_index`` contribute 0 and get a zero
+    gradient. ``reduction``: ``"batchmean"`` (sum over tokens / unmasked tokens; 0 when all are masked),
+    ``"sum"``, or ``"none"`` (per token, the leading shape). The loss is float32 (float64 for float64 logits).
+
+    ``teacher_topk = (indices, logprobs)``, each ``[..., k]``: a served teacher's top-k log-probabilities, used as
+    given (the temperature applies to the student only). The divergence then runs over k + 1 buckets: the k
+    tokens and one tail holding the rest of each distribution's mass (teacher: 1 - sum exp(logprobs), clamped at
+    0; student: its probability outside the k tokens). The student's gradient covers its whole vocabulary; none
+    flows to the top-k teacher. Indices must be distinct and in range: checked with one host synchronisation in
+    eager mode; under torch.compile or CUDA-graph capture a bad row's loss is NaN instead.
+
+    Gradients flow to the student's logits, and to the teacher's logits when they require grad. Logits of -inf
+    (a padded vocabulary) are legal. Double backward is not supported (a clear error).
+    """
+    args, lead = _prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, labels, ignore_index,
+                          reduction)
+    student, teacher = args[0], args[1]
+    grad_on = torch.is_grad_enabled()
+    want_s = bool(grad_on and student.requires_grad)
+    want_t = bool(grad_on and teacher is not None and teacher.requires_grad)
+    if not (want_s or want_t) and not _is_tracing(student):
+        loss = _module(student.device).distill_forward(*args, False, False)[0]
+    else:
+        loss = _forward_op(*args, want_s, want_t)[0]
+    return loss.reshape(lead) if reduction == "none" else loss
+
+
+class GeneralizedJSDLoss(torch.nn.Module):
+    """``generalized_jsd`` as a module: ``GeneralizedJSDLoss(beta, temperature)(student_logits, teacher_logits,
+    labels)``, or ``teacher_topk=(indices, logprobs)`` in place of the teacher's logits."""
+
+    def __init__(self, beta: float = 0.0, temperature: float = 1.0, ignore_index: int = -100,
+                 reduction: str = "batchmean"):
+        super().__init__()
+        # Checked now, so a wrong setting fails where it is made.
+        _check_number("beta", beta, 0.0, 1.0, low_open=False)
+        _check_number("temperature", temperature, 0.0, float("inf"), low_open=True)
+        if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+            raise ValueError(f"GeneralizedJSDLoss: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        self.beta, self.temperature, self.ignore_index, self.reduction = beta, temperature, ignore_index, reduction
+
+    def forward(self, student_logits: Tensor, teacher_logits: Optional[Tensor] = None,
+                labels: Optional[Tensor] = None, teacher_topk: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
+        return generalized_jsd(student_logits, teacher_logits, teacher_topk=teacher_topk, beta=self.beta,
+                               temperature=self.temperature, labels=labels, ignore_index=self.ignore_index,
+                               reduction=self.reduction)
+
+    def extra_repr(self) -> str:
+        return (f"beta={self.beta}, temperature={self.temperature}, ignore_index={self.ignore_index}, "
+                f"reduction={self.reduction!r}")

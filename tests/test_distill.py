@@ -1,0 +1,525 @@
+"""Tests of kldiv_inline.generalized_jsd (kernels/distill*) against a float64 PyTorch reference.
+
+The reference (kldiv_inline.reference.generalized_jsd_reference) is TRL's generalized JSD written plainly in
+float64, with the label mask and the top-k teacher's buckets; its autograd is the reference gradient. Inputs are
+fresh random logits each run (conftest reseeds; the seed is printed), outputs are compared per token
+(reduction='none') as well as reduced, and gradient buffers come from an allocator poisoned with NaN.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kldiv_inline as K
+from kldiv_inline.harness import poison_allocator
+from kldiv_inline.reference import generalized_jsd_reference, relative_error
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+BETAS = [0.0, 0.3, 0.5, 1.0]
+REDUCTIONS = ["batchmean", "sum", "none"]
+# Relative error (norm) of the loss and of the gradient against float64, per logits dtype. The loss is computed in
+# float32 lanes from the given (rounded) logits, so 16-bit inputs keep float32 accuracy for the loss; their
+# gradients are rounded to the 16-bit dtype once.
+LOSS_TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2e-6, torch.float16: 2e-6}
+GRAD_TOL = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 8e-3, torch.float16: 1.5e-3}
+
+
+@pytest.fixture(autouse=True)
+def _print_seed(_fresh_seed):
+    print(f"torch.manual_seed({_fresh_seed})")
+
+
+def _id(d):
+    return str(d).removeprefix("torch.")
+
+
+def logits(shape, dtype, device, scale=None):
+    """Random logits with a random spread (softmax temperatures from sharp to flat)."""
+    scale = float(torch.rand(())) * 4 + 0.5 if scale is None else scale
+    return (torch.randn(shape, dtype=torch.float64) * scale).to(device=device, dtype=dtype)
+
+
+def labels_for(lead, device, frac=0.25, ignore_index=-100):
+    lab = torch.randint(0, 1000, lead, device=device)
+    mask = torch.rand(lead, device=device) < frac
+    if lab.numel() > 1:
+        mask.view(-1)[0] = True  # at least one masked, one kept
+        mask.view(-1)[-1] = False
+    return lab.masked_fill(mask, ignore_index)
+
+
+def run(student, teacher=None, grad_out=None, **kw):
+    """The kit's loss and gradients (w.r.t. whichever inputs require grad) for a random grad_output."""
+    poison_allocator(student.device.type)
+    loss = K.generalized_jsd(student, teacher, **kw)
+    wrt = [x for x in (student, teacher) if x is not None and x.requires_grad]
+    if grad_out is None:
+        grad_out = torch.ones_like(loss)
+    grads = torch.autograd.grad(loss, wrt, grad_out) if wrt else []
+    return loss, grads
+
+
+def reference(student, teacher=None, grad_out=None, **kw):
+    s = student.detach().double().requires_grad_(student.requires_grad)
+    t = teacher.detach().double().requires_grad_(teacher.requires_grad) if teacher is not None else None
+    topk = kw.pop("teacher_topk", None)
+    if topk is not None:
+        topk = (topk[0], topk[1].double())
+    loss = generalized_jsd_reference(s, t, teacher_topk=topk, **kw)
+    wrt = [x for x in (s, t) if x is not None and x.requires_grad]
+    grads = torch.autograd.grad(loss, wrt, grad_out.double() if grad_out is not None else None) if wrt else []
+    return loss, grads
+
+
+def random_grad_out(loss):
+    return (torch.rand_like(loss) + 0.5) * torch.where(torch.rand_like(loss) < 0.5, -1.0, 1.0)
+
+
+def assert_close(out, ref, tol, what):
+    assert out.shape == ref.shape, (what, out.shape, ref.shape)
+    err = relative_error(out.detach(), ref.detach())
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+
+
+# --------------------------------------------------------------------------------- 1. values and gradients
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_matches_float64(device, dtype, beta, reduction):
+    s = logits((3, 5, 301), dtype, device).requires_grad_()
+    t = logits((3, 5, 301), dtype, device).requires_grad_()
+    lab = labels_for((3, 5), device)
+    kw = dict(beta=beta, temperature=float(torch.rand(())) * 2 + 0.5, labels=lab, reduction=reduction)
+    loss = K.generalized_jsd(s, t, **kw)
+    assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert loss.shape == ((3, 5) if reduction == "none" else ())
+    go = random_grad_out(loss.detach())
+    out, (gs, gt) = run(s, t, go, **kw)
+    ref, (rs, rt) = reference(s, t, go, **kw)
+    assert_close(out, ref, LOSS_TOL[dtype], "loss")
+    assert gs.dtype == dtype and gs.shape == s.shape and gt.dtype == dtype
+    assert_close(gs, rs, GRAD_TOL[dtype], "student grad")
+    assert_close(gt, rt, GRAD_TOL[dtype], "teacher grad")
+    if reduction == "none":
+        assert (out[lab == -100] == 0).all()
+    assert (gs[lab == -100] == 0).all() and (gt[lab == -100] == 0).all()
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 7, 8, 33, 4099])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_vocab_sizes(device, vocab, beta):
+    # V = 1 (every distribution is a point mass: loss 0), V not a multiple of the vector width, and a row that
+    # spans several blocks of a cluster on the GPU.
+    s = logits((6, vocab), torch.float32, device).requires_grad_()
+    t = logits((6, vocab), torch.float32, device)
+    out, (gs,) = run(s, t, None, beta=beta, temperature=1.3, reduction="none")
+    ref, (rs,) = reference(s, t, torch.ones(6, dtype=torch.float64, device=device), beta=beta, temperature=1.3,
+                           reduction="none")
+    if vocab == 1:  # zero up to the rounding of the normaliser
+        assert out.abs().max() < 1e-6 and gs.abs().max() < 1e-6
+        return
+    assert_close(out, ref, 2e-6, "loss")
+    assert_close(gs, rs, GRAD_TOL[torch.float32], "student grad")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [32000, 128256, 151936, 262144])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_id)
+def test_long_rows_cuda(vocab, dtype):
+    # Real vocabularies: clusters of 2-16 blocks with the row in shared memory (and float32 262144, too long for
+    # a cluster's shared memory: the device-memory passes).
+    s = logits((5, vocab), dtype, "cuda", scale=3.0).requires_grad_()
+    t = logits((5, vocab), dtype, "cuda", scale=3.0)
+    for beta in (0.0, 0.5, 1.0):
+        out, (gs,) = run(s, t, None, beta=beta, temperature=2.0, reduction="none")
+        ref, (rs,) = reference(s, t, torch.ones(5, dtype=torch.float64, device="cuda"), beta=beta,
+                               temperature=2.0, reduction="none")
+        assert_close(out, ref, 2e-6, f"loss beta={beta}")
+        assert_close(gs, rs, GRAD_TOL[dtype], f"grad beta={beta}")
+
+
+def test_strided_and_3d_inputs(device):
+    base_s = logits((7, 2, 130), torch.float32, device)
+    base_t = logits((7, 2, 130), torch.float32, device)
+    s = base_s.transpose(0, 1)[:, :, 1:]  # non-contiguous leading dims and an offset start
+    t = base_t.transpose(0, 1)[:, :, 1:]
+    assert not s.is_contiguous()
+    out = K.generalized_jsd(s, t, beta=0.5, temperature=2.0, reduction="none")
+    ref = generalized_jsd_reference(s, t, beta=0.5, temperature=2.0, reduction="none")
+    assert out.shape == (2, 7)
+    assert_close(out, ref, 2e-6, "loss")
+    # vocabulary not the fastest dimension
+    s2 = logits((129, 9), torch.float32, device).t()
+    t2 = logits((129, 9), torch.float32, device).t()
+    assert_close(K.generalized_jsd(s2, t2, reduction="none"),
+                 generalized_jsd_reference(s2, t2, reduction="none"), 2e-6, "loss (vocab strided)")
+
+
+# ------------------------------------------------------------------------------------------ 2. masks
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_all_masked_is_zero_not_nan(device, reduction):
+    s = logits((4, 50), torch.float32, device).requires_grad_()
+    t = logits((4, 50), torch.float32, device).requires_grad_()
+    lab = torch.full((4,), -7, device=device)
+    loss = K.generalized_jsd(s, t, labels=lab, ignore_index=-7, reduction=reduction, beta=0.5)
+    assert torch.equal(loss, torch.zeros_like(loss))
+    loss.sum().backward()
+    assert torch.equal(s.grad, torch.zeros_like(s)) and torch.equal(t.grad, torch.zeros_like(t))
+
+
+def test_masked_tokens_are_ignored_whatever_they_hold(device):
+    s = logits((6, 40), torch.float32, device)
+    t = logits((6, 40), torch.float32, device)
+    lab = torch.tensor([1, -100, 2, -100, 3, 4], device=device)
+    base = K.generalized_jsd(s, t, labels=lab)
+    s2, t2 = s.clone(), t.clone()
+    s2[1] = float("nan")
+    t2[3] = float("inf")
+    assert torch.equal(K.generalized_jsd(s2, t2, labels=lab), base)
+    # batchmean divides by the 4 unmasked tokens
+    none = K.generalized_jsd(s, t, labels=lab, reduction="none")
+    torch.testing.assert_close(base, none.sum() / 4)
+
+
+# ------------------------------------------------------------------------------------ 3. special values
+@pytest.mark.parametrize("beta", BETAS)
+def test_padded_vocabulary_minus_inf(device, beta):
+    # A padded vocabulary: the last entries are -inf in both: they hold no mass and contribute nothing.
+    s = logits((5, 64), torch.float32, device)
+    t = logits((5, 64), torch.float32, device)
+    s[:, 50:] = float("-inf")
+    t[:, 50:] = float("-inf")
+    s.requires_grad_()
+    out, (gs,) = run(s, t, None, beta=beta, reduction="none")
+    ref = generalized_jsd_reference(s.detach()[:, :50], t[:, :50], beta=beta, reduction="none")
+    assert torch.isfinite(out).all() and torch.isfinite(gs).all()
+    assert_close(out, ref, 2e-6, "loss")
+    assert (gs[:, 50:] == 0).all()
+
+
+def test_teacher_without_mass_where_student_has_it(device):
+    # Forward KL(t || s) is finite when only the teacher has a -inf; reverse KL(s || t) is then +inf.
+    s = logits((2, 30), torch.float32, device)
+    t = logits((2, 30), torch.float32, device)
+    t[:, 3] = float("-inf")
+    fwd = K.generalized_jsd(s, t, beta=0.0, reduction="none")
+    rev = K.generalized_jsd(s, t, beta=1.0, reduction="none")
+    jsd = K.generalized_jsd(s, t, beta=0.5, reduction="none")
+    assert torch.isfinite(fwd).all() and torch.isinf(rev).all() and torch.isfinite(jsd).all()
+    assert_close(fwd, generalized_jsd_reference(s, t, beta=0.0, reduction="none"), 2e-6, "forward")
+    assert_close(jsd, generalized_jsd_reference(s, t, beta=0.5, reduction="none"), 2e-6, "jsd")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=_id)
+def test_huge_logits(device, dtype):
+    # Logits around +-1e4 (softmax is shift-invariant, so only the spread matters) and entries at -1e4 beside
+    # O(1) ones (no mass): no overflow, no NaN, the float64 reference's value.
+    s = logits((4, 100), torch.float64, device, scale=3.0) + 1e4
+    t = logits((4, 100), torch.float64, device, scale=3.0) - 1e4
+    s[:, :10] = -1e4
+    s, t = s.to(dtype).requires_grad_(), t.to(dtype)
+    for beta in (0.0, 0.5, 1.0):
+        out, (gs,) = run(s, t, None, beta=beta, temperature=1.0, reduction="none")
+        ref, (rs,) = reference(s, t, torch.ones(4, dtype=torch.float64, device=device), beta=beta,
+                               temperature=1.0, reduction="none")
+        assert torch.isfinite(out).all() and torch.isfinite(gs).all()
+        assert_close(out, ref, 1e-12 if dtype == torch.float64 else 1e-5, "loss")
+        # In bf16 a logit near 1e4 is a multiple of 64: the softmax is one-hot and the float64 gradient is ~0, so
+        # the gradient is compared with an absolute floor rather than relative to its own norm.
+        tol = {torch.float64: 1e-10}.get(dtype, GRAD_TOL[dtype])
+        torch.testing.assert_close(gs.double(), rs, rtol=tol, atol=tol * max(float(rs.abs().max()), 1e-6))
+
+
+def test_nan_logit_gives_nan_row(device):
+    s = logits((3, 20), torch.float32, device)
+    t = logits((3, 20), torch.float32, device)
+    s[1, 4] = float("nan")
+    out = K.generalized_jsd(s, t, reduction="none")
+    assert torch.isnan(out[1]) and torch.isfinite(out[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_id)
+@pytest.mark.parametrize("beta", BETAS)
+def test_nearly_agreeing_distributions_never_negative(device, dtype, beta):
+    # Student and teacher one bf16 rounding apart: each token's divergence is tiny and must never be negative
+    # (a known failure of other kernels); still close to float64 where it is not lost in the rounding.
+    t = logits((64, 3000), torch.float64, device, scale=2.0)
+    s = t + torch.randn_like(t) * 1e-3
+    s, t = s.to(dtype), t.to(dtype)
+    out = K.generalized_jsd(s, t, beta=beta, temperature=1.0, reduction="none")
+    ref = generalized_jsd_reference(s, t, beta=beta, temperature=1.0, reduction="none")
+    assert (out >= 0).all(), out.min()
+    assert (ref > 0).all()
+    assert_close(out, ref, 1e-4, "per token")
+
+
+# ------------------------------------------------------------------------------------------ 4. top-k
+def topk_teacher(lead, vocab, k, device):
+    lp_all = torch.log_softmax(torch.randn(*lead, vocab, dtype=torch.float64) * 2.5, dim=-1)
+    lp, idx = lp_all.topk(k, dim=-1)
+    perm = torch.argsort(torch.rand(*lead, k), dim=-1)  # any order, as a server may return them
+    return idx.gather(-1, perm).to(device), lp.gather(-1, perm).float().to(device)
+
+
+@pytest.mark.parametrize("k", [1, 5, 64])
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_topk_matches_float64(device, k, beta, reduction):
+    vocab = 64 if k == 64 else 300  # k == V: no tail bucket
+    s = logits((2, 3, vocab), torch.float32, device).requires_grad_()
+    topk = topk_teacher((2, 3), vocab, k, device)
+    lab = labels_for((2, 3), device)
+    kw = dict(teacher_topk=topk, beta=beta, temperature=1.7, labels=lab, reduction=reduction)
+    loss = K.generalized_jsd(s, **kw)
+    go = random_grad_out(loss.detach())
+    out, (gs,) = run(s, None, go, **kw)
+    ref, (rs,) = reference(s, None, go, **dict(kw))
+    assert_close(out, ref, 2e-6, "loss")
+    assert_close(gs, rs, GRAD_TOL[torch.float32], "student grad")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_topk_long_rows_cuda(beta):
+    s = logits((4, 128256), torch.bfloat16, "cuda", scale=3.0).requires_grad_()
+    topk = topk_teacher((4,), 128256, 100, "cuda")
+    out, (gs,) = run(s, None, None, teacher_topk=topk, beta=beta, temperature=2.0, reduction="none")
+    ref, (rs,) = reference(s, None, torch.ones(4, dtype=torch.float64, device="cuda"), teacher_topk=topk, beta=beta,
+                           temperature=2.0, reduction="none")
+    assert_close(out, ref, 2e-6, "loss")
+    assert_close(gs, rs, GRAD_TOL[torch.bfloat16], "grad")
+
+
+def test_topk_bad_indices_raise(device):
+    s = logits((2, 10), torch.float32, device)
+    idx, lp = topk_teacher((2,), 10, 3, device)
+    with pytest.raises(ValueError, match=r"in \[0, 10\)"):
+        K.generalized_jsd(s, teacher_topk=(idx + 10, lp))
+    dup = idx.clone()
+    dup[1, 2] = dup[1, 0]
+    with pytest.raises(ValueError, match="distinct"):
+        K.generalized_jsd(s, teacher_topk=(dup, lp))
+    with pytest.raises(ValueError, match="1 <= k"):
+        K.generalized_jsd(s, teacher_topk=(idx[:, :0], lp[:, :0]))
+    with pytest.raises(ValueError, match="no gradient flows"):
+        K.generalized_jsd(s, teacher_topk=(idx, lp.clone().requires_grad_()))
+
+
+def test_topk_bad_row_is_nan_in_the_kernel(device):
+    # The kernels' own net under the Python check (which torch.compile and graph capture skip).
+    s = logits((3, 12), torch.float32, device)
+    idx, lp = topk_teacher((3,), 12, 4, device)
+    idx[1, 3] = idx[1, 0]
+    mod = K.load(device, extension="distill")
+    out = mod.distill_forward(s, None, idx, lp, None, -100, 0.0, 1.0, 0, False, False)[0]
+    assert torch.isnan(out[1]) and torch.isfinite(out[[0, 2]]).all()
+
+
+# --------------------------------------------------------------------------------------- 5. autograd
+def test_gradcheck_float64(device):
+    for beta in (0.0, 0.4, 1.0):
+        s = logits((3, 7), torch.float64, device).requires_grad_()
+        t = logits((3, 7), torch.float64, device).requires_grad_()
+        lab = torch.tensor([0, -100, 2], device=device)
+        torch.autograd.gradcheck(lambda a, b: K.generalized_jsd(a, b, beta=beta, temperature=1.5, labels=lab,
+                                                                reduction="none"), (s, t))
+    s = logits((3, 9), torch.float64, device).requires_grad_()
+    idx, lp = topk_teacher((3,), 9, 4, device)
+    for beta in (0.0, 0.4, 1.0):
+        torch.autograd.gradcheck(lambda a: K.generalized_jsd(a, teacher_topk=(idx, lp.double()), beta=beta,
+                                                             reduction="sum"), (s,))
+
+
+def test_backward_twice_with_retain_graph(device):
+    s = logits((4, 33), torch.float32, device).requires_grad_()
+    t = logits((4, 33), torch.float32, device)
+    loss = K.generalized_jsd(s, t, beta=0.5)
+    (g1,) = torch.autograd.grad(loss, s, retain_graph=True)
+    (g2,) = torch.autograd.grad(loss * 3, s)
+    torch.testing.assert_close(g2, 3 * g1)
+
+
+def test_double_backward_raises(device):
+    s = logits((4, 33), torch.float32, device).requires_grad_()
+    t = logits((4, 33), torch.float32, device)
+    loss = K.generalized_jsd(s, t)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss, s, create_graph=True)
+
+
+def test_no_grad_inference_writes_no_gradient(device):
+    s = logits((4, 33), torch.float32, device).requires_grad_()
+    t = logits((4, 33), torch.float32, device)
+    with torch.no_grad():
+        loss = K.generalized_jsd(s, t)
+    assert loss.grad_fn is None
+    torch.testing.assert_close(loss.double(), generalized_jsd_reference(s.detach(), t), rtol=2e-6, atol=0)
+
+
+def test_module_form(device):
+    s = logits((4, 33), torch.float32, device).requires_grad_()
+    t = logits((4, 33), torch.float32, device)
+    lab = torch.tensor([1, 2, -1, 3], device=device)
+    crit = K.GeneralizedJSDLoss(beta=0.5, temperature=2.0, ignore_index=-1)
+    torch.testing.assert_close(crit(s, t, lab), K.generalized_jsd(s, t, beta=0.5, temperature=2.0, labels=lab,
+                                                                  ignore_index=-1))
+    assert "beta=0.5" in repr(crit)
+    with pytest.raises(ValueError, match="beta"):
+        K.GeneralizedJSDLoss(beta=1.5)
+
+
+def test_deterministic(device):
+    s = logits((16, 1000), torch.bfloat16, device).requires_grad_()
+    t = logits((16, 1000), torch.bfloat16, device)
+    a, (ga,) = run(s, t, None, beta=0.5)
+    b, (gb,) = run(s, t, None, beta=0.5)
+    assert torch.equal(a, b) and torch.equal(ga, gb)
+
+
+def test_meta_tensors_give_shapes():
+    s = torch.empty(3, 4, 50, device="meta", requires_grad=True)
+    t = torch.empty(3, 4, 50, device="meta")
+    out = K.generalized_jsd(s, t, reduction="none")
+    assert out.device.type == "meta" and out.shape == (3, 4) and out.dtype == torch.float32
+    assert K.generalized_jsd(s.detach().half(), t.half()).shape == ()
+
+
+# ------------------------------------------------------------------------------------ 6. torch.library
+def test_opcheck(device):
+    s = logits((4, 37), torch.float32, device).requires_grad_()
+    t = logits((4, 37), torch.float32, device).requires_grad_()
+    lab = torch.tensor([1, -100, 2, 3], device=device)
+    torch.library.opcheck(torch.ops.kldiv_inline.distill_forward.default,
+                          (s, t, None, None, lab, -100, 0.5, 2.0, 2, True, True))
+    idx, lp = topk_teacher((4,), 37, 5, device)
+    torch.library.opcheck(torch.ops.kldiv_inline.distill_forward.default,
+                          (s, None, idx, lp, None, -100, 0.0, 1.0, 0, True, False))
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph(device):
+    s = logits((8, 200), torch.float32, device).requires_grad_()
+    t = logits((8, 200), torch.float32, device)
+    lab = labels_for((8,), device)
+
+    def step(a, b, y):
+        return K.generalized_jsd(a, b, beta=0.5, temperature=2.0, labels=y)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    loss = compiled(s, t, lab)
+    (g,) = torch.autograd.grad(loss * 2, s)
+    ref, (rg,) = reference(s, t, torch.tensor(2.0, dtype=torch.float64, device=device), beta=0.5, temperature=2.0,
+                           labels=lab)
+    assert_close(loss, ref, 2e-6, "loss")
+    assert_close(g, rg, GRAD_TOL[torch.float32], "grad")
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture():
+    s = logits((32, 5000), torch.bfloat16, "cuda").requires_grad_()
+    t = logits((32, 5000), torch.bfloat16, "cuda")
+    lab = labels_for((32,), "cuda")
+    for _ in range(2):  # warm up: build, attribute set-up
+        K.generalized_jsd(s, t, labels=lab, beta=0.5).backward()
+    s.grad = None
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        loss = K.generalized_jsd(s, t, labels=lab, beta=0.5)
+        (grad,) = torch.autograd.grad(loss, s)
+    g.replay()
+    torch.cuda.synchronize()
+    ref, (rg,) = reference(s, t, None, labels=lab, beta=0.5)
+    assert_close(loss, ref, 2e-6, "loss")
+    assert_close(grad, rg, GRAD_TOL[torch.bfloat16], "grad")
+
+
+@pytest.mark.gpu
+def test_no_host_sync():
+    s = logits((16, 3000), torch.bfloat16, "cuda").requires_grad_()
+    t = logits((16, 3000), torch.bfloat16, "cuda")
+    lab = labels_for((16,), "cuda")
+    K.generalized_jsd(s, t, labels=lab).backward()  # built and warmed up
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = K.generalized_jsd(s, t, labels=lab, beta=0.5)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+def test_in_place_gradient_buffer():
+    # The fused LM head writes d logits over the logits: the kernel reads a row before writing its gradient.
+    s = logits((8, 128256), torch.bfloat16, "cuda")
+    t = logits((8, 128256), torch.bfloat16, "cuda")
+    mod = K.load("cuda", extension="distill")
+    for beta in (0.0, 0.5, 1.0):
+        expect = mod.distill_forward(s, t, None, None, None, -100, beta, 2.0, 1, True, False)
+        buf = s.clone()
+        got = mod.distill_forward(buf, t, None, None, None, -100, beta, 2.0, 1, True, False, buf)
+        assert got[1].data_ptr() == buf.data_ptr()
+        assert torch.equal(got[0], expect[0]) and torch.equal(buf, expect[1])
+
+
+# ------------------------------------------------------------------------------------------- 7. errors
+def test_bad_input_raises_clearly(device):
+    s = logits((4, 10), torch.float32, device)
+    t = logits((4, 10), torch.float32, device)
+    cases = [
+        (dict(teacher_logits=t[:, :9]), ValueError, "same shape"),
+        (dict(teacher_logits=t.double()), TypeError, "same dtype"),
+        (dict(teacher_logits=None), ValueError, "exactly one"),
+        (dict(teacher_logits=t, beta=1.5), ValueError, "beta"),
+        (dict(teacher_logits=t, beta=-0.1), ValueError, "beta"),
+        (dict(teacher_logits=t, temperature=0.0), ValueError, "temperature"),
+        (dict(teacher_logits=t, temperature=float("inf")), ValueError, "temperature"),
+        (dict(teacher_logits=t, reduction="mean"), ValueError, "reduction"),
+        (dict(teacher_logits=t, reduction=["sum"]), ValueError, "reduction"),
+        (dict(teacher_logits=t, labels=torch.zeros(3, dtype=torch.long, device=device)), ValueError, "leading"),
+        (dict(teacher_logits=t, labels=torch.zeros(4, device=device)), TypeError, "integer"),
+        (dict(teacher_logits=t, beta=True), TypeError, "real number"),
+    ]
+    for kw, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            K.generalized_jsd(s, **kw)
+    with pytest.raises(TypeError, match="float16, bfloat16"):
+        K.generalized_jsd(s.long(), t.long())
+    with pytest.raises(ValueError, match="vocabulary"):
+        K.generalized_jsd(s[:, :0], t[:, :0])
+
+
+@pytest.mark.gpu
+def test_mixed_devices_raise():
+    s = logits((4, 10), torch.float32, "cuda")
+    with pytest.raises(ValueError, match="one device"):
+        K.generalized_jsd(s, s.cpu())
+
+
+def test_empty_batch(device):
+    s = logits((0, 10), torch.float32, device).requires_grad_()
+    t = logits((0, 10), torch.float32, device)
+    assert K.generalized_jsd(s, t).item() == 0
+    assert K.generalized_jsd(s, t, reduction="sum").item() == 0
+    assert K.generalized_jsd(s, t, reduction="none").shape == (0,)
+    K.generalized_jsd(s, t).backward()
+    assert s.grad.shape == (0, 10)
+
+
+def test_no_fallback_to_pytorch_softmax(device, monkeypatch):
+    # The kernels' path never calls PyTorch's softmax/kl_div.
+    def boom(*a, **k):
+        raise AssertionError("fell back to PyTorch")
+
+    s = logits((4, 30), torch.float32, device).requires_grad_()
+    t = logits((4, 30), torch.float32, device)
+    expect = K.generalized_jsd(s.detach(), t, beta=0.5)
+    for name in ("log_softmax", "softmax", "logsumexp"):
+        monkeypatch.setattr(torch, name, boom)
+        monkeypatch.setattr(torch.nn.functional, name, boom, raising=False)
+    monkeypatch.setattr(torch.nn.functional, "kl_div", boom)
+    loss = K.generalized_jsd(s, t, beta=0.5)
+    loss.backward()
+    assert torch.equal(loss.detach(), expect) and math.isfinite(float(loss))
