@@ -6,6 +6,9 @@
     K.load("cuda")                                            # the compiled module (built on first use)
     K.load_sources(["my_kernel.cu", "bind.cpp"])              # the same loader for your own kernels
     K.generalized_jsd(student_logits, teacher_logits, beta=0.5, temperature=2.0, labels=labels)  # distillation
+
+    from kldiv_inline import harness                          # check, time and plot any op against
+    harness.check(...), harness.bench(...), harness.plot(...) # float64 PyTorch, its peers and the floor
 """
 from .loader import KernelBuildError, ToolchainError, load, load_sources
 from .ops import KLDivLoss, kl_div, kl_div_from_probs

@@ -51,8 +51,9 @@ def cmd_bench(args) -> int:
 
 def cmd_plot(args) -> int:
     from . import plots
+    from .bench import OURS, PEERS
 
-    written = plots.plot_all(Path(args.results), Path(args.out) if args.out else None)
+    written = plots.plot_all(Path(args.results), Path(args.out) if args.out else None, ours=OURS, peers=PEERS)
     for p in written:
         print(p)
     return 0

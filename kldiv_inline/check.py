@@ -1,34 +1,27 @@
-"""Correctness checks of the kit's op against PyTorch in float64, over a grid of cases.
+"""The KL op's correctness suite: the kit's op against PyTorch in float64, over a grid of cases.
 
 Every case draws fresh random inputs (random softmax temperatures, never zeros unless the case is about
-zeros), poisons the allocator with NaN first so that an element the kernel fails to write shows up, and
-compares per element (reduction='none') as well as the reduced scalars.
+zeros), poisons new memory with NaN first (``harness.poisoned``) so that an element the kernel fails to
+write shows up, and compares per element (reduction='none') as well as the reduced scalars, with the
+harness's comparison (``harness.compare``) and per-dtype tolerances (``harness.TOLERANCE``).
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
 import itertools
 import math
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator
 
+import pandas as pd
 import torch
 
+from .harness import TOLERANCE, compare, poisoned
 from .ops import kl_div, kl_div_from_probs
-from .reference import kl_div_reference, probability_rows, relative_error
+from .reference import kl_div_reference, probability_rows
 
-# ||out - ref|| / ||ref|| allowed per dtype: a few units of the dtype's rounding, for arrays of values.
-TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
-
-def poison_allocator(device: str, nbytes: int = 64 << 20) -> None:
-    """Fill free memory of the caching allocator with NaN so that unwritten outputs read NaN, not zeros."""
-    if device == "cuda":
-        torch.empty(nbytes // 4, device=device).fill_(float("nan"))  # freed at once, block stays cached
-    # The CPU allocator returns fresh pages (zeros) or reused blocks; its outputs are poisoned by the
-    # per-element comparison itself: a skipped element holds whatever was there, not the reference value.
 
 
 @dataclasses.dataclass
@@ -90,19 +83,13 @@ CASES = [
 
 
 def check_one(x, t, reduction: str, log_target: bool, from_probs: bool) -> float:
-    poison_allocator(x.device.type)
     f = kl_div_from_probs if from_probs else kl_div
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with poisoned(x.device.type), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 'mean' warns, as PyTorch's does
         out = f(x, t, reduction=reduction, log_target=log_target)
-    ref = kl_div_reference(x, t, reduction, log_target, from_probs)
-    if out.shape != ref.shape:
-        return float("inf")
     if out.dtype != torch.result_type(x, t):
-        return float("inf")
-    return relative_error(out, ref)
+        return math.inf
+    return compare(out, kl_div_reference(x, t, reduction, log_target, from_probs), math.inf)["rel_err"]
 
 
 def run_checks(device: str, dtypes=DTYPES, cases=CASES) -> Iterator[dict]:
@@ -118,13 +105,9 @@ def run_checks(device: str, dtypes=DTYPES, cases=CASES) -> Iterator[dict]:
         }
 
 
-def write_csv(rows: list[dict], path: Path, columns: list[str] | None = None) -> Path:
-    """Rows as CSV; ``columns`` fixes the header (keys outside it are dropped), else the first row's keys."""
+def write_csv(rows: list[dict], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=columns or list(rows[0]), extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
+    pd.DataFrame(rows).to_csv(path, index=False)
     return path
 
 

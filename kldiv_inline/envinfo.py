@@ -89,11 +89,13 @@ def environment(device: str) -> dict:
     return env
 
 
-def write_env(folder: Path, device: str, extra: dict | None = None) -> Path:
-    """Merge this run's environment into ``folder/env.json`` under the key of the step that ran."""
+def write_env(folder: Path, device: str, extra: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
+    """Merge this run's environment (and ``extra``) into ``folder/env.json``, less the keys in ``drop``."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "env.json"
     data = json.loads(path.read_text()) if path.exists() else {}
+    for key in drop:
+        data.pop(key, None)
     data.update(environment(device))
     if extra:
         data.update(extra)

@@ -1,20 +1,135 @@
-"""Results CSV -> PNG. No GPU needed: every figure is drawn from the files under results/<device>/.
+"""Timing frames and results CSVs -> figures. No GPU needed: every figure is drawn from rows.
 
-The notebooks call the same functions, so a plot in a notebook and the PNG in results/ are one drawing.
+``plot_timings`` draws any ``harness.bench`` frame (``harness.plot`` calls it); the rest draws the KL suite's
+files under results/<device>/. Which provider is "ours" is always a parameter. The notebooks call the same
+functions, so a plot in a notebook and the PNG in results/ are one drawing.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import matplotlib.pyplot as plt  # without a display matplotlib picks the Agg backend by itself
 import pandas as pd
 
-PEER_ORDER = ["kldiv_inline", "torch_eager", "torch_compile", "liger"]
+# Fixed colours for the kit's providers, so a provider looks the same in every figure; others take the
+# remaining colours of the tab10 cycle in order.
 COLORS = {"kldiv_inline": "tab:red", "torch_eager": "tab:blue", "torch_compile": "tab:green",
           "liger": "tab:purple", "v0_seed": "tab:gray", "v1_grid_stride": "tab:brown",
           "v2_vectorized": "tab:olive", "v3_ratio_log": "tab:orange"}
+_TAB10 = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
+          "tab:olive", "tab:cyan"]
 
 
+# -------------------------------------------------------------------------------------- any timing frame
+def _order(names, ours: str | None) -> list[str]:
+    """``ours`` first, then the kit's known providers in a fixed order, then the rest by name."""
+    names = list(dict.fromkeys(names))
+    known = [n for n in COLORS if n in names and n != ours]
+    return ([ours] if ours in names else []) + known + sorted(n for n in names if n not in known and n != ours)
+
+
+def _colors(names: list[str]) -> dict[str, str]:
+    spare = iter([c for c in _TAB10 if c not in {COLORS[n] for n in names if n in COLORS}] * 4)
+    return {n: COLORS.get(n) or next(spare) for n in names}
+
+
+def _lines(df: pd.DataFrame, by: str, x: str, ours: str | None):
+    """(name, its timed rows sorted by x, style) per provider, in plotting order."""
+    ok = df[df["status"] == "ok"]
+    names = _order(ok[by].unique(), ours)
+    colors = _colors(names)
+    for name in names:
+        rows = ok[ok[by] == name].groupby(x, as_index=False).first().sort_values(x)
+        style = {"color": colors[name], "lw": 2.4 if name == ours else 1.3, "zorder": 3 if name == ours else 2}
+        yield name, rows, style
+
+
+def draw_time(ax, df: pd.DataFrame, *, by: str, x: str, xlabel: str, ours: str | None = None,
+              legend: bool = True):
+    """Median time against ``x``, log-log, 20-80% bands, the floor dashed."""
+    for name, rows, style in _lines(df, by, x, ours):
+        ax.plot(rows[x], rows["median_ms"], marker="o", ms=3, label=name, **style)
+        ax.fill_between(rows[x], rows["q20_ms"], rows["q80_ms"], alpha=0.2, color=style["color"])
+    if "floor_ms" in df and df["floor_ms"].notna().any():
+        floor = df.groupby(x, as_index=False)["floor_ms"].first().sort_values(x)
+        ax.plot(floor[x], floor["floor_ms"], "k--", lw=1, label="floor")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("time per call (ms)")
+    ax.grid(True, which="both", alpha=0.3)
+    if legend:
+        ax.legend(fontsize=8)
+    return ax
+
+
+def _peak_gbps(df: pd.DataFrame) -> float | None:
+    """The vendor peak behind the rows' pct_of_peak (gbps / pct * 100), if any row has one."""
+    if "pct_of_peak" not in df:
+        return None
+    rows = df[df["pct_of_peak"].notna() & (df["pct_of_peak"] > 0)]
+    return float((rows["gbps"] / rows["pct_of_peak"] * 100).iloc[0]) if not rows.empty else None
+
+
+def draw_gbps(ax, df: pd.DataFrame, *, by: str, x: str, xlabel: str, ours: str | None = None,
+              floor_gbps: float | None = None, legend: bool = True):
+    """Achieved GB/s (bytes that must move / time) against ``x``, 20-80% bands, the floor's bandwidth
+    dashed (``floor_gbps``, else the rows') and the vendor peak dotted."""
+    for name, rows, style in _lines(df, by, x, ours):
+        gb = rows["gbps"] * rows["median_ms"]  # the bytes moved, in 1e6 x GB/s x ms
+        ax.plot(rows[x], rows["gbps"], marker="o", ms=3, label=name, **style)
+        ax.fill_between(rows[x], gb / rows["q80_ms"], gb / rows["q20_ms"], alpha=0.2, color=style["color"])
+    if floor_gbps is None and "floor_gbps" in df and df["floor_gbps"].notna().any():
+        floor_gbps = float(df["floor_gbps"].max())
+    # Labelled as in draw_time, so one legend serves both panels; the values are written on the lines.
+    for value, ls, label in ((floor_gbps, "--", "floor"), (_peak_gbps(df), ":", "vendor peak")):
+        if value:
+            ax.axhline(value, color="k", ls=ls, lw=1, label=label)
+            ax.annotate(f"{label} {value:.0f} GB/s", (0.01, value), xycoords=("axes fraction", "data"),
+                        va="bottom", fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("GB/s of required traffic")
+    ax.grid(True, which="both", alpha=0.3)
+    if legend:
+        ax.legend(fontsize=8)
+    return ax
+
+
+def legend_outside(fig, axes) -> None:
+    """One legend for all ``axes`` (each label once), right of them, so it covers no line."""
+    handles = {}
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    fig.legend(list(handles.values()), list(handles), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+
+
+def plot_timings(timed: pd.DataFrame, ours: str | None = None, title: str | None = None):
+    """A ``harness.bench`` frame as a Figure: time and GB/s against MiB moved, one line per provider."""
+    df = timed.copy()
+    if "bytes" in df and df["bytes"].notna().any():
+        df["mib_moved"] = df["bytes"] / 2**20
+        x, xlabel = "mib_moved", "MiB moved per call"
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+        draw_time(axes[0], df, by="provider", x=x, xlabel=xlabel, ours=ours, legend=False)
+        draw_gbps(axes[1], df, by="provider", x=x, xlabel=xlabel, ours=ours, legend=False)
+    else:  # no bytes_moved: time per case, in the cases' order
+        df["case_index"] = df["case"].map({c: i for i, c in enumerate(dict.fromkeys(df["case"]))})
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        axes = [ax]
+        draw_time(ax, df, by="provider", x="case_index", xlabel="case", ours=ours, legend=False)
+        ax.set_xscale("linear")
+        ax.set_xticks(range(df["case_index"].max() + 1), list(dict.fromkeys(df["case"])), rotation=20)
+    fig.suptitle(title or f"{', '.join(dict.fromkeys(df['device']))}: time and bandwidth per provider",
+                 fontsize=9)
+    fig.tight_layout()
+    legend_outside(fig, axes)
+    return fig
+
+
+# ------------------------------------------------------------------------------- the KL suite's results
 def load_bench(path: Path) -> pd.DataFrame:
     df = pd.read_csv(path)
     df["numel"] = df["batch"] * df["features"]
@@ -26,16 +141,9 @@ def load_bench(path: Path) -> pd.DataFrame:
 def _device_title(folder: Path) -> str:
     env = folder / "env.json"
     if env.exists():
-        import json
-
         e = json.loads(env.read_text())
         return f"{e.get('device_name', folder.name)} · torch {e.get('torch', '?')} · {str(e.get('commit', '?'))[:10]}"
     return folder.name
-
-
-def _impl_order(impls) -> list[str]:
-    known = [i for i in PEER_ORDER if i in impls]
-    return known + sorted(i for i in impls if i not in known)
 
 
 def sweep_frame(df: pd.DataFrame, pass_: str, form: str, dtype: str) -> pd.DataFrame:
@@ -44,89 +152,94 @@ def sweep_frame(df: pd.DataFrame, pass_: str, form: str, dtype: str) -> pd.DataF
     return sel.sort_values("numel")
 
 
-def _per_impl(sel: pd.DataFrame):
-    """(impl, its rows by size) in the plotting order, one row per size."""
-    for impl in _impl_order(sel["impl"].unique()):
-        rows = sel[sel["impl"] == impl].groupby("mib_per_input", as_index=False).first()
-        if not rows.empty:
-            yield impl, rows
-
-
-def plot_time_vs_size(df: pd.DataFrame, pass_: str, form: str, dtype: str, ax=None, title: str = ""):
+def plot_time_vs_size(df: pd.DataFrame, pass_: str, form: str, dtype: str, ax=None, title: str = "",
+                      ours: str | None = None, legend: bool = True):
     """Median time against MiB per input, log-log, with 20-80% bands; the floor as a dashed line."""
-    sel = sweep_frame(df, pass_, form, dtype)
     ax = ax or plt.subplots(figsize=(6.4, 4.2))[1]
-    for impl, s in _per_impl(sel):
-        ax.plot(s["mib_per_input"], s["median_ms"], marker="o", ms=3, label=impl, color=COLORS.get(impl))
-        ax.fill_between(s["mib_per_input"], s["q20_ms"], s["q80_ms"], alpha=0.2, color=COLORS.get(impl))
-    floor = sel.groupby("mib_per_input", as_index=False)["floor_ms"].first()
-    ax.plot(floor["mib_per_input"], floor["floor_ms"], "k--", lw=1, label="bandwidth floor")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("MiB per input")
-    ax.set_ylabel("time per call (ms)")
+    draw_time(ax, sweep_frame(df, pass_, form, dtype), by="impl", x="mib_per_input", xlabel="MiB per input",
+              ours=ours, legend=legend)
     ax.set_title(title or f"{pass_}, {form}, {dtype}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
     return ax
 
 
 def plot_bandwidth(df: pd.DataFrame, pass_: str, form: str, dtype: str, read_gbps: float | None = None,
-                   ax=None, title: str = ""):
-    """Achieved GB/s (bytes that must move / time) against size, with the measured read bandwidth."""
-    sel = sweep_frame(df, pass_, form, dtype)
+                   ax=None, title: str = "", ours: str | None = None, legend: bool = True):
+    """Achieved GB/s (bytes that must move / time) against size, with the floor's read bandwidth."""
     ax = ax or plt.subplots(figsize=(6.4, 4.2))[1]
-    for impl, s in _per_impl(sel):
-        ax.plot(s["mib_per_input"], s["gbps"], marker="o", ms=3, label=impl, color=COLORS.get(impl))
-    if read_gbps:
-        ax.axhline(read_gbps, color="k", ls="--", lw=1, label=f"measured read {read_gbps:.0f} GB/s")
-    ax.set_xscale("log")
-    ax.set_xlabel("MiB per input")
-    ax.set_ylabel("GB/s of required traffic")
+    draw_gbps(ax, sweep_frame(df, pass_, form, dtype), by="impl", x="mib_per_input", xlabel="MiB per input",
+              ours=ours, floor_gbps=read_gbps, legend=legend)
     ax.set_title(title or f"bandwidth, {pass_}, {form}, {dtype}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
     return ax
 
 
-def headline_frame(df: pd.DataFrame) -> pd.DataFrame:
-    """Our time against each peer's at the headline cases (the largest size of each pass/form/dtype)."""
+def headline_frame(df: pd.DataFrame, ours: str) -> pd.DataFrame:
+    """Each provider's time against ours at every case ours was timed in (peer time / our time)."""
     rows = []
-    for (pass_, form, dtype), g in df[df["status"] == "ok"].groupby(["pass", "form", "dtype"]):
+    for (pass_, form, dtype, timer), g in df[df["status"] == "ok"].groupby(["pass", "form", "dtype", "timer"]):
         for (batch, features), h in g.groupby(["batch", "features"]):
-            ours = h[h["impl"] == "kldiv_inline"]
-            if ours.empty:
+            mine = h[h["impl"] == ours]
+            if mine.empty:
                 continue
-            t_ours = float(ours["median_ms"].iloc[0])
+            t_ours = float(mine["median_ms"].iloc[0])
+            label = f"{form} {dtype} {batch}x{features}" + (" (wall clock)" if timer == "wall" else "")
             for _, r in h.iterrows():
-                rows.append({"case": f"{pass_} {form} {dtype} {batch}x{features}", "impl": r["impl"],
+                rows.append({"pass": pass_, "case": label, "form": form, "dtype": dtype, "numel": batch * features,
+                             "impl": r["impl"],
                              "median_ms": r["median_ms"], "speedup_of_ours": r["median_ms"] / t_ours,
                              "x_floor": r["x_floor"], "timer": r["timer"]})
     return pd.DataFrame(rows)
 
 
-def plot_speedups(df: pd.DataFrame, cases: list[str] | None = None, ax=None, title: str = ""):
-    """Bars: peer time / our time at the headline cases (above 1: we are faster)."""
-    hf = headline_frame(df)
+def plot_speedups(df: pd.DataFrame, ours: str, peers: list[str] | None = None, cases: list[str] | None = None,
+                  title: str = ""):
+    """Horizontal bars, one panel per pass: peer time / our time per case (right of 1: ours is faster).
+    ``peers`` picks the providers drawn (default: all but ours); ``cases`` the case labels."""
+    hf = headline_frame(df, ours)
+    hf = hf[hf["impl"] != ours]
+    if peers is not None:
+        hf = hf[hf["impl"].isin(peers)]
     if cases:
         hf = hf[hf["case"].isin(cases)]
-    hf = hf[hf["impl"] != "kldiv_inline"]
-    ax = ax or plt.subplots(figsize=(7.5, 4.2))[1]
-    case_names = list(dict.fromkeys(hf["case"]))
-    impls = _impl_order(hf["impl"].unique())
-    width = 0.8 / max(1, len(impls))
-    for j, impl in enumerate(impls):
-        vals = [hf[(hf["case"] == c) & (hf["impl"] == impl)]["speedup_of_ours"].max() for c in case_names]
-        ax.bar([i + j * width for i in range(len(case_names))], vals, width, label=impl, color=COLORS.get(impl))
-    ax.axhline(1.0, color="k", lw=1)
-    ax.set_xticks([i + width * (len(impls) - 1) / 2 for i in range(len(case_names))])
-    ax.set_xticklabels([c.replace(" ", "\n", 3) for c in case_names], fontsize=7)
-    ax.set_ylabel("peer time / kldiv_inline time")
-    ax.set_yscale("log")
-    ax.set_title(title or "speed-up of kldiv_inline over each peer")
-    ax.legend(fontsize=8)
-    ax.grid(True, axis="y", which="both", alpha=0.3)
-    return ax
+    passes = list(dict.fromkeys(p for p in ("fwd", "fwd+bwd") if p in set(hf["pass"]))) + \
+        sorted(set(hf["pass"]) - {"fwd", "fwd+bwd"})
+    impls = _order(hf["impl"].unique(), None)
+    colors = _colors(impls)
+    n_cases = [hf[hf["pass"] == p]["case"].nunique() for p in passes]
+    bar_in = 0.16  # inches per bar
+    heights = [max(1.2, n * len(impls) * bar_in + 0.5) for n in n_cases]
+    fig, axes = plt.subplots(len(passes), 1, figsize=(9.5, sum(heights) + 0.9), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    lo = hf["speedup_of_ours"].min() if not hf.empty else 1.0
+    hi = hf["speedup_of_ours"].max() if not hf.empty else 1.0
+    for ax, pass_ in zip(axes[:, 0], passes):
+        sel = hf[hf["pass"] == pass_].sort_values(["form", "dtype", "timer", "numel"])
+        case_names = list(dict.fromkeys(sel["case"]))
+        width = 0.8 / len(impls)
+        for j, impl in enumerate(impls):
+            for i, c in enumerate(case_names):
+                v = sel[(sel["case"] == c) & (sel["impl"] == impl)]["speedup_of_ours"]
+                if v.empty:
+                    continue
+                y, value = i - 0.4 + width * (j + 0.5), float(v.iloc[0])
+                # From 1 to the value: a peer faster than ours points left.
+                ax.barh(y, value - 1.0, width * 0.9, left=1.0, color=colors[impl], label=impl)
+                ax.text(value * (1.03 if value >= 1 else 0.97), y, f"{value:.2f}x", va="center",
+                        ha="left" if value >= 1 else "right", fontsize=6.5)
+        ax.axvline(1.0, color="k", lw=1)
+        ax.set_xscale("log")
+        ax.set_xlim(min(lo, 1.0) / 1.5, max(hi, 1.0) * 1.6)
+        ticks = [t for t in (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100) if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        ax.set_xticks(ticks, [f"{t:g}x" for t in ticks])
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())
+        ax.set_yticks(range(len(case_names)), case_names, fontsize=8)
+        ax.set_ylim(len(case_names) - 0.5, -0.5)  # first case on top
+        ax.set_title(f"{pass_}: time of each peer / time of {ours}", fontsize=9, loc="left")
+        ax.grid(True, axis="x", which="both", alpha=0.3)
+    axes[-1, 0].set_xlabel(f"speed-up of {ours} (log scale; right of 1: {ours} is faster)")
+    fig.suptitle(title or f"speed-up of {ours} over each peer", fontsize=10, x=0.02, ha="left")
+    fig.tight_layout()
+    legend_outside(fig, axes[:, 0])
+    return fig
 
 
 def plot_correctness(path: Path, ax=None, title: str = ""):
@@ -147,10 +260,8 @@ def plot_correctness(path: Path, ax=None, title: str = ""):
     return ax
 
 
-def write_goals(folder: Path) -> Path:
-    """folder/goals.md from folder/bench.csv and env.json (the verdicts on P1-P5 for that run)."""
-    import json
-
+def write_goals(folder: Path, ours: str) -> Path:
+    """folder/goals.md from folder/bench.csv and env.json (the verdicts on the goals for that run)."""
     from .goals import goal_rows, goals_markdown
 
     df = pd.read_csv(folder / "bench.csv")
@@ -158,58 +269,55 @@ def write_goals(folder: Path) -> Path:
     env = json.loads((folder / "env.json").read_text()) if (folder / "env.json").exists() else {}
     device = env.get("device") or ("cuda" if (df["device"] == "cuda").any() else "cpu")
     path = folder / "goals.md"
-    path.write_text(goals_markdown(goal_rows(rows, device), env))
+    path.write_text(goals_markdown(goal_rows(rows, device, ours), env))
     return path
 
 
-def plot_folder(folder: Path, out: Path | None = None) -> list[Path]:
-    """Every PNG for one results/<device>/ folder."""
+def plot_folder(folder: Path, out: Path | None = None, *, ours: str, peers: list[str] | None = None) -> list[Path]:
+    """Every PNG for one results/<device>/ folder of the KL suite (and its goals.md)."""
     out = out or folder
     out.mkdir(parents=True, exist_ok=True)
     written = []
     title = _device_title(folder)
 
     def save(fig, name):
-        fig.suptitle(title, fontsize=8)
-        fig.tight_layout()
+        fig.text(0.99, 0.005, title, fontsize=7, ha="right", va="bottom", color="0.4")
         p = out / name
-        fig.savefig(p, dpi=120)
+        fig.savefig(p, dpi=120, bbox_inches="tight")
         plt.close(fig)
         written.append(p)
 
     bench = folder / "bench.csv"
     if bench.exists():
         df = load_bench(bench)
-        write_goals(folder)
-        read_gbps = None
+        write_goals(folder, ours)
         env = folder / "env.json"
-        if env.exists():
-            import json
-
-            read_gbps = json.loads(env.read_text()).get("read_gbps")
+        e = json.loads(env.read_text()) if env.exists() else {}
+        read_gbps = e.get("floor_gbps") or e.get("read_gbps")  # older runs recorded only read_gbps
         for (pass_, form, dtype), g in df.groupby(["pass", "form", "dtype"]):
             if sweep_frame(df, pass_, form, dtype)["numel"].nunique() < 2:
                 continue
-            fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-            plot_time_vs_size(df, pass_, form, dtype, ax=axes[0])
-            plot_bandwidth(df, pass_, form, dtype, read_gbps, ax=axes[1])
+            fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+            plot_time_vs_size(df, pass_, form, dtype, ax=axes[0], ours=ours, legend=False)
+            plot_bandwidth(df, pass_, form, dtype, read_gbps, ax=axes[1], ours=ours, legend=False)
+            fig.tight_layout()
+            legend_outside(fig, axes)
             save(fig, f"time_{pass_.replace('+', '_')}_{form}_{dtype}.png")
-        if not headline_frame(df).empty:
-            fig, ax = plt.subplots(figsize=(9, 4.5))
-            plot_speedups(df, ax=ax)
-            save(fig, "speedups.png")
+        if not headline_frame(df, ours).empty:
+            save(plot_speedups(df, ours, peers), "speedups.png")
     corr = folder / "correctness.csv"
     if corr.exists():
         fig, ax = plt.subplots(figsize=(8, 4.5))
         plot_correctness(corr, ax=ax)
+        fig.tight_layout()
         save(fig, "correctness.png")
     return written
 
 
-def plot_all(results: Path, out: Path | None = None) -> list[Path]:
+def plot_all(results: Path, out: Path | None = None, *, ours: str, peers: list[str] | None = None) -> list[Path]:
     """PNGs for every results/<device>/ folder holding CSVs."""
     written = []
     for folder in sorted(p for p in results.iterdir() if p.is_dir()):
         if any(folder.glob("*.csv")):
-            written += plot_folder(folder, (out / folder.name) if out else None)
+            written += plot_folder(folder, (out / folder.name) if out else None, ours=ours, peers=peers)
     return written

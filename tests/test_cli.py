@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from kldiv_inline import bench, plots
@@ -27,34 +28,71 @@ def test_check_cli_writes_results(tmp_path):
     assert " passed, 0 failed" in proc.stdout
 
 
-def _fake_rows():
+def _fake_rows(ours="kldiv_inline", peak_gbps=3350.0):
     rows = []
-    for impl, scale in (("kldiv_inline", 1.0), ("torch_eager", 5.5), ("torch_compile", 1.3)):
-        for batch in (64, 1024, 16384):
-            floor = batch * 16384 * 8 / 4000e9 * 1e3
-            t = floor * 1.02 * scale
-            rows.append({"device": "cuda", "impl": impl, "pass": "fwd", "form": "probs", "dtype": "float32",
-                         "batch": batch, "features": 16384, "median_ms": t, "q20_ms": t * 0.99,
-                         "q80_ms": t * 1.01, "gbps": batch * 16384 * 8 / t / 1e6, "floor_ms": floor,
-                         "x_floor": 1.02 * scale, "rel_err": 2e-8, "status": "ok", "timer": "cuda"})
+    for impl, scale in ((ours, 1.0), ("torch_eager", 5.5), ("torch_compile", 1.3)):
+        for pass_, tensors in (("fwd", 2), ("fwd+bwd", 3)):
+            for batch in (64, 1024, 16384):
+                nbytes = tensors * batch * 16384 * 4
+                floor = nbytes / 3000e9 * 1e3
+                t = floor * 1.02 * scale
+                rows.append({"device": "cuda", "impl": impl, "pass": pass_, "form": "probs", "dtype": "float32",
+                             "batch": batch, "features": 16384, "median_ms": t, "q20_ms": t * 0.99,
+                             "q80_ms": t * 1.01, "gbps": nbytes / t / 1e6, "floor_ms": floor,
+                             "x_floor": 1.02 * scale, "rel_err": 2e-8, "status": "ok", "timer": "cuda",
+                             "bytes": nbytes, "floor_gbps": 3000.0, "floor_source": "read_kernel",
+                             "pct_of_peak": 100 * nbytes / t / 1e6 / peak_gbps})
     return rows
 
 
 def test_goals_are_evaluated_from_rows():
-    goals = {(g["goal"], g["target"]): g for g in bench.goal_rows(_fake_rows(), "cuda")}
+    goals = {(g["goal"], g["target"]): g for g in bench.goal_rows(_fake_rows(), "cuda", "kldiv_inline")}
     assert goals[("P1", "time / floor <= 1.05")]["met"]
     assert goals[("P1", "torch_eager time / ours >= 5.0")]["value"] == pytest.approx(5.5)
     assert goals[("P1", "torch_compile time / ours >= 1.05")]["met"]
+    # 3000 GB/s / 1.02 on a 3350 GB/s card: 87.8% of peak, short of P1's 90% and above P3's 85%.
+    assert goals[("P1", "% of vendor peak >= 90")]["value"] == pytest.approx(100 * 3000 / 1.02 / 3350)
+    assert not goals[("P1", "% of vendor peak >= 90")]["met"] and goals[("P3", "% of vendor peak >= 85")]["met"]
+    assert goals[("floor", "time / floor >= 1.0")]["met"]
     slow = [dict(r, x_floor=1.2) if r["impl"] == "kldiv_inline" else r for r in _fake_rows()]
-    assert not {g["target"]: g for g in bench.goal_rows(slow, "cuda")}["time / floor <= 1.05"]["met"]
+    assert not {g["target"]: g for g in bench.goal_rows(slow, "cuda", "kldiv_inline")}["time / floor <= 1.05"]["met"]
+    # A row faster than the floor means the floor is no floor.
+    beaten = [dict(r, x_floor=0.97) if r["impl"] == "torch_eager" and r["batch"] == 64 else r for r in _fake_rows()]
+    floor_goal = {g["goal"]: g for g in bench.goal_rows(beaten, "cuda", "kldiv_inline")}["floor"]
+    assert not floor_goal["met"] and floor_goal["value"] == 0.97 and "torch_eager" in floor_goal["case"]
+    # "ours" is a parameter: the same rows under another name meet the same goals.
+    renamed = {(g["goal"], g["target"]): g["met"] for g in bench.goal_rows(_fake_rows("mine"), "cuda", "mine")}
+    assert renamed == {k: g["met"] for k, g in goals.items()}
 
 
 def test_plot_cli_draws_pngs_without_gpu(tmp_path):
     folder = tmp_path / "some-gpu"
     bench.write_csv(_fake_rows(), folder / "bench.csv")
     (folder / "env.json").write_text(json.dumps({"device_name": "Some GPU", "torch": "x", "commit": "abc",
-                                                 "read_gbps": 4000.0}))
-    written = plots.plot_all(tmp_path, tmp_path / "out")
+                                                 "floor_gbps": 3000.0, "floor_source": "read_kernel"}))
+    written = plots.plot_all(tmp_path, tmp_path / "out", ours=bench.OURS, peers=bench.PEERS)
     names = {p.name for p in written}
-    assert {"time_fwd_probs_float32.png", "speedups.png"} <= names
+    assert {"time_fwd_probs_float32.png", "time_fwd_bwd_probs_float32.png", "speedups.png"} <= names
     assert all(p.stat().st_size > 5000 for p in written)
+    assert "% of vendor peak" in (folder / "goals.md").read_text()
+
+
+def test_old_csvs_still_plot(tmp_path):
+    """A bench.csv from before the floor's columns (no bytes, floor_gbps, pct_of_peak) still draws."""
+    folder = tmp_path / "old-gpu"
+    old = ["device", "impl", "pass", "form", "dtype", "batch", "features", "median_ms", "q20_ms", "q80_ms",
+           "gbps", "floor_ms", "x_floor", "rel_err", "status", "timer"]
+    folder.mkdir()
+    pd.DataFrame(_fake_rows())[old].to_csv(folder / "bench.csv", index=False)
+    (folder / "env.json").write_text(json.dumps({"device_name": "Old GPU", "read_gbps": 3000.0}))
+    names = {p.name for p in plots.plot_all(tmp_path, ours=bench.OURS, peers=bench.PEERS)}
+    assert {"time_fwd_probs_float32.png", "speedups.png"} <= names
+
+
+def test_speedups_one_panel_per_pass(tmp_path):
+    df = plots.load_bench(bench.write_csv(_fake_rows(), tmp_path / "bench.csv"))
+    fig = plots.plot_speedups(df, "kldiv_inline", bench.PEERS)
+    panels = fig.axes
+    assert [ax.get_title(loc="left").split(":")[0] for ax in panels] == ["fwd", "fwd+bwd"]
+    assert all(len(ax.get_yticklabels()) == 3 for ax in panels)  # the three sizes, one row each
+    assert fig.legends  # outside the panels, not over the bars

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kldiv_inline as K
-from kldiv_inline.check import poison_allocator
+from kldiv_inline.harness import poison_allocator
 from kldiv_inline.reference import generalized_jsd_reference, relative_error
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]

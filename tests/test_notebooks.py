@@ -1,5 +1,9 @@
-"""The notebooks under notebooks/: stored without outputs, in step with notebooks/_build_notebooks.py, and each
-runs top to bottom in a Jupyter kernel of this interpreter, from the notebooks/ folder.
+"""The notebooks under notebooks/. Each is a pair: NN_name.ipynb, which Jupyter opens, and its percent-format
+twin NN_name.py (jupytext; notebooks/jupytext.toml). `make notebooks`, which `make test` runs first, brings each
+pair in step (the side saved last wins) and strips outputs, with jupytext and nbstripout themselves. Here: the
+pairs are in step and stored without outputs; a notebook saved by JupyterLab (outputs, counts, an edited cell)
+or a twin edited as text comes out of that same make step clean and in step; and every notebook runs top to
+bottom in a Jupyter kernel of this interpreter, from the notebooks/ folder.
 
 Without a GPU the notebooks run their quick CPU sizes (about a minute each on two cores, once the CPU module
 is in the build cache); with one, they run its small sizes too unless KLDIV_NB_FULL=1 is set, which runs
@@ -7,9 +11,11 @@ the full GPU study (many minutes).
 """
 from __future__ import annotations
 
-import importlib.util
+import difflib
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,38 +26,118 @@ nbformat = pytest.importorskip("nbformat")
 
 REPO = Path(__file__).resolve().parent.parent
 NB_DIR = REPO / "notebooks"
-NAMES = ["01_correctness.ipynb", "02_performance.ipynb", "03_naive_to_roofline.ipynb"]
+NAMES = ["01_correctness.ipynb", "02_performance.ipynb", "03_naive_to_roofline.ipynb", "04_your_own_kernel.ipynb"]
 CELL_TIMEOUT_S = 1800  # a cold build of the kit's CUDA module inside a cell takes minutes
 
 
-def read(name: str):
-    return nbformat.read(NB_DIR / name, as_version=4)
+def read(path: Path):
+    return nbformat.read(path, as_version=4)
+
+
+def inputs(path: Path) -> list[tuple[str, str, list]]:
+    """What both sides of a pair hold: each cell's type, source and tags, as jupytext reads the file."""
+    jupytext = pytest.importorskip("jupytext")
+    return [(c.cell_type, c.source, list(c.metadata.get("tags", []))) for c in jupytext.read(path).cells]
+
+
+def assert_pairs_in_step(folder: Path) -> None:
+    for name in NAMES:
+        ipynb, twin = inputs(folder / name), inputs((folder / name).with_suffix(".py"))
+        if ipynb != twin:
+            diff = difflib.unified_diff([repr(c) for c in ipynb], [repr(c) for c in twin], name,
+                                        Path(name).with_suffix(".py").name, n=0, lineterm="")
+            pytest.fail(f"{folder / name} and its .py twin differ (run `make notebooks`):\n" + "\n".join(diff))
+
+
+def assert_stripped(folder: Path) -> None:
+    for name in NAMES:
+        nb = read(folder / name)
+        nbformat.validate(nb)
+        dirty = [i for i, c in enumerate(nb.cells)
+                 if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
+        assert not dirty, f"{folder / name}: cells {dirty} hold outputs or execution counts (run `make notebooks`)"
 
 
 def test_all_notebooks_listed():
     assert sorted(p.name for p in NB_DIR.glob("*.ipynb")) == NAMES
+    assert sorted(p.name for p in NB_DIR.glob("*.py")) == [Path(n).with_suffix(".py").name for n in NAMES]
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_stored_without_outputs(name):
-    nb = read(name)
-    nbformat.validate(nb)
-    dirty = [i for i, c in enumerate(nb.cells)
-             if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
-    assert not dirty, (f"{name}: cells {dirty} hold outputs or execution counts; store notebooks without them "
-                       "(python notebooks/_build_notebooks.py writes them clean)")
+def test_pairs_in_step():
+    assert_pairs_in_step(NB_DIR)
 
 
-def test_notebooks_match_their_generator():
-    spec = importlib.util.spec_from_file_location("_build_notebooks", NB_DIR / "_build_notebooks.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    built = gen.notebooks()
-    assert sorted(built) == NAMES
-    for name, nb in built.items():
-        stored = json.loads((NB_DIR / name).read_text())
-        assert stored == json.loads(nbformat.writes(nb)), (
-            f"{name} differs from notebooks/_build_notebooks.py: edit the cells there and run it")
+def test_stored_without_outputs():
+    assert_stripped(NB_DIR)
+
+
+def make_notebooks(folder: Path) -> str:
+    """`make notebooks` of the repository's Makefile, on `folder`, with this interpreter."""
+    pytest.importorskip("jupytext")
+    pytest.importorskip("nbstripout")
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}  # not the outer make's flags
+    done = subprocess.run(["make", "-s", "-C", str(REPO), "notebooks", f"NOTEBOOKS={folder}",
+                           f"PYTHON={sys.executable}"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.fixture
+def copies(tmp_path):
+    """The repository's notebooks and their jupytext config, in a scratch folder."""
+    for path in NB_DIR.iterdir():
+        if path.suffix in (".ipynb", ".py", ".toml"):
+            shutil.copy2(path, tmp_path / path.name)
+    return tmp_path
+
+
+def touch_later(path: Path) -> None:
+    """Make `path` the most recently saved side of its pair, as a save would."""
+    later = time.time() + 2
+    os.utime(path, (later, later))
+
+
+def test_jupyterlab_save_comes_out_clean_and_in_step(copies):
+    """JupyterLab without the jupytext extension saves only the .ipynb: an edited cell, outputs, execution
+    counts, a new cell with a random id, its own metadata. `make notebooks` carries the edit into the .py
+    twin and strips the rest."""
+    path = copies / NAMES[0]
+    nb = read(path)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    code[-1].source += "\nprint('edited in JupyterLab')"
+    for count, cell in enumerate(code, 1):
+        cell.execution_count = count
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="some output\n")]
+    nb.cells.append(nbformat.v4.new_markdown_cell("A cell added in JupyterLab."))
+    nb.metadata["language_info"] = {"name": "python", "version": "3.99.0"}
+    nbformat.write(nb, path)
+    touch_later(path)
+
+    make_notebooks(copies)
+    twin = path.with_suffix(".py").read_text()
+    assert "print('edited in JupyterLab')" in twin and "A cell added in JupyterLab." in twin
+    assert_pairs_in_step(copies)
+    assert_stripped(copies)
+    assert "language_info" not in json.loads(path.read_text())["metadata"]
+
+
+def test_twin_edited_as_text_reaches_the_ipynb(copies):
+    """An edit of the .py twin (in an editor, or JupyterLab opening the .py) reaches the .ipynb, whose
+    stale outputs are stripped."""
+    path = copies / NAMES[1]
+    nb = read(path)
+    nb.cells[1].outputs = [nbformat.v4.new_output("stream", name="stdout", text="stale output\n")]
+    nbformat.write(nb, path)
+    twin = path.with_suffix(".py")
+    twin.write_text(twin.read_text() + "\n# %%\nprint('edited as text')\n")
+    touch_later(twin)
+
+    make_notebooks(copies)
+    assert read(path).cells[-1].source == "print('edited as text')"
+    assert_pairs_in_step(copies)
+    assert_stripped(copies)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +163,7 @@ def test_notebook_runs(name, kernel_specs, tmp_path):
     from jupyter_client.manager import KernelManager
     from nbclient import NotebookClient
 
-    nb = read(name)
+    nb = read(NB_DIR / name)
     env = dict(os.environ)
     env.setdefault("KLDIV_NB_FULL", "0")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))

@@ -2,7 +2,7 @@
 
 Every test draws fresh random inputs (conftest reseeds torch from os.urandom; the seed is printed, so it
 shows in a failure's captured output for replay). Forward results are compared element by element
-(reduction='none') and as reduced scalars, with the per-dtype relative tolerances of check.TOLERANCE;
+(reduction='none') and as reduced scalars, with the per-dtype relative tolerances of harness.TOLERANCE;
 gradients with torch.testing.assert_close against float64 autograd of F.kl_div.
 
 Tests parametrised over `device` run on cpu always and on cuda where a GPU is present (marked `gpu`);
@@ -20,7 +20,7 @@ from torch.testing._internal.optests import OpCheckError
 
 import kldiv_inline as K
 from kldiv_inline import kernelbench
-from kldiv_inline.check import TOLERANCE, poison_allocator
+from kldiv_inline.harness import TOLERANCE, poison_allocator
 from kldiv_inline.reference import kl_div_reference, relative_error
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]

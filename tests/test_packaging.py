@@ -13,7 +13,7 @@ def _name(req: str) -> str:
 def test_environment_yml_matches_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     wanted = {_name(r) for r in project["dependencies"]}
-    for extra in ("test", "notebooks"):
+    for extra in ("test", "notebooks", "lint"):
         wanted |= {_name(r) for r in project["optional-dependencies"][extra]}
     env = (ROOT / "environment.yml").read_text()
     deps = env.split("dependencies:", 1)[1]  # the channels list above is not packages

@@ -6,7 +6,6 @@ Use it to see where time goes beyond the fused kernel: extra passes show up as e
 a fill, an elementwise op) in the table.
 """
 import argparse
-
 import sys
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-// v0: the seed's design, reproduced from its description (../../../shared/seed.md) as the naive baseline.
+// v0: the seed's design, the naive kernel this kit started from, reproduced from its description as the baseline.
 // Kept with its flaws on purpose, so the notebooks can show them: one block per row with a shared-memory
 // tree, two accurate logs per element and no xlogy (a zero target gives NaN), 32-bit indexing, the tensors'
 // strides and extra dimensions ignored, float atomicAdd in arbitrary order, then .item() (a host sync) and

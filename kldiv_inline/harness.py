@@ -1,0 +1,377 @@
+"""One harness for any op: check it against float64, time it against its peers and the floor, plot it.
+
+    from kldiv_inline import harness
+    cases = [harness.Case(f"n={n}", (torch.rand(n, device=dev),)) for n in (1 << 16, 1 << 22)]
+    checked = harness.check({"mine": mod.scale2}, reference=lambda x: 2 * x, cases=cases)
+    timed = harness.bench({"mine": mod.scale2, "torch": lambda x: 2 * x}, cases=cases,
+                          bytes_moved=lambda x: 2 * x.numel() * x.element_size())
+    fig = harness.plot(timed)
+
+A provider is any callable taking a case's ``args``; it returns a tensor or a tuple/list/dict of them.
+``check`` runs the reference on the same inputs upcast to float64 (floating tensors only, recursively in
+tuples, lists and dicts) and compares each provider's outputs with it, output by output: the relative error
+||out - ref|| / ||ref|| against a tolerance for the output's dtype (``TOLERANCE``, overridable), NaN or inf
+only where the reference has them, shapes equal. Each call runs ``poisoned``: new tensors start as NaN, so
+an element the kernel fails to write shows up.
+
+``bench`` refuses to time a provider that failed its check: it checks every provider first, against
+``reference=`` or else the reference the cases were last checked with (``check`` records it on each case),
+unless ``checked=`` hands it the result of a check or ``reference=None`` says to time unchecked. Timing
+follows ``kldiv_inline.timing`` (CUDA events, L2 flush, input rotation, median and 20/80% quantiles; a wall
+clock on the CPU); the floor is the bytes moved over the read bandwidth of ``kldiv_inline.floors``.
+
+The kit's own suites (``kldiv_inline.bench``) go through the same functions.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import warnings
+from typing import Any, Callable, Mapping, Sequence
+
+import pandas as pd
+import torch
+
+from . import floors, timing
+from .reference import relative_error
+
+# Relative error allowed per output dtype: a few units of the dtype's rounding, for arrays of values.
+# Integer and boolean outputs must be exact.
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+CHECK_COLUMNS = ["provider", "case", "device", "max_abs_err", "rel_err", "tol", "ok", "error"]
+BENCH_COLUMNS = ["provider", "case", "device", "timer", "status", "median_ms", "q20_ms", "q80_ms", "bytes",
+                 "gbps", "floor_gbps", "floor_source", "floor_ms", "x_floor", "pct_of_peak", "rel_err"]
+
+WALL_INNER_CUDA = 50  # back-to-back calls per wall-clock sample on a GPU: the host's cost per call shows
+
+
+@dataclasses.dataclass
+class Case:
+    """One set of inputs. ``args`` are passed to every provider; ``meta`` becomes extra columns of each row
+    (e.g. ``{"pass": "fwd", "dtype": "float32"}``). ``reference`` is set by ``check`` (or given here): the
+    float64 truth ``bench`` checks providers against."""
+
+    name: str
+    args: tuple
+    meta: dict = dataclasses.field(default_factory=dict)
+    reference: Callable | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.args, list):
+            self.args = tuple(self.args)
+        elif not isinstance(self.args, tuple):
+            self.args = (self.args,)  # a single input
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def poison_allocator(device: str, nbytes: int = 64 << 20) -> None:
+    """Fill free memory of the CUDA caching allocator with NaN, so that unwritten outputs read NaN."""
+    if device == "cuda":
+        torch.empty(nbytes // 4, device=device).fill_(float("nan"))  # freed at once, the block stays cached
+
+
+@contextlib.contextmanager
+def poisoned(device: str):
+    """Inside, memory a kernel fails to write reads NaN (integers: their maximum): tensors from
+    ``torch.empty``/``at::empty`` are filled by PyTorch's deterministic mode (``fill_uninitialized_memory``;
+    nondeterministic ops only warn, and the warning is silenced), and on a GPU the caching allocator's free
+    memory is filled first, for buffers taken from it some other way."""
+    poison_allocator(device)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*(deterministic|CUBLAS_WORKSPACE_CONFIG)")
+            yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.utils.deterministic.fill_uninitialized_memory = before[2]
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map_tensors(o, fn) for o in obj)
+    if isinstance(obj, Mapping):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def _leaf(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A detached copy (in ``dtype``), a leaf that requires grad if ``t`` did."""
+    out = t.detach().to(dtype, copy=True) if dtype is not None else t.detach().clone()
+    return out.requires_grad_(t.requires_grad)
+
+
+def upcast(obj: Any) -> Any:
+    """``obj`` with every floating tensor as a float64 leaf (requiring grad where the original did)."""
+    return _map_tensors(obj, lambda t: _leaf(t, torch.float64) if t.is_floating_point() else t)
+
+
+def clone_args(obj: Any) -> Any:
+    """Fresh copies of every tensor in ``obj`` (leaves, requiring grad where the originals did)."""
+    return _map_tensors(obj, _leaf)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    _map_tensors(obj, lambda t: found.append(t) or t)
+    return found
+
+
+def _device(args: tuple) -> str:
+    tensors = _tensors(args)
+    return tensors[0].device.type if tensors else "cpu"
+
+
+def _outputs(out: Any) -> list:
+    """A provider's result as a flat list of tensors (None stays None; numbers become 0-d tensors)."""
+    if out is None or isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (int, float, bool)):
+        return [torch.tensor(out)]
+    if isinstance(out, (tuple, list)):
+        return [o for item in out for o in _outputs(item)]
+    if isinstance(out, Mapping):
+        return [o for k in sorted(out) for o in _outputs(out[k])]
+    raise TypeError(f"a provider returned {type(out).__name__}; expected tensors (or tuples/lists/dicts of them)")
+
+
+def tolerance_for(dtype: torch.dtype, tolerance: float | Mapping | None = None) -> float:
+    """The relative error allowed for an output of ``dtype``: ``tolerance`` if a number, else from the table
+    ``TOLERANCE`` updated by ``tolerance`` (a dtype -> number mapping); 0 for non-floating outputs."""
+    if isinstance(tolerance, (int, float)):
+        return float(tolerance)
+    table = {**TOLERANCE, **(tolerance or {})}
+    if dtype in table:
+        return table[dtype]
+    if dtype.is_floating_point or dtype.is_complex:
+        raise ValueError(f"no tolerance for {dtype} outputs: pass tolerance= (a number or {{dtype: number}})")
+    return 0.0
+
+
+def compare(out: Any, ref: Any, tolerance: float | Mapping | None = None) -> dict:
+    """A provider's outputs against the reference's: max_abs_err, rel_err and tol (of the output furthest
+    from its tolerance), ok, and error (why it failed beyond the numbers, else "")."""
+    outs, refs = _outputs(out), _outputs(ref)
+    if len(outs) != len(refs):
+        return {"max_abs_err": math.inf, "rel_err": math.inf, "tol": math.nan, "ok": False,
+                "error": f"{len(outs)} outputs, the reference has {len(refs)}"}
+    max_abs, worst, errors = 0.0, (0.0, 0.0, -1.0), []
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        if o is None or r is None:
+            if (o is None) != (r is None):
+                errors.append(f"output {i} is {'None' if o is None else 'a tensor'}, the reference's is not")
+            continue
+        o, r = o.detach(), r.detach()
+        tol = tolerance_for(o.dtype, tolerance)
+        if o.shape != r.shape:
+            errors.append(f"output {i} has shape {tuple(o.shape)}, the reference {tuple(r.shape)}")
+            rel, abs_err = math.inf, math.inf
+        else:
+            rel = relative_error(o, r)  # NaN/inf must sit where the reference has them, else inf
+            o, r = o.double().to(r.device), r.double()
+            finite = torch.isfinite(r)
+            abs_err = float((o - r).abs()[finite].max()) if finite.any() and rel != math.inf else 0.0
+            abs_err = math.inf if rel == math.inf else abs_err
+        max_abs = max(max_abs, abs_err)
+        ratio = rel / tol if tol > 0 else (0.0 if rel == 0 else math.inf)
+        ratio = math.inf if math.isnan(ratio) else ratio
+        if (ratio, rel) > (worst[2], worst[0]):
+            worst = (rel, tol, ratio)
+        if not rel <= tol:  # NaN never passes
+            errors.append(f"output {i}: relative error {rel:.3g} > {tol:.3g}")
+    return {"max_abs_err": max_abs, "rel_err": worst[0], "tol": worst[1], "ok": not errors,
+            "error": "; ".join(errors)}
+
+
+def _prepare(setup: Callable | None):
+    return setup if setup is not None else (lambda *args: args)
+
+
+def _check_names(cases: Sequence[Case]) -> None:
+    names = [c.name for c in cases]
+    if len(set(names)) != len(names):
+        raise ValueError(f"case names must be unique (they key the rows): {names}")
+
+
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).strip()[:200]}"
+
+
+# ----------------------------------------------------------------------------------------------- check
+def check(providers: Mapping[str, Callable | None], reference: Callable, cases: Sequence[Case], *,
+          tolerance: float | Mapping | None = None, setup: Callable | None = None) -> pd.DataFrame:
+    """One row per (provider, case): provider, case, device, max_abs_err, rel_err, tol, ok, error, and the
+    case's meta columns. ``reference`` gets the case's args upcast to float64. ``setup(*args) -> args``
+    (e.g. fresh leaves that require grad) runs before every call, the reference's included. A provider
+    that raises fails with the exception in ``error``; one given as None is "not installed"."""
+    _check_names(cases)
+    prepare = _prepare(setup)
+    rows = []
+    for case in cases:
+        case.reference = reference
+        device = _device(case.args)
+        ref = reference(*prepare(*upcast(case.args)))
+        for name, fn in providers.items():
+            row = {"provider": name, "case": case.name, **case.meta, "device": device}
+            if fn is None:
+                rows.append({**row, "ok": False, "error": "not installed"})
+                continue
+            try:
+                args = prepare(*case.args)
+                with poisoned(device):
+                    out = fn(*args)
+                row.update(compare(out, ref, tolerance))
+            except Exception as e:  # a provider that fails is reported, the check goes on
+                row.update(ok=False, error=_error(e))
+            rows.append(row)
+    return _frame(rows, CHECK_COLUMNS, cases)
+
+
+def _frame(rows: list[dict], columns: list[str], cases: Sequence[Case]) -> pd.DataFrame:
+    meta = list(dict.fromkeys(k for c in cases for k in c.meta))
+    order = columns[:2] + [m for m in meta if m not in columns] + columns[2:]
+    df = pd.DataFrame(rows, columns=order)
+    if "ok" in df:
+        df["ok"] = df["ok"].astype(bool)
+    return df
+
+
+# ----------------------------------------------------------------------------------------------- bench
+_LAST_CHECK = object()  # bench's default: the reference each case was last checked with
+
+
+def _verdicts(providers, cases, reference, checked, tolerance, setup) -> dict[tuple[str, str], tuple]:
+    """(provider, case) -> (ok, rel_err) for every provider that exists."""
+    out = {}
+    if checked is not None:
+        for r in checked.itertuples(index=False):
+            out[(r.provider, r.case)] = (bool(r.ok), r.rel_err)
+    for case in cases:
+        todo = {n: f for n, f in providers.items() if f is not None and (n, case.name) not in out}
+        if not todo:
+            continue
+        ref = case.reference if reference is _LAST_CHECK else reference
+        if ref is None and reference is _LAST_CHECK:
+            raise ValueError(f"case {case.name!r} has no reference: bench checks every provider before timing "
+                             "it, against reference=... or the reference the case was checked with "
+                             "(harness.check records it); pass reference=None to time without checking")
+        if ref is None:
+            out.update({(n, case.name): (True, math.nan) for n in todo})
+            continue
+        for r in check(todo, ref, [case], tolerance=tolerance, setup=setup).itertuples(index=False):
+            out[(r.provider, r.case)] = (bool(r.ok), r.rel_err)
+    return out
+
+
+def _input_sets(case: Case, device: str, timer: str) -> tuple[list[tuple], bool]:
+    """The input sets to rotate among, and whether to flush the L2 before each call: inputs that fit in
+    (twice) the L2 are flushed and rotated among copies that together overflow it."""
+    in_bytes = sum(t.nbytes for t in _tensors(case.args))
+    l2 = timing.l2_bytes(device)
+    if timer != "cuda" or in_bytes > 2 * l2:
+        return [case.args], False
+    n_sets = min(8, max(2, (3 * l2) // max(1, in_bytes) + 1))
+    return [case.args] + [clone_args(case.args) for _ in range(n_sets - 1)], True
+
+
+def _peak_mib(fn: Callable, args: tuple, device: str) -> float:
+    """MiB the call allocates beyond what is allocated before it (its inputs among them), at its peak."""
+    if device != "cuda":
+        return math.nan
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn(*args)
+    torch.cuda.synchronize()
+    del out
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def bench(providers: Mapping[str, Callable | None], cases: Sequence[Case], *,
+          bytes_moved: Callable[..., int] | None = None, reference: Callable | None = _LAST_CHECK,
+          checked: pd.DataFrame | None = None, tolerance: float | Mapping | None = None,
+          setup: Callable | None = None, timer: str = "auto", reps: int = 30, warmup: int = 5,
+          floor: floors.Floor | None = None, measure_memory: bool = False,
+          inference_mode: bool = False) -> pd.DataFrame:
+    """One row per (provider, case) with the timing columns (BENCH_COLUMNS) and the case's meta columns.
+
+    ``bytes_moved(*args)``: the bytes a call must move at least (read once, written once); it gives gbps,
+    floor_ms, x_floor (time / floor) and pct_of_peak (gbps over the card's vendor peak). ``timer``: "cuda"
+    (events), "wall", or "auto" (events on a GPU, the wall clock on the CPU). ``floor``: a measured
+    ``floors.Floor`` (default: measured on first use in this process). ``measure_memory``: add peak_mib,
+    the memory one call allocates beyond its inputs (CUDA). ``inference_mode``: time under
+    ``torch.inference_mode()`` (forward-only cases). ``setup`` as in ``check``, outside the timed region.
+
+    status: "ok" (timed), "wrong" (failed its check: not timed), "not installed" (given as None), or
+    "error: ..." (raised while timed). rel_err is the check's (empty when timed with reference=None).
+    """
+    _check_names(cases)
+    verdicts = _verdicts(providers, cases, reference, checked, tolerance, setup)
+    prepare = _prepare(setup)
+    flushes: dict[str, timing.L2Flush] = {}
+    rows = []
+    for case in cases:
+        device = _device(case.args)
+        case_timer = ("cuda" if device == "cuda" else "wall") if timer == "auto" else timer
+        if case_timer == "cuda" and device != "cuda":
+            raise ValueError(f"case {case.name!r}: timer='cuda' needs inputs on a CUDA device")
+        nbytes = bytes_moved(*case.args) if bytes_moved is not None else None
+        base = {"case": case.name, **case.meta, "device": device, "timer": case_timer}
+        if nbytes is not None:
+            fl = floor or floors.measure_floor(device)
+            base.update(bytes=nbytes, floor_gbps=fl.gbps, floor_source=fl.source, floor_ms=fl.ms(nbytes))
+        peak = floors.device_peak_gbps(device)
+        sets, flush = _input_sets(case, device, case_timer)
+        if flush and device not in flushes:
+            flushes[device] = timing.L2Flush(device)
+        for name, fn in providers.items():
+            row = {"provider": name, **base}
+            if fn is None:
+                rows.append({**row, "status": "not installed"})
+                continue
+            ok, rel_err = verdicts[(name, case.name)]
+            row["rel_err"] = rel_err
+            if not ok:
+                rows.append({**row, "status": "wrong"})
+                continue
+            try:
+                with torch.inference_mode(inference_mode):
+                    if case_timer == "cuda":
+                        times = timing.time_cuda(fn, sets, reps, warmup, flushes.get(device) if flush else None,
+                                                 prepare)
+                    else:
+                        inner = WALL_INNER_CUDA if device == "cuda" else 1
+                        times = timing.time_wall(fn, sets, reps, warmup, device, inner, prepare)
+                    if measure_memory:
+                        row["peak_mib"] = _peak_mib(fn, prepare(*sets[0]), device)
+            except Exception as e:  # a provider that fails is reported, the run goes on
+                rows.append({**row, "status": f"error: {_error(e)}"})
+                continue
+            med, q20, q80 = timing.quantiles(times)
+            row.update(status="ok", median_ms=med, q20_ms=q20, q80_ms=q80)
+            if nbytes is not None:
+                row.update(gbps=nbytes / med / 1e6, x_floor=med / row["floor_ms"])
+                if peak:
+                    row["pct_of_peak"] = 100.0 * row["gbps"] / peak
+            rows.append(row)
+        del sets
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    columns = BENCH_COLUMNS + (["peak_mib"] if measure_memory else [])
+    return _frame(rows, columns, cases)
+
+
+# ------------------------------------------------------------------------------------------------ plot
+def plot(timed: pd.DataFrame, ours: str | None = None, *, title: str | None = None):
+    """A matplotlib Figure of a ``bench`` frame: time (with 20-80% bands) and GB/s against bytes moved, one
+    line per provider (``ours`` drawn bold), the floor dashed and the vendor peak dotted."""
+    from . import plots
+
+    return plots.plot_timings(timed, ours=ours, title=title)

@@ -1,0 +1,92 @@
+"""How one callable is timed: CUDA events or a wall clock, warm-up, L2 flush, input rotation, quantiles.
+
+The only timing loop of the kit: ``harness.bench`` times every provider through it, ``floors`` times the
+read-bandwidth floor through it.
+
+* CUDA events around each call after the warm-up calls, so only device time between the two events counts.
+* The L2 cache is flushed (a 256 MiB write) before every timed call when the inputs fit in it, so each call
+  reads its inputs from memory, as in a real model where other work ran in between.
+* Input sets are rotated (``args_sets``), so consecutive calls do not see the same addresses.
+* ``prepare`` (e.g. fresh ``requires_grad`` leaves) runs before each call, outside the timed region.
+* A wall clock (``time.perf_counter``) on the CPU, and for launch-bound cases on a GPU: there ``inner``
+  back-to-back calls with one synchronisation, so the host's per-call cost is what is measured.
+* Reported: the median and the 20% and 80% quantiles of the per-call times.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+
+FLUSH_BYTES = 256 << 20  # several times the L2 of current data-centre GPUs (H100 and H200: 50 MiB)
+
+
+def quantiles(times_ms: Sequence[float]) -> tuple[float, float, float]:
+    """(median, 20% quantile, 80% quantile)."""
+    times_ms = list(times_ms)
+    qs = statistics.quantiles(times_ms, n=10, method="inclusive") if len(times_ms) > 1 else times_ms * 9
+    return statistics.median(times_ms), qs[1], qs[7]
+
+
+def l2_bytes(device: str) -> int:
+    """The L2 cache of the current GPU (0 on the CPU: its caches are not flushed)."""
+    if device != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return getattr(props, "L2_cache_size", 50 << 20)
+
+
+class L2Flush:
+    """Overwrites a buffer larger than the L2 cache, so the next call reads its inputs from memory."""
+
+    def __init__(self, device: str):
+        self.buf = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if device == "cuda" else None
+
+    def __call__(self):
+        if self.buf is not None:
+            self.buf.fill_(1)
+
+
+def _identity(*args):
+    return args
+
+
+def time_cuda(fn: Callable, args_sets: Sequence[tuple], reps: int, warmup: int, flush: L2Flush | None = None,
+              prepare: Callable | None = None) -> list[float]:
+    """Milliseconds of device time per call, from CUDA events around each of ``reps`` calls."""
+    prepare = prepare or _identity
+    for i in range(warmup):
+        fn(*prepare(*args_sets[i % len(args_sets)]))
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        args = prepare(*args_sets[i % len(args_sets)])
+        if flush is not None:
+            flush()
+        starts[i].record()
+        fn(*args)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def time_wall(fn: Callable, args_sets: Sequence[tuple], reps: int, warmup: int, device: str, inner: int = 1,
+              prepare: Callable | None = None) -> list[float]:
+    """Wall milliseconds per call; with ``inner`` > 1, back-to-back calls and one sync (host cost included)."""
+    prepare = prepare or _identity
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for i in range(warmup):
+        fn(*prepare(*args_sets[i % len(args_sets)]))
+    sync()
+    out = []
+    for i in range(reps):
+        calls = [prepare(*args_sets[(i * inner + j) % len(args_sets)]) for j in range(inner)]
+        t0 = time.perf_counter()
+        for args in calls:
+            fn(*args)
+        sync()
+        out.append((time.perf_counter() - t0) * 1e3 / inner)
+    return out

@@ -1,0 +1,348 @@
+# %% [markdown]
+# # 3. From the naive kernel to the roofline
+#
+# The seed's problem (KernelBench level 1 #98): `F.kl_div(torch.log(p), t, reduction="batchmean")` over
+# 16384 x 16384 float32 probability rows, 1 GiB per input. Every element is read once and used for a few
+# arithmetic operations, so the loss is **memory-bound**: no kernel can beat the time it takes to read the
+# two inputs once, the floor. This notebook walks the variants under `kernels/variants/` in order, then
+# the production kernel, and for each one checks it against float64 and times it at that size:
+#
+# | step | file | what changed |
+# | --- | --- | --- |
+# | v0 | `v0_seed.cu` | the seed: one block per row, two logs per element, `atomicAdd`, `.item()` |
+# | v1 | `v1_grid_stride.cu` | a grid sized to the GPU, 64-bit indices, xlogy, deterministic sum on the device |
+# | v2 | `v2_vectorized.cu` | 16-byte loads, two vectors in flight, four accumulators |
+# | v3 | `v3_ratio_log.cu` | one log per element: $t \log(t/p)$ |
+# | production | `kernels/kldiv.cu` | v3's arithmetic for every dtype, layout, reduction, with the fused gradient |
+#
+# Then the launch-bound end (a small problem, where the seed's host synchronisation dominates), and the edit
+# loop: change a kernel file, call the loader again, see the rebuild, see a compile error at its real line.
+#
+# The variants are CUDA only; without a GPU their cells print a note, the production op runs as its CPU
+# twin at a small size, and the edit loop uses a tiny CPU-only source.
+
+# %% tags=["parameters"]
+# Parameters: the only cell to edit. FULL: the sizes of a GPU study; without a GPU a quick CPU run.
+# KLDIV_NB_FULL=1 or 0 in the environment overrides the default either way.
+import os
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FULL = os.environ.get("KLDIV_NB_FULL", "1" if DEVICE == "cuda" else "0") == "1"
+
+# The seed's problem at full size; a small stand-in otherwise.
+BATCH, FEATURES = (16384, 16384) if FULL else (256, 4096)
+SMALL_BATCH, SMALL_FEATURES = 128, 4096  # launch-bound: host time is most of the cost
+REPS = 30 if FULL else 5  # timed calls per step
+BANDWIDTH_BYTES = 1 << 30 if DEVICE == "cuda" else 64 << 20  # buffer of the read-bandwidth measurement
+
+# %%
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path.cwd().resolve().parent  # this notebook runs in <repo>/notebooks
+if (ROOT / "kldiv_inline").is_dir() and str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the kit straight from the checkout
+
+import matplotlib.pyplot as plt
+
+import kldiv_inline as K
+from kldiv_inline import plots
+
+# %matplotlib inline
+
+print(f"device {DEVICE}, FULL={FULL}, torch {torch.__version__}")
+
+# %% [markdown]
+# ## The floor
+#
+# Reading both inputs once at the best read bandwidth measured on this device (`kldiv_inline.floors`: a
+# `sum` over `BANDWIDTH_BYTES` and, on a GPU, the kit's own read kernel, `kernels/read_floor.cu`): that is
+# the time of a kernel that does nothing but read. On an H200, measured in one run with `x.sum()`: 4279 GB/s,
+# so 0.50 ms for the two 1 GiB inputs.
+
+# %%
+from kldiv_inline import bench, floors, harness
+from kldiv_inline.variants import load_variant, variant_names, variants_dir
+
+floor = floors.measure_floor(DEVICE, BANDWIDTH_BYTES)
+TIMER = "cuda" if DEVICE == "cuda" else "wall"
+case = bench.Case("probs", torch.float32, BATCH, FEATURES, ("fwd",), TIMER)
+floor_ms = floor.ms(case.bytes_moved("fwd"))
+print(f"{DEVICE}: read {floor.gbps:.0f} GB/s ({floor.source}); {BATCH} x {FEATURES} float32, "
+      f"{case.bytes_moved('fwd') / 2**30:.3f} GiB to read: floor {floor_ms:.4f} ms")
+print("variants:", ", ".join(variant_names()))
+
+# %% [markdown]
+# Each step goes through `step`, which hands the kernel to the kit's harness, as `python -m kldiv_inline
+# bench` does: `harness.bench` checks the loss against PyTorch's in float64 first (a wrong kernel is
+# reported and not timed), then times it with CUDA events (the L2 cache flushed before each call when the
+# inputs fit in it) or, for a `wall` case, back to back from Python (one synchronisation per 50 calls on a
+# GPU). `rows` keeps the harness's rows. (On a CPU, inputs of a few MiB sit in its caches: times under the
+# floor are possible there.)
+
+# %%
+x, t = bench.make_inputs(case, DEVICE)
+REFERENCE = bench.reference("probs", "fwd")  # F.kl_div(torch.log(p), t, "batchmean"), run in float64
+rows = []
+
+
+def step(impl, fn, case=case, inputs=(x, t)):
+    """Check fn against float64, then time it (harness.bench); print one line and keep the row."""
+    shape = {"batch": case.batch, "features": case.features}
+    hcase = harness.Case(f"{case.batch}x{case.features}", inputs, shape)
+    r = harness.bench({impl: fn}, [hcase], reference=REFERENCE, bytes_moved=lambda *_: case.bytes_moved("fwd"),
+                      timer=case.timer, reps=REPS, warmup=3, floor=floor, inference_mode=True).iloc[0]
+    rows.append(r.to_dict())
+    if r.status != "ok":
+        print(f"{impl:<16} {r.status.upper()}: relative error {r.rel_err:.1e}, not timed")
+        return
+    peak = f"   {r.pct_of_peak:5.1f}% of peak" if r.pct_of_peak == r.pct_of_peak else ""  # NaN off a known card
+    print(f"{impl:<16} rel err {r.rel_err:.1e}   {r.median_ms:9.4f} ms  ({r.q20_ms:.4f}-{r.q80_ms:.4f})   "
+          f"{r.x_floor:6.2f} x floor{peak}")
+
+
+def run_variant(name, case=case, inputs=(x, t)):
+    if DEVICE != "cuda":
+        print(f"{name:<16} skipped: the variants are CUDA kernels and there is no GPU here")
+        return
+    fn = load_variant(name).kl_div_probs_batchmean
+    if name == "v0_seed":  # its result has shape [1] (notebook 1): compare and time its value as a 0-d view
+        step(name, lambda p, t: fn(p, t).reshape(()), case, inputs)
+    else:
+        step(name, fn, case, inputs)
+
+
+# %% [markdown]
+# ## v0: the seed
+#
+# One thread block of 256 threads per row, each thread striding over the row's features with two accurate
+# `logf` calls per element (`t * (log t - log p)`); a shared-memory tree per block writes one partial per
+# row; a second kernel of 64 blocks adds the partials with a float `atomicAdd` (in arbitrary order: the last
+# bits change from run to run); then `.item()` copies the sum to the host, waits for the GPU, divides on the
+# CPU and copies a one-element tensor back. Notebook 1 shows its wrong answers; here its speed.
+#
+# At this size one block per row is fine (16384 blocks keep the GPU busy), and the copy and the wait cost
+# little next to reading 2 GiB: measured on an H200 in one run, 0.67 ms, 1.34x the floor. The flaws that
+# matter are elsewhere: correctness, and the small sizes below.
+
+# %%
+run_variant("v0_seed")
+
+# %% [markdown]
+# ## v1: the seed's design fixed, not yet tuned
+#
+# A grid sized to the GPU (as many blocks of 512 as fit on all SMs at once) walking the whole tensor with a
+# grid-stride loop; 64-bit indices; xlogy semantics (a zero target contributes 0); warp-shuffle block sums
+# written as double partials; a one-block kernel adds them in a fixed order and writes the 0-d result on the
+# device. Deterministic, no atomics, no host synchronisation, any number of dimensions.
+#
+# It is *slower* than v0 at this size (measured on an H200 in one run: 0.73 ms against 0.67 ms). Each
+# element still costs two scalar loads and two accurate `logf` of about twenty instructions each: at this
+# size that work is already close to what the SMs can issue while the memory streams, so the few
+# instructions v1 adds per element (64-bit index arithmetic, the zero-target test) show up as time. Fixing
+# correctness first and speed after keeps the two apart; v2 and v3 take the instructions back out.
+
+# %%
+run_variant("v1_grid_stride")
+
+# %% [markdown]
+# ## v2: wider loads, more bytes in flight
+#
+# 16-byte loads (`float4` through the read-only path), two vectors of each input in flight per iteration,
+# four independent accumulators per thread. One load instruction now brings four elements, and the loop's
+# index arithmetic is shared by eight: fewer instructions per element. And a streaming kernel is limited by
+# the bytes it keeps in flight: four times the bytes per load, two loads issued before the first is used.
+# Same arithmetic as v1. Measured on an H200 in one run: 0.61 ms, 1.21x the floor. The changes:
+
+# %%
+import difflib
+
+
+def show_diff(a, b):
+    """The lines that differ between two variant files, with one line of context."""
+    old = (variants_dir() / f"{a}.cu").read_text().splitlines()
+    new = (variants_dir() / f"{b}.cu").read_text().splitlines()
+    for line in difflib.unified_diff(old, new, f"{a}.cu", f"{b}.cu", n=1, lineterm=""):
+        print(line)
+
+
+show_diff("v1_grid_stride", "v2_vectorized")
+run_variant("v2_vectorized")
+
+# %% [markdown]
+# ## v3: one log per element
+#
+# $t(\log t - \log p) = t \log(t/p)$: one IEEE division and one accurate `logf` instead of two `logf`. With
+# the loads now wide, the two logs per element were what kept v2 from the floor; the ratio form halves that
+# work and, as a bonus, avoids cancelling two logs of similar size. The literal formula stays for the cases
+# where the ratio is not a normal number (t = 0, p <= 0, infinities, NaN, over- and underflow), so the
+# semantics are PyTorch's. The float accumulators are emptied into a double every 8 iterations, which keeps
+# the relative error near 1e-8 at 2^28 terms. Measured on an H200 in one run: 0.52 ms, 1.03x the floor.
+
+# %%
+show_diff("v2_vectorized", "v3_ratio_log")
+run_variant("v3_ratio_log")
+
+# %% [markdown]
+# ## Production: `kldiv_inline.kl_div_from_probs`
+#
+# v3's arithmetic in `kernels/kldiv.cu`, for every floating dtype (the hardware log for 16-bit inputs,
+# whose error is far below their resolution), strided and broadcast operands, the four reductions and both
+# input forms, plus the fused gradient of the training pass, behind PyTorch's checks and autograd
+# (`kldiv_inline/ops.py`). Measured on an H200 in one run: 0.518 ms, 1.03x the floor. Without a GPU this
+# is the CPU twin.
+#
+# For context, the peers on the same inputs (`bench.providers`): PyTorch eager (a `log` pass, then
+# `kl_div`), and on a GPU torch.compile and Liger (which takes log-probabilities, so `torch.log` first) when
+# installed. Measured on an H200 in one run: eager 2.74 ms, torch.compile 0.64 ms, Liger with its
+# `torch.log` 0.99 ms.
+
+# %%
+for impl, fn in bench.providers(case, DEVICE, [], "fwd").items():
+    if fn is None:
+        print(f"{impl:<16} not installed")
+    else:
+        step(impl, fn)
+
+# %% [markdown]
+# Every step against the floor (the dashed line), from this run:
+
+# %%
+done = [r for r in rows if r["status"] == "ok" and r["batch"] == BATCH]
+fig, ax = plt.subplots(figsize=(7, 0.45 * len(done) + 1.2))
+ax.barh([r["provider"] for r in done], [r["median_ms"] for r in done],
+        xerr=[[r["median_ms"] - r["q20_ms"] for r in done], [r["q80_ms"] - r["median_ms"] for r in done]],
+        color=[plots.COLORS.get(r["provider"], "tab:gray") for r in done])
+ax.axvline(floor_ms, color="k", ls="--", lw=1, label=f"floor {floor_ms:.3f} ms")
+ax.invert_yaxis()
+ax.set_xlabel("median time per call (ms)")
+ax.set_title(f"{BATCH} x {FEATURES} float32, forward, {DEVICE}")
+ax.legend(fontsize=8)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## The launch-bound end: 128 x 4096
+#
+# At 2 MiB per input the GPU reads the data in about a microsecond; what a call costs is the host's work
+# to launch it. Timed end to end from Python (50 back-to-back calls, one synchronisation), the seed's
+# `.item()` stands out: every call waits for the GPU and copies twice. Measured on an H200 in one run: v0
+# 46 us, v1 16 us (no synchronisation), production 13.8 us (a fast path in `ops.py` skips the checks that
+# the C++ side repeats anyway).
+
+# %%
+small = bench.Case("probs", torch.float32, SMALL_BATCH, SMALL_FEATURES, ("fwd",), "wall")
+small_inputs = bench.make_inputs(small, DEVICE)
+for name in ("v0_seed", "v1_grid_stride"):
+    run_variant(name, small, small_inputs)
+step("kldiv_inline", K.kl_div_from_probs, small, small_inputs)
+
+# %% [markdown]
+# ## The edit loop
+#
+# The loader hashes every source and every header it includes; an edit gives a new module name, so the
+# next `load_sources` call rebuilds (or finds that build in the cache), and the old module stays importable
+# beside it. Sources are compiled with `#line` directives, so a compiler error names the real file and line,
+# and `KernelBuildError.errors` holds those lines.
+#
+# Below, a copy of a kernel in a temporary folder: on a GPU, `v3_ratio_log.cu` with the header and bindings
+# it shares with the other variants (we change its block size); without one, a tiny C++ module in plain
+# CPython API (no torch headers: it compiles in about a second) whose only function returns a constant. The
+# builds of this section go to a temporary cache, removed at the end. (For the kit's own kernels the loop is
+# the same: edit `kernels/kldiv.cu`, then `kldiv_inline.ops.reload()`.)
+
+# %%
+import shutil
+import tempfile
+
+WORK = Path(tempfile.mkdtemp(prefix="kldiv_edit_loop_")).resolve()
+os.environ["KLDIV_INLINE_CACHE"] = str(WORK / "cache")  # this section's builds stay in WORK
+
+TINY_CPP = """\
+// A module with one function, value(), in plain CPython API: no torch headers, a one-second build.
+#include <Python.h>
+static const long kValue = 7;
+static PyObject* value(PyObject*, PyObject*) { return PyLong_FromLong(kValue); }
+static PyMethodDef methods[] = {{"value", value, METH_NOARGS, nullptr}, {nullptr, nullptr, 0, nullptr}};
+#define STR_(x) #x
+#define STR(x) STR_(x)
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+static PyModuleDef module = {PyModuleDef_HEAD_INIT, STR(TORCH_EXTENSION_NAME), nullptr, -1, methods};
+PyMODINIT_FUNC CAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&module); }
+"""
+
+if DEVICE == "cuda":
+    for name in ("v3_ratio_log.cu", "variant_common.cuh", "variant_bindings.cpp"):
+        shutil.copy(variants_dir() / name, WORK / name)
+    SOURCES = [WORK / "v3_ratio_log.cu", WORK / "variant_bindings.cpp"]
+    ORIGINAL, EDITED = "constexpr int kThreads = 512;", "constexpr int kThreads = 256;"
+else:
+    (WORK / "tiny.cpp").write_text(TINY_CPP)
+    SOURCES = [WORK / "tiny.cpp"]
+    ORIGINAL, EDITED = "static const long kValue = 7;", "static const long kValue = 8;"
+
+
+def edit(old, new):
+    """Replace one line of the kernel file, as an editor would."""
+    text = SOURCES[0].read_text()
+    assert text.count(old) == 1, old
+    SOURCES[0].write_text(text.replace(old, new))
+    line = text[:text.index(old)].count("\n") + 1
+    print(f"edited {SOURCES[0].name}:{line}: {new}")
+
+
+def build():
+    """load_sources, timed; then what the module computes (on a GPU: the loss, checked by the harness)."""
+    t0 = time.perf_counter()
+    mod = K.load_sources(SOURCES)
+    print(f"module {mod.__name__}, ready in {time.perf_counter() - t0:.2f} s")
+    if DEVICE == "cuda":
+        checked = harness.check({"edited": mod.kl_div_probs_batchmean}, REFERENCE, [harness.Case("loss", (x, t))])
+        print(f"  rel err {checked['rel_err'].iloc[0]:.1e}, ok: {checked['ok'].iloc[0]}")
+    else:
+        print(f"  value() = {mod.value()}")
+    return mod
+
+
+first = build()
+
+# %% [markdown]
+# Change a constant and load again: a new hash, a new name, a new build.
+
+# %%
+edit(ORIGINAL, EDITED)
+second = build()
+assert second.__name__ != first.__name__
+if DEVICE == "cuda":
+    step("v3, 256 threads", second.kl_div_probs_batchmean)
+
+# %% [markdown]
+# A deliberate bug: a compile error. The build fails with `KernelBuildError`; its `.errors` are the
+# compiler's lines, and they name the file we edited and the line of the edit, not a generated `main.cpp`
+# or `cuda.cu` in the build folder.
+
+# %%
+edit(EDITED, EDITED.replace(";", " +;"))
+try:
+    build()
+    raise AssertionError("the broken source compiled")
+except K.KernelBuildError as e:
+    print("KernelBuildError; the first of its .errors, with the source line:")
+    print("\n".join(e.errors[:3]))
+    assert str(SOURCES[0]) in e.errors[0]
+
+# %% [markdown]
+# Undo the bug: the sources hash to the second version again, so the loader returns that module at once,
+# with no build.
+
+# %%
+edit(EDITED.replace(";", " +;"), EDITED)
+again = build()
+assert again is second
+
+del os.environ["KLDIV_INLINE_CACHE"]
+shutil.rmtree(WORK, ignore_errors=True)

@@ -1,0 +1,273 @@
+"""The harness: a researcher's own kernel checked, timed and plotted in a few lines (the README's snippet,
+run as written), wrong providers caught and never timed, the timing columns, the floors and vendor peaks."""
+import math
+import textwrap
+from pathlib import Path
+
+import matplotlib.figure
+import numpy as np
+import pytest
+import torch
+
+import kldiv_inline
+from kldiv_inline import floors, harness
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCALE2_CPP = textwrap.dedent("""
+    // y = 2 x, elementwise, float32 (a researcher's first kernel).
+    #include <torch/extension.h>
+
+    torch::Tensor scale2(const torch::Tensor& x) {
+      TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.is_contiguous(),
+                  "scale2: expected a contiguous float32 CPU tensor");
+      torch::Tensor y = torch::empty_like(x);
+      const float* in = x.const_data_ptr<float>();
+      float* out = y.data_ptr<float>();
+      for (int64_t i = 0; i < x.numel(); ++i) out[i] = 2.0f * in[i];
+      return y;
+    }
+
+    PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("scale2", &scale2); }
+""")
+
+SCALE2_CU = textwrap.dedent("""
+    #include <ATen/core/Tensor.h>
+    #include <ATen/ops/empty_like.h>
+    #include <c10/cuda/CUDAException.h>
+    #include <c10/cuda/CUDAStream.h>
+
+    __global__ void scale2_kernel(const float* x, float* y, int64_t n, int64_t skip_every) {
+      for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        if (skip_every == 0 || i % skip_every != 0) y[i] = 2.0f * x[i];
+    }
+
+    at::Tensor scale2(const at::Tensor& x, int64_t skip_every) {
+      TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat && x.is_contiguous(), "scale2: float32 CUDA");
+      at::Tensor y = at::empty_like(x);
+      scale2_kernel<<<256, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+          x.const_data_ptr<float>(), y.data_ptr<float>(), x.numel(), skip_every);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return y;
+    }
+""")
+SCALE2_CU_BIND = textwrap.dedent("""
+    #include <torch/extension.h>
+    at::Tensor scale2(const at::Tensor& x, int64_t skip_every);
+    PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("scale2", &scale2, py::arg("x"), py::arg("skip_every") = 0); }
+""")
+
+
+@pytest.fixture(scope="module")
+def scale2_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("scale2")
+    (folder / "scale2.cpp").write_text(SCALE2_CPP)
+    return folder
+
+
+def _cases(device, sizes=(1 << 10, 1 << 14)):
+    return [harness.Case(f"n={n}", (torch.rand(n, device=device),)) for n in sizes]
+
+
+def readme_snippet() -> str:
+    """The python block of the README's section "Your own kernel"."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Your own kernel"):]
+    return section[section.index("```python\n") + 10:section.index("```\n", section.index("```python"))]
+
+
+def test_readme_snippet_runs_as_written_on_cpu(scale2_dir, monkeypatch):
+    monkeypatch.chdir(scale2_dir)
+    snippet = readme_snippet()
+    assert "harness.check(" in snippet and "harness.bench(" in snippet and "harness.plot(" in snippet
+    scope = {"dev": "cpu"}
+    exec(compile(snippet, "README.md", "exec"), scope)
+    checked, timed, fig = scope["checked"], scope["timed"], scope["fig"]
+    assert list(checked.columns[:2]) == ["provider", "case"]
+    assert {"max_abs_err", "rel_err", "ok"} <= set(checked.columns)
+    assert checked["ok"].all() and (checked["rel_err"] == 0).all()
+    assert set(harness.BENCH_COLUMNS) <= set(timed.columns)
+    assert len(timed) == 4 and (timed["status"] == "ok").all() and (timed["timer"] == "wall").all()
+    assert (timed["q20_ms"] <= timed["median_ms"]).all() and (timed["median_ms"] <= timed["q80_ms"]).all()
+    assert (timed["bytes"] == [2 * 4 << 16] * 2 + [2 * 4 << 22] * 2).all()
+    assert timed["gbps"].gt(0).all() and timed["floor_source"].eq("torch_sum").all()
+    assert timed["x_floor"].round(9).eq((timed["median_ms"] / timed["floor_ms"]).round(9)).all()
+    assert timed["pct_of_peak"].isna().all()  # a CPU has no vendor peak in the table
+    assert isinstance(fig, matplotlib.figure.Figure) and len(fig.axes) == 2
+
+
+def test_check_catches_wrong_providers(device):
+    def skips_last(x):  # an off-by-one at the tail: the last element is never written ...
+        right = 2 * x    # ... where memory last held the right answer (e.g. an earlier call's output)
+        del right
+        y = torch.empty_like(x)  # the allocator hands that block out again: only poisoning shows the bug
+        y[:-1] = 2 * x[:-1]
+        return y
+
+    def skips_half(x):
+        y = torch.empty_like(x)
+        y[::2] = 2 * x[::2]
+        return y
+
+    def raises(x):
+        raise RuntimeError("kernel launch failed")
+
+    providers = {"right": lambda x: x * 2, "plus_1e-3": lambda x: 2 * x + 1e-3, "skips_last": skips_last,
+                 "skips_half": skips_half, "nan": lambda x: torch.full_like(x, math.nan),
+                 "wrong_shape": lambda x: 2 * x[:-1], "two_outputs": lambda x: (2 * x, x), "raises": raises,
+                 "missing": None}
+    df = harness.check(providers, reference=lambda x: 2 * x, cases=_cases(device, (1 << 16,)))
+    ok = dict(zip(df["provider"], df["ok"]))
+    assert ok == {"right": True, **{name: False for name in providers if name != "right"}}
+    err = dict(zip(df["provider"], df["error"]))
+    assert "relative error" in err["plus_1e-3"] and "shape" in err["wrong_shape"]
+    assert "2 outputs" in err["two_outputs"] and "kernel launch failed" in err["raises"]
+    assert err["missing"] == "not installed"
+    assert df.set_index("provider").loc["plus_1e-3", "max_abs_err"] == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_bench_refuses_to_time_a_wrong_provider(device):
+    cases = _cases(device)
+    harness.check({"wrong": lambda x: 2 * x + 1e-3}, reference=lambda x: 2 * x, cases=cases)
+    # No reference given: bench checks against the one the cases were checked with, every provider.
+    timed = harness.bench({"wrong": lambda x: 2 * x + 1e-3, "torch": lambda x: x + x}, cases=cases, reps=3,
+                          warmup=1, bytes_moved=lambda x: 2 * x.nbytes)
+    status = timed.set_index(["provider", "case"])["status"]
+    assert (status.loc["wrong"] == "wrong").all() and (status.loc["torch"] == "ok").all()
+    assert timed[timed["provider"] == "wrong"]["median_ms"].isna().all()
+    assert (timed[timed["provider"] == "wrong"]["rel_err"] > 1e-5).all()
+    # A check result handed in is used as it is.
+    verdict = harness.check({"torch": lambda x: x + x}, reference=lambda x: 3 * x, cases=cases)
+    assert harness.bench({"torch": lambda x: x + x}, cases=cases, checked=verdict, reps=3,
+                         warmup=1)["status"].eq("wrong").all()
+
+
+def test_bench_needs_a_reference_or_an_explicit_none():
+    cases = _cases("cpu")
+    with pytest.raises(ValueError, match="reference=None"):
+        harness.bench({"torch": lambda x: 2 * x}, cases=cases)
+    timed = harness.bench({"torch": lambda x: 2 * x}, cases=cases, reference=None, reps=3, warmup=1)
+    assert timed["status"].eq("ok").all() and timed["rel_err"].isna().all()
+    assert timed["gbps"].isna().all()  # no bytes_moved: no bandwidth, no floor
+    assert isinstance(harness.plot(timed), matplotlib.figure.Figure)
+
+
+def test_setup_meta_and_gradients(device):
+    """A training step as a provider: setup makes fresh leaves, outputs (loss, grad) are both compared."""
+    def step(f):
+        def run(x, w):
+            x.grad = None
+            loss = f(x, w)
+            loss.backward()
+            return loss, x.grad
+        return run
+
+    x, w = torch.randn(4096, device=device), torch.rand(4096, device=device) + 0.5
+    cases = [harness.Case("n=4096", (x, w), meta={"pass": "fwd+bwd", "dtype": "float32", "batch": 1})]
+    setup = lambda x, w: (x.detach().requires_grad_(), w)  # noqa: E731
+    bad_grad = step(lambda x, w: (w * x * x).sum() + 0 * x.detach().sum())  # right loss ...
+    providers = {"right": step(lambda x, w: (w * x * x).sum()),
+                 "no_grad_scale": lambda x, w: (bad_grad(x, w)[0], x.grad * 1.01)}  # ... wrong gradient
+    timed = harness.bench(providers, cases=cases, reference=step(lambda x, w: (w * x * x).sum()), setup=setup,
+                          bytes_moved=lambda x, w: 3 * x.nbytes, reps=3, warmup=1, measure_memory=True)
+    assert list(timed.columns[:5]) == ["provider", "case", "pass", "dtype", "batch"]
+    assert dict(zip(timed["provider"], timed["status"])) == {"right": "ok", "no_grad_scale": "wrong"}
+    assert "peak_mib" in timed.columns
+    if device == "cuda":  # the step allocates at least the gradient
+        assert timed.set_index("provider").loc["right", "peak_mib"] >= 4096 * 4 / 2**20
+
+
+def test_upcast_and_tolerances():
+    a = torch.rand(3, dtype=torch.bfloat16).requires_grad_()
+    up = harness.upcast((a, [torch.arange(3)], {"k": torch.ones(2, dtype=torch.float16)}, 2.5))
+    assert up[0].dtype == torch.float64 and up[0].requires_grad and up[0].is_leaf
+    assert up[1][0].dtype == torch.int64 and up[2]["k"].dtype == torch.float64 and up[3] == 2.5
+    out, ref = torch.ones(8), torch.ones(8, dtype=torch.float64) * (1 + 1e-4)
+    assert not harness.compare(out, ref)["ok"]                                 # float32: 1e-5
+    assert harness.compare(out, ref, tolerance=1e-3)["ok"]                     # one number for every dtype
+    assert harness.compare(out, ref, tolerance={torch.float32: 1e-3})["ok"]  # or per dtype
+    assert harness.compare(out.bfloat16(), ref)["ok"]                          # bfloat16: 8e-3
+    assert not harness.compare(torch.tensor([1, 2]), torch.tensor([1, 3]))["ok"]  # integers: exact
+    nan_both = torch.tensor([1.0, math.nan])
+    assert harness.compare(nan_both, nan_both.double())["ok"]                  # NaN where the reference has it
+    assert not harness.compare(nan_both, torch.ones(2, dtype=torch.float64))["ok"]
+
+
+def test_case_names_must_be_unique():
+    cases = [harness.Case("same", (torch.rand(4),)), harness.Case("same", (torch.rand(4),))]
+    with pytest.raises(ValueError, match="unique"):
+        harness.check({"torch": lambda x: 2 * x}, reference=lambda x: 2 * x, cases=cases)
+
+
+def test_vendor_peaks():
+    assert floors.vendor_peak_gbps("NVIDIA H100 80GB HBM3") == 3350
+    assert floors.vendor_peak_gbps("NVIDIA H100 PCIe") == 2000
+    assert floors.vendor_peak_gbps("NVIDIA H200") == 4800
+    assert floors.vendor_peak_gbps("NVIDIA A100-SXM4-80GB") == 2039
+    assert floors.vendor_peak_gbps("NVIDIA A100-PCIE-40GB") == 1555
+    assert floors.vendor_peak_gbps("NVIDIA A10") == 600
+    assert floors.vendor_peak_gbps("NVIDIA GH200 480GB") is None  # its memory is not the H200's
+    assert floors.vendor_peak_gbps("Some Future GPU") is None
+
+
+def test_read_kernel_compiles():
+    """The floor's CUDA kernel builds here too (nvcc needs no GPU); it runs in the GPU tests."""
+    assert hasattr(floors.load_read_kernel(), "read_floor")
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+def test_read_kernel_reads_every_byte():
+    mod = floors.load_read_kernel()
+    for nbytes in (16, 16 * 1000 + 16, 64 << 20):
+        words = torch.randint(-2**31, 2**31, (nbytes // 4,), dtype=torch.int64).to(torch.int32)
+        expected = np.bitwise_xor.reduce(words.numpy().view(np.uint32))
+        for unroll in (1, 2, 4, 8):
+            blocks = mod.read_floor(words.cuda(), unroll).cpu().numpy().view(np.uint32)
+            assert np.bitwise_xor.reduce(blocks) == expected, (nbytes, unroll)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        mod.read_floor(torch.zeros(3, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_floor_is_the_best_source():
+    floor = floors.measure_floor("cuda")
+    assert set(floor.sources) == {"torch_sum", "read_kernel"}
+    assert floor.gbps == max(floor.sources.values())
+    # The kit's read kernel should be at least as fast as PyTorch's reduction (else it is no floor).
+    assert floor.sources["read_kernel"] >= 0.98 * floor.sources["torch_sum"], floor.sources
+    peak = floors.device_peak_gbps("cuda")
+    if peak:
+        assert floor.gbps < peak
+
+
+@pytest.mark.gpu
+def test_readme_snippet_runs_as_written_on_cuda(tmp_path, monkeypatch):
+    """The same block with dev = "cuda" and a CUDA scale2 behind the same name."""
+    (tmp_path / "scale2.cu").write_text(SCALE2_CU)
+    (tmp_path / "bind.cpp").write_text(SCALE2_CU_BIND)
+    mod = kldiv_inline.load_sources([tmp_path / "scale2.cu", tmp_path / "bind.cpp"], name="scale2_cuda")
+    monkeypatch.setattr(kldiv_inline, "load_sources", lambda *a, **k: mod)
+    scope = {"dev": "cuda"}
+    exec(compile(readme_snippet(), "README.md", "exec"), scope)
+    assert scope["checked"]["ok"].all() and (scope["timed"]["status"] == "ok").all()
+    assert (scope["timed"]["timer"] == "cuda").all() and scope["timed"]["floor_source"].notna().all()
+    assert isinstance(scope["fig"], matplotlib.figure.Figure)
+
+
+@pytest.mark.gpu
+def test_poisoned_outputs_catch_a_cuda_kernel_that_skips_elements(tmp_path):
+    (tmp_path / "scale2.cu").write_text(SCALE2_CU)
+    (tmp_path / "bind.cpp").write_text(SCALE2_CU_BIND)
+    mod = kldiv_inline.load_sources([tmp_path / "scale2.cu", tmp_path / "bind.cpp"], name="scale2_cuda")
+    cases = _cases("cuda", (1 << 16, 1 << 22))
+    df = harness.check({"mine": mod.scale2, "skips": lambda x: mod.scale2(x, 1000)}, reference=lambda x: 2 * x,
+                       cases=cases)
+    assert dict(zip(df["provider"], df["ok"])) == {"mine": True, "skips": False}
+    timed = harness.bench({"mine": mod.scale2, "skips": lambda x: mod.scale2(x, 1000), "torch": lambda x: 2 * x},
+                          cases=cases, bytes_moved=lambda x: 2 * x.nbytes)
+    assert set(timed[timed["provider"] == "skips"]["status"]) == {"wrong"}
+    ok = timed[timed["status"] == "ok"]
+    assert (ok["timer"] == "cuda").all() and ok["floor_source"].isin(["torch_sum", "read_kernel"]).all()
+    if floors.device_peak_gbps("cuda"):
+        assert ok["pct_of_peak"].between(0, 100).all()
