@@ -251,8 +251,7 @@ enum Cfg : int {
 // double-buffered: the next row's copy is in flight while this one is computed (else each pass reads device
 // memory). A masked row writes zeros and skips every barrier (the whole cluster agrees: one label per row).
 template <typename T, int MODE, bool TOPK, bool SMEM, int CFG>
-__global__ void __launch_bounds__(kMaxThreads, CFG == CFG_GENERIC ? 1 : 2)
-rows_kernel(const Params<T, typename AccOf<T>::type> p) {
+__global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typename AccOf<T>::type> p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // thread-block clusters need sm_90; the host refuses older GPUs before launching
 #else
