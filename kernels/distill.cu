@@ -1,10 +1,8 @@
 // Divergences of logits for distillation on CUDA (the math: distill_common.h; the contract: distill_bindings.cpp).
 //
-// A row (a token's logits over the vocabulary, 128k-256k entries) is split across the blocks of a thread-block
-// cluster; the clusters are persistent, as many as fit at once, each walking its share of the rows. Each block
-// copies its slice of the student's (and teacher's) row into shared memory once, double-buffered (the next row's
-// slices are in flight while this row is computed), so every logit is read from device memory once however
-// many passes the math needs:
+// One row (a token's logits over the vocabulary, 128k-256k entries) per thread-block cluster. Each block of the
+// cluster copies its slice of the student's (and teacher's) row into shared memory once, so the row is read from
+// device memory exactly once however many passes the math needs:
 //   1. the normalisers of both rows: each block's max and sum of exponentials, combined across the cluster through
 //      distributed shared memory (every block combines all blocks' values in the same order: identical results);
 //   2. the divergence terms (and the gradients that need no row sum: forward KL's p_s - p_t), cluster-summed;
@@ -32,7 +30,6 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
-#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -48,8 +45,8 @@ namespace {
 constexpr int kMaxThreads = 512;
 constexpr int kWarps = kMaxThreads / 32;
 constexpr int kSliceAlign = 16;  // entries: a slice starts on a 16-byte boundary for every dtype
-// Shared memory per block for two buffers of a row's slices: small enough for three blocks per SM, else as
-// much as a block may have.
+// Shared memory for a row's slices: small enough for three blocks per SM (loads of one overlap the math of
+// the others), else as much as a block may have.
 constexpr size_t kSmemTarget = 72 * 1024;
 constexpr size_t kSmemMax = 200 * 1024;
 
@@ -237,6 +234,7 @@ template <typename T> __device__ __forceinline__ void copy_slice(T* dst, const T
   } else {
     for (int64_t j = threadIdx.x; j < count; j += blockDim.x) dst[j] = src[j];
   }
+  asm volatile("cp.async.commit_group;\n" ::);
 }
 
 // ------------------------------------------------------------------------------------------- the kernel
@@ -247,9 +245,8 @@ enum Cfg : int {
   CFG_GENERIC = 2,  // anything, by run-time flags: teacher gradients, vocabulary-parallel phases
 };
 
-// A persistent cluster walks its rows (see the top of this file). SMEM: a row's slices sit in shared memory,
-// double-buffered: the next row's copy is in flight while this one is computed (else each pass reads device
-// memory). A masked row writes zeros and skips every barrier (the whole cluster agrees: one label per row).
+// One row per cluster (see the top of this file). SMEM: the row's slices sit in shared memory (else each pass
+// reads device memory). A masked row writes zeros and skips every barrier (its whole cluster agrees).
 template <typename T, int MODE, bool TOPK, bool SMEM, int CFG>
 __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typename AccOf<T>::type> p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -265,266 +262,261 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
   cg::cluster_group cluster = cg::this_cluster();
   const int64_t ranks = cluster.num_blocks();
   const int64_t rank = cluster.block_rank();
+  const int64_t row = blockIdx.x / ranks;
   const int64_t lo = rank * p.slice;
   const int64_t count = max64(0, min64(p.v - lo, p.slice));
-  const int64_t chunks = count / N;  // whole chunks of N entries; then the tail one by one
-  const A k2 = p.k2;
-  const A scale_const = static_cast<A>(p.scale_host * static_cast<double>(p.inv_t));
+  const T* gsrc = p.s + row * p.s_stride + lo;
+  const T* gtsrc = TWO ? p.t + row * p.t_stride + lo : nullptr;
   // Which gradients this launch writes (constants for the compile-time configurations).
-  const bool w_gs = CFG == CFG_STUDENT || (CFG == CFG_GENERIC && p.gs != nullptr);
-  const bool w_gt = CFG == CFG_GENERIC && p.gt != nullptr;
-  // Shared memory: two buffers of (student, teacher) slices, then the top-k members' bitmap.
-  const int64_t buf_elems = (TWO ? 2 : 1) * p.slice;
-  T* const bufs = reinterpret_cast<T*>(smem_raw);
-  unsigned* const bits = reinterpret_cast<unsigned*>(smem_raw + (SMEM ? 2 * buf_elems * sizeof(T) : 0));
+  T* gs = CFG == CFG_INFER ? nullptr : (p.gs ? p.gs + row * p.gs_stride + lo : nullptr);
+  T* gt = CFG == CFG_GENERIC && p.gt ? p.gt + row * p.v + lo : nullptr;
+  const bool w_gs = CFG == CFG_STUDENT || (CFG == CFG_GENERIC && gs != nullptr);
+  const bool w_gt = CFG == CFG_GENERIC && gt != nullptr;
+  const bool writes_out = rank == 0 && p.out != nullptr;
 
-  auto masked = [&](int64_t row) { return p.labels && p.labels[row] == p.ignore_index; };
-  auto prefetch = [&](int64_t row, int b) {
-    if (SMEM && row < p.n && !masked(row)) {
-      copy_slice(bufs + b * buf_elems, p.s + row * p.s_stride + lo, count);
-      if (TWO) copy_slice(bufs + b * buf_elems + p.slice, p.t + row * p.t_stride + lo, count);
-    }
-    asm volatile("cp.async.commit_group;\n" ::);  // one group per row, empty or not: wait_group counts rows
-  };
-
-  const int64_t first = blockIdx.x / ranks, stride = gridDim.x / ranks;
-  prefetch(first, 0);
-  int b = 0;
-  for (int64_t row = first; row < p.n; row += stride, b ^= 1) {
-    prefetch(row + stride, b ^ 1);
-    T* gs = w_gs ? p.gs + row * p.gs_stride + lo : nullptr;
-    T* gt = w_gt ? p.gt + row * p.v + lo : nullptr;
-    const bool writes_out = rank == 0 && p.out != nullptr;
-    if (masked(row)) {  // zeros, and no barrier
-      for (int64_t j = threadIdx.x; j < count; j += blockDim.x) {
-        if (w_gs) gs[j] = T(0);
-        if (w_gt) gt[j] = T(0);
+  if (p.labels && p.labels[row] == p.ignore_index) {  // masked: zeros, and no barrier (the cluster agrees)
+    const Vec<T> zero{};
+    for (int64_t j0 = threadIdx.x * N; j0 < count; j0 += blockDim.x * N) {
+      const bool whole = j0 + N <= count;
+#pragma unroll
+      for (int q = 0; q < N; ++q) {
+        if (w_gs && (whole || j0 + q < count)) gs[j0 + q] = zero.v[q];
+        if (w_gt && (whole || j0 + q < count)) gt[j0 + q] = zero.v[q];
       }
+    }
+    if (writes_out && threadIdx.x == 0) {
+      if (p.phase == -1) p.out[row] = A(0);
+      else if (p.phase == PHASE_NORMS) p.out[4 * row] = p.out[4 * row + 1] = p.out[4 * row + 2] = p.out[4 * row + 3] = ninf<A>();
+      else if (p.phase == PHASE_TERMS) p.out[3 * row] = p.out[3 * row + 1] = p.out[3 * row + 2] = A(0);
+    }
+    return;
+  }
+
+  const T* xs = gsrc;
+  const T* xt = gtsrc;
+  if constexpr (SMEM) {
+    T* sm_s = reinterpret_cast<T*>(smem_raw);
+    copy_slice(sm_s, gsrc, count);
+    xs = sm_s;
+    if (TWO) {
+      copy_slice(sm_s + p.slice, gtsrc, count);
+      xt = sm_s + p.slice;
+    }
+    asm volatile("cp.async.wait_all;\n" ::);
+    __syncthreads();
+  }
+  // Whole chunks of N entries, then the tail one by one. Shared-memory slices start 16-byte aligned.
+  const int64_t chunks = count / N;
+  const bool vec = SMEM || (aligned16(xs) && (!TWO || aligned16(xt)));
+  const bool gs_vec = gs && aligned16(gs), gt_vec = gt && aligned16(gt);
+  const A k2 = p.k2;
+
+  // ---- 1. the normalisers of both rows
+  Norm<A> norm[2];
+  if (p.phase == -1 || p.phase == PHASE_NORMS) {
+    A mx[2] = {ninf<A>(), ninf<A>()};
+    for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+      mx[0] = fmax(mx[0], static_cast<A>(chunk_max(load_chunk(xs + c * N, vec))));
+      if (TWO) mx[1] = fmax(mx[1], static_cast<A>(chunk_max(load_chunk(xt + c * N, vec))));
+    }
+    for (int64_t j = chunks * N + threadIdx.x; j < count; j += blockDim.x) {
+      mx[0] = fmax(mx[0], static_cast<A>(xs[j]));
+      if (TWO) mx[1] = fmax(mx[1], static_cast<A>(xt[j]));
+    }
+    block_max<2>(mx, scratch);
+    mx[0] *= k2;  // k2 > 0: the max of the scaled logits
+    mx[1] *= k2;
+    A sm[2] = {A(0), A(0)};
+    const A m0 = mx[0] == ninf<A>() ? A(0) : mx[0], m1 = mx[1] == ninf<A>() ? A(0) : mx[1];
+    for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+      const Vec<T> vs = load_chunk(xs + c * N, vec);
+#pragma unroll
+      for (int q = 0; q < N; ++q) sm[0] += d_exp2(static_cast<A>(vs.v[q]) * k2 - m0);
+      if (TWO) {
+        const Vec<T> vt = load_chunk(xt + c * N, vec);
+#pragma unroll
+        for (int q = 0; q < N; ++q) sm[1] += d_exp2(static_cast<A>(vt.v[q]) * k2 - m1);
+      }
+    }
+    for (int64_t j = chunks * N + threadIdx.x; j < count; j += blockDim.x) {
+      sm[0] += d_exp2(static_cast<A>(xs[j]) * k2 - m0);
+      if (TWO) sm[1] += d_exp2(static_cast<A>(xt[j]) * k2 - m1);
+    }
+    block_sum<2>(sm, scratch);
+    cluster_norms(cluster, mx, sm, slot_norms, bcast, norm);
+    if (p.phase == PHASE_NORMS) {
       if (writes_out && threadIdx.x == 0) {
-        if (p.phase == -1) p.out[row] = A(0);
-        else if (p.phase == PHASE_NORMS) p.out[4 * row] = p.out[4 * row + 1] = p.out[4 * row + 2] = p.out[4 * row + 3] = ninf<A>();
-        else if (p.phase == PHASE_TERMS) p.out[3 * row] = p.out[3 * row + 1] = p.out[3 * row + 2] = A(0);
+        p.out[4 * row] = norm[0].mx;
+        p.out[4 * row + 1] = norm[0].lz;
+        p.out[4 * row + 2] = norm[1].mx;
+        p.out[4 * row + 3] = norm[1].lz;
       }
-      continue;
+      cluster.sync();  // no block leaves while another may still read its slots
+      return;
     }
-    const T* xs = p.s + row * p.s_stride + lo;
-    const T* xt = TWO ? p.t + row * p.t_stride + lo : nullptr;
-    if constexpr (SMEM) {
-      xs = bufs + b * buf_elems;
-      xt = TWO ? xs + p.slice : nullptr;
-      asm volatile("cp.async.wait_group 1;\n" ::);  // this row's copy has landed (the next one may still fly)
-      __syncthreads();
-    }
-    const bool vec = SMEM || (aligned16(xs) && (!TWO || aligned16(xt)));
-    const bool gs_vec = gs && aligned16(gs), gt_vec = gt && aligned16(gt);
+  } else {
+    const A* nr = p.norms_in + 4 * row;
+    norm[0] = Norm<A>{nr[0], nr[1]};
+    norm[1] = Norm<A>{nr[2], nr[3]};
+  }
+  const A scale = static_cast<A>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(p.inv_t));
 
-    // ---- 1. the normalisers of both rows
-    Norm<A> norm[2];
-    if (p.phase == -1 || p.phase == PHASE_NORMS) {
-      A mx[2] = {ninf<A>(), ninf<A>()};
-      for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
-        mx[0] = fmax(mx[0], static_cast<A>(chunk_max(load_chunk(xs + c * N, vec))));
-        if (TWO) mx[1] = fmax(mx[1], static_cast<A>(chunk_max(load_chunk(xt + c * N, vec))));
+  if constexpr (TOPK) {
+    // ---- 2'. a top-k teacher: buckets are the k tokens and the tail (see distill_cpu.cpp's row_topk).
+    const int64_t words = (p.slice + 31) / 32;
+    unsigned* bits = reinterpret_cast<unsigned*>(smem_raw + (SMEM ? p.slice * sizeof(T) : 0));
+    for (int64_t w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0u;
+    __syncthreads();
+    const int64_t* idx = p.idx + row * p.k;
+    const A* lp = p.lp + row * p.k;
+    auto log2_ps = [&](T x) { return log2_prob(static_cast<A>(x), k2, norm[0]); };
+    A bad = A(0);
+    for (int64_t j = threadIdx.x; j < p.k; j += blockDim.x) {
+      const int64_t x = idx[j];
+      if (x < 0 || x >= p.v) {
+        bad = A(1);
+      } else if (x >= lo && x < lo + count) {
+        const unsigned bit = 1u << ((x - lo) & 31);
+        if (atomicOr(&bits[(x - lo) >> 5], bit) & bit) bad = A(1);  // a duplicate
       }
-      for (int64_t j = chunks * N + threadIdx.x; j < count; j += blockDim.x) {
-        mx[0] = fmax(mx[0], static_cast<A>(xs[j]));
-        if (TWO) mx[1] = fmax(mx[1], static_cast<A>(xt[j]));
+    }
+    __syncthreads();
+    // Terms of this block's members, its part of the student's tail mass, and the teacher's mass (all k).
+    Terms<A> acc{A(0), A(0), A(0)};
+    A q_sum = A(0);
+    for (int64_t j = threadIdx.x; j < p.k; j += blockDim.x) {
+      q_sum += d_exp(lp[j]);
+      const int64_t x = idx[j];
+      if (x >= lo && x < lo + count) {
+        const A ls2 = log2_ps(xs[x - lo]);
+        point_terms<MODE, true, false>(bucket_point(d_exp2(ls2), ls2 * A(kLn2), d_exp(lp[j]), lp[j]), p.c, acc);
       }
-      block_max<2>(mx, scratch);
-      mx[0] *= k2;  // k2 > 0: the max of the scaled logits
-      mx[1] *= k2;
-      A sm[2] = {A(0), A(0)};
-      const A m0 = mx[0] == ninf<A>() ? A(0) : mx[0], m1 = mx[1] == ninf<A>() ? A(0) : mx[1];
+    }
+    A v[4] = {acc.loss, acc.ks, A(0), bad};  // loss, ks, p_tail, bad
+    for (int64_t j = threadIdx.x; j < count; j += blockDim.x)
+      if (!((bits[j >> 5] >> (j & 31)) & 1u)) v[2] += d_exp2(log2_ps(xs[j]));
+    A qs[1] = {q_sum};
+    block_sum<1>(qs, scratch);  // every block sums all k: the same value everywhere
+    block_sum<4>(v, scratch);
+    cluster_sum<4>(cluster, v, slot_terms, bcast);
+    A loss = v[0], ks = v[1];
+    const A p_tail = v[2];
+    const A q_tail = fmax(A(1) - qs[0], A(0));
+    const Point<A> tail = bucket_point(p_tail, d_log(p_tail), q_tail, d_log(q_tail));
+    if (p.k < p.v) {
+      Terms<A> ta{A(0), A(0), A(0)};
+      point_terms<MODE, true, false>(tail, p.c, ta);
+      loss += ta.loss;
+      ks += ta.ks;
+    }
+    if (v[3] != A(0)) loss = ks = std::numeric_limits<A>::quiet_NaN();
+    if (writes_out && threadIdx.x == 0) p.out[row] = loss;
+    if (w_gs) {
+      const A tail_coef = tail.ps > A(0) ? student_grad<MODE>(tail, p.c, ks) / tail.ps : A(0);
       for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
         const Vec<T> vs = load_chunk(xs + c * N, vec);
+        Vec<T> g;
 #pragma unroll
-        for (int q = 0; q < N; ++q) sm[0] += d_exp2(static_cast<A>(vs.v[q]) * k2 - m0);
-        if (TWO) {
-          const Vec<T> vt = load_chunk(xt + c * N, vec);
-#pragma unroll
-          for (int q = 0; q < N; ++q) sm[1] += d_exp2(static_cast<A>(vt.v[q]) * k2 - m1);
-        }
+        for (int q = 0; q < N; ++q) g.v[q] = static_cast<T>(d_exp2(log2_ps(vs.v[q])) * tail_coef * scale);
+        store_chunk(gs + c * N, g, gs_vec);
       }
-      for (int64_t j = chunks * N + threadIdx.x; j < count; j += blockDim.x) {
-        sm[0] += d_exp2(static_cast<A>(xs[j]) * k2 - m0);
-        if (TWO) sm[1] += d_exp2(static_cast<A>(xt[j]) * k2 - m1);
-      }
-      block_sum<2>(sm, scratch);
-      cluster_norms(cluster, mx, sm, slot_norms, bcast, norm);
-      if (p.phase == PHASE_NORMS) {
-        if (writes_out && threadIdx.x == 0) {
-          p.out[4 * row] = norm[0].mx;
-          p.out[4 * row + 1] = norm[0].lz;
-          p.out[4 * row + 2] = norm[1].mx;
-          p.out[4 * row + 3] = norm[1].lz;
-        }
-        cluster.sync();  // the slots are read: free for the next row (and no block leaves while others read)
-        continue;
-      }
-    } else {
-      const A* nr = p.norms_in + 4 * row;
-      norm[0] = Norm<A>{nr[0], nr[1]};
-      norm[1] = Norm<A>{nr[2], nr[3]};
-    }
-    const A scale = p.scale_dev ? static_cast<A>(*p.scale_dev * static_cast<double>(p.inv_t)) : scale_const;
-
-    if constexpr (TOPK) {
-      // ---- 2'. a top-k teacher: buckets are the k tokens and the tail (see distill_cpu.cpp's row_topk).
-      const int64_t words = (p.slice + 31) / 32;
-      for (int64_t w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0u;
-      __syncthreads();
-      const int64_t* idx = p.idx + row * p.k;
-      const A* lp = p.lp + row * p.k;
-      auto log2_ps = [&](T x) { return log2_prob(static_cast<A>(x), k2, norm[0]); };
-      A bad = A(0);
+      for (int64_t j = chunks * N + threadIdx.x; j < count; j += blockDim.x)
+        gs[j] = static_cast<T>(d_exp2(log2_ps(xs[j])) * tail_coef * scale);
+      __syncthreads();  // the members' own gradients overwrite the tail formula written above
       for (int64_t j = threadIdx.x; j < p.k; j += blockDim.x) {
-        const int64_t x = idx[j];
-        if (x < 0 || x >= p.v) {
-          bad = A(1);
-        } else if (x >= lo && x < lo + count) {
-          const unsigned bit = 1u << ((x - lo) & 31);
-          if (atomicOr(&bits[(x - lo) >> 5], bit) & bit) bad = A(1);  // a duplicate
-        }
-      }
-      __syncthreads();
-      // Terms of this block's members, its part of the student's tail mass, and the teacher's mass (all k).
-      Terms<A> acc{A(0), A(0), A(0)};
-      A q_sum = A(0);
-      for (int64_t j = threadIdx.x; j < p.k; j += blockDim.x) {
-        q_sum += d_exp(lp[j]);
         const int64_t x = idx[j];
         if (x >= lo && x < lo + count) {
           const A ls2 = log2_ps(xs[x - lo]);
-          point_terms<MODE, true, false>(bucket_point(d_exp2(ls2), ls2 * A(kLn2), d_exp(lp[j]), lp[j]), p.c, acc);
+          gs[x - lo] = static_cast<T>(
+              student_grad<MODE>(bucket_point(d_exp2(ls2), ls2 * A(kLn2), d_exp(lp[j]), lp[j]), p.c, ks) * scale);
         }
       }
-      A v[4] = {acc.loss, acc.ks, A(0), bad};  // loss, ks, p_tail, bad
-      for (int64_t j = threadIdx.x; j < count; j += blockDim.x)
-        if (!((bits[j >> 5] >> (j & 31)) & 1u)) v[2] += d_exp2(log2_ps(xs[j]));
-      A qs[1] = {q_sum};
-      block_sum<1>(qs, scratch);  // every block sums all k: the same value everywhere
-      block_sum<4>(v, scratch);
-      cluster_sum<4>(cluster, v, slot_terms, bcast);
-      A loss = v[0], ks = v[1];
-      const A p_tail = v[2];
-      const A q_tail = fmax(A(1) - qs[0], A(0));
-      const Point<A> tail = bucket_point(p_tail, d_log(p_tail), q_tail, d_log(q_tail));
-      if (p.k < p.v) {
-        Terms<A> ta{A(0), A(0), A(0)};
-        point_terms<MODE, true, false>(tail, p.c, ta);
-        loss += ta.loss;
-        ks += ta.ks;
-      }
-      if (v[3] != A(0)) loss = ks = std::numeric_limits<A>::quiet_NaN();
-      if (writes_out && threadIdx.x == 0) p.out[row] = loss;
-      if (w_gs) {
-        const A tail_coef = tail.ps > A(0) ? student_grad<MODE>(tail, p.c, ks) / tail.ps : A(0);
+    }
+    cluster.sync();
+    return;
+  } else {
+    // ---- 2. terms, and the gradients that need no row sum; 3. the gradients that do.
+    const bool gs_in_terms = w_gs && !student_needs_k<MODE>(), gt_in_terms = w_gt && !teacher_needs_k<MODE>();
+    const bool gs_later = w_gs && student_needs_k<MODE>(), gt_later = w_gt && teacher_needs_k<MODE>();
+    // The row sums this launch needs: ks for a student gradient that needs it; both in the generic launch.
+    constexpr bool KS = CFG == CFG_GENERIC || (CFG == CFG_STUDENT && student_needs_k<MODE>());
+    constexpr bool KT = CFG == CFG_GENERIC;
+    const RowNorms<A> rn = row_norms(norm[0], norm[1]);
+    A ks = A(0), kt = A(0);
+    if (p.phase != PHASE_GRAD) {
+      Terms<A> acc{A(0), A(0), A(0)};
+      // `close` is a row's constant: each value gets its own loop, with nothing of the other inside.
+      auto terms_pass = [&](auto close_c) {
+        constexpr bool CLOSE = decltype(close_c)::value;
+        auto entry = [&](T xa, T xb, T& ga, T& gb) {
+          const Point<A> e = make_point<CLOSE>(static_cast<A>(xa), static_cast<A>(xb), k2, rn);
+          point_terms<MODE, KS, KT>(e, p.c, acc);
+          if (gs_in_terms) ga = static_cast<T>(student_grad<MODE>(e, p.c, A(0)) * scale);
+          if (gt_in_terms) gb = static_cast<T>(teacher_grad<MODE>(e, p.c, A(0)) * scale);
+        };
         for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
-          const Vec<T> vs = load_chunk(xs + c * N, vec);
-          Vec<T> g;
+          const Vec<T> vs = load_chunk(xs + c * N, vec), vt = load_chunk(xt + c * N, vec);
+          Vec<T> g, h;
 #pragma unroll
-          for (int q = 0; q < N; ++q) g.v[q] = static_cast<T>(d_exp2(log2_ps(vs.v[q])) * tail_coef * scale);
-          store_chunk(gs + c * N, g, gs_vec);
+          for (int q = 0; q < N; ++q) entry(vs.v[q], vt.v[q], g.v[q], h.v[q]);
+          if (gs_in_terms) store_chunk(gs + c * N, g, gs_vec);
+          if (gt_in_terms) store_chunk(gt + c * N, h, gt_vec);
         }
-        for (int64_t j = chunks * N + threadIdx.x; j < count; j += blockDim.x)
-          gs[j] = static_cast<T>(d_exp2(log2_ps(xs[j])) * tail_coef * scale);
-        __syncthreads();  // the members' own gradients overwrite the tail formula written above
-        for (int64_t j = threadIdx.x; j < p.k; j += blockDim.x) {
-          const int64_t x = idx[j];
-          if (x >= lo && x < lo + count) {
-            const A ls2 = log2_ps(xs[x - lo]);
-            gs[x - lo] = static_cast<T>(
-                student_grad<MODE>(bucket_point(d_exp2(ls2), ls2 * A(kLn2), d_exp(lp[j]), lp[j]), p.c, ks) * scale);
-          }
+        for (int64_t j = chunks * N + threadIdx.x; j < count; j += blockDim.x) {
+          T ga, gb;
+          entry(xs[j], xt[j], ga, gb);
+          if (gs_in_terms) gs[j] = ga;
+          if (gt_in_terms) gt[j] = gb;
+        }
+      };
+      if (rn.close) terms_pass(std::true_type{});
+      else terms_pass(std::false_type{});
+      A v[3] = {acc.loss, acc.ks, acc.kt};
+      block_sum<3>(v, scratch);
+      cluster_sum<3>(cluster, v, slot_terms, bcast);
+      ks = v[1];
+      kt = v[2];
+      if (writes_out && threadIdx.x == 0) {
+        if (p.phase == -1) {
+          p.out[row] = v[0];
+        } else {
+          p.out[3 * row] = v[0];
+          p.out[3 * row + 1] = v[1];
+          p.out[3 * row + 2] = v[2];
         }
       }
     } else {
-      // ---- 2. terms, and the gradients that need no row sum; 3. the gradients that do.
-      const bool gs_in_terms = w_gs && !student_needs_k<MODE>(), gt_in_terms = w_gt && !teacher_needs_k<MODE>();
-      const bool gs_later = w_gs && student_needs_k<MODE>(), gt_later = w_gt && teacher_needs_k<MODE>();
-      // The row sums this launch needs: ks for a student gradient that needs it; both in the generic launch.
-      constexpr bool KS = CFG == CFG_GENERIC || (CFG == CFG_STUDENT && student_needs_k<MODE>());
-      constexpr bool KT = CFG == CFG_GENERIC;
-      const RowNorms<A> rn = row_norms(norm[0], norm[1]);
-      A ks = A(0), kt = A(0);
-      if (p.phase != PHASE_GRAD) {
-        Terms<A> acc{A(0), A(0), A(0)};
-        // `close` is a row's constant: each value gets its own loop, with nothing of the other inside.
-        auto terms_pass = [&](auto close_c) {
-          constexpr bool CLOSE = decltype(close_c)::value;
-          auto entry = [&](T xa, T xb, T& ga, T& gb) {
-            const Point<A> e = make_point<CLOSE>(static_cast<A>(xa), static_cast<A>(xb), k2, rn);
-            point_terms<MODE, KS, KT>(e, p.c, acc);
-            if (gs_in_terms) ga = static_cast<T>(student_grad<MODE>(e, p.c, A(0)) * scale);
-            if (gt_in_terms) gb = static_cast<T>(teacher_grad<MODE>(e, p.c, A(0)) * scale);
-          };
-          for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
-            const Vec<T> vs = load_chunk(xs + c * N, vec), vt = load_chunk(xt + c * N, vec);
-            Vec<T> g, h;
-#pragma unroll
-            for (int q = 0; q < N; ++q) entry(vs.v[q], vt.v[q], g.v[q], h.v[q]);
-            if (gs_in_terms) store_chunk(gs + c * N, g, gs_vec);
-            if (gt_in_terms) store_chunk(gt + c * N, h, gt_vec);
-          }
-          for (int64_t j = chunks * N + threadIdx.x; j < count; j += blockDim.x) {
-            T ga, gb;
-            entry(xs[j], xt[j], ga, gb);
-            if (gs_in_terms) gs[j] = ga;
-            if (gt_in_terms) gt[j] = gb;
-          }
-        };
-        if (rn.close) terms_pass(std::true_type{});
-        else terms_pass(std::false_type{});
-        A v[3] = {acc.loss, acc.ks, acc.kt};
-        block_sum<3>(v, scratch);
-        cluster_sum<3>(cluster, v, slot_terms, bcast);
-        ks = v[1];
-        kt = v[2];
-        if (writes_out && threadIdx.x == 0) {
-          if (p.phase == -1) {
-            p.out[row] = v[0];
-          } else {
-            p.out[3 * row] = v[0];
-            p.out[3 * row + 1] = v[1];
-            p.out[3 * row + 2] = v[2];
-          }
-        }
-      } else {
-        ks = p.k_in[2 * row];
-        kt = p.k_in[2 * row + 1];
-      }
-      if (p.phase != PHASE_TERMS && (gs_later || gt_later)) {
-        auto grad_pass = [&](auto close_c) {
-          constexpr bool CLOSE = decltype(close_c)::value;
-          auto entry = [&](T xa, T xb, T& ga, T& gb) {
-            const Point<A> e = make_point<CLOSE>(static_cast<A>(xa), static_cast<A>(xb), k2, rn);
-            if (gs_later) ga = static_cast<T>(student_grad<MODE>(e, p.c, ks) * scale);
-            if (gt_later) gb = static_cast<T>(teacher_grad<MODE>(e, p.c, kt) * scale);
-          };
-          for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
-            const Vec<T> vs = load_chunk(xs + c * N, vec), vt = load_chunk(xt + c * N, vec);
-            Vec<T> g, h;
-#pragma unroll
-            for (int q = 0; q < N; ++q) entry(vs.v[q], vt.v[q], g.v[q], h.v[q]);
-            if (gs_later) store_chunk(gs + c * N, g, gs_vec);
-            if (gt_later) store_chunk(gt + c * N, h, gt_vec);
-          }
-          for (int64_t j = chunks * N + threadIdx.x; j < count; j += blockDim.x) {
-            T ga, gb;
-            entry(xs[j], xt[j], ga, gb);
-            if (gs_later) gs[j] = ga;
-            if (gt_later) gt[j] = gb;
-          }
-        };
-        if (rn.close) grad_pass(std::true_type{});
-        else grad_pass(std::false_type{});
-      }
+      ks = p.k_in[2 * row];
+      kt = p.k_in[2 * row + 1];
     }
-    // The slots are read and this buffer is done with: the next row may overwrite both. (Also: no block leaves
-    // while another may still read its slots.)
-    cluster.sync();
+    if (p.phase != PHASE_TERMS && (gs_later || gt_later)) {
+      auto grad_pass = [&](auto close_c) {
+        constexpr bool CLOSE = decltype(close_c)::value;
+        auto entry = [&](T xa, T xb, T& ga, T& gb) {
+          const Point<A> e = make_point<CLOSE>(static_cast<A>(xa), static_cast<A>(xb), k2, rn);
+          if (gs_later) ga = static_cast<T>(student_grad<MODE>(e, p.c, ks) * scale);
+          if (gt_later) gb = static_cast<T>(teacher_grad<MODE>(e, p.c, kt) * scale);
+        };
+        for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+          const Vec<T> vs = load_chunk(xs + c * N, vec), vt = load_chunk(xt + c * N, vec);
+          Vec<T> g, h;
+#pragma unroll
+          for (int q = 0; q < N; ++q) entry(vs.v[q], vt.v[q], g.v[q], h.v[q]);
+          if (gs_later) store_chunk(gs + c * N, g, gs_vec);
+          if (gt_later) store_chunk(gt + c * N, h, gt_vec);
+        }
+        for (int64_t j = chunks * N + threadIdx.x; j < count; j += blockDim.x) {
+          T ga, gb;
+          entry(xs[j], xt[j], ga, gb);
+          if (gs_later) gs[j] = ga;
+          if (gt_later) gt[j] = gb;
+        }
+      };
+      if (rn.close) grad_pass(std::true_type{});
+      else grad_pass(std::false_type{});
+    }
+    if (p.phase != PHASE_GRAD) cluster.sync();  // others may still read this block's slots
   }
-  asm volatile("cp.async.wait_all;\n" ::);  // no copy outlives the block
 #endif
 }
 
@@ -586,24 +578,25 @@ struct Launch {
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// The smallest cluster whose blocks' two buffers of slices fit the shared-memory target (else the maximum), or
-// device-memory passes for rows longer than a cluster of 16 can hold.
+// The smallest cluster whose blocks' slices fit the shared-memory target (else the maximum), or global-memory
+// passes for rows longer than a cluster of 16 can hold.
 Launch plan_launch(int64_t v, size_t entry_bytes, bool topk) {
   Launch l;
   // A research knob: KLDIV_DISTILL_SMEM_KIB sets the shared-memory target per block (so the cluster size) for
   // tuning runs; unset, the target above.
   size_t target = kSmemTarget;
   if (const char* env = std::getenv("KLDIV_DISTILL_SMEM_KIB")) target = static_cast<size_t>(std::atoi(env)) * 1024;
-  auto bitmap = [&](int64_t slice) { return topk ? static_cast<size_t>((slice + 31) / 32) * 4 : size_t(0); };
+  auto bytes = [&](int64_t slice) {
+    return static_cast<size_t>(slice) * entry_bytes + (topk ? static_cast<size_t>((slice + 31) / 32) * 4 : 0);
+  };
   for (size_t budget : {target, kSmemMax}) {
     for (int c : {1, 2, 4, 8, 16}) {
       const int64_t slice = round_up((v + c - 1) / c, kSliceAlign);
-      const size_t bytes = 2 * static_cast<size_t>(slice) * entry_bytes + bitmap(slice);  // double-buffered
-      if (bytes <= budget) {
+      if (bytes(slice) <= budget) {
         l.cluster = c;
         l.slice = slice;
-        l.smem = bytes;
-        l.threads = slice >= 4096 ? 512 : slice >= 1024 ? 256 : 128;
+        l.smem = bytes(slice);
+        l.threads = slice >= 8192 ? 512 : slice >= 2048 ? 256 : 128;
         if (const char* env = std::getenv("KLDIV_DISTILL_THREADS")) l.threads = std::atoi(env);  // research knob
         return l;
       }
@@ -612,7 +605,7 @@ Launch plan_launch(int64_t v, size_t entry_bytes, bool topk) {
   l.use_smem = false;  // read each pass from device memory: a cluster of 16 keeps the row's passes in L2
   l.cluster = 16;
   l.slice = round_up((v + 15) / 16, kSliceAlign);
-  l.smem = bitmap(l.slice);
+  l.smem = topk ? static_cast<size_t>((l.slice + 31) / 32) * 4 : 0;
   l.threads = 512;
   return l;
 }
@@ -636,29 +629,13 @@ void prepare_kernel(const void* kernel, size_t smem, bool big_cluster) {
   }
 }
 
-// How many clusters of a kernel and launch plan fit on the GPU at once (asked once per plan): the persistent
-// grid's size.
-int resident_clusters(const void* kernel, const cudaLaunchConfig_t& cfg) {
-  static std::mutex mu;
-  static std::map<std::tuple<const void*, int, unsigned, unsigned, size_t>, int> known;
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  const auto key = std::make_tuple(kernel, dev, cfg.blockDim.x, cfg.attrs[0].val.clusterDim.x, cfg.dynamicSmemBytes);
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = known.find(key);
-  if (it != known.end()) return it->second;
-  int clusters = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
-  TORCH_CHECK(clusters > 0, "distill: a cluster of ", cfg.attrs[0].val.clusterDim.x, " blocks of ", cfg.blockDim.x,
-              " threads with ", cfg.dynamicSmemBytes, " bytes of shared memory does not fit on this GPU");
-  return known[key] = clusters;
-}
-
 template <typename Kernel> void launch_rows(Kernel kernel, const Launch& l, int64_t n, const void* params,
                                             cudaStream_t stream) {
-  const void* fn = reinterpret_cast<const void*>(kernel);
-  prepare_kernel(fn, l.smem, l.cluster > 8);
+  prepare_kernel(reinterpret_cast<const void*>(kernel), l.smem, l.cluster > 8);
+  const int64_t blocks = n * l.cluster;
+  TORCH_CHECK(blocks < (int64_t(1) << 31), "distill: too many rows for one launch");
   cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
   cfg.blockDim = dim3(l.threads);
   cfg.dynamicSmemBytes = l.smem;
   cfg.stream = stream;
@@ -669,12 +646,8 @@ template <typename Kernel> void launch_rows(Kernel kernel, const Launch& l, int6
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  cfg.gridDim = dim3(static_cast<unsigned>(l.cluster));  // for the occupancy query: one cluster
-  // A persistent grid: as many clusters as fit at once (or one per row), each walking its rows.
-  const int64_t clusters = std::min<int64_t>(n, resident_clusters(fn, cfg));
-  cfg.gridDim = dim3(static_cast<unsigned>(clusters * l.cluster));
   void* args[] = {const_cast<void*>(params)};
-  C10_CUDA_CHECK(cudaLaunchKernelExC(&cfg, fn, args));
+  C10_CUDA_CHECK(cudaLaunchKernelExC(&cfg, reinterpret_cast<const void*>(kernel), args));
 }
 
 // Launches the kernel instance for a launch plan and configuration. The compile-time configurations exist for
