@@ -31,7 +31,7 @@ PEERS = ["torch_eager", "torch_compile", "liger"]       # the speed-up chart's p
 # The CSV's columns: those of older runs first (they still plot), then the floor's and % of peak.
 COLUMNS = ["device", "impl", "pass", "form", "dtype", "batch", "features", "median_ms", "q20_ms", "q80_ms",
            "gbps", "floor_ms", "x_floor", "rel_err", "status", "timer", "bytes", "floor_gbps", "floor_source",
-           "pct_of_peak"]
+           "pct_of_peak", "beta", "peak_mib"]
 
 
 @dataclasses.dataclass
@@ -214,6 +214,11 @@ def main(args) -> int:
         tqdm = lambda it, **kw: it  # noqa: E731
     for case in tqdm(cases, desc="bench", file=sys.stderr):
         rows += run_case(case, device, floor, variants, reps=reps, warmup=5)
+    if not getattr(args, "kl_only", False):
+        from . import bench_distill
+
+        print("bench: the distillation suite", file=sys.stderr)
+        rows += bench_distill.run(device, floor, reps=min(reps, 10))
     path = write_csv(rows, folder / "bench.csv")
     # read_gbps and copy_gbps: what older runs recorded in place of the floor's keys.
     env_path = write_env(folder, device, floor_env(floor), drop=("read_gbps", "copy_gbps"))

@@ -1,4 +1,5 @@
-"""The KL suite's performance goals (P1-P5) and their evaluation from benchmark rows.
+"""The performance goals (the KL suite's P1-P5, the distillation suite's D1-D6) and their evaluation from
+benchmark rows.
 
 P1: 16384^2 float32 probabilities, forward; P2: 4096 x 128256 bfloat16 log-probabilities, forward; P3: P1's
 forward + backward; P4: a launch-bound 128 x 4096 forward, end to end from Python; P5: the CPU twin. The
@@ -28,6 +29,22 @@ GOALS = [
     ("P3", "cuda", "fwd+bwd", "probs", "float32", 16384, 16384, "cuda", "speedup", "torch_compile", 1.5),
     ("P4", "cuda", "fwd", "probs", "float32", 128, 4096, "wall", "speedup", "torch_eager", 3.0),
     ("P5", "cpu", "fwd", "probs", "float32", 2048, 4096, "wall", "speedup", "torch_eager", 3.0),
+]
+
+
+# The distillation suite (kldiv_inline.bench_distill: bf16 logits 4096 x 128256, T = 2, 10% masked), matched on
+# pass, form and beta: (name, pass, form, beta, what, peer or None, bound). "peak_x_grad": the memory a step
+# allocates beyond its inputs, over the bytes of the student's gradient (no float32 copy of tokens x vocabulary).
+DISTILL_GOALS = [
+    ("D1", "fwd+bwd", "logits", 0.0, "x_floor", None, 1.3),
+    ("D1", "fwd+bwd", "logits", 0.0, "speedup", "torch_compile", 3.5),
+    ("D1", "fwd+bwd", "logits", 0.0, "speedup", "liger", 10.0),
+    ("D2", "fwd+bwd", "logits", 0.5, "x_floor", None, 1.4),
+    ("D2", "fwd+bwd", "logits", 0.5, "speedup", "torch_compile", 9.0),
+    ("D3", "fwd", "logits", 0.0, "x_floor", None, 1.2),
+    ("D4", "fwd+bwd", "topk", 0.0, "x_floor", None, 1.3),
+    ("D5", "fwd+bwd", "logits", 0.0, "peak_x_grad", None, 1.1),
+    ("D6", "fwd", "logits", 0.0, "rel_err", None, 1e-5),
 ]
 
 
@@ -92,8 +109,48 @@ def goal_rows(rows: list[dict], device: str, ours: str) -> list[dict]:
                 ok, text = value <= bound, f"relative error <= {bound:g}"
         out.append({"goal": name, "case": f"{g[2]} {g[3]} {g[4]} {g[5]}x{g[6]}", "target": text,
                     "value": value, "ours_ms": _number(mine["median_ms"]), "met": bool(ok)})
+    if device == "cuda":
+        out += distill_goal_rows(rows, ours)
     floor = floor_goal(rows)
     return out + ([floor] if floor else [])
+
+
+def distill_goal_rows(rows: list[dict], ours: str) -> list[dict]:
+    """DISTILL_GOALS measured in the rows (the distillation suite's size only), their values and verdicts."""
+    def find(impl, pass_, form, beta):
+        for r in rows:
+            if (r.get("impl") == impl and r.get("pass") == pass_ and r.get("form") == form
+                    and _number(r.get("beta")) == beta and r.get("status") == "ok"
+                    and (int(r["batch"]), int(r["features"])) == (4096, 128256)):
+                return r
+        return None
+
+    out = []
+    for name, pass_, form, beta, what, peer, bound in DISTILL_GOALS:
+        mine = find(ours, pass_, form, beta)
+        if mine is None:
+            continue
+        if what == "speedup":
+            other = find(peer, pass_, form, beta)
+            if other is None:
+                continue
+            value, text = _number(other["median_ms"]) / _number(mine["median_ms"]), f"{peer} time / ours >= {bound}"
+            ok = value >= bound
+        elif what == "peak_x_grad":
+            peak = _number(mine.get("peak_mib"))
+            if peak is None:
+                continue
+            value = peak / (int(mine["batch"]) * int(mine["features"]) * 2 / 2**20)
+            ok, text = value <= bound, f"peak memory / gradient bytes <= {bound}"
+        else:
+            value = _number(mine.get(what))
+            if value is None:
+                continue
+            ok = value <= bound
+            text = f"time / floor <= {bound}" if what == "x_floor" else f"relative error <= {bound:g}"
+        out.append({"goal": name, "case": f"{pass_} {form} beta={beta:g} bfloat16 4096x128256", "target": text,
+                    "value": value, "ours_ms": _number(mine["median_ms"]), "met": bool(ok)})
+    return out
 
 
 def goals_markdown(goals: list[dict], env: dict) -> str:

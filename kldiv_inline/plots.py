@@ -173,15 +173,20 @@ def plot_bandwidth(df: pd.DataFrame, pass_: str, form: str, dtype: str, read_gbp
 
 
 def headline_frame(df: pd.DataFrame, ours: str) -> pd.DataFrame:
-    """Each provider's time against ours at every case ours was timed in (peer time / our time)."""
+    """Each provider's time against ours at every case ours was timed in (peer time / our time). Cases that
+    differ in a suite's own columns (beta of the distillation suite, hidden of the fused LM head) stay apart."""
     rows = []
-    for (pass_, form, dtype, timer), g in df[df["status"] == "ok"].groupby(["pass", "form", "dtype", "timer"]):
-        for (batch, features), h in g.groupby(["batch", "features"]):
+    extra = [c for c in ("beta", "hidden", "world") if c in df]
+    ok = df[df["status"] == "ok"]
+    for (pass_, form, dtype, timer), g in ok.groupby(["pass", "form", "dtype", "timer"]):
+        for key, h in g.groupby(["batch", "features", *extra], dropna=False):
+            batch, features, *rest = key
             mine = h[h["impl"] == ours]
             if mine.empty:
                 continue
             t_ours = float(mine["median_ms"].iloc[0])
-            label = f"{form} {dtype} {batch}x{features}" + (" (wall clock)" if timer == "wall" else "")
+            label = f"{form} {dtype} {batch}x{features}" + "".join(
+                f" {c}={v:g}" for c, v in zip(extra, rest) if pd.notna(v)) + (" (wall clock)" if timer == "wall" else "")
             for _, r in h.iterrows():
                 rows.append({"pass": pass_, "case": label, "form": form, "dtype": dtype, "numel": batch * features,
                              "impl": r["impl"],
