@@ -45,10 +45,9 @@ namespace {
 constexpr int kMaxThreads = 512;
 constexpr int kWarps = kMaxThreads / 32;
 constexpr int kSliceAlign = 16;  // entries: a slice starts on a 16-byte boundary for every dtype
-// Shared memory for a row's slices: small enough for six blocks of 256 threads per SM (the loads of some
-// overlap the math of the others: measured on an H200, 32 KB blocks beat 64 KB ones), else as much as a block
-// may have.
-constexpr size_t kSmemTarget = 40 * 1024;
+// Shared memory for a row's slices: small enough for three blocks per SM (loads of one overlap the math of
+// the others), else as much as a block may have.
+constexpr size_t kSmemTarget = 72 * 1024;
 constexpr size_t kSmemMax = 200 * 1024;
 
 __host__ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -98,64 +97,87 @@ template <typename A> __device__ __forceinline__ A warp_max(A v) {
   return v;
 }
 
-// Cross-block reductions of a cluster, one barrier each: every warp publishes its partial values in its
-// block's `slots` ([kWarps][NV] in shared memory; one array per reduction and launch), and after the cluster
-// barrier every warp of every block adds all blocks' warps' values itself, in the same order. A butterfly
-// (xor) shuffle gives every lane the same bits, so every thread of the cluster holds identical results, and no
-// further barrier is needed (each block keeps its shared memory until its final barrier before it exits).
-template <int NV, typename A>
-__device__ __forceinline__ void cluster_sum(cg::cluster_group& cluster, A (&v)[NV], A (*slots)[NV]) {
+// NV sums over the block, returned to every thread. Fixed order: deterministic. `scratch` holds kWarps * NV.
+template <int NV, typename A> __device__ __forceinline__ void block_sum(A (&v)[NV], A* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
 #pragma unroll
   for (int i = 0; i < NV; ++i) v[i] = warp_sum(v[i]);
   if (lane == 0)
 #pragma unroll
-    for (int i = 0; i < NV; ++i) slots[warp][i] = v[i];
-  cluster.sync();
-  const int total = static_cast<int>(cluster.num_blocks()) * warps;
-  A acc[NV];
+    for (int i = 0; i < NV; ++i) scratch[warp * NV + i] = v[i];
+  __syncthreads();
 #pragma unroll
-  for (int i = 0; i < NV; ++i) acc[i] = A(0);
-  for (int e = lane; e < total; e += 32) {
-    const A* remote = cluster.map_shared_rank(&slots[e % warps][0], e / warps);
-#pragma unroll
-    for (int i = 0; i < NV; ++i) acc[i] += remote[i];
-  }
-#pragma unroll
-  for (int i = 0; i < NV; ++i) v[i] = warp_sum(acc[i]);
+  for (int i = 0; i < NV; ++i) v[i] = warp_sum(lane < warps ? scratch[lane * NV + i] : A(0));
+  __syncthreads();  // scratch is reused by the next reduction
 }
 
-// Two rows' (max, sum of 2^(x - max)) pairs, one per thread, combined over the cluster into the rows'
-// normalisers (Norm: the max and log2 of the sum rescaled to it); one barrier, as cluster_sum.
-template <typename A>
-__device__ __forceinline__ void cluster_norms(cg::cluster_group& cluster, const A (&mx)[2], const A (&sm)[2],
-                                              A (*slots)[4], Norm<A> (&norm)[2]) {
+template <int NV, typename A> __device__ __forceinline__ void block_max(A (&v)[NV], A* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  auto rescaled = [](A s, A m, A g) { return g == ninf<A>() || s == A(0) ? A(0) : s * d_exp2(m - g); };
-  A pub[4];
 #pragma unroll
-  for (int w = 0; w < 2; ++w) {
-    const A g = warp_max(mx[w]);
-    pub[2 * w] = g;
-    pub[2 * w + 1] = warp_sum(rescaled(sm[w], mx[w], g));
-  }
+  for (int i = 0; i < NV; ++i) v[i] = warp_max(v[i]);
   if (lane == 0)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) slots[warp][i] = pub[i];
-  cluster.sync();
-  const int total = static_cast<int>(cluster.num_blocks()) * warps;
+    for (int i = 0; i < NV; ++i) scratch[warp * NV + i] = v[i];
+  __syncthreads();
 #pragma unroll
-  for (int w = 0; w < 2; ++w) {
-    A g = ninf<A>();
-    for (int e = lane; e < total; e += 32) g = fmax(g, cluster.map_shared_rank(&slots[e % warps][0], e / warps)[2 * w]);
-    g = warp_max(g);
-    A z = A(0);
-    for (int e = lane; e < total; e += 32) {
-      const A* remote = cluster.map_shared_rank(&slots[e % warps][0], e / warps);
-      z += rescaled(remote[2 * w + 1], remote[2 * w], g);
+  for (int i = 0; i < NV; ++i) v[i] = warp_max(lane < warps ? scratch[lane * NV + i] : ninf<A>());
+  __syncthreads();
+}
+
+// Cross-block reductions of a cluster. Each block publishes its values in `slot` (its shared memory; one slot
+// per reduction and launch: blocks read each other's slots after the barrier, and keep their shared memory until
+// the final barrier before they exit). Lane r of warp 0 reads rank r's values, and every block combines them in
+// the same fixed order, so all blocks of the cluster hold identical results.
+template <int NV, typename A>
+__device__ __forceinline__ void cluster_sum(cg::cluster_group& cluster, A (&v)[NV], A* slot, A* bcast) {
+  if (threadIdx.x == 0)
+#pragma unroll
+    for (int i = 0; i < NV; ++i) slot[i] = v[i];
+  cluster.sync();
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const bool mine = lane < static_cast<int>(cluster.num_blocks());
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const A x = warp_sum(mine ? *cluster.map_shared_rank(slot + i, lane) : A(0));
+      if (lane == 0) bcast[i] = x;
     }
-    norm[w] = Norm<A>{g, d_log2(warp_sum(z))};
   }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < NV; ++i) v[i] = bcast[i];
+}
+
+// The rows' normalisers over the cluster from each block's (max, sum of 2^(x - max)) of two rows: the cluster's
+// max, and log2 of the blocks' sums rescaled to it.
+template <typename A>
+__device__ __forceinline__ void cluster_norms(cg::cluster_group& cluster, const A (&mx)[2], const A (&sm)[2],
+                                              A* slot, A* bcast, Norm<A> (&norm)[2]) {
+  if (threadIdx.x == 0) {
+    slot[0] = mx[0];
+    slot[1] = sm[0];
+    slot[2] = mx[1];
+    slot[3] = sm[1];
+  }
+  cluster.sync();
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const bool mine = lane < static_cast<int>(cluster.num_blocks());
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      const A m = mine ? *cluster.map_shared_rank(slot + 2 * w, lane) : ninf<A>();
+      const A s = mine ? *cluster.map_shared_rank(slot + 2 * w + 1, lane) : A(0);
+      const A g = warp_max(m);
+      const A z = warp_sum(g == ninf<A>() || s == A(0) ? A(0) : s * d_exp2(m - g));
+      if (lane == 0) {
+        bcast[2 * w] = g;
+        bcast[2 * w + 1] = d_log2(z);
+      }
+    }
+  }
+  __syncthreads();
+  norm[0] = Norm<A>{bcast[0], bcast[1]};
+  norm[1] = Norm<A>{bcast[2], bcast[3]};
 }
 
 // --------------------------------------------------------------------------------------- slices of a row
@@ -234,7 +256,8 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
   constexpr int N = Vec<T>::N;
   constexpr bool TWO = !TOPK;  // a teacher row beside the student's
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ A slot_norms[kWarps][4], slot_terms[kWarps][5];  // cluster reductions' slots (one each)
+  __shared__ A scratch[kWarps * 4];
+  __shared__ A slot_norms[4], slot_terms[4], bcast[4];
 
   cg::cluster_group cluster = cg::this_cluster();
   const int64_t ranks = cluster.num_blocks();
@@ -291,7 +314,6 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
   // ---- 1. the normalisers of both rows
   Norm<A> norm[2];
   if (p.phase == -1 || p.phase == PHASE_NORMS) {
-    // Each thread's own max, then its sum of 2^(x - max) over its own entries: no barrier between the sweeps.
     A mx[2] = {ninf<A>(), ninf<A>()};
     for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
       mx[0] = fmax(mx[0], static_cast<A>(chunk_max(load_chunk(xs + c * N, vec))));
@@ -301,6 +323,7 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
       mx[0] = fmax(mx[0], static_cast<A>(xs[j]));
       if (TWO) mx[1] = fmax(mx[1], static_cast<A>(xt[j]));
     }
+    block_max<2>(mx, scratch);
     mx[0] *= k2;  // k2 > 0: the max of the scaled logits
     mx[1] *= k2;
     A sm[2] = {A(0), A(0)};
@@ -319,7 +342,8 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
       sm[0] += d_exp2(static_cast<A>(xs[j]) * k2 - m0);
       if (TWO) sm[1] += d_exp2(static_cast<A>(xt[j]) * k2 - m1);
     }
-    cluster_norms(cluster, mx, sm, slot_norms, norm);
+    block_sum<2>(sm, scratch);
+    cluster_norms(cluster, mx, sm, slot_norms, bcast, norm);
     if (p.phase == PHASE_NORMS) {
       if (writes_out && threadIdx.x == 0) {
         p.out[4 * row] = norm[0].mx;
@@ -357,24 +381,27 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
       }
     }
     __syncthreads();
-    // Terms of this block's members, its part of the student's tail mass, and its share of the teacher's mass.
+    // Terms of this block's members, its part of the student's tail mass, and the teacher's mass (all k).
     Terms<A> acc{A(0), A(0), A(0)};
     A q_sum = A(0);
     for (int64_t j = threadIdx.x; j < p.k; j += blockDim.x) {
-      if (j % ranks == rank) q_sum += d_exp(lp[j]);  // each of the k counted by one block of the cluster
+      q_sum += d_exp(lp[j]);
       const int64_t x = idx[j];
       if (x >= lo && x < lo + count) {
         const A ls2 = log2_ps(xs[x - lo]);
         point_terms<MODE, true, false>(bucket_point(d_exp2(ls2), ls2 * A(kLn2), d_exp(lp[j]), lp[j]), p.c, acc);
       }
     }
-    A v[5] = {acc.loss, acc.ks, A(0), bad, q_sum};  // loss, ks, p_tail, bad, the teacher's mass
+    A v[4] = {acc.loss, acc.ks, A(0), bad};  // loss, ks, p_tail, bad
     for (int64_t j = threadIdx.x; j < count; j += blockDim.x)
       if (!((bits[j >> 5] >> (j & 31)) & 1u)) v[2] += d_exp2(log2_ps(xs[j]));
-    cluster_sum<5>(cluster, v, slot_terms);
+    A qs[1] = {q_sum};
+    block_sum<1>(qs, scratch);  // every block sums all k: the same value everywhere
+    block_sum<4>(v, scratch);
+    cluster_sum<4>(cluster, v, slot_terms, bcast);
     A loss = v[0], ks = v[1];
     const A p_tail = v[2];
-    const A q_tail = fmax(A(1) - v[4], A(0));
+    const A q_tail = fmax(A(1) - qs[0], A(0));
     const Point<A> tail = bucket_point(p_tail, d_log(p_tail), q_tail, d_log(q_tail));
     if (p.k < p.v) {
       Terms<A> ta{A(0), A(0), A(0)};
@@ -444,8 +471,9 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
       };
       if (rn.close) terms_pass(std::true_type{});
       else terms_pass(std::false_type{});
-      A v[5] = {acc.loss, acc.ks, acc.kt, A(0), A(0)};
-      cluster_sum<5>(cluster, v, slot_terms);
+      A v[3] = {acc.loss, acc.ks, acc.kt};
+      block_sum<3>(v, scratch);
+      cluster_sum<3>(cluster, v, slot_terms, bcast);
       ks = v[1];
       kt = v[2];
       if (writes_out && threadIdx.x == 0) {
@@ -568,7 +596,7 @@ Launch plan_launch(int64_t v, size_t entry_bytes, bool topk) {
         l.cluster = c;
         l.slice = slice;
         l.smem = bytes(slice);
-        l.threads = slice >= 1024 ? 256 : 128;
+        l.threads = slice >= 8192 ? 512 : slice >= 2048 ? 256 : 128;
         if (const char* env = std::getenv("KLDIV_DISTILL_THREADS")) l.threads = std::atoi(env);  // research knob
         return l;
       }
