@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import kldiv_inline as K
-from kldiv_inline import layout
+from kldiv_inline import layout, ops
 from kldiv_inline.check import TOLERANCE
 
 from test_ops import (FORMS, GRAD_RTOL, REDUCTIONS, assert_forward_matches, assert_grad_close, call, make_pair,
@@ -278,14 +278,33 @@ def test_per_sample_gradients_vmap_of_grad(device, form, log_target, reduction):
     torch.testing.assert_close(j, e, rtol=1e-10, atol=1e-12)
 
 
-def test_registered_ops_vmap_rules(device):
-    """torch.ops.kldiv_inline.* under vmap (what torch.compile of a vmap traces), against PyTorch."""
+class _CountingModule:
+    """Stands in for the compiled module and counts the kernel entry points called."""
+
+    def __init__(self, mod):
+        self.mod, self.calls = mod, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.mod, name)
+
+        def counted(*args):
+            self.calls.append(name)
+            return fn(*args)
+        return counted
+
+
+def test_registered_ops_vmap_rules(device, monkeypatch):
+    """torch.ops.kldiv_inline.* under vmap (what torch.compile of a vmap traces), against PyTorch: one kernel
+    call for the whole batch (PyTorch's fallback for an op without a rule would call it once per sample)."""
     x, t = make_pair((3, 4, 9), (4, 9), torch.float64, device, "logprobs", False)
+    counting = _CountingModule(ops._module(torch.device(device)))
+    monkeypatch.setitem(ops._MODULES, torch.device(device).type, counting)
     fwd, bwd = torch.ops.kldiv_inline.kl_div_forward, torch.ops.kldiv_inline.kl_div_backward
     out = torch.vmap(lambda a: fwd(a, t, True, 4.0, False, False, False)[0])(x)
-    torch.testing.assert_close(out, torch.vmap(lambda a: _torch_kl("logprobs", a, t, "batchmean"))(x))
     go = torch.rand(3, dtype=torch.float64, device=device)
     gx, gt = torch.vmap(lambda g, a: bwd(g, a, t, True, 4.0, False, False, True, True))(go, x)
+    assert counting.calls == ["kl_div_forward", "kl_div_backward"]
+    torch.testing.assert_close(out, torch.vmap(lambda a: _torch_kl("logprobs", a, t, "batchmean"))(x))
     vjp = torch.vmap(lambda g, a: torch.func.vjp(lambda u, v: _torch_kl("logprobs", u, v, "batchmean"), a, t)[1](g))
     ex, et = vjp(go, x)
     torch.testing.assert_close(gx, ex)
