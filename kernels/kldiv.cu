@@ -22,7 +22,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
-#include <cfloat>
 #include <mutex>
 #include <unordered_map>
 #include <type_traits>
@@ -141,8 +140,8 @@ reduce_kernel(const T* __restrict__ x, const T* __restrict__ t, const Geometry g
       const A xe = static_cast<A>(xv.v[k]), te = static_cast<A>(tv.v[k]);
       if (GRAD) {
         A dx;
-        acc[k] += kl_point_grad<A, FORM, LOGT, LOWP>(xe, te, dx);
-        gv.v[k] = static_cast<T>(dx * gscale);
+        acc[k] += kl_point_grad<A, FORM, LOGT, LOWP>(xe, te, gscale, dx);
+        gv.v[k] = static_cast<T>(dx);
       } else {
         acc[k] += kl_point<A, FORM, LOGT, LOWP>(xe, te);
       }
@@ -190,8 +189,13 @@ reduce_kernel(const T* __restrict__ x, const T* __restrict__ t, const Geometry g
     int64_t ox = i, ot = i;
     if (!CONTIG) offsets(g, i, ox, ot);
     const A xe = static_cast<A>(x[ox]), te = static_cast<A>(t[ot]);
-    total += static_cast<double>(kl_point<A, FORM, LOGT, LOWP>(xe, te));
-    if (GRAD) grad[i] = static_cast<T>(kl_grad_input<A, FORM, LOGT>(xe, te) * gscale);
+    if (GRAD) {
+      A dx;
+      total += static_cast<double>(kl_point_grad<A, FORM, LOGT, LOWP>(xe, te, gscale, dx));
+      grad[i] = static_cast<T>(dx);
+    } else {
+      total += static_cast<double>(kl_point<A, FORM, LOGT, LOWP>(xe, te));
+    }
   }
 
   const double sum = block_sum<kThreads>(total);
@@ -257,7 +261,7 @@ backward_kernel(const T* __restrict__ x, const T* __restrict__ t, const Geometry
     if (!g.contiguous) offsets(g, i, ox, ot);
     const A xv = static_cast<A>(x[ox]), tv = static_cast<A>(t[ot]);
     const A go = static_cast<A>(grad_out[i * go_stride]) * scale;
-    if (grad_x) grad_x[i] = static_cast<T>(kl_grad_input<A, FORM, LOGT>(xv, tv) * go);
+    if (grad_x) grad_x[i] = static_cast<T>(kl_grad_input<A, FORM, LOGT>(xv, tv, go));
     if (grad_t) grad_t[i] = static_cast<T>(kl_grad_target<A, FORM, LOGT>(xv, tv) * go);
   }
 }

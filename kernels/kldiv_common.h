@@ -45,6 +45,39 @@ template <typename T> KL_HD bool kl_isfinite(T v) { return (v - v) == T(0); }  /
 // xlogy(t, t) as PyTorch defines it: 0 where t == 0 (also for t == -0), NaN where t is NaN.
 template <typename T> KL_HD T xlogy_self(T t) { return t == T(0) ? T(0) : t * kl_log(t); }
 
+// The accurate log, or (LOWP on the device) the hardware one, as a function object for kl_hot.
+template <bool LOWP> struct KlLog {
+  template <typename T> KL_HD T operator()(T v) const { return kl_log_p<LOWP>(v); }
+};
+
+// Every path (both CUDA kernels' forms, the CPU twin's exact and vectorised loops) computes an element
+// through the functions below; only the log's implementation differs between callers.
+//
+// The hot case without log_target, one log: t * log(t / p) (FORM_PROBS; no cancellation between two logs of
+// similar size) or t * (log t - x) (FORM_LOGP; the value of xlogy(t, t) - t * x, rounded once instead of
+// twice). It applies when t > 0 and the log's argument `arg` (t / p, or t) is a normal finite number; every
+// other case (t == 0, p <= 0, infinities, NaN, a ratio that over/underflows) takes kl_literal.
+template <typename T, int FORM>
+KL_HD bool kl_is_hot(T t, T arg) {
+  const bool normal = (arg >= std::numeric_limits<T>::min()) & (arg <= std::numeric_limits<T>::max());
+  return FORM == FORM_PROBS ? (t > T(0)) & normal : normal;
+}
+
+// The hot case's value and log argument, and whether it applies. `value` and `arg` are written either way
+// (`log` must accept any argument), so that a vectorising caller can select without branching.
+template <typename T, int FORM, typename Log>
+KL_HD bool kl_hot(T x, T t, Log log, T& value, T& arg) {
+  arg = FORM == FORM_PROBS ? t / x : t;
+  value = FORM == FORM_PROBS ? t * log(arg) : t * (log(arg) - x);
+  return kl_is_hot<T, FORM>(t, arg);
+}
+
+// PyTorch's formula, literally: xlogy(t, t) - t * logp.
+template <typename T, int FORM>
+KL_HD T kl_literal(T x, T t) {
+  return xlogy_self(t) - t * (FORM == FORM_PROBS ? kl_log(x) : x);
+}
+
 // One element of the loss. x: the input (log-probability, or probability for FORM_PROBS); t: the target.
 // LOWP: the inputs were 16-bit (see kl_log_p); it changes only the log's implementation in the hot case.
 template <typename T, int FORM, bool LOG_TARGET, bool LOWP = false>
@@ -53,40 +86,46 @@ KL_HD T kl_point(T x, T t) {
     const T logp = FORM == FORM_PROBS ? kl_log(x) : x;
     return kl_exp(t) * (t - logp);
   }
-  if (FORM == FORM_PROBS) {
-    // t * (log t - log p) = t * log(t / p): one log instead of two, and no cancellation between two logs of
-    // similar size. Valid whenever t > 0 and t / p is a normal finite number; every other case (t == 0,
-    // p <= 0, infinities, NaN, a ratio that over/underflows) takes PyTorch's literal formula.
-    const T r = t / x;
-    if (t > T(0) && r >= std::numeric_limits<T>::min() && r <= std::numeric_limits<T>::max())
-      return t * kl_log_p<LOWP>(r);
-    return xlogy_self(t) - t * kl_log(x);
-  }
-  // t * (log t - x) for finite t > 0: the same value as xlogy(t, t) - t * x, rounded once instead of twice.
-  if (t >= std::numeric_limits<T>::min() && t <= std::numeric_limits<T>::max())
-    return t * (kl_log_p<LOWP>(t) - x);
-  return xlogy_self(t) - t * x;
+  T value, arg;
+  if (kl_hot<T, FORM>(x, t, KlLog<LOWP>{}, value, arg)) return value;
+  return kl_literal<T, FORM>(x, t);
 }
 
-// d kl_point / d x.
+// kl_grad_input in the hot case, from its log argument: -(t / p) * g reuses the ratio, which keeps the fused
+// training pass at one division. The ratio is normal there and g (one over the divisor) is at most 1.
+template <typename T, int FORM>
+KL_HD T kl_hot_grad(T t, T arg, T g) {
+  return FORM == FORM_PROBS ? -arg * g : -t * g;
+}
+
+// d kl_point / d x, times g (grad_output over the reduction's divisor). Outside the hot case, in the order
+// autograd evaluates F.kl_div(torch.log(p), t): the weight times g, then divided by p. Dividing first (t / p,
+// then times g) overflows where t / p exceeds the type's range (p subnormal, a softmax's saturated tail)
+// while the gradient itself, smaller by the divisor, does not. In the hot case, kl_hot_grad: a gradient
+// recomputed by backward has the bits of the fused pass's.
 template <typename T, int FORM, bool LOG_TARGET>
-KL_HD T kl_grad_input(T x, T t) {
-  const T w = LOG_TARGET ? kl_exp(t) : t;  // d loss / d logp = -w
-  return FORM == FORM_PROBS ? -w / x : -w;
-}
-
-// kl_point and kl_grad_input together, sharing the ratio t / p of the probability form (the gradient
-// -t / p is exactly the negated ratio): the fused training pass costs one multiply more than the loss.
-template <typename T, int FORM, bool LOG_TARGET, bool LOWP = false>
-KL_HD T kl_point_grad(T x, T t, T& dx) {
+KL_HD T kl_grad_input(T x, T t, T g) {
   if (FORM == FORM_PROBS && !LOG_TARGET) {
     const T r = t / x;
-    dx = -r;
-    if (t > T(0) && r >= std::numeric_limits<T>::min() && r <= std::numeric_limits<T>::max())
-      return t * kl_log_p<LOWP>(r);
-    return xlogy_self(t) - t * kl_log(x);
+    if (kl_is_hot<T, FORM>(t, r)) return kl_hot_grad<T, FORM>(t, r, g);
   }
-  dx = kl_grad_input<T, FORM, LOG_TARGET>(x, t);
+  const T w = LOG_TARGET ? kl_exp(t) : t;  // d loss / d logp = -w
+  return FORM == FORM_PROBS ? -(w * g) / x : -(w * g);
+}
+
+// kl_point and kl_grad_input (times g) together: the fused training pass.
+template <typename T, int FORM, bool LOG_TARGET, bool LOWP = false>
+KL_HD T kl_point_grad(T x, T t, T g, T& dx) {
+  if (!LOG_TARGET) {
+    T value, arg;
+    if (kl_hot<T, FORM>(x, t, KlLog<LOWP>{}, value, arg)) {
+      dx = kl_hot_grad<T, FORM>(t, arg, g);
+      return value;
+    }
+    dx = kl_grad_input<T, FORM, false>(x, t, g);
+    return kl_literal<T, FORM>(x, t);
+  }
+  dx = kl_grad_input<T, FORM, LOG_TARGET>(x, t, g);
   return kl_point<T, FORM, LOG_TARGET, LOWP>(x, t);
 }
 

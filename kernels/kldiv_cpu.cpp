@@ -11,7 +11,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
 
-#include <cfloat>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -50,6 +49,12 @@ inline float log_normal_positive(float v) {
   return s * (hfsq + R) + dk * ln2_lo - hfsq + f + dk * ln2_hi;
 }
 
+// kl_hot's log in the fast path. Other arguments give a meaningless number (no trap, no UB): kl_hot reports
+// those elements as not hot, and their chunk is recomputed.
+struct LogNormalPositive {
+  float operator()(float v) const { return log_normal_positive(v); }
+};
+
 // Exact path: any dtype, any layout. Returns the chunk's sum; writes the fused gradient when grad != null.
 template <typename T, int FORM, bool LOGT>
 double chunk_exact(const T* x, const T* t, const Geometry& g, int64_t begin, int64_t end, T* grad,
@@ -61,16 +66,22 @@ double chunk_exact(const T* x, const T* t, const Geometry& g, int64_t begin, int
     int64_t ox = i, ot = i;
     if (!g.contiguous) offsets(g, i, ox, ot);
     const A xv = static_cast<A>(x[ox]), tv = static_cast<A>(t[ot]);
-    acc += static_cast<double>(kl_point<A, FORM, LOGT>(xv, tv));
-    if (grad) grad[i] = static_cast<T>(kl_grad_input<A, FORM, LOGT>(xv, tv) * gscale);
+    if (grad) {
+      A dx;
+      acc += static_cast<double>(kl_point_grad<A, FORM, LOGT>(xv, tv, gscale, dx));
+      grad[i] = static_cast<T>(dx);
+    } else {
+      acc += static_cast<double>(kl_point<A, FORM, LOGT>(xv, tv));
+    }
   }
   return acc;
 }
 
-// Fast path for contiguous float32 with log_target = false. Sets `ok` false if any element needs the exact
-// path (the caller then recomputes the chunk, gradient included). Written so that GCC vectorises it:
-// bitwise & of the conditions, no early exits, the sum done in a second (scalar, double) loop, and the
-// loader's -fno-trapping-math so that the selects around the division are not turned into branches.
+// Fast path for contiguous float32 with log_target = false: kl_hot (the math every path shares) with a
+// log that GCC can vectorise. Sets `ok` false if any element is not the hot case (the caller then recomputes
+// the chunk, gradient included, with the exact path). Written so that GCC vectorises it: bitwise & of the
+// conditions, no early exits, the sum done in a second (scalar, double) loop, and the loader's
+// -fno-trapping-math so that the selects around the division are not turned into branches.
 template <int FORM, bool GRAD>
 double chunk_fast_f32(const float* __restrict x, const float* __restrict t, int64_t begin, int64_t end,
                       float* __restrict grad, double inv_divisor, bool& ok) {
@@ -81,15 +92,11 @@ double chunk_fast_f32(const float* __restrict x, const float* __restrict t, int6
   t += begin;
   int bad = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const float xv = x[i], tv = t[i];
-    // PROBS: t * log(t / p); LOGP: t * (log t - x). Both need the log's argument normal, positive, finite.
-    const float arg = FORM == FORM_PROBS ? tv / xv : tv;
-    const bool good = (tv > 0.0f) & (arg >= FLT_MIN) & (arg <= FLT_MAX) &
-                      (FORM == FORM_PROBS || xv - xv == 0.0f);
-    const float lg = log_normal_positive(good ? arg : 1.0f);
-    vals[i] = good ? (FORM == FORM_PROBS ? tv * lg : tv * (lg - xv)) : 0.0f;
-    bad |= static_cast<int>(!good);
-    if constexpr (GRAD) grad[begin + i] = (FORM == FORM_PROBS ? -arg : -tv) * gscale;
+    float value, arg;
+    const bool hot = kl_hot<float, FORM>(x[i], t[i], LogNormalPositive{}, value, arg);
+    vals[i] = hot ? value : 0.0f;
+    bad |= static_cast<int>(!hot);
+    if constexpr (GRAD) grad[begin + i] = kl_hot_grad<float, FORM>(t[i], arg, gscale);
   }
   double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;  // four chains: the adds overlap
   int64_t i = 0;
@@ -149,7 +156,7 @@ void backward(const T* x, const T* t, const Geometry& g, const T* grad_out, int6
     if (!g.contiguous) offsets(g, i, ox, ot);
     const A xv = static_cast<A>(x[ox]), tv = static_cast<A>(t[ot]);
     const A go = static_cast<A>(grad_out[i * go_stride]) * scale;
-    if (gx) gx[i] = static_cast<T>(kl_grad_input<A, FORM, LOGT>(xv, tv) * go);
+    if (gx) gx[i] = static_cast<T>(kl_grad_input<A, FORM, LOGT>(xv, tv, go));
     if (gt) gt[i] = static_cast<T>(kl_grad_target<A, FORM, LOGT>(xv, tv) * go);
   }
 }

@@ -50,6 +50,13 @@ inline bool make_geometry(const at::Tensor& x, const at::Tensor& t, const std::v
   const int nd = static_cast<int>(shape.size());
   g.n = 1;
   for (auto s : shape) g.n *= s;
+  // Nothing to visit, whatever the rank: an empty result, a zero sum. Planning must not depend on an empty
+  // tensor's strides: they need not coalesce, and its dense copy is itself.
+  if (g.n == 0) {
+    g.ndim = 0;
+    g.contiguous = true;
+    return true;
+  }
   // Strides of each operand expanded to the broadcast shape (0 on broadcast dimensions).
   auto expanded_strides = [&](const at::Tensor& a) {
     std::vector<int64_t> st(nd, 0);

@@ -3,17 +3,23 @@
 ``kl_div`` has ``torch.nn.functional.kl_div``'s signature and semantics; ``kl_div_from_probs`` takes
 probabilities and takes their log inside the kernel (``F.kl_div(torch.log(p), t, ...)`` in one pass).
 
-Three paths reach the same kernels (``kernels/``), never PyTorch's kl_div or xlogy (only a broadcast
+Four paths reach the same kernels (``kernels/``), never PyTorch's kl_div or xlogy (only a broadcast
 operand's gradient is summed back to its shape with ``sum_to_size``):
 - eager, no autograd: the compiled module is called directly (a launch-bound call is mostly host time);
 - eager training: ``_EagerKLDiv``, a ``torch.autograd.Function`` with the backward rule below;
-- under ``torch.compile``: three registered custom ops (``torch.ops.kldiv_inline.*``) with fake
-  implementations and the same backward rule, so ``fullgraph=True`` has no graph break and
-  ``torch.library.opcheck`` can test them.
+- torch.func transforms (``grad``, ``vmap`` and their compositions): ``_FuncKLDiv``, the same Function in
+  the form functorch needs (``setup_context``, a ``vmap`` rule; ``_KLDivBackward`` for its gradients);
+- under ``torch.compile``, and for meta tensors, FakeTensors and other tensor subclasses: three registered
+  custom ops (``torch.ops.kldiv_inline.*``) with fake implementations and the same backward rule, so
+  ``fullgraph=True`` has no graph break and ``torch.library.opcheck`` can test them.
 
 Training with a reduced loss: when the input requires grad, the forward pass also writes d loss / d input
 (one write beyond the reads). Backward multiplies it in place by grad_output on the device, a kernel that
 returns at once when grad_output is 1 (``loss.backward()``): no extra pass and no host synchronisation.
+Second derivatives are not supported: differentiating a gradient of this op raises.
+
+``reduction='none'`` lays its result out as ``F.kl_div`` does (``layout.py``): the operands are permuted so
+that the kernel writes memory in order, and the result is permuted back.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from . import layout
 from .loader import load
 
 __all__ = ["kl_div", "kl_div_from_probs", "KLDivLoss", "REDUCTIONS"]
@@ -35,6 +42,18 @@ _MEAN_WARNING = (
     "'batchmean' divides only by the batch size, and aligns with the KL div math definition."
     "'mean' will be changed to behave the same as 'batchmean' in the next major release."
 )
+
+
+
+@torch.compiler.assume_constant_result
+def _warn_mean() -> bool:
+    """F.kl_div's 'mean' warning. Under torch.compile Dynamo runs this once, while tracing (it cannot trace
+    warnings.warn): the compiled function warns when it is compiled, as torch.nn.KLDivLoss does there."""
+    warnings.warn(_MEAN_WARNING, stacklevel=4)  # the caller of kl_div (-> _kl -> _warn_mean)
+    return True
+
+
+_transforms_active = torch._C._are_functorch_transforms_active
 
 
 _MODULES: dict[str, object] = {}
@@ -106,16 +125,8 @@ def _(grad, grad_out):
     return None
 
 
-def _setup_context(ctx, inputs, output):
+def _save(ctx, inputs, fused_grad):
     input, target, reduce, divisor, log_target, from_probs, want_grad = inputs
-    _, fused_grad = output
-    _save(ctx, input, target, reduce, divisor, log_target, from_probs, want_grad, fused_grad)
-    # The second output (the fused gradient) is not part of the loss: without this, autograd would fill a
-    # zero tensor of its size as its incoming gradient on every backward (a full extra pass).
-    ctx.mark_non_differentiable(fused_grad)
-
-
-def _save(ctx, input, target, reduce, divisor, log_target, from_probs, want_grad, fused_grad):
     ctx.flags = (reduce, divisor, log_target, from_probs)
     ctx.fused = want_grad
     ctx.fused_used = False
@@ -128,7 +139,21 @@ def _save(ctx, input, target, reduce, divisor, log_target, from_probs, want_grad
     ctx.set_materialize_grads(False)
 
 
-def _backward_with(ctx, grad_out, scale_grad_, backward):
+def _setup_context(ctx, inputs, output):
+    """For the Functions whose second output is the fused gradient (the registered op, _FuncKLDiv)."""
+    _save(ctx, inputs, output[1])
+    # The second output is not part of the loss: without this, autograd would fill a zero tensor of its size
+    # as its incoming gradient on every backward (a full extra pass).
+    ctx.mark_non_differentiable(output[1])
+
+
+def _plain(*tensors: Tensor) -> bool:
+    """Tensors the compiled module can take as they are (not meta, fake or another subclass)."""
+    return all(type(t) in _PLAIN and t.device.type != "meta" for t in tensors)
+
+
+def _backward_with(ctx, grad_out):
+    """The backward rule of the registered op, ``_EagerKLDiv`` and ``_FuncKLDiv``."""
     input, target = ctx.saved_tensors
     if grad_out is None:  # the loss took no part in what was differentiated
         return None, None
@@ -138,16 +163,17 @@ def _backward_with(ctx, grad_out, scale_grad_, backward):
     grad_out = grad_out.to(input.dtype)
     # The fused gradient is rescaled in place, once: a second backward (retain_graph=True) recomputes.
     # Any tracing (Dynamo, or AOTAutograd alone as in opcheck, which passes tensor subclasses) takes the
-    # functional path too: an in-place update of a forward output cannot be partitioned.
+    # functional path too: an in-place update of a forward output cannot be partitioned. So does
+    # create_graph=True (grad mode on here): the fused gradient has no graph to carry.
     use_fused = (need_x and ctx.fused and not ctx.fused_used and type(grad_out) is Tensor
-                 and not torch.compiler.is_compiling())
+                 and not torch.compiler.is_compiling() and not torch.is_grad_enabled())
     if use_fused:
         ctx.fused_used = True
         gx, ctx.fused_grad = ctx.fused_grad, None
-        scale_grad_(gx, grad_out)
+        _module(gx.device).kl_div_scale_grad_(gx, grad_out)
     if (need_x and not use_fused) or need_t:
-        bx, bt = backward(grad_out, input, target, reduce, divisor, log_target, from_probs,
-                          need_x and not use_fused, need_t)
+        bx, bt = _input_grads(grad_out, input, target, reduce, divisor, log_target, from_probs,
+                              need_x and not use_fused, need_t)
         if need_x and not use_fused:
             gx = bx
         if need_t:
@@ -159,42 +185,148 @@ def _backward_with(ctx, grad_out, scale_grad_, backward):
     return gx, gt
 
 
+def _input_grads(grad_out, input, target, reduce, divisor, log_target, from_probs, want_x, want_t):
+    if torch.compiler.is_compiling() or not _plain(grad_out, input, target):
+        return _backward_op(grad_out, input, target, reduce, divisor, log_target, from_probs, want_x, want_t)
+    if torch.is_grad_enabled() or _transforms_active():
+        return _KLDivBackward.apply(grad_out, input, target, reduce, divisor, log_target, from_probs, want_x,
+                                    want_t)
+    return _module(input.device).kl_div_backward(grad_out, input, target, reduce, divisor, log_target,
+                                                 from_probs, want_x, want_t)
+
+
 def _backward(ctx, grad_out, _grad_of_fused_grad):
-    return (*_backward_with(ctx, grad_out, _scale_grad_op, _backward_op), None, None, None, None, None)
-
-
-class _EagerKLDiv(torch.autograd.Function):
-    """Eager training: the same kernels and backward rule as the registered op, without the dispatcher's
-    Python round trips (about 100 us per step on an H200, which decided small training steps)."""
-
-    @staticmethod
-    def forward(ctx, input, target, reduce, divisor, log_target, from_probs, want_grad):
-        mod = _module(input.device)
-        out, fused_grad = mod.kl_div_forward(input, target, reduce, divisor, log_target, from_probs, want_grad)
-        _save(ctx, input, target, reduce, divisor, log_target, from_probs, want_grad, fused_grad)
-        ctx.module = mod
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        mod = ctx.module
-        return (*_backward_with(ctx, grad_out, mod.kl_div_scale_grad_, mod.kl_div_backward),
-                None, None, None, None, None)
+    return (*_backward_with(ctx, grad_out), None, None, None, None, None)
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _batch_first(batch: int, in_dims, *tensors: Tensor) -> list[Tensor]:
+    """For a vmap rule: each tensor with its mapped dimension first (expanded where it has none) and size-1
+    dimensions after it up to a common rank, so that per-sample broadcasting lines up."""
+    moved = [v.movedim(d, 0) if d is not None else v.expand(batch, *v.shape)
+             for v, d in zip(tensors, in_dims)]
+    rank = max(v.dim() for v in moved)
+    return [v.reshape((batch,) + (1,) * (rank - v.dim()) + tuple(v.shape[1:])) for v in moved]
+
+
+def _vmap_forward(forward):
+    """A vmap rule for a forward with the registered op's signature (``forward``: ``_FuncKLDiv.apply`` or
+    the op): every sample's loss from one elementwise call over the batch, then per-sample sums (in float32
+    for 16-bit inputs, as the kernels accumulate). No fused gradient: the backward recomputes."""
+    def rule(info, in_dims, input, target, reduce, divisor, log_target, from_probs, want_grad):
+        x, t = _batch_first(info.batch_size, in_dims[:2], input, target)
+        if not reduce:
+            out = forward(x, t, False, 1.0, log_target, from_probs, False)[0]
+        else:
+            acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+            per_element = forward(x.to(acc), t.to(acc), False, 1.0, log_target, from_probs, False)[0]
+            if per_element.dim() > 1:
+                per_element = per_element.sum(tuple(range(1, per_element.dim())))
+            out = (per_element / divisor).to(x.dtype)
+        return (out, x.new_empty((0,))), (0, None)
+    return rule
+
+
+def _vmap_backward(backward):
+    """A vmap rule for a backward with the registered op's signature: the reduced case becomes the
+    elementwise one, with each sample's grad_output (over the divisor) spread over its elements."""
+    def rule(info, in_dims, grad_out, input, target, reduce, divisor, log_target, from_probs, want_x, want_t):
+        go, x, t = _batch_first(info.batch_size, in_dims[:3], grad_out, input, target)
+        if reduce:
+            go = go / divisor
+        go = go.expand(torch.broadcast_shapes(x.shape, t.shape))
+        grads = backward(go, x, t, False, 1.0, log_target, from_probs, want_x, want_t)
+        return tuple(grads), (0 if want_x else None, 0 if want_t else None)
+    return rule
+
+
+def _forward_kernels(input, target, reduce, divisor, log_target, from_probs, want_grad):
+    out, fused_grad = _module(input.device).kl_div_forward(input, target, reduce, divisor, log_target,
+                                                           from_probs, want_grad)
+    return out, _undefined_to_empty(fused_grad, input)
+
+
+class _EagerKLDiv(torch.autograd.Function):
+    """Eager training: the same kernels and backward rule as the registered op, without the dispatcher's
+    Python round trips (about 100 us per step on an H200, which decided small training steps). Written with
+    ctx in forward on purpose: a Function with setup_context binds its arguments through inspect.signature
+    on every call (~40 us of host time)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        out, fused_grad = _forward_kernels(*inputs)
+        _save(ctx, inputs, fused_grad)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return (*_backward_with(ctx, grad_out), None, None, None, None, None)
+
+
+class _FuncKLDiv(torch.autograd.Function):
+    """The same under torch.func transforms, which need setup_context and a vmap rule. Returns (loss, fused
+    gradient or an empty tensor), like the registered op."""
+
+    forward = staticmethod(_forward_kernels)
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_of_fused_grad):
+        return (*_backward_with(ctx, grad_out), None, None, None, None, None)
+
+    vmap = staticmethod(_vmap_forward(lambda *args: _FuncKLDiv.apply(*args)))
+
+
+class _KLDivBackward(torch.autograd.Function):
+    """The gradients as a Function of their own, used when they must carry a graph (create_graph=True,
+    torch.func): that graph raises if differentiated (no second derivative: a gradient penalty would
+    otherwise silently lose its term), and the vmap rule gives per-sample gradients."""
+
+    @staticmethod
+    def forward(grad_out, input, target, reduce, divisor, log_target, from_probs, want_x, want_t):
+        gx, gt = _module(input.device).kl_div_backward(grad_out, input, target, reduce, divisor, log_target,
+                                                       from_probs, want_x, want_t)
+        return _undefined_to_empty(gx, input), _undefined_to_empty(gt, input)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            "kldiv_inline: double backward is not supported: a gradient of kl_div / kl_div_from_probs was "
+            "differentiated again (create_graph=True for a gradient penalty, a Hessian, torch.func.grad of a "
+            "grad). Use torch.nn.functional.kl_div where second derivatives are needed.")
+
+    vmap = staticmethod(_vmap_backward(lambda *args: _KLDivBackward.apply(*args)))
+
+
+torch.library.register_vmap("kldiv_inline::kl_div_forward", _vmap_forward(_forward_op))
+torch.library.register_vmap("kldiv_inline::kl_div_backward", _vmap_backward(_backward_op))
+
+
 # ------------------------------------------------------------------------------------------ front end
-def _check(input, target, reduction: str, log_target) -> tuple[Tensor, Tensor, torch.Size]:
+def _check_reduction(reduction, where: str = "kl_div") -> None:
+    if not isinstance(reduction, str):
+        raise TypeError(f"{where}: reduction must be a str, one of {REDUCTIONS}, got {type(reduction).__name__} "
+                        f"{reduction!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{where}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def _check(input, target, reduction: str, log_target) -> tuple[Tensor, Tensor, torch.Size, torch.dtype]:
+    """Checks the arguments; returns the operands (a 0-d CPU operand moved to the other's device), the
+    broadcast shape and the result dtype (the operands are not converted yet)."""
     for name, t in (("input", input), ("target", target)):
         if not isinstance(t, Tensor):
             raise TypeError(f"kl_div: {name} must be a torch.Tensor, got {type(t).__name__}")
         if not (t.is_floating_point()):
             raise TypeError(f"kl_div: {name} must have a floating-point dtype (float16, bfloat16, float32, "
                             f"float64), got {t.dtype}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"kl_div: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    _check_reduction(reduction)
     if not isinstance(log_target, bool):
         raise TypeError(f"kl_div: log_target must be a bool, got {type(log_target).__name__}")
     if input.device != target.device:
@@ -206,7 +338,7 @@ def _check(input, target, reduction: str, log_target) -> tuple[Tensor, Tensor, t
         else:
             raise ValueError(f"kl_div: input and target must be on the same device, got {input.device} and "
                              f"{target.device}")
-    if input.device.type not in ("cpu", "cuda"):
+    if input.device.type not in ("cpu", "cuda", "meta"):
         raise NotImplementedError(f"kl_div: no kernels for {input.device.type} tensors (cpu and cuda only)")
     try:
         # torch.broadcast_shapes costs ~10 us of Python: a noticeable share of a small training step.
@@ -222,11 +354,7 @@ def _check(input, target, reduction: str, log_target) -> tuple[Tensor, Tensor, t
         dtype = torch.promote_types(input.dtype, target.dtype)
     else:
         dtype = target.dtype if input.dim() == 0 else input.dtype
-    if input.dtype != dtype:
-        input = input.to(dtype)
-    if target.dtype != dtype:
-        target = target.to(dtype)
-    return input, target, shape
+    return input, target, shape, dtype
 
 
 def _divisor(reduction: str, input: Tensor, shape: torch.Size) -> float:
@@ -238,48 +366,86 @@ def _divisor(reduction: str, input: Tensor, shape: torch.Size) -> float:
 
 
 _FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_PLAIN = (Tensor, torch.nn.Parameter)  # tensor types the compiled module can take as they are
 
 
 def _kl(input: Tensor, target: Tensor, reduction: str, log_target: bool, from_probs: bool,
         warn_mean: bool = True) -> Tensor:
-    # Fast path for the common valid inference call (one shape, one dtype, no autograd, eager): straight to
-    # the kernels. A launch-bound call is dominated by host time, and every check here costs microseconds.
-    # The kernels re-check devices and dtypes in C++; anything unusual takes the checked path below.
+    # Fast path for the common valid inference call (one shape, one dtype, no autograd, eager, a CPU or CUDA
+    # tensor): straight to the kernels. A launch-bound call is dominated by host time, and every check here
+    # costs microseconds. The kernels re-check devices and dtypes in C++; anything unusual takes the checked
+    # path below.
     if (type(input) is Tensor and type(target) is Tensor and input.dtype is target.dtype
             and input.dtype in _FLOAT_DTYPES and input.shape == target.shape and type(log_target) is bool
-            and reduction in _REDUCTION_SET
+            and type(reduction) is str and reduction in _REDUCTION_SET
             and not (torch.is_grad_enabled() and (input.requires_grad or target.requires_grad))
-            and not torch.compiler.is_compiling()):
+            and (input.is_cuda or input.is_cpu) and not torch.compiler.is_compiling()
+            and not _transforms_active()):
         if reduction == "mean" and warn_mean:
-            warnings.warn(_MEAN_WARNING, stacklevel=3)
+            _warn_mean()
         reduce = reduction != "none"
         divisor = _divisor(reduction, input, input.shape) if reduce else 1.0
         mod = _MODULES.get("cuda" if input.is_cuda else "cpu") or _module(input.device)
         try:
-            return mod.kl_div_forward(input, target, reduce, divisor, log_target, from_probs, False)[0]
+            if reduce or (input.is_contiguous() and target.is_contiguous()):
+                return mod.kl_div_forward(input, target, reduce, divisor, log_target, from_probs, False)[0]
         except RuntimeError:
             _check(input, target, reduction, log_target)  # raises the same friendly error as the checked path
             raise
 
-    input, target, shape = _check(input, target, reduction, log_target)
+    operands = (input, target)
+    input, target, shape, dtype = _check(input, target, reduction, log_target)
     if reduction == "mean" and warn_mean:
-        warnings.warn(_MEAN_WARNING, stacklevel=3)
+        _warn_mean()
     reduce = reduction != "none"
+    order = None
+    if (not reduce and not (input.is_contiguous() and target.is_contiguous())
+            and input.numel() and target.numel()):
+        # F.kl_div's layout (transposed, channels_last, ...), decided by the operands as passed.
+        strides = layout.kl_div_strides(*operands, tuple(shape), from_probs)
+        order = layout.outer_to_inner(tuple(shape), strides)
+    if from_probs and input.dtype != dtype and torch.promote_types(input.dtype, dtype) != dtype:
+        # The probabilities would be cast to a narrower type (a 0-d float32 p with a float16 target): small
+        # ones would flush to 0 before the log. Take the log in their own precision first, as
+        # F.kl_div(torch.log(p), t) does, and continue with the log-probability form.
+        input, from_probs = torch.log(input), False
+    if input.dtype != dtype:
+        input = input.to(dtype)
+    if target.dtype != dtype:
+        target = target.to(dtype)
+    if order is not None:  # iterate in the result's memory order: the kernel writes it row-major
+        input = input[(None,) * (len(shape) - input.dim())].permute(order)
+        target = target[(None,) * (len(shape) - target.dim())].permute(order)
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        return _dispatch(input, target, False, 1.0, log_target, from_probs).permute(inverse)
     divisor = _divisor(reduction, input, shape) if reduce else 1.0
+    return _dispatch(input, target, reduce, divisor, log_target, from_probs)
+
+
+def _dispatch(input: Tensor, target: Tensor, reduce: bool, divisor: float, log_target: bool,
+              from_probs: bool) -> Tensor:
+    """Checked operands of one dtype -> the path that suits them (see the module docstring)."""
     grad_enabled = torch.is_grad_enabled() and (input.requires_grad or target.requires_grad)
-    if not grad_enabled and not torch.compiler.is_compiling():
-        out, _ = _module(input.device).kl_div_forward(input, target, reduce, divisor, log_target, from_probs,
-                                                      False)
-        return out
+    compiling = torch.compiler.is_compiling()
+    if compiling or type(input) not in _PLAIN or type(target) not in _PLAIN or input.device.type == "meta":
+        # The fused gradient only when compiling real tensors (meta/fake tensors: nothing to save).
+        want_grad = compiling and _wants_fused_grad(input, target, reduce, grad_enabled)
+        return _forward_op(input, target, reduce, divisor, log_target, from_probs, want_grad)[0]
+    if _transforms_active():  # torch.func.grad / vmap: tensors that only the Function's rules can take
+        return _FuncKLDiv.apply(input, target, reduce, divisor, log_target, from_probs, False)[0]
+    if not grad_enabled:
+        return _module(input.device).kl_div_forward(input, target, reduce, divisor, log_target, from_probs,
+                                                    False)[0]
+    want_grad = _wants_fused_grad(input, target, reduce, grad_enabled)
+    return _EagerKLDiv.apply(input, target, reduce, divisor, log_target, from_probs, want_grad)
+
+
+def _wants_fused_grad(input: Tensor, target: Tensor, reduce: bool, grad_enabled: bool) -> bool:
     # The forward writes the input's gradient when it can lay it out like the input: same shape as the
     # broadcast, both operands contiguous (otherwise backward computes it). A broadcast target is not dense
-    # over the broadcast shape (the CUDA kernel's fused path refuses it), hence target.shape == shape too.
-    want_grad = bool(reduce and grad_enabled and input.requires_grad and input.shape == shape
-                     and target.shape == shape and input.is_contiguous() and target.is_contiguous())
-    if torch.compiler.is_compiling():
-        out, _ = _forward_op(input, target, reduce, divisor, log_target, from_probs, want_grad)
-        return out
-    return _EagerKLDiv.apply(input, target, reduce, divisor, log_target, from_probs, want_grad)
+    # over the broadcast shape (the CUDA kernel's fused path refuses it), hence target.shape == input.shape.
+    return bool(reduce and grad_enabled and input.requires_grad and input.shape == target.shape
+                and input.is_contiguous() and target.is_contiguous())
 
 
 def kl_div(input: Tensor, target: Tensor, size_average=None, reduce=None, reduction: str = "mean",
@@ -296,6 +462,7 @@ def _legacy(input, target, size_average, reduce, reduction, log_target):
     'mean' warning is given, and reduction='batchmean' still divides the result by input.size(0)."""
     from torch.nn import _reduction
 
+    _check_reduction(reduction)
     out = _kl(input, target, _reduction.legacy_get_string(size_average, reduce), log_target, from_probs=False,
               warn_mean=False)
     if reduction == "batchmean" and input.dim() != 0:
@@ -319,8 +486,7 @@ class KLDivLoss(torch.nn.Module):
             from torch.nn import _reduction
 
             reduction = _reduction.legacy_get_string(size_average, reduce)
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"KLDivLoss: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        _check_reduction(reduction, "KLDivLoss")
         self.reduction, self.log_target = reduction, log_target
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:

@@ -1,0 +1,556 @@
+"""Regression tests of the public op's reliability: gradients that overflowed, double backward, mixed-dtype
+logs, torch.compile with 'mean', torch.func, many dimensions, meta/fake tensors, reduction types, one
+definition of the per-element math, and the layout of reduction='none'.
+
+Each test failed before the change it guards. Tests parametrised over `device` run on cpu always and on
+cuda where a GPU is present (marked `gpu`). Fresh random inputs every run (conftest prints the seed).
+"""
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+import kldiv_inline as K
+from kldiv_inline import layout, ops
+from kldiv_inline.check import TOLERANCE
+
+from test_ops import (FORMS, GRAD_RTOL, REDUCTIONS, assert_forward_matches, assert_grad_close, call, make_pair,
+                      random_grad_out, ref_grads, reference)
+
+DOUBLE_BACKWARD = "double backward"
+
+
+def _quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+def _torch_kl(form, x, t, reduction, log_target=False):
+    """PyTorch's own expression for the form, as a function of (x, t)."""
+    return _quiet(F.kl_div, torch.log(x) if form == "probs" else x, t, reduction=reduction,
+                  log_target=log_target)
+
+
+# ------------------------------------------------------------ gradients finite wherever PyTorch's are
+def _saturated_softmax_case(device, log_target):
+    logits = torch.zeros(1024, 8, dtype=torch.float64)
+    logits[:, 0] = 95  # the other probabilities are e^-95: subnormal in float32, t / p overflows
+    logits[:, 1:] += torch.rand(1024, 7, dtype=torch.float64) * 0.5
+    tgt = torch.rand(1024, 8, dtype=torch.float64) + 0.05
+    tgt = tgt / tgt.sum(-1, keepdim=True)
+    if log_target:
+        tgt = tgt.log()
+    return logits.to(device), tgt.to(device)
+
+
+@pytest.mark.parametrize("log_target", [False, True], ids=["t", "logt"])
+@pytest.mark.parametrize("path", ["fused", "recomputed", "none"])
+def test_probs_gradient_through_saturated_softmax(device, log_target, path):
+    logits64, t64 = _saturated_softmax_case(device, log_target)
+    logits, t = logits64.float(), t64.float()
+
+    def grad_of_logits(loss_fn, lg, tt):
+        lg = lg.clone().requires_grad_()
+        if path == "none":  # the elementwise backward kernel
+            loss = loss_fn(lg.softmax(-1), tt, "none").sum() / lg.shape[0]
+            return torch.autograd.grad(loss, lg)[0]
+        loss = loss_fn(lg.softmax(-1), tt, "batchmean")
+        if path == "recomputed":  # a second backward recomputes the gradient with the backward kernel
+            torch.autograd.grad(loss, lg, retain_graph=True)
+        return torch.autograd.grad(loss, lg)[0]
+
+    ours = grad_of_logits(lambda p, q, r: K.kl_div_from_probs(p, q, r, log_target=log_target), logits, t)
+    theirs = grad_of_logits(lambda p, q, r: _torch_kl("probs", p, q, r, log_target), logits, t)
+    truth = grad_of_logits(lambda p, q, r: _torch_kl("probs", p, q, r, log_target), logits64, t64)
+    assert torch.isfinite(theirs).all() and torch.isfinite(truth).all()
+    assert torch.isfinite(ours).all(), ours[~torch.isfinite(ours)][:8]
+    assert_grad_close(ours, truth, logits, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("log_target", [False, True], ids=["t", "logt"])
+@pytest.mark.parametrize("path", ["fused", "recomputed", "none"])
+def test_probs_gradient_of_a_subnormal_probability(device, dtype, log_target, path):
+    batch, tiny = 8, (1e-40 if dtype == torch.float32 else 1e-310)  # subnormal probabilities
+    p, t = make_pair((batch, 50), (batch, 50), dtype, device, "probs", log_target)
+    p[0, :2] = tiny
+    # t / p is 4x (element [0, 0]) and 40x (element [0, 1]) the dtype's largest value: the gradient
+    # t / (batch p) is finite for the first, and overflows for PyTorch too for the second.
+    w = tiny * torch.finfo(dtype).max * torch.tensor([4.0, 40.0], dtype=torch.float64)
+    t[0, :2] = (w.log() if log_target else w).to(device=device, dtype=dtype)
+
+    def grad(fn, pp, tt):
+        pp = pp.clone().requires_grad_()
+        if path == "none":  # the elementwise backward kernel
+            return torch.autograd.grad(fn(pp, tt, "none").sum() / batch, pp)[0]
+        loss = fn(pp, tt, "batchmean")
+        if path == "recomputed":  # a second backward recomputes the gradient with the backward kernel
+            torch.autograd.grad(loss, pp, retain_graph=True)
+        return torch.autograd.grad(loss, pp)[0]
+
+    ours = grad(lambda a, b, r: K.kl_div_from_probs(a, b, r, log_target=log_target), p, t)
+    theirs = grad(lambda a, b, r: _torch_kl("probs", a, b, r, log_target), p, t)
+    truth = grad(lambda a, b, r: _torch_kl("probs", a, b, r, log_target), p.double(), t.double())
+    assert torch.isfinite(theirs[0, 0]) and torch.isinf(theirs[0, 1])
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs)), ours[0, :2]
+    finite = torch.isfinite(theirs)
+    torch.testing.assert_close(ours[finite].double(), truth[finite], rtol=GRAD_RTOL[dtype] / 10, atol=0)
+
+
+# ------------------------------------------------------------ double backward raises
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("reduction", ["batchmean", "none"])
+@pytest.mark.parametrize("wrt", ["input", "target"])
+def test_gradient_penalty_raises_double_backward(device, form, reduction, wrt):
+    x, t = make_pair((6, 20), (6, 20), torch.float32, device, form, False)
+    leaf = (x if wrt == "input" else t).requires_grad_()
+    loss = call(form, x, t, reduction).sum()
+    (g,) = torch.autograd.grad(loss, leaf, create_graph=True)
+    # The gradient itself is right (create_graph=True alone is fine) ...
+    ref = ref_grads(form, x, t, reduction, False, torch.ones((), device=device) if reduction != "none"
+                    else torch.ones(6, 20, device=device), wrt)[wrt]
+    assert_grad_close(g.detach(), ref, leaf)
+    # ... but a term built from it cannot silently contribute nothing.
+    assert g.requires_grad
+    with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
+        ((g ** 2).sum() + loss).backward()
+
+
+def test_gradient_penalty_raises_under_torch_compile(device):
+    torch._dynamo.reset()
+    x, t = make_pair((6, 20), (6, 20), torch.float32, device, "probs", False)
+    x.requires_grad_()
+    loss = torch.compile(lambda a, b: K.kl_div_from_probs(a, b))(x, t)
+    (g,) = torch.autograd.grad(loss, x, create_graph=True)
+    with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
+        ((g ** 2).sum() + loss).backward()
+
+
+def test_second_order_torch_func_raises(device):
+    x, t = make_pair((4, 9), (4, 9), torch.float64, device, "logprobs", False)
+    inner = torch.func.grad(lambda a: K.kl_div(a, t, reduction="sum"))
+    with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
+        torch.func.grad(lambda a: inner(a).pow(2).sum())(x)
+
+
+# ------------------------------------------------------------ mixed dtypes: the log before narrowing
+@pytest.mark.parametrize("p_dtype,t_dtype,small", [(torch.float32, torch.float16, 1e-8),
+                                                   (torch.float64, torch.float16, 1e-8),
+                                                   (torch.bfloat16, torch.float16, 1e-9),
+                                                   (torch.float64, torch.bfloat16, 1e-50)],
+                         ids=["f32-f16", "f64-f16", "bf16-f16", "f64-bf16"])
+@pytest.mark.parametrize("log_target", [False, True], ids=["t", "logt"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_0d_probability_takes_its_log_before_narrowing(device, p_dtype, t_dtype, small, log_target, reduction):
+    # The issue's case: p = 1e-8 as a 0-d float32 with a float16 target. Cast to float16 first, p is 0 and
+    # the loss inf; F.kl_div(torch.log(p), t) takes the log in float32 (-18.4) and gives a finite loss.
+    p = torch.tensor(small, dtype=p_dtype, device=device)
+    assert p.to(t_dtype) == 0  # the narrowing cast would lose it
+    q = torch.rand(7, dtype=torch.float64) + 0.1
+    t = (q.log() if log_target else q).to(device=device, dtype=t_dtype)
+    ours = call("probs", p, t, reduction, log_target)
+    theirs = _torch_kl("probs", p, t, reduction, log_target)
+    assert ours.dtype == theirs.dtype == t_dtype and ours.shape == theirs.shape
+    assert torch.isfinite(ours).all() and torch.isfinite(theirs).all()
+    # F.kl_div(torch.log(p), t) in float64: the log in p's precision, converted to the result dtype.
+    truth = reference("logprobs", torch.log(p).to(t_dtype), t, reduction, log_target)
+    torch.testing.assert_close(ours.double(), truth, rtol=TOLERANCE[t_dtype], atol=0)
+    # The gradient with respect to p flows through that log.
+    pg = p.clone().requires_grad_()
+    ours = call("probs", pg, t, reduction, log_target)
+    (ours.sum() if reduction == "none" else ours).backward()
+    pt = p.clone().requires_grad_()
+    theirs = _torch_kl("probs", pt, t, reduction, log_target)
+    (theirs.sum() if reduction == "none" else theirs).backward()
+    assert pg.grad.dtype == p_dtype and torch.isfinite(pg.grad)
+    # Both are rounded to p's dtype last: a bfloat16 gradient may differ by one of its units.
+    rtol = 4 * TOLERANCE[t_dtype] + 2 * torch.finfo(p_dtype).eps
+    torch.testing.assert_close(pg.grad.double(), pt.grad.double(), rtol=rtol, atol=0)
+
+
+# ------------------------------------------------------------ torch.compile with reduction='mean'
+@pytest.mark.parametrize("which", ["kl_div", "kl_div_from_probs", "KLDivLoss()"])
+def test_torch_compile_fullgraph_mean_warns_like_torch(device, which):
+    x, t = make_pair((8, 30), (8, 30), torch.float32, device, "logprobs", False)
+    ours = {"kl_div": lambda a, b: K.kl_div(a, b, reduction="mean"),
+            "kl_div_from_probs": lambda a, b: K.kl_div_from_probs(a.exp(), b, reduction="mean"),
+            "KLDivLoss()": K.KLDivLoss()}[which]
+    theirs = {"kl_div": lambda a, b: F.kl_div(a, b, reduction="mean"),
+              "kl_div_from_probs": lambda a, b: F.kl_div(torch.log(a.exp()), b, reduction="mean"),
+              "KLDivLoss()": torch.nn.KLDivLoss()}[which]
+    per_call = {}
+    for name, fn in (("ours", ours), ("torch", theirs)):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True)  # raises on a graph break (warnings.warn is one)
+        per_call[name] = []
+        for _ in range(3):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = compiled(x, t)
+            per_call[name].append(sum("batchmean" in str(w.message) for w in caught))
+        if name == "ours":
+            assert_forward_matches(out, "logprobs", x, t, "mean", False)
+    # Like torch.nn.KLDivLoss: a warning while compiling (PyTorch's count there depends on its caches),
+    # none from the compiled calls after it.
+    assert per_call["ours"] == [1, 0, 0]
+    assert per_call["torch"][0] >= 1 and per_call["torch"][1:] == [0, 0]
+
+
+def test_eager_mean_still_warns_every_call(device):
+    x, t = make_pair((4, 10), (4, 10), torch.float32, device, "logprobs", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            K.kl_div(x, t, reduction="mean")
+    ours = [w for w in caught if "batchmean" in str(w.message)]
+    assert len(ours) == 3 and all(w.filename == __file__ for w in ours)
+
+
+# ------------------------------------------------------------ torch.func: grad, vmap and compositions
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("log_target", [False, True], ids=["t", "logt"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_torch_func_grad(device, form, log_target, reduction):
+    x, t = make_pair((5, 12), (5, 12), torch.float64, device, form, log_target)
+
+    def ours(a, b):
+        return call(form, a, b, reduction, log_target).sum()
+
+    def theirs(a, b):
+        return _torch_kl(form, a, b, reduction, log_target).sum()
+
+    for argnums in (0, 1, (0, 1)):
+        got = torch.func.grad(ours, argnums=argnums)(x, t)
+        expected = torch.func.grad(theirs, argnums=argnums)(x, t)
+        for g, e in zip(got if isinstance(got, tuple) else (got,), expected if isinstance(expected, tuple)
+                        else (expected,)):
+            torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_vmap_forward(device, form, reduction, dtype):
+    def close(out, ref):  # per element: the dtype's tolerance, relative to the largest value
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * float(ref.abs().max()))
+
+    # Mapped over the input's dimension 0 and the target's dimension 1, the target broadcast per sample.
+    x, _ = make_pair((3, 4, 10), (3, 4, 10), dtype, device, form, False)
+    _, t = make_pair((4, 3, 10), (4, 3, 10), dtype, device, form, False)
+    ours = torch.vmap(lambda a, b: call(form, a, b, reduction), in_dims=(0, 1))(x, t)
+    for i in range(3):
+        close(ours[i], reference(form, x[i], t[:, i], reduction))
+    # One operand not mapped, and per-sample ranks that differ (broadcasting inside each sample).
+    row = t[0, 0]
+    ours = torch.vmap(lambda a: call(form, a, row, reduction))(x)
+    close(ours, torch.vmap(lambda a: _torch_kl(form, a.double(), row.double(), reduction))(x))
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("log_target", [False, True], ids=["t", "logt"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_per_sample_gradients_vmap_of_grad(device, form, log_target, reduction):
+    x, t = make_pair((6, 4, 9), (6, 4, 9), torch.float64, device, form, log_target)
+
+    def loss(fn):
+        return lambda a, b: fn(a, b).sum()
+
+    ours = torch.vmap(torch.func.grad(loss(lambda a, b: call(form, a, b, reduction, log_target)),
+                                      argnums=(0, 1)))(x, t)
+    theirs = torch.vmap(torch.func.grad(loss(lambda a, b: _torch_kl(form, a, b, reduction, log_target)),
+                                        argnums=(0, 1)))(x, t)
+    for g, e in zip(ours, theirs):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+    # grad of vmap, and jacrev (vmap over vjp) too.
+    g = torch.func.grad(lambda a: torch.vmap(lambda u, v: call(form, u, v, reduction, log_target))(a, t).sum())(x)
+    e = torch.func.grad(lambda a: torch.vmap(lambda u, v: _torch_kl(form, u, v, reduction, log_target))(a, t)
+                        .sum())(x)
+    torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+    j = torch.func.jacrev(lambda a: call(form, a, t[0], reduction, log_target))(x[0])
+    e = torch.func.jacrev(lambda a: _torch_kl(form, a, t[0], reduction, log_target))(x[0])
+    torch.testing.assert_close(j, e, rtol=1e-10, atol=1e-12)
+
+
+class _CountingModule:
+    """Stands in for the compiled module and counts the kernel entry points called."""
+
+    def __init__(self, mod):
+        self.mod, self.calls = mod, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.mod, name)
+
+        def counted(*args):
+            self.calls.append(name)
+            return fn(*args)
+        return counted
+
+
+def test_registered_ops_vmap_rules(device, monkeypatch):
+    """torch.ops.kldiv_inline.* under vmap (what torch.compile of a vmap traces), against PyTorch: one kernel
+    call for the whole batch (PyTorch's fallback for an op without a rule would call it once per sample)."""
+    x, t = make_pair((3, 4, 9), (4, 9), torch.float64, device, "logprobs", False)
+    counting = _CountingModule(ops._module(torch.device(device)))
+    monkeypatch.setitem(ops._MODULES, torch.device(device).type, counting)
+    fwd, bwd = torch.ops.kldiv_inline.kl_div_forward, torch.ops.kldiv_inline.kl_div_backward
+    out = torch.vmap(lambda a: fwd(a, t, True, 4.0, False, False, False)[0])(x)
+    go = torch.rand(3, dtype=torch.float64, device=device)
+    gx, gt = torch.vmap(lambda g, a: bwd(g, a, t, True, 4.0, False, False, True, True))(go, x)
+    assert counting.calls == ["kl_div_forward", "kl_div_backward"]
+    torch.testing.assert_close(out, torch.vmap(lambda a: _torch_kl("logprobs", a, t, "batchmean"))(x))
+    vjp = torch.vmap(lambda g, a: torch.func.vjp(lambda u, v: _torch_kl("logprobs", u, v, "batchmean"), a, t)[1](g))
+    ex, et = vjp(go, x)
+    torch.testing.assert_close(gx, ex)
+    torch.testing.assert_close(gt, et)
+
+
+@pytest.mark.parametrize("reduction", ["batchmean", "none"])
+def test_vmap_under_torch_compile(device, reduction):
+    torch._dynamo.reset()
+    x, t = make_pair((3, 4, 9), (4, 9), torch.float32, device, "probs", False)
+    out = torch.compile(torch.vmap(lambda a: K.kl_div_from_probs(a, t, reduction)), fullgraph=True)(x)
+    expected = torch.vmap(lambda a: _torch_kl("probs", a.double(), t.double(), reduction))(x)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+# ------------------------------------------------------------ many dimensions, empty or not
+def _permuted(shape, device, dtype=torch.float32):
+    """An uninitialised tensor of `shape` whose memory order is a random permutation of its dimensions."""
+    perm = list(range(len(shape)))
+    while perm == sorted(perm):
+        random.Random(int(torch.randint(0, 2**31, ()))).shuffle(perm)
+    base = torch.empty([shape[p] for p in perm], dtype=dtype, device=device)
+    return base.permute([perm.index(i) for i in range(len(shape))])
+
+
+@pytest.mark.parametrize("ndim", [9, 12])
+@pytest.mark.parametrize("form", FORMS)
+def test_empty_with_many_permuted_dims(device, ndim, form):
+    shape = [2] * ndim
+    shape[3] = 0
+    x, t = _permuted(shape, device), _permuted(shape, device)
+    expected = {"sum": 0.0, "mean": float("nan"), "batchmean": 0.0}
+    for reduction in REDUCTIONS:
+        out = call(form, x, t, reduction)
+        native = _torch_kl(form, x, t, reduction)
+        assert out.shape == native.shape and out.dtype == native.dtype
+        if reduction != "none":
+            torch.testing.assert_close(out.cpu(), torch.tensor(expected[reduction]), equal_nan=True)
+    xg = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(call(form, xg, t, "sum"), xg)
+    assert g.shape == x.shape
+
+
+@pytest.mark.parametrize("ndim", [9, 11])
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_many_permuted_dims(device, ndim, form, reduction):
+    shape = [2, 3] + [2] * (ndim - 2)
+    x, t = make_pair(shape, shape, torch.float64, "cpu", form, False)
+    xp, tp = _permuted(shape, device), _permuted(shape, device)
+    assert not xp.is_contiguous()
+    xp.copy_(x)
+    tp.copy_(t)
+    t_bcast = tp[:1]  # broadcast along dimension 0 as well
+    for tt in (tp, t_bcast):
+        out = call(form, xp, tt, reduction)
+        assert_forward_matches(out, form, xp, tt, reduction, False)
+        xg = xp.clone().requires_grad_()
+        loss = call(form, xg, tt, reduction)
+        go = random_grad_out(loss)
+        loss.backward(go)
+        assert_grad_close(xg.grad, ref_grads(form, xp, tt, reduction, False, go, "input")["input"], xp)
+
+
+# ------------------------------------------------------------ meta and fake tensors
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("log_target", [False, True], ids=["t", "logt"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("shapes", [((4, 5), (4, 5)), ((4, 5), (1, 5)), ((), (3,))], ids=str)
+def test_meta_tensors(form, log_target, reduction, shapes):
+    x = torch.empty(shapes[0], device="meta", requires_grad=True)
+    t = torch.empty(shapes[1], device="meta", dtype=torch.float64)
+    out = call(form, x, t, reduction, log_target)
+    native = _torch_kl(form, x, t, reduction, log_target)
+    assert out.device.type == "meta" and out.shape == native.shape and out.dtype == native.dtype
+    assert out.requires_grad
+    out.sum().backward()
+    assert x.grad.device.type == "meta" and x.grad.shape == x.shape and x.grad.dtype == x.dtype
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_fake_tensors(device, form, reduction):
+    with FakeTensorMode():
+        x = torch.empty(6, 4, device=device).t()
+        t = torch.empty(4, 6, device=device)
+        out = call(form, x, t, reduction)
+        native = _torch_kl(form, x, t, reduction)
+        assert isinstance(out, FakeTensor)
+        assert out.shape == native.shape and out.dtype == native.dtype and out.stride() == native.stride()
+        xg = torch.empty(4, 6, device=device, requires_grad=True)
+        call(form, xg, t, reduction).sum().backward()
+        assert isinstance(xg.grad, FakeTensor) and xg.grad.shape == xg.shape
+
+
+# ------------------------------------------------------------ reduction of the wrong type
+@pytest.mark.parametrize("bad", [["sum"], None, 1, ("mean",)], ids=repr)
+def test_reduction_of_wrong_type_is_a_clear_error(bad):
+    x, t = make_pair((3, 4), (3, 4), torch.float32, "cpu", "logprobs", False)
+    for fn in (lambda: K.kl_div(x, t, reduction=bad), lambda: K.kl_div_from_probs(x.exp(), t, reduction=bad),
+               lambda: K.kl_div(x, t, reduce=True, reduction=bad), lambda: K.KLDivLoss(reduction=bad)):
+        with pytest.raises(TypeError, match="reduction must be a str"):
+            fn()
+
+
+# ------------------------------------------------------------ one definition of the per-element math
+@pytest.mark.parametrize("form", FORMS)
+def test_fast_path_matches_the_elementwise_math(device, form):
+    """The CPU twin's vectorised float32 loop (contiguous, reduced) shares kldiv_common.h's kl_hot with every
+    other path; only its log differs (a branch-free one that vectorises). A path with math of its own would
+    drift: each element's loss through that loop (a one-element sum) must equal the elementwise kernel's
+    value but for the logs' last-bit differences: rare, and a few units of 2^-24 of the terms' size. (A
+    second log in the hot case, or a clamp of p, in one path only fails this.) On CUDA the same compares the
+    reduction and elementwise kernels."""
+    n = 3000
+    p = torch.exp(-torch.rand(n, dtype=torch.float64) * 92).float()  # log-uniform, down to subnormal 1e-40
+    t = torch.exp(-torch.rand(n, dtype=torch.float64) * 20).float()
+    x = (p if form == "probs" else torch.log(p.double()).float()).to(device)
+    t = t.to(device)
+    elementwise = call(form, x, t, "none").double()
+    summed = torch.stack([call(form, x[i:i + 1], t[i:i + 1], "sum") for i in range(n)]).double()
+    logp = torch.log(x.double()) if form == "probs" else x.double()
+    size = (t.double() * torch.log(t.double())).abs() + (t.double() * logp).abs()
+    assert torch.isfinite(elementwise).all() and (size > 0).all()
+    ulps = (summed - elementwise).abs() / size * 2**24
+    assert float(ulps.max()) <= 4, float(ulps.max())
+    assert float((summed != elementwise).double().mean()) <= 0.05
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("where", ["none", "first-rows"])
+def test_fused_gradient_has_the_bits_of_every_other_path(device, form, where):
+    """The fused gradient (vectorised loop, or its exact fallback for a chunk holding zeros) and the one the
+    backward kernel computes for a strided input have the same bits: both are kl_hot_grad in the hot case
+    (gradcheck's reentrancy check relies on it). The losses agree (to the last bit on the CPU twin, whose
+    sums are in double; to float32 tolerance on CUDA, whose lanes sum a few terms in float first)."""
+    x, t = make_pair((8, 6000), (8, 6000), torch.float32, device, form, False)
+    if where == "first-rows":  # zeros in the first chunk only: that chunk takes the exact loop
+        t[:2, ::7] = 0.0
+    strided_x = torch.empty_strided((8, 6000), (12000, 2), device=device).copy_(x)
+    strided_t = torch.empty_strided((8, 6000), (12000, 2), device=device).copy_(t)
+    losses, grads = [], []
+    for xx, tt in ((x, t), (strided_x, strided_t)):
+        xx = xx.detach().requires_grad_()
+        loss = call(form, xx, tt, "batchmean")
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(xx.grad)
+    assert torch.equal(grads[0], grads[1])
+    torch.testing.assert_close(losses[0], losses[1], rtol=TOLERANCE[torch.float32], atol=0)
+
+
+# ------------------------------------------------------------ reduction='none' keeps PyTorch's layout
+def _layouts(device):
+    """(name, x, t) pairs of real layouts (values filled in by the test)."""
+    e = lambda *s: torch.empty(*s, device=device)  # noqa: E731
+    cl = lambda *s: e(*s).to(memory_format=torch.channels_last)  # noqa: E731
+    return [
+        ("transposed", e(30, 20).t(), e(30, 20).t()),
+        ("x transposed", e(30, 20).t(), e(20, 30)),
+        ("t transposed", e(20, 30), e(30, 20).t()),
+        ("channels_last", cl(2, 6, 5, 7), cl(2, 6, 5, 7)),
+        ("channels_last x", cl(2, 6, 5, 7), e(2, 6, 5, 7)),
+        ("channels_last t", e(2, 6, 5, 7), cl(2, 6, 5, 7)),
+        ("channels_last, bcast t", cl(2, 6, 5, 7), e(1, 6, 1, 1)),
+        ("permuted 3-d", e(7, 5, 6).permute(2, 0, 1), e(7, 5, 6).permute(2, 0, 1)),
+        ("transposed, bcast row", e(30, 20).t(), e(1, 30)),
+        ("transposed, lower rank", e(30, 20).t(), e(30)),
+        ("sliced", e(40, 30)[::2, 1:], e(40, 30)[::2, 1:]),
+        ("expanded t", e(20, 30), e(30, 1).expand(30, 20).t()),
+    ]
+
+
+@pytest.mark.parametrize("case", range(12), ids=lambda i: _layouts("meta")[i][0].replace(" ", "_"))
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("log_target", [False, True], ids=["t", "logt"])
+def test_none_keeps_pytorchs_layout(device, case, form, log_target):
+    _, x, t = _layouts(device)[case]
+    p, q = make_pair(tuple(x.shape), tuple(t.shape), torch.float64, "cpu", form, log_target)
+    if 0 in t.stride():  # expanded: equal rows
+        t = q[:1].to(device=device, dtype=t.dtype).expand(t.shape)
+    else:
+        t.copy_(q)
+    x.copy_(p)
+    out = call(form, x, t, "none", log_target)
+    native = _torch_kl(form, x, t, "none", log_target)
+    assert out.shape == native.shape and out.stride() == native.stride(), (out.stride(), native.stride())
+    assert_forward_matches(out, form, x, t, "none", log_target)
+    # Gradients through the permuted iteration.
+    xg, tg = x.clone().requires_grad_(), t.clone().requires_grad_()
+    loss = call(form, xg, tg, "none", log_target)
+    go = random_grad_out(loss)
+    loss.backward(go)
+    ref = ref_grads(form, x, t, "none", log_target, go, "both")
+    assert_grad_close(xg.grad, ref["input"], x)
+    assert_grad_close(tg.grad, ref["target"], t)
+
+
+def test_none_layout_under_torch_compile(device):
+    torch._dynamo.reset()
+    x, t = make_pair((20, 30), (20, 30), torch.float32, device, "probs", False)
+    x, t = x.t().contiguous().t(), t.t().contiguous().t()  # column-major storage
+    fn = lambda a, b: K.kl_div_from_probs(a, b, reduction="none")  # noqa: E731
+    out = torch.compile(fn, fullgraph=True)(x, t)
+    assert out.stride() == fn(x, t).stride() == _torch_kl("probs", x, t, "none").stride() == (1, 20)
+    assert_forward_matches(out, "probs", x, t, "none", False)
+
+
+def _random_layout(shape, rng):
+    """A CPU tensor of `shape` with a random memory order, maybe sliced, expanded or channels_last."""
+    if len(shape) == 4 and rng.random() < 0.2:
+        return torch.rand(shape).to(memory_format=torch.channels_last)
+    if rng.random() < 0.1:  # stride 0 along some dimensions
+        return torch.rand([s if rng.random() < 0.5 else 1 for s in shape]).expand(shape)
+    perm = list(range(len(shape)))
+    rng.shuffle(perm)
+    steps = [rng.choice([1, 1, 2]) for _ in shape]
+    base = torch.rand([shape[p] * s for p, s in zip(perm, steps)])
+    return base[tuple(slice(None, None, s) for s in steps)].permute([perm.index(i) for i in range(len(shape))])
+
+
+def test_layout_rules_match_pytorch_on_random_layouts():
+    """layout.py against F.kl_div's own strides on small CPU tensors (meta tensors follow other rules for
+    the strides of size-1 dimensions): random ranks, memory orders, slicing, channels_last, expanded, size-1
+    and broadcast dimensions."""
+    rng = random.Random(int(torch.randint(0, 2**31, ())))
+    for _ in range(2000):
+        nd = rng.randint(1, 5)
+        shape = [rng.choice([1, 2, 3, 4]) for _ in range(nd)]
+        sx, st = list(shape), list(shape)
+        for d in range(nd):
+            r = rng.random()
+            if r < 0.15:
+                sx[d] = 1
+            elif r < 0.3:
+                st[d] = 1
+        if rng.random() < 0.2:
+            sx = sx[rng.randint(0, nd):]
+        x, t = _random_layout(sx, rng), _random_layout(st, rng)
+        from_probs, log_target = rng.random() < 0.5, rng.random() < 0.5
+        native = _torch_kl("probs" if from_probs else "logprobs", x, t, "none", log_target)
+        full = tuple(native.shape)
+        strides = layout.kl_div_strides(x, t, full, from_probs)
+        assert strides == native.stride(), (sx, x.stride(), st, t.stride(), from_probs)
+        order = layout.outer_to_inner(full, strides) or list(range(nd))
+        made = torch.empty([full[d] for d in order], device="meta").permute(
+            [order.index(i) for i in range(nd)])
+        assert made.stride() == native.stride()  # what the op returns: the kernel's output, permuted back
+
