@@ -67,8 +67,24 @@ class Floor:
 
 
 def load_read_kernel(verbose: bool = False):
-    """The compiled read kernel (``kernels/read_floor.cu``): ``read_floor(buffer, unroll=4)``."""
+    """The compiled read kernel (``kernels/read_floor.cu``): ``read_floor(buffer, unroll=4)``; call it through
+    ``read_words``, which checks the buffer first."""
     return load_sources([kernels_root() / f for f in READ_SOURCES], name="read_floor", verbose=verbose)
+
+
+def read_words(buffer: torch.Tensor, unroll: int = 4) -> torch.Tensor:
+    """One XOR word per block of the read kernel over every byte of ``buffer``: a contiguous CUDA tensor of a
+    positive multiple of 16 bytes, 16-byte aligned; unroll 1, 2, 4 or 8 loads in flight per thread.
+    Checked here: on an H200 a bad buffer crashed the process inside the extension instead of raising its
+    TORCH_CHECK error (not yet understood)."""
+    if not (isinstance(buffer, torch.Tensor) and buffer.is_cuda and buffer.is_contiguous()):
+        raise ValueError("read_words: expected a contiguous CUDA tensor")
+    if buffer.nbytes == 0 or buffer.nbytes % 16 or buffer.data_ptr() % 16:
+        raise ValueError(f"read_words: the buffer must be a positive multiple of 16 bytes, 16-byte aligned "
+                         f"(got {buffer.nbytes} bytes)")
+    if unroll not in (1, 2, 4, 8):
+        raise ValueError(f"read_words: unroll must be 1, 2, 4 or 8, got {unroll}")
+    return load_read_kernel().read_floor(buffer, unroll)
 
 
 def _gbps(fn, x, device: str, reps: int) -> float:
@@ -88,7 +104,7 @@ def measure_floor(device: str, nbytes: int = 1 << 30, reps: int = 20) -> Floor:
     if device == "cuda":
         mod = load_read_kernel()
         # The best number of 16-byte loads in flight per thread depends on the card: take the best.
-        sources["read_kernel"] = max(_gbps(lambda a, u=u: mod.read_floor(a, u), x, device, reps)
+        sources["read_kernel"] = max(_gbps(lambda a, u=u: read_words(a, u), x, device, reps)
                                      for u in (2, 4, 8))
     del x
     best = max(sources, key=sources.get)

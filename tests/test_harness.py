@@ -218,15 +218,16 @@ def test_read_kernel_compiles():
 # ------------------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
 def test_read_kernel_reads_every_byte():
-    mod = floors.load_read_kernel()
     for nbytes in (16, 16 * 1000 + 16, 64 << 20):
         words = torch.randint(-2**31, 2**31, (nbytes // 4,), dtype=torch.int64).to(torch.int32)
         expected = np.bitwise_xor.reduce(words.numpy().view(np.uint32))
         for unroll in (1, 2, 4, 8):
-            blocks = mod.read_floor(words.cuda(), unroll).cpu().numpy().view(np.uint32)
+            blocks = floors.read_words(words.cuda(), unroll).cpu().numpy().view(np.uint32)
             assert np.bitwise_xor.reduce(blocks) == expected, (nbytes, unroll)
-    with pytest.raises(RuntimeError, match="multiple of 16"):
-        mod.read_floor(torch.zeros(3, device="cuda"))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        floors.read_words(torch.zeros(3, device="cuda"))
+    with pytest.raises(ValueError, match="unroll"):
+        floors.read_words(torch.zeros(4, device="cuda"), 3)
 
 
 @pytest.mark.gpu
