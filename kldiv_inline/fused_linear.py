@@ -281,8 +281,9 @@ def _check_accum_dtype(accum_dtype, weight_dtype: torch.dtype) -> Optional[torch
     return None if accum_dtype == weight_dtype else accum_dtype
 
 
-def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Optional[Tensor] = None,
-                                 teacher_weight: Optional[Tensor] = None, *, teacher_logits: Optional[Tensor] = None,
+def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
+                                 teacher_hidden: Optional[Tensor] = None, teacher_weight: Optional[Tensor] = None, *,
+                                 teacher_logits: Optional[Tensor] = None,
                                  teacher_topk: Optional[tuple[Tensor, Tensor]] = None,
                                  student_bias: Optional[Tensor] = None, teacher_bias: Optional[Tensor] = None,
                                  beta: float = 0.0, temperature: float = 1.0, labels: Optional[Tensor] = None,
