@@ -523,7 +523,6 @@ def test_llama_head_accuracy_cuda(beta):
     # (relative) of the float64 loss of the same bf16 inputs; the gradients as close to a float32 materialised
     # reference as PyTorch's own bf16 path (within a factor of 2), with the default chunk size (all 256 tokens in
     # one chunk) and with chunks of 64 and a float32 accumulator.
-    torch.manual_seed(torch.initial_seed() % 2**31)
     lead, vocab, hidden = (256,), 128256, 4096
     h, w, _ = leaves(*head(lead, hidden, vocab, torch.bfloat16, "cuda", bias=False, scale=2.0))
     th, tw, _ = head(lead, hidden, vocab, torch.bfloat16, "cuda", bias=False, scale=2.0)
@@ -544,9 +543,13 @@ def test_llama_head_accuracy_cuda(beta):
 
 @pytest.mark.gpu
 def test_long_rows_use_a_separate_gradient_buffer_cuda():
-    # float32 rows of 262144 with a teacher do not fit a cluster's shared memory: the kernel refuses to write
-    # d logits in place and the chunks use a separate buffer (the CPU twin never refuses).
-    lead, vocab = (6,), 262144
+    # float32 rows of 2^19 with a teacher (4 MiB a row) do not fit a cluster's shared memory: the kernel refuses to
+    # write d logits over the logits, and the chunks use a separate gradient buffer (the CPU twin never refuses).
+    lead, vocab = (6,), 1 << 19
+    s = torch.randn(2, vocab, device="cuda")
+    with pytest.raises(RuntimeError, match=fused_linear._IN_PLACE_REFUSED):
+        fused_linear._module(s.device).distill_forward(s, s.clone(), None, None, None, -100, 0.5, 1.0, 1, True, False,
+                                                       s)
     h, w, b = leaves(*head(lead, 16, vocab, torch.float32, "cuda"))
     t_kw, t_ref = teacher("hidden", lead, vocab, torch.float32, "cuda")
     kw = dict(beta=0.5, temperature=2.0, labels=labels_for(lead, "cuda"))
