@@ -613,4 +613,6 @@ def test_no_host_sync_and_graph_capture():
         loss, grads = step()
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(loss, expect) and all(torch.equal(g, e) for g, e in zip(grads, g_expect))
+    torch.testing.assert_close(loss, expect)
+    for g, e in zip(grads, g_expect):
+        torch.testing.assert_close(g, e)
