@@ -11,17 +11,23 @@ import datetime
 import math
 import os
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kldiv_inline as K
+from kldiv_inline.peers import megatron_style_generalized_jsd
 from kldiv_inline.reference import relative_error
 from kldiv_inline.vocab_parallel import combine_norms
 
+REPO = Path(__file__).resolve().parent.parent
 SPAWN_TIMEOUT_S = 240  # the whole spawn: start-up (torch import, cached kernels), every case, shut-down
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # a rank stuck in a collective fails instead of hanging
 # Distributed against one process, relative (norm, and per element against the tensor's largest value).
@@ -170,7 +176,7 @@ def _cases_body(rank, world, device, seed, widths_list, dtypes):
 
 
 def _extra_semantics(rank, device, group, gen, widths):
-    """No-grad path, a second backward (retain_graph), and the top-k teacher's clear error."""
+    """No-grad path, a second backward (retain_graph), the Megatron-style peer, the top-k teacher's clear error."""
     edges = _bounds(widths)
     lo, hi = edges[rank], edges[rank + 1]
     s_full = _logits((4, sum(widths)), torch.float64, device, gen)
@@ -187,6 +193,15 @@ def _extra_semantics(rank, device, group, gen, widths):
     torch.testing.assert_close(g1, 2.0 * g2, rtol=1e-12, atol=0)
     ref = K.generalized_jsd(s_full.clone().requires_grad_(), t_full, **kw)
     _close(loss.detach(), ref.detach(), TOL[torch.float64], "loss (no-grad check)")
+    # The Megatron-style peer (float32 inside) computes the same loss and gradients.
+    lab = torch.tensor([0, -100, 3, 1], device=device)
+    s.grad = None
+    ours = K.generalized_jsd(s, t, labels=lab, group=group, **kw)
+    (g_ours,) = torch.autograd.grad(ours, s)
+    peer = megatron_style_generalized_jsd(s, t, lab, group=group, **kw)
+    (g_peer,) = torch.autograd.grad(peer, s)
+    _close(peer.double(), ours, TOL[torch.float32], "Megatron-style peer's loss")
+    _close(g_peer, g_ours, TOL[torch.float32], "Megatron-style peer's gradient")
     idx = torch.zeros((4, 1), dtype=torch.long, device=device)
     lp = torch.zeros((4, 1), dtype=torch.float64, device=device)
     with pytest.raises(NotImplementedError, match="teacher_topk"):
@@ -240,6 +255,24 @@ def test_combine_norms_is_the_logsumexp_of_the_whole_row():
     torch.testing.assert_close(got, whole, rtol=1e-14, atol=0)
     assert out[2].tolist() == [float("-inf")] * 4
     assert torch.isnan(combine_norms(torch.stack([p.clone().fill_(float("nan")) for p in parts]))).all()
+
+
+def test_benchmark_runs_under_torchrun(tmp_path):
+    # The 2-GPU benchmark's script, tiny, on 2 CPU processes: every provider checked, timed, and written.
+    K.load("cpu", extension="distill")
+    out = tmp_path / "bench.csv"
+    env = {**os.environ, **NCCL_ENV, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "tools" / "bench_vocab_parallel.py"), "--device", "cpu", "--tokens", "24", "--vocab", "301",
+           "--reps", "2", "--warmup", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SPAWN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = pd.read_csv(out)
+    assert sorted(zip(rows.impl, rows.world, rows.beta)) == [
+        ("kldiv_inline", 1, 0.0), ("kldiv_inline", 1, 0.5), ("kldiv_inline", 2, 0.0), ("kldiv_inline", 2, 0.5),
+        ("megatron_style", 2, 0.0), ("megatron_style", 2, 0.5)]
+    assert (rows.status == "ok").all() and (rows.median_ms > 0).all()
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("megatron_style")  # the table comes last
 
 
 def test_group_must_be_a_process_group():
