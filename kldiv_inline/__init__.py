@@ -6,6 +6,7 @@
     K.load("cuda")                                            # the compiled module (built on first use)
     K.load_sources(["my_kernel.cu", "bind.cpp"])              # the same loader for your own kernels
     K.generalized_jsd(student_logits, teacher_logits, beta=0.5, temperature=2.0, labels=labels)  # distillation
+    K.fused_linear_generalized_jsd(hidden, lm_head.weight, t_hidden, t_head.weight, labels=labels)  # LM head fused
 
     from kldiv_inline import harness                          # check, time and plot any op against
     harness.check(...), harness.bench(...), harness.plot(...) # float64 PyTorch, its peers and the floor
@@ -13,7 +14,9 @@
 from .loader import KernelBuildError, ToolchainError, load, load_sources
 from .ops import KLDivLoss, kl_div, kl_div_from_probs
 from .distill import GeneralizedJSDLoss, generalized_jsd
+from .fused_linear import FusedLinearGeneralizedJSDLoss, fused_linear_generalized_jsd
 from . import kernelbench
 
-__all__ = ["kl_div", "kl_div_from_probs", "KLDivLoss", "generalized_jsd", "GeneralizedJSDLoss", "load", "load_sources", "KernelBuildError",
+__all__ = ["kl_div", "kl_div_from_probs", "KLDivLoss", "generalized_jsd", "GeneralizedJSDLoss",
+           "fused_linear_generalized_jsd", "FusedLinearGeneralizedJSDLoss", "load", "load_sources", "KernelBuildError",
            "ToolchainError", "kernelbench"]

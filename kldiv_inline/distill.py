@@ -183,6 +183,48 @@ def _is_tracing(t: Tensor) -> bool:
             or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
+def _check_settings(beta, temperature, ignore_index, reduction) -> tuple[float, float]:
+    """Checks the divergence's settings; returns beta and the temperature as floats."""
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+        raise ValueError(f"generalized_jsd: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    beta = _check_number("beta", beta, 0.0, 1.0, low_open=False)
+    temperature = _check_number("temperature", temperature, 0.0, float("inf"), low_open=True)
+    if temperature == float("inf"):
+        raise ValueError("generalized_jsd: temperature must be finite")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"generalized_jsd: ignore_index must be an int, got {type(ignore_index).__name__}")
+    return beta, temperature
+
+
+def _check_teacher_logits(teacher_logits, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
+    """Teacher logits must match the student's logits (of this shape, dtype and device)."""
+    if not isinstance(teacher_logits, Tensor):
+        raise TypeError(f"generalized_jsd: teacher_logits must be a tensor, got {type(teacher_logits).__name__}")
+    if teacher_logits.shape != shape:
+        raise ValueError(f"generalized_jsd: student logits {tuple(shape)} and teacher logits "
+                         f"{tuple(teacher_logits.shape)} must have the same shape")
+    if teacher_logits.dtype != dtype:
+        raise TypeError(f"generalized_jsd: student ({dtype}) and teacher ({teacher_logits.dtype}) "
+                        "logits must have the same dtype; convert one of them")
+    if teacher_logits.device != device:
+        raise ValueError(f"generalized_jsd: student logits on {device}, teacher logits on "
+                         f"{teacher_logits.device}: they must be on one device")
+
+
+def _check_labels(labels, lead: torch.Size, device: torch.device) -> Optional[Tensor]:
+    """Labels of the tokens' leading shape as one int64 row (None stays None)."""
+    if labels is None:
+        return None
+    if not isinstance(labels, Tensor) or labels.dtype.is_floating_point or labels.dtype.is_complex:
+        raise TypeError("generalized_jsd: labels must be an integer tensor")
+    if labels.shape != lead:
+        raise ValueError(f"generalized_jsd: labels must have the logits' leading shape {tuple(lead)}, got "
+                         f"{tuple(labels.shape)}")
+    if labels.device != device:
+        raise ValueError(f"generalized_jsd: labels on {labels.device}, logits on {device}")
+    return labels.reshape(-1).to(torch.int64).contiguous()
+
+
 def _prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, labels, ignore_index, reduction):
     """Checks every argument and lays the logits out as rows; returns the kernel's arguments and the shape of
     the per-token loss."""
@@ -196,43 +238,17 @@ def _prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, la
                          f"{tuple(student_logits.shape)}")
     if student_logits.device.type not in ("cpu", "cuda", "meta"):
         raise NotImplementedError(f"generalized_jsd: no kernels for {student_logits.device.type} tensors")
-    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
-        raise ValueError(f"generalized_jsd: reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    beta = _check_number("beta", beta, 0.0, 1.0, low_open=False)
-    temperature = _check_number("temperature", temperature, 0.0, float("inf"), low_open=True)
-    if temperature == float("inf"):
-        raise ValueError("generalized_jsd: temperature must be finite")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"generalized_jsd: ignore_index must be an int, got {type(ignore_index).__name__}")
+    beta, temperature = _check_settings(beta, temperature, ignore_index, reduction)
     vocab, lead = student_logits.shape[-1], student_logits.shape[:-1]
     if (teacher_logits is None) == (teacher_topk is None):
         raise ValueError("generalized_jsd: give exactly one of teacher_logits and teacher_topk")
     teacher = idx = lp = None
     if teacher_logits is not None:
-        if not isinstance(teacher_logits, Tensor):
-            raise TypeError(f"generalized_jsd: teacher_logits must be a tensor, got {type(teacher_logits).__name__}")
-        if teacher_logits.shape != student_logits.shape:
-            raise ValueError(f"generalized_jsd: student logits {tuple(student_logits.shape)} and teacher logits "
-                             f"{tuple(teacher_logits.shape)} must have the same shape")
-        if teacher_logits.dtype != student_logits.dtype:
-            raise TypeError(f"generalized_jsd: student ({student_logits.dtype}) and teacher ({teacher_logits.dtype}) "
-                            "logits must have the same dtype; convert one of them")
-        if teacher_logits.device != student_logits.device:
-            raise ValueError(f"generalized_jsd: student logits on {student_logits.device}, teacher logits on "
-                             f"{teacher_logits.device}: they must be on one device")
+        _check_teacher_logits(teacher_logits, student_logits.shape, student_logits.dtype, student_logits.device)
         teacher = _rows(teacher_logits, vocab)
     else:
         idx, lp = _validate_topk(teacher_topk, student_logits, lead, vocab)
-    lab = None
-    if labels is not None:
-        if not isinstance(labels, Tensor) or labels.dtype.is_floating_point or labels.dtype.is_complex:
-            raise TypeError("generalized_jsd: labels must be an integer tensor")
-        if labels.shape != lead:
-            raise ValueError(f"generalized_jsd: labels must have the logits' leading shape {tuple(lead)}, got "
-                             f"{tuple(labels.shape)}")
-        if labels.device != student_logits.device:
-            raise ValueError(f"generalized_jsd: labels on {labels.device}, logits on {student_logits.device}")
-        lab = labels.reshape(-1).to(torch.int64).contiguous()
+    lab = _check_labels(labels, lead, student_logits.device)
     args = (_rows(student_logits, vocab), teacher, idx, lp, lab, int(ignore_index), beta, temperature,
             _REDUCTION_CODE[reduction])
     return args, lead

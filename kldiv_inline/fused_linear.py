@@ -1,0 +1,392 @@
+"""The LM head fused with the distillation divergence: ``generalized_jsd`` of ``hidden @ weight.T + bias``
+computed chunk by chunk of tokens, so the logits are never whole.
+
+    loss = fused_linear_generalized_jsd(student_hidden, student_head.weight, teacher_hidden, teacher_head.weight,
+                                        beta=0.5, temperature=2.0, labels=labels)
+    loss.backward()        # gradients of student_hidden, student_head.weight (and a student bias)
+
+Per chunk of ``chunk_size`` tokens (cuBLAS through torch, into buffers reused from chunk to chunk):
+  1. the student's logits ``h @ W.T + b`` into a [chunk, V] buffer of the hidden's dtype, the teacher's likewise
+     into a second one (or a slice of the given teacher logits, or of the top-k pair);
+  2. one call of the divergence kernel (kernels/distill*), which reads both rows and writes d loss / d logits over
+     the student's logits in the same buffer;
+  3. grad hidden for the chunk ``dlogits @ W``, grad weight accumulated ``+= dlogits.T @ h``, grad bias
+     ``+= dlogits.sum(0)``.
+So the step costs the four matrix products (student logits, grad hidden, grad weight, teacher logits) and one
+read of the logits by the kernel, and the memory beyond the inputs and the parameter gradients is the buffers.
+
+The gradients are computed in the forward pass (when the student's tensors require grad): the kernels give those
+of the SUM of the tokens' losses, and batchmean's divisor (the unmasked tokens of the whole batch, counted on the
+device: no host synchronisation) scales them once at the end (one pass over grad weight; a kernel that took the
+divisor would save it). Backward only rescales them in place by grad_output, skipped on the device when it is 1.
+The teacher is a constant: no gradient flows to it, whether or not its tensors require grad.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .distill import (_FLOAT_DTYPES, _acc_dtype, _check_labels, _check_settings, _check_teacher_logits,
+                      _empty_if_none, _is_tracing, _module, _rows, _scaled, _validate_topk)
+
+__all__ = ["fused_linear_generalized_jsd", "FusedLinearGeneralizedJSDLoss", "default_chunk_size"]
+
+# chunk_size=None: the logit buffers of one chunk (the student's, and the teacher's when it comes as hidden +
+# weight) take at most this many bytes. 512 MiB: 1024 tokens of a 128256 vocabulary in bfloat16 with both buffers,
+# well below 1 GiB of extra memory, and chunks large enough for the matrix products to run at full rate.
+BUFFER_BYTES = 512 << 20
+# Chunk sizes are rounded down to a multiple of this (when at least this large): tensor-core friendly products.
+CHUNK_MULTIPLE = 128
+# The message of the CUDA kernel's refusal to write d logits over logits whose rows do not fit on chip.
+_IN_PLACE_REFUSED = "in-place gradient"
+
+
+def default_chunk_size(tokens: int, vocab: int, itemsize: int, buffers: int) -> int:
+    """The tokens per chunk when chunk_size is None: as many as fit ``buffers`` logit buffers of [chunk, vocab]
+    (``itemsize`` bytes an entry) in BUFFER_BYTES, rounded down to a multiple of CHUNK_MULTIPLE (or of 64, 32, ...
+    for very long rows), at least 1, at most ``tokens``."""
+    rows = max(1, BUFFER_BYTES // (vocab * itemsize * buffers))
+    multiple = CHUNK_MULTIPLE
+    while multiple > rows:
+        multiple //= 2
+    return max(1, min(rows - rows % multiple, max(tokens, 1)))
+
+
+# ------------------------------------------------------------------------------------------ the chunks
+def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor) -> Tensor:
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
+
+
+def _accumulate(acc: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
+    """acc = a @ b (first) or acc += a @ b. For an accumulator wider than a and b (float32 for 16-bit inputs),
+    each product is formed in float32 before it is added: on CUDA in slices of acc's rows (a 64 MiB temporary),
+    on the CPU (the twin, any speed) from float32 copies of the 16-bit values (exact conversions)."""
+    if acc.dtype == a.dtype:
+        if first:
+            torch.mm(a, b, out=acc)
+        else:
+            acc.addmm_(a, b)
+        return
+    if a.is_cuda:
+        step = max(1, (64 << 20) // (4 * max(1, acc.shape[1])))
+        tmp = acc.new_empty((min(step, acc.shape[0]), acc.shape[1]))
+        slices = [(r0, min(acc.shape[0], r0 + step)) for r0 in range(0, acc.shape[0], step)]
+        products = ((r0, r1, torch.mm(a[r0:r1], b, out_dtype=acc.dtype, out=tmp[: r1 - r0])) for r0, r1 in slices)
+    else:
+        products = iter([(0, acc.shape[0], torch.mm(a.to(acc.dtype), b.to(acc.dtype)))])
+    for r0, r1, prod in products:
+        if first:
+            acc[r0:r1].copy_(prod)
+        else:
+            acc[r0:r1].add_(prod)
+
+
+def _fused(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t_hidden: Optional[Tensor],
+           t_weight: Optional[Tensor], t_bias: Optional[Tensor], t_logits: Optional[Tensor],
+           topk_idx: Optional[Tensor], topk_lp: Optional[Tensor], labels: Optional[Tensor], ignore_index: int,
+           beta: float, temperature: float, batchmean: bool, chunk_size: int, accum_dtype: Optional[torch.dtype],
+           want_hidden: bool, want_weight: bool, want_bias: bool):
+    """The loss (batchmean or sum) and its gradients w.r.t. hidden [n, H], weight and bias (each only if wanted,
+    else an empty tensor)."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    acc_t = _acc_dtype(hidden.dtype)
+    mod = _module(hidden.device)
+    want = want_hidden or want_weight or want_bias
+    # The chunks' kernels reduce by sum; batchmean's divisor, the unmasked tokens of the whole batch, is counted
+    # on the device (no synchronisation) and applied to the loss and the gradients at the end.
+    scale = None
+    if batchmean and labels is not None:
+        scale = 1.0 / (labels != ignore_index).sum().clamp_min(1).to(acc_t)
+    elif batchmean:
+        scale = torch.full((), 1.0 / max(n, 1), dtype=acc_t, device=hidden.device)
+    total = torch.zeros((), dtype=acc_t, device=hidden.device)
+    g_hidden = hidden.new_empty(hidden.shape) if want_hidden else None
+    g_weight = weight.new_empty(weight.shape) if want_weight else None
+    w_acc = g_weight if g_weight is None or accum_dtype in (None, weight.dtype) else \
+        weight.new_empty(weight.shape, dtype=accum_dtype)
+    b_acc = torch.zeros(vocab, dtype=acc_t, device=hidden.device) if want_bias else None
+    rows = min(chunk_size, n)
+    s_buf = hidden.new_empty((rows, vocab))
+    t_buf = hidden.new_empty((rows, vocab)) if t_hidden is not None else None
+    g_buf = None  # only where the kernel cannot write d logits over the logits (rows too long to sit on chip)
+    for r0 in range(0, n, chunk_size):
+        r1 = min(n, r0 + chunk_size)
+        h, logits = hidden[r0:r1], s_buf[: r1 - r0]
+        _linear(h, weight, bias, logits)
+        teacher = idx = lp = None
+        if t_hidden is not None:
+            teacher = _linear(t_hidden[r0:r1], t_weight, t_bias, t_buf[: r1 - r0])
+        elif t_logits is not None:
+            teacher = t_logits[r0:r1]
+        else:
+            idx, lp = topk_idx[r0:r1], topk_lp[r0:r1]
+        args = (teacher, idx, lp, labels[r0:r1] if labels is not None else None, ignore_index, beta, temperature, 1)
+        if not want:
+            total += mod.distill_forward(logits, *args, False, False)[0]
+            continue
+        if g_buf is None:
+            try:
+                part, dlogits, _ = mod.distill_forward(logits, *args, True, False, logits)
+            except RuntimeError as e:
+                if _IN_PLACE_REFUSED not in str(e):
+                    raise
+                g_buf = torch.empty_like(s_buf)
+        if g_buf is not None:
+            part, dlogits, _ = mod.distill_forward(logits, *args, True, False, g_buf[: r1 - r0])
+        total += part
+        if want_hidden:
+            torch.mm(dlogits, weight, out=g_hidden[r0:r1])
+        if want_weight:
+            _accumulate(w_acc, dlogits.t(), h, first=r0 == 0)
+        if want_bias:
+            b_acc += dlogits.sum(0, dtype=acc_t)
+    if want_hidden and scale is not None:
+        g_hidden.mul_(scale)
+    if want_weight:
+        if n == 0:
+            g_weight.zero_()
+        elif scale is not None:
+            torch.mul(w_acc, scale, out=g_weight)  # in place, or rounding a float32 accumulator once
+        elif w_acc is not g_weight:
+            g_weight.copy_(w_acc)
+    g_bias = (b_acc if scale is None else b_acc * scale).to(bias.dtype) if want_bias else None
+    loss = total if scale is None else total * scale
+    return loss, _empty_if_none(g_hidden, hidden), _empty_if_none(g_weight, hidden), _empty_if_none(g_bias, hidden)
+
+
+# ----------------------------------------------------------------------------------------- custom op
+@torch.library.custom_op("kldiv_inline::fused_linear_distill", mutates_args=())
+def _fused_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t_hidden: Optional[Tensor],
+              t_weight: Optional[Tensor], t_bias: Optional[Tensor], t_logits: Optional[Tensor],
+              topk_idx: Optional[Tensor], topk_lp: Optional[Tensor], labels: Optional[Tensor], ignore_index: int,
+              beta: float, temperature: float, batchmean: bool, chunk_size: int, accum_dtype: Optional[torch.dtype],
+              want_hidden: bool, want_weight: bool, want_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _fused(hidden, weight, bias, t_hidden, t_weight, t_bias, t_logits, topk_idx, topk_lp, labels,
+                  ignore_index, beta, temperature, batchmean, chunk_size, accum_dtype, want_hidden, want_weight,
+                  want_bias)
+
+
+@_fused_op.register_fake
+def _(hidden, weight, bias, t_hidden, t_weight, t_bias, t_logits, topk_idx, topk_lp, labels, ignore_index, beta,
+      temperature, batchmean, chunk_size, accum_dtype, want_hidden, want_weight, want_bias):
+    acc_t = _acc_dtype(hidden.dtype)
+    empty = hidden.new_empty((0,))
+    return (hidden.new_empty((), dtype=acc_t), hidden.new_empty(hidden.shape) if want_hidden else empty,
+            weight.new_empty(weight.shape) if want_weight else empty.clone(),
+            bias.new_empty(bias.shape) if want_bias else empty.clone())
+
+
+_N_INPUTS = 19
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:10])
+    ctx.args = inputs[10:16]
+    ctx.wanted = inputs[16:19]
+    _, g_hidden, g_weight, g_bias = output
+    # Held outside save_for_backward: backward rescales them in place and hands them over as the gradients.
+    ctx.fused = tuple(g.detach() for g in (g_hidden, g_weight, g_bias))
+    ctx.mark_non_differentiable(g_hidden, g_weight, g_bias)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_loss, *_grads_of_gradients):
+    if grad_loss is None:
+        return (None,) * _N_INPUTS
+    if torch.is_grad_enabled():
+        raise RuntimeError("fused_linear_generalized_jsd: double backward (create_graph=True) is not supported: its "
+                           "gradients have no graph of their own, so a penalty on them would be silently dropped")
+    saved = ctx.saved_tensors
+    need = [ctx.needs_input_grad[i] and ctx.wanted[i] for i in range(3)]
+    tracing = torch.compiler.is_compiling() or type(grad_loss) is not Tensor
+    fused = ctx.fused
+    if fused is None:
+        # A second backward (retain_graph=True): compute the gradients again, out of place.
+        fused = _fused_op(*saved, *ctx.args, *need)[1:]
+        in_place = False
+    elif tracing:
+        in_place = False  # torch.compile: the forward's outputs, scaled out of place in the graph
+    else:
+        ctx.fused = None  # rescaled in place once; a second backward recomputes
+        in_place = True
+    factor = grad_loss.to(_acc_dtype(saved[0].dtype))
+    out = [_scaled(g.view(-1, g.shape[-1]), factor, in_place).view(g.shape) if ok else None
+           for g, ok in zip(fused, need)]
+    return (*out,) + (None,) * (_N_INPUTS - 3)
+
+
+_fused_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------ front end
+def _err(message: str) -> str:
+    return f"fused_linear_generalized_jsd: {message}"
+
+
+def _check_linear(who: str, hidden, weight, bias, dtype: Optional[torch.dtype], device: Optional[torch.device],
+                  vocab: Optional[int]) -> None:
+    """hidden [..., H], weight [V, H], bias [V] or None: tensors of one floating dtype on one device (those given
+    for the student when checking the teacher)."""
+    for name, t in ((f"{who}_hidden", hidden), (f"{who}_weight", weight)):
+        if not isinstance(t, Tensor):
+            raise TypeError(_err(f"{name} must be a tensor, got {type(t).__name__}"))
+    if bias is not None and not isinstance(bias, Tensor):
+        raise TypeError(_err(f"{who}_bias must be a tensor or None, got {type(bias).__name__}"))
+    dtype = dtype or hidden.dtype
+    if dtype not in _FLOAT_DTYPES:
+        raise TypeError(_err(f"{who}_hidden must be float16, bfloat16, float32 or float64, got {hidden.dtype}"))
+    for name, t in ((f"{who}_hidden", hidden), (f"{who}_weight", weight), (f"{who}_bias", bias)):
+        if t is not None and t.dtype != dtype:
+            raise TypeError(_err(f"{name} is {t.dtype}, the student's hidden states are {dtype}: the logits of "
+                                 "student and teacher are made in one dtype; convert it"))
+    device = device or hidden.device
+    if device.type not in ("cpu", "cuda", "meta"):
+        raise NotImplementedError(_err(f"no kernels for {device.type} tensors (cpu and cuda only)"))
+    for name, t in ((f"{who}_hidden", hidden), (f"{who}_weight", weight), (f"{who}_bias", bias)):
+        if t is not None and t.device != device:
+            raise ValueError(_err(f"{name} is on {t.device}, the student's hidden states on {device}: put them "
+                                  "on one device"))
+    if hidden.dim() < 1:
+        raise ValueError(_err(f"{who}_hidden must be [..., H], got a 0-d tensor"))
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] < 1:
+        raise ValueError(_err(f"{who}_weight must be [V, H] (nn.Linear's layout) with V >= 1 and H = "
+                              f"{who}_hidden's last dim {hidden.shape[-1]}, got {tuple(weight.shape)}"))
+    if vocab is not None and weight.shape[0] != vocab:
+        raise ValueError(_err(f"{who}_weight has a vocabulary of {weight.shape[0]}, the student's {vocab}: "
+                              "they must be the same"))
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(_err(f"{who}_bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}"))
+
+
+def _check_chunk_size(chunk_size) -> None:
+    if chunk_size is None:
+        return
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+        raise TypeError(_err(f"chunk_size must be an int or None, got {type(chunk_size).__name__}"))
+    if chunk_size < 1:
+        raise ValueError(_err(f"chunk_size must be >= 1, got {chunk_size}"))
+
+
+def _check_accum_dtype(accum_dtype, weight_dtype: torch.dtype) -> Optional[torch.dtype]:
+    """None or the weight's dtype (accumulate in it), or float32 for 16-bit weights."""
+    allowed = (None, weight_dtype) + ((torch.float32,) if weight_dtype in (torch.float16, torch.bfloat16) else ())
+    if accum_dtype not in allowed:
+        raise ValueError(_err(f"accum_dtype must be None, the weight's dtype ({weight_dtype}) or torch.float32 for "
+                              f"16-bit weights, got {accum_dtype!r}"))
+    return None if accum_dtype == weight_dtype else accum_dtype
+
+
+def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Optional[Tensor] = None,
+                                 teacher_weight: Optional[Tensor] = None, *, teacher_logits: Optional[Tensor] = None,
+                                 teacher_topk: Optional[tuple[Tensor, Tensor]] = None,
+                                 student_bias: Optional[Tensor] = None, teacher_bias: Optional[Tensor] = None,
+                                 beta: float = 0.0, temperature: float = 1.0, labels: Optional[Tensor] = None,
+                                 ignore_index: int = -100, reduction: str = "batchmean",
+                                 chunk_size: Optional[int] = None,
+                                 accum_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``generalized_jsd(student_hidden @ student_weight.T + student_bias, <teacher logits>, ...)`` without the
+    logits ever being whole: the same loss (beta, temperature, labels/ignore_index, reductions "batchmean" and
+    "sum"), computed chunk by chunk of tokens.
+
+    ``student_hidden`` ``[..., H]``, ``student_weight`` ``[V, H]`` (``nn.Linear``'s layout), ``student_bias``
+    ``[V]`` or None; float16/bfloat16/float32/float64, one dtype. The teacher, exactly one of:
+    ``teacher_hidden`` ``[..., H_t]`` (the student's leading dims, any H_t) with ``teacher_weight`` ``[V, H_t]``
+    (and ``teacher_bias``), its logits made one chunk at a time; ``teacher_logits`` ``[..., V]``; or
+    ``teacher_topk = (indices, logprobs)`` ``[..., k]`` (see ``generalized_jsd``). The teacher is a constant: no
+    gradient flows to it, even where its tensors require grad. ``labels``: the leading shape.
+
+    Gradients flow to ``student_hidden``, ``student_weight`` and ``student_bias`` (those that require grad); they
+    are computed in this call, beside the loss, and backward only scales them. ``reduction="none"`` is not
+    supported (the gradients are summed over the tokens as they are made): use ``generalized_jsd`` on logits.
+
+    ``chunk_size``: tokens per chunk; None picks one from the shapes (``default_chunk_size``: the chunk's logit
+    buffers within 512 MiB, e.g. 1024 tokens of a 128256 vocabulary in bfloat16 with a teacher given as hidden +
+    weight, 2048 with teacher logits or top-k). The memory beyond the inputs and the parameter gradients is those
+    buffers. ``accum_dtype``: the grad weight's accumulator over the chunks; None accumulates in the weight's dtype,
+    ``torch.float32`` (for 16-bit weights) in a float32 copy (2x the weight's size more memory) rounded once at the
+    end. The loss is float32 (float64 for float64 inputs). Double backward is not supported (a clear error).
+    """
+    _check_linear("student", student_hidden, student_weight, student_bias, None, None, None)
+    dtype, device = student_hidden.dtype, student_hidden.device
+    hidden_size, vocab = student_hidden.shape[-1], student_weight.shape[0]
+    lead = student_hidden.shape[:-1]
+    beta, temperature = _check_settings(beta, temperature, ignore_index, reduction)
+    if reduction == "none":
+        raise ValueError(_err("reduction='none' is not supported: the gradients are summed over the tokens as "
+                              "they are made; use 'batchmean' or 'sum', or generalized_jsd on logits for per-token "
+                              "losses"))
+    forms = [teacher_hidden is not None or teacher_weight is not None, teacher_logits is not None,
+             teacher_topk is not None]
+    if sum(forms) != 1:
+        raise ValueError(_err("give exactly one teacher: teacher_hidden with teacher_weight, teacher_logits, or "
+                              "teacher_topk"))
+    if teacher_bias is not None and not forms[0]:
+        raise ValueError(_err("teacher_bias needs teacher_hidden and teacher_weight"))
+    t_hidden = t_weight = t_bias = t_logits = idx = lp = None
+    if forms[0]:
+        if teacher_hidden is None or teacher_weight is None:
+            raise ValueError(_err("a teacher given as hidden states needs both teacher_hidden and teacher_weight"))
+        _check_linear("teacher", teacher_hidden, teacher_weight, teacher_bias, dtype, device, vocab)
+        if teacher_hidden.shape[:-1] != lead:
+            raise ValueError(_err(f"teacher_hidden {tuple(teacher_hidden.shape)} must have the student's leading "
+                                  f"dims {tuple(lead)}"))
+        t_hidden = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
+        t_weight = teacher_weight.detach()
+        t_bias = teacher_bias.detach() if teacher_bias is not None else None
+    elif forms[1]:
+        _check_teacher_logits(teacher_logits, lead + (vocab,), dtype, device)
+        t_logits = _rows(teacher_logits.detach(), vocab)
+    else:
+        pair = teacher_topk
+        if isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(t, Tensor) for t in pair):
+            pair = (pair[0], pair[1].detach())
+        idx, lp = _validate_topk(pair, student_hidden, lead, vocab)
+    lab = _check_labels(labels, lead, device)
+    _check_chunk_size(chunk_size)
+    accum_dtype = _check_accum_dtype(accum_dtype, dtype)
+    n = lead.numel()
+    if chunk_size is None:
+        chunk_size = default_chunk_size(n, vocab, student_hidden.element_size(), 2 if t_hidden is not None else 1)
+
+    hidden = student_hidden.reshape(-1, hidden_size)
+    grad_on = torch.is_grad_enabled()
+    wants = [bool(grad_on and t is not None and t.requires_grad) for t in (hidden, student_weight, student_bias)]
+    args = (hidden, student_weight, student_bias, t_hidden, t_weight, t_bias, t_logits, idx, lp, lab,
+            int(ignore_index), beta, temperature, reduction == "batchmean", int(chunk_size), accum_dtype)
+    if not any(wants) and not _is_tracing(hidden):
+        return _fused(*args, False, False, False)[0]
+    return _fused_op(*args, *wants)[0]
+
+
+class FusedLinearGeneralizedJSDLoss(torch.nn.Module):
+    """``fused_linear_generalized_jsd`` as a module: ``FusedLinearGeneralizedJSDLoss(beta, temperature)(
+    student_hidden, student_weight, teacher_hidden, teacher_weight, labels=labels)``; the keyword arguments of the
+    function (teacher_logits, teacher_topk, biases, labels, accum_dtype) pass through ``forward``."""
+
+    def __init__(self, beta: float = 0.0, temperature: float = 1.0, ignore_index: int = -100,
+                 reduction: str = "batchmean", chunk_size: Optional[int] = None):
+        super().__init__()
+        # Checked now, so a wrong setting fails where it is made.
+        _check_settings(beta, temperature, ignore_index, reduction)
+        if reduction == "none":
+            raise ValueError("FusedLinearGeneralizedJSDLoss: reduction='none' is not supported; use 'batchmean' or "
+                             "'sum'")
+        _check_chunk_size(chunk_size)
+        self.beta, self.temperature, self.ignore_index = beta, temperature, ignore_index
+        self.reduction, self.chunk_size = reduction, chunk_size
+
+    def forward(self, student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Optional[Tensor] = None,
+                teacher_weight: Optional[Tensor] = None, **kwargs) -> Tensor:
+        return fused_linear_generalized_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight,
+                                            beta=self.beta, temperature=self.temperature,
+                                            ignore_index=self.ignore_index, reduction=self.reduction,
+                                            chunk_size=self.chunk_size, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"beta={self.beta}, temperature={self.temperature}, ignore_index={self.ignore_index}, "
+                f"reduction={self.reduction!r}, chunk_size={self.chunk_size}")
