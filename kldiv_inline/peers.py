@@ -7,7 +7,9 @@ generalized JSD; per-token sums, mean over the unmasked tokens.
 
 ``megatron_style_generalized_jsd`` is the same loss over a vocabulary split across a torch.distributed group, the
 way Megatron-LM's tensor-parallel ``LogitsKLLoss`` forms the softmaxes (all-reduces of each row's max and sum of
-exponentials, float32 copies): the peer of ``generalized_jsd(..., group=...)``.
+exponentials, float32 copies): the peer of ``generalized_jsd(..., group=...)``;
+``megatron_style_fused_linear_generalized_jsd`` puts Megatron's column-parallel LM head in front of it: the peer
+of ``fused_linear_generalized_jsd(..., group=...)``.
 """
 from __future__ import annotations
 
@@ -104,3 +106,34 @@ def megatron_style_generalized_jsd(student_logits: Tensor, teacher_logits: Tenso
     s, t = log_probs(student_logits), log_probs(teacher_logits)
     per_token = _AllReduceSum.apply(_divergence_entries(s, t, beta).sum(-1), group, False)
     return _batchmean(per_token, labels, ignore_index)
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Megatron's copy to the tensor-parallel region: the identity forward, the gradient summed over the group
+    backward (the input is replicated, each rank's use of it a part of the whole)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def megatron_style_fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
+                                                teacher_hidden: Tensor, teacher_weight: Tensor,
+                                                labels: Tensor | None = None, beta: float = 0.5,
+                                                temperature: float = 1.0, ignore_index: int = -100,
+                                                group=None) -> Tensor:
+    """Column-parallel LM heads (each rank its slice of the weights' rows; the hidden states replicated, their
+    gradient summed over the group) and ``megatron_style_generalized_jsd`` of the logits, whole at once, as a
+    Megatron-LM distillation step makes them. The teacher is a constant."""
+    logits = _CopyToGroup.apply(student_hidden, group) @ student_weight.t()
+    with torch.no_grad():
+        teacher_logits = teacher_hidden @ teacher_weight.t()
+    return megatron_style_generalized_jsd(logits, teacher_logits, labels, beta=beta, temperature=temperature,
+                                          ignore_index=ignore_index, group=group)

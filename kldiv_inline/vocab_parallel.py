@@ -26,7 +26,7 @@ from torch import Tensor
 
 from . import distill
 
-__all__ = ["generalized_jsd_vocab_parallel", "combine_norms"]
+__all__ = ["generalized_jsd_vocab_parallel", "divergence_rows", "combine_norms", "group_name", "resolve_group"]
 
 
 # One collective into one tensor: all_gather_single where torch has it (it deprecates all_gather_into_tensor).
@@ -72,27 +72,37 @@ def _needs_phase2(beta: float, want_s: bool, want_t: bool) -> bool:
     return (want_s and beta != 0.0) or (want_t and beta != 1.0)
 
 
-def _run(student: Tensor, teacher: Tensor, labels: Tensor | None, ignore_index: int, beta: float,
-         temperature: float, reduction: int, group, want_s: bool, want_t: bool):
-    """The three phases and their collectives: (loss, student gradient or None, teacher gradient or None)."""
+def divergence_rows(student: Tensor, teacher: Tensor, labels: Tensor | None, ignore_index: int, beta: float,
+                    temperature: float, group, scale: Tensor, want_s: bool, want_t: bool,
+                    grad_student_out: Tensor | None = None):
+    """The phases and their collectives over rows [n, v_local]: (each row's global loss [n], the student's and the
+    teacher's gradients of this slice or None), the gradients of the rows' sum times ``scale`` (0-d float64 on
+    the device), the student's written into ``grad_student_out`` when given."""
     mod = distill._module(student.device)
     common = (labels, ignore_index, beta, temperature)
     local_norms = mod.distill_phase(0, student, teacher, *common, None, None, None, False, False)[0]
     norms = combine_norms(_all_gather(local_norms, group))
-    scale = _grad_scale(labels, ignore_index, student.shape[0], reduction, student.device)
-    terms, gs, gt = mod.distill_phase(1, student, teacher, *common, norms, None, scale, want_s, want_t)
+    terms, gs, gt = mod.distill_phase(1, student, teacher, *common, norms, None, scale, want_s, want_t,
+                                      grad_student_out)
     sums = _all_gather(terms, group).sum(dim=0)  # [n, 3]: the rows' loss, ks, kt, added in rank order
     if _needs_phase2(beta, want_s, want_t):
         _, gs2, gt2 = mod.distill_phase(2, student, teacher, *common, norms, sums[:, 1:].contiguous(), scale,
-                                        want_s, want_t)
+                                        want_s, want_t, grad_student_out)
         gs = gs if gs is not None else gs2
         gt = gt if gt is not None else gt2
-    rows_loss = sums[:, 0]
+    return sums[:, 0], gs, gt
+
+
+def _run(student: Tensor, teacher: Tensor, labels: Tensor | None, ignore_index: int, beta: float,
+         temperature: float, reduction: int, group, want_s: bool, want_t: bool):
+    """The reduced loss and the gradients (of the reduced loss; for none, of the rows' sum), or None."""
+    scale = _grad_scale(labels, ignore_index, student.shape[0], reduction, student.device)
+    rows_loss, gs, gt = divergence_rows(student, teacher, labels, ignore_index, beta, temperature, group, scale,
+                                        want_s, want_t)
     if reduction == distill._REDUCTION_CODE["none"]:
-        loss = rows_loss
-    else:  # summed in float64 like the one-device kernels, times the divisor's reciprocal (1 for sum)
-        loss = (rows_loss.sum(dtype=torch.float64) * scale).to(rows_loss.dtype)
-    return loss, gs, gt
+        return rows_loss, gs, gt
+    # Summed in float64 like the one-device kernels, times the divisor's reciprocal (1 for sum).
+    return (rows_loss.sum(dtype=torch.float64) * scale).to(rows_loss.dtype), gs, gt
 
 
 class _VocabParallelDivergence(torch.autograd.Function):
@@ -128,10 +138,20 @@ class _VocabParallelDivergence(torch.autograd.Function):
         return (out_s, out_t) + (None,) * 8
 
 
-def _check_group(group) -> None:
+def _check_group(group, who: str = "generalized_jsd") -> None:
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"generalized_jsd: group must be a torch.distributed ProcessGroup, got "
-                        f"{type(group).__name__}")
+        raise TypeError(f"{who}: group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+
+
+def group_name(group, who: str) -> str:
+    """The name a custom op carries a process group by (as PyTorch's functional collectives do)."""
+    _check_group(group, who)
+    return group.group_name
+
+
+def resolve_group(name: str):
+    """The process group of ``group_name``."""
+    return dist.distributed_c10d._resolve_process_group(name)
 
 
 def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tensor | None, *, teacher_topk,

@@ -208,6 +208,71 @@ def _extra_semantics(rank, device, group, gen, widths):
         K.generalized_jsd(s, teacher_topk=(idx, lp), group=group)
 
 
+# ------------------------------------------------------------------------------------------- fused head
+def _fused_case(rank, device, group, gen, *, widths, n=7, hidden=6, dtype=torch.float32, beta=0.5,
+                reduction="batchmean", mask=0.3, teacher="hidden", bias=True, chunk_size=3):
+    """The fused LM head with the weights' rows (and bias, or teacher logits) split: the loss, grad hidden (the
+    full one on every rank) and this rank's rows of grad weight and grad bias against the one-process ones."""
+    tol = TOL[dtype]
+    vocab = sum(widths)
+    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(shape, dtype=torch.float64, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    h, w, b = rand(n, hidden), rand(vocab, hidden, scale=0.7), rand(vocab) if bias else None
+    th, tw, tb = rand(n, hidden + 2), rand(vocab, hidden + 2, scale=0.7), rand(vocab)
+    t_logits = rand(n, vocab, scale=2.0)
+    lab = torch.randint(0, vocab, (n,), generator=gen).to(device)
+    lab = lab.masked_fill(torch.rand(n, generator=gen).to(device) < mask, -100)
+    kw = dict(beta=beta, temperature=float(torch.rand((), generator=gen)) * 2 + 0.5, labels=lab,
+              reduction=reduction, chunk_size=chunk_size)
+    what = f"fused {dtype} widths={widths} beta={beta} {reduction} mask={mask} teacher={teacher} bias={bias}"
+
+    def run(sl, group_):
+        leaves = [x.detach().clone().requires_grad_() for x in (h, w[sl], b[sl] if bias else None) if x is not None]
+        teach = (dict(teacher_hidden=th, teacher_weight=tw[sl], teacher_bias=tb[sl]) if teacher == "hidden"
+                 else dict(teacher_logits=t_logits[:, sl]))
+        loss = K.fused_linear_generalized_jsd(leaves[0], leaves[1], student_bias=leaves[2] if bias else None,
+                                              group=group_, **teach, **kw)
+        return (loss, *torch.autograd.grad(loss, leaves))
+
+    ref = run(slice(None), None)
+    out = run(slice(lo, hi), group)
+    _close(out[0], ref[0], tol, f"loss ({what})")
+    _close(out[1], ref[1], tol, f"grad hidden ({what})")
+    _close(out[2], ref[2][lo:hi], tol, f"grad weight ({what})")
+    if bias:
+        _close(out[3], ref[3][lo:hi], tol, f"grad bias ({what})")
+
+
+def _fused_body(rank, world, device, seed, widths):
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(seed)
+    for dtype in (torch.float32, torch.float64):
+        for beta in (0.0, 0.5, 1.0):
+            for reduction in ("batchmean", "sum"):
+                _fused_case(rank, device, group, gen, widths=widths, dtype=dtype, beta=beta, reduction=reduction)
+    for beta in (0.0, 0.5, 1.0):
+        _fused_case(rank, device, group, gen, widths=widths, beta=beta, teacher="logits", bias=False, chunk_size=100)
+        _fused_case(rank, device, group, gen, widths=widths, beta=beta, mask=1.1)  # every token masked
+    with torch.no_grad():  # the forward alone
+        _fused_case_no_grad(rank, device, group, gen, widths)
+    with pytest.raises(NotImplementedError, match="teacher_topk"):
+        idx = torch.zeros((2, 1), dtype=torch.long, device=device)
+        K.fused_linear_generalized_jsd(torch.randn(2, 4, device=device), torch.randn(widths[rank], 4, device=device),
+                                       teacher_topk=(idx, torch.zeros((2, 1), device=device)), group=group)
+
+
+def _fused_case_no_grad(rank, device, group, gen, widths):
+    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
+    h = torch.randn(5, 4, generator=gen).to(device)
+    w, t = torch.randn(sum(widths), 4, generator=gen).to(device), torch.randn(5, sum(widths), generator=gen).to(device)
+    ref = K.fused_linear_generalized_jsd(h, w, teacher_logits=t, beta=0.5, chunk_size=2)
+    out = K.fused_linear_generalized_jsd(h, w[lo:hi], teacher_logits=t[:, lo:hi], beta=0.5, chunk_size=2, group=group)
+    _close(out, ref, TOL[torch.float32], "fused loss without gradients")
+
+
 # ------------------------------------------------------------------------------------------------ tests
 def test_two_ranks_match_one(_fresh_seed):
     K.load("cpu", extension="distill")  # built once here, not by both ranks at once
@@ -217,6 +282,12 @@ def test_two_ranks_match_one(_fresh_seed):
 def test_three_ranks_uneven_match_one(_fresh_seed):
     K.load("cpu", extension="distill")
     spawn(_cases_body, 3, _fresh_seed, [(9, 30, 2)], [torch.float32, torch.float64])
+
+
+def test_fused_head_two_and_three_ranks_match_one(_fresh_seed):
+    K.load("cpu", extension="distill")
+    spawn(_fused_body, 2, _fresh_seed, (13, 20))
+    spawn(_fused_body, 3, _fresh_seed, (5, 1, 17))
 
 
 @pytest.mark.gpu
@@ -235,6 +306,10 @@ def _gpu_body(rank, world, device, seed):
                 _one_case(rank, device, group, gen, widths=widths, lead=(33,), dtype=dtype, beta=beta,
                           teacher_grad=beta == 0.5)
     _cases_body(rank, world, device, seed, [(23, 14)], [torch.float32, torch.float64])
+    for beta in (0.0, 0.5, 1.0):  # the fused head at a real vocabulary, bf16
+        _fused_case(rank, device, group, gen, widths=(64128, 64128), n=300, hidden=256, dtype=torch.bfloat16,
+                    beta=beta, chunk_size=128)
+    _fused_body(rank, world, device, seed, (13, 20))
 
 
 def test_combine_norms_is_the_logsumexp_of_the_whole_row():
@@ -258,21 +333,22 @@ def test_combine_norms_is_the_logsumexp_of_the_whole_row():
 
 
 def test_benchmark_runs_under_torchrun(tmp_path):
-    # The 2-GPU benchmark's script, tiny, on 2 CPU processes: every provider checked, timed, and written.
+    # The 2-GPU benchmark's script, tiny, on 2 CPU processes: every provider of both forms checked, timed, written.
     K.load("cpu", extension="distill")
     out = tmp_path / "bench.csv"
     env = {**os.environ, **NCCL_ENV, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(REPO / "tools" / "bench_vocab_parallel.py"), "--device", "cpu", "--tokens", "24", "--vocab", "301",
-           "--reps", "2", "--warmup", "1", "--out", str(out)]
+           "--hidden", "8", "--reps", "2", "--warmup", "1", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SPAWN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = pd.read_csv(out)
-    assert sorted(zip(rows.impl, rows.world, rows.beta)) == [
-        ("kldiv_inline", 1, 0.0), ("kldiv_inline", 1, 0.5), ("kldiv_inline", 2, 0.0), ("kldiv_inline", 2, 0.5),
-        ("megatron_style", 2, 0.0), ("megatron_style", 2, 0.5)]
+    assert sorted(zip(rows.form, rows.impl, rows.world, rows.beta)) == sorted(
+        (form, impl, world, beta) for form in ("logits", "fused_linear") for beta in (0.0, 0.5)
+        for impl, world in (("kldiv_inline", 1), ("kldiv_inline", 2), ("megatron_style", 2)))
     assert (rows.status == "ok").all() and (rows.median_ms > 0).all()
-    assert proc.stdout.rstrip().splitlines()[-1].startswith("megatron_style")  # the table comes last
+    last = proc.stdout.rstrip().splitlines()[-1].split()  # the table comes last
+    assert last[:4] == ["fused_linear", "megatron_style", "2", "0.5"] and last[-1] == "ok"
 
 
 def test_group_must_be_a_process_group():
