@@ -257,7 +257,7 @@ def _prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, la
 def generalized_jsd(student_logits: Tensor, teacher_logits: Optional[Tensor] = None, *,
                     teacher_topk: Optional[tuple[Tensor, Tensor]] = None, beta: float = 0.0,
                     temperature: float = 1.0, labels: Optional[Tensor] = None, ignore_index: int = -100,
-                    reduction: str = "batchmean") -> Tensor:
+                    reduction: str = "batchmean", group=None) -> Tensor:
     """Divergence between the student's and the teacher's softmax(logits / temperature), per token.
 
     ``student_logits``, ``teacher_logits``: ``[..., V]`` (vocabulary last), float16/bfloat16/float32/float64 of
@@ -278,7 +278,16 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Optional[Tensor] = N
 
     Gradients flow to the student's logits, and to the teacher's logits when they require grad. Logits of -inf
     (a padded vocabulary) are legal. Double backward is not supported (a clear error).
+
+    ``group`` (a ``torch.distributed`` process group): the vocabulary is split across its ranks, each holding a
+    contiguous slice of both logits in rank order (``kldiv_inline.vocab_parallel``); the loss is the global one
+    on every rank, the gradients are each rank's slice's. Not yet with ``teacher_topk``.
     """
+    if group is not None:
+        from .vocab_parallel import generalized_jsd_vocab_parallel
+        return generalized_jsd_vocab_parallel(student_logits, teacher_logits, teacher_topk=teacher_topk, beta=beta,
+                                              temperature=temperature, labels=labels, ignore_index=ignore_index,
+                                              reduction=reduction, group=group)
     args, lead = _prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, labels, ignore_index,
                           reduction)
     student, teacher = args[0], args[1]

@@ -27,10 +27,12 @@ import numbers
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .distill import (_FLOAT_DTYPES, _acc_dtype, _check_labels, _check_settings, _check_teacher_logits,
                       _empty_if_none, _is_tracing, _module, _rows, _scaled, _validate_topk)
+from .vocab_parallel import divergence_rows, group_name, resolve_group
 
 __all__ = ["fused_linear_generalized_jsd", "FusedLinearGeneralizedJSDLoss", "default_chunk_size"]
 
@@ -90,9 +92,11 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t_hidden: Opt
            t_weight: Optional[Tensor], t_bias: Optional[Tensor], t_logits: Optional[Tensor],
            topk_idx: Optional[Tensor], topk_lp: Optional[Tensor], labels: Optional[Tensor], ignore_index: int,
            beta: float, temperature: float, batchmean: bool, chunk_size: int, accum_dtype: Optional[torch.dtype],
-           want_hidden: bool, want_weight: bool, want_bias: bool):
+           group_name: Optional[str], want_hidden: bool, want_weight: bool, want_bias: bool):
     """The loss (batchmean or sum) and its gradients w.r.t. hidden [n, H], weight and bias (each only if wanted,
-    else an empty tensor)."""
+    else an empty tensor). With ``group_name``, the vocabulary (weight's rows, bias, teacher logits) is this rank's
+    slice: each chunk's divergence runs in kldiv_inline.vocab_parallel's phases, and grad hidden is summed over
+    the group at the end."""
     n, vocab = hidden.shape[0], weight.shape[0]
     acc_t = _acc_dtype(hidden.dtype)
     mod = _module(hidden.device)
@@ -114,6 +118,12 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t_hidden: Opt
     s_buf = hidden.new_empty((rows, vocab))
     t_buf = hidden.new_empty((rows, vocab)) if t_hidden is not None else None
     g_buf = None  # only where the kernel cannot write d logits over the logits (rows too long to sit on chip)
+    group = resolve_group(group_name) if group_name is not None else None
+    if group is not None and want:
+        # Split over ranks, d logits go to their own buffer: whether a slice fits on chip may differ between
+        # ranks, and a retry after a refusal would desynchronise the collectives.
+        g_buf = torch.empty_like(s_buf)
+    ones = torch.ones((), dtype=torch.float64, device=hidden.device) if group is not None else None
     for r0 in range(0, n, chunk_size):
         r1 = min(n, r0 + chunk_size)
         h, logits = hidden[r0:r1], s_buf[: r1 - r0]
@@ -125,26 +135,36 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t_hidden: Opt
             teacher = t_logits[r0:r1]
         else:
             idx, lp = topk_idx[r0:r1], topk_lp[r0:r1]
-        args = (teacher, idx, lp, labels[r0:r1] if labels is not None else None, ignore_index, beta, temperature, 1)
-        if not want:
-            total += mod.distill_forward(logits, *args, False, False)[0]
-            continue
-        if g_buf is None:
-            try:
-                part, dlogits, _ = mod.distill_forward(logits, *args, True, False, logits)
-            except RuntimeError as e:
-                if _IN_PLACE_REFUSED not in str(e):
-                    raise
-                g_buf = torch.empty_like(s_buf)
-        if g_buf is not None:
-            part, dlogits, _ = mod.distill_forward(logits, *args, True, False, g_buf[: r1 - r0])
-        total += part
+        lab = labels[r0:r1] if labels is not None else None
+        if group is not None:
+            rows_loss, dlogits, _ = divergence_rows(logits, teacher, lab, ignore_index, beta, temperature, group, ones,
+                                                    want, False, g_buf[: r1 - r0] if want else None)
+            total += rows_loss.sum(dtype=torch.float64).to(acc_t)
+            if not want:
+                continue
+        else:
+            args = (teacher, idx, lp, lab, ignore_index, beta, temperature, 1)
+            if not want:
+                total += mod.distill_forward(logits, *args, False, False)[0]
+                continue
+            if g_buf is None:
+                try:
+                    part, dlogits, _ = mod.distill_forward(logits, *args, True, False, logits)
+                except RuntimeError as e:
+                    if _IN_PLACE_REFUSED not in str(e):
+                        raise
+                    g_buf = torch.empty_like(s_buf)
+            if g_buf is not None:
+                part, dlogits, _ = mod.distill_forward(logits, *args, True, False, g_buf[: r1 - r0])
+            total += part
         if want_hidden:
             torch.mm(dlogits, weight, out=g_hidden[r0:r1])
         if want_weight:
             _accumulate(w_acc, dlogits.t(), h, first=r0 == 0)
         if want_bias:
             b_acc += dlogits.sum(0, dtype=acc_t)
+    if want_hidden and group is not None:
+        dist.all_reduce(g_hidden, group=group)  # the hidden states are replicated: their gradient sums the slices'
     if want_hidden and scale is not None:
         g_hidden.mul_(scale)
     if want_weight:
@@ -165,15 +185,16 @@ def _fused_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t_hidden: 
               t_weight: Optional[Tensor], t_bias: Optional[Tensor], t_logits: Optional[Tensor],
               topk_idx: Optional[Tensor], topk_lp: Optional[Tensor], labels: Optional[Tensor], ignore_index: int,
               beta: float, temperature: float, batchmean: bool, chunk_size: int, accum_dtype: Optional[torch.dtype],
-              want_hidden: bool, want_weight: bool, want_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+              group_name: Optional[str], want_hidden: bool, want_weight: bool,
+              want_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _fused(hidden, weight, bias, t_hidden, t_weight, t_bias, t_logits, topk_idx, topk_lp, labels,
-                  ignore_index, beta, temperature, batchmean, chunk_size, accum_dtype, want_hidden, want_weight,
-                  want_bias)
+                  ignore_index, beta, temperature, batchmean, chunk_size, accum_dtype, group_name, want_hidden,
+                  want_weight, want_bias)
 
 
 @_fused_op.register_fake
 def _(hidden, weight, bias, t_hidden, t_weight, t_bias, t_logits, topk_idx, topk_lp, labels, ignore_index, beta,
-      temperature, batchmean, chunk_size, accum_dtype, want_hidden, want_weight, want_bias):
+      temperature, batchmean, chunk_size, accum_dtype, group_name, want_hidden, want_weight, want_bias):
     acc_t = _acc_dtype(hidden.dtype)
     empty = hidden.new_empty((0,))
     return (hidden.new_empty((), dtype=acc_t), hidden.new_empty(hidden.shape) if want_hidden else empty,
@@ -181,13 +202,13 @@ def _(hidden, weight, bias, t_hidden, t_weight, t_bias, t_logits, topk_idx, topk
             bias.new_empty(bias.shape) if want_bias else empty.clone())
 
 
-_N_INPUTS = 19
+_N_INPUTS = 20
 
 
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:10])
-    ctx.args = inputs[10:16]
-    ctx.wanted = inputs[16:19]
+    ctx.args = inputs[10:17]
+    ctx.wanted = inputs[17:20]
     _, g_hidden, g_weight, g_bias = output
     # Held outside save_for_backward: backward rescales them in place and hands them over as the gradients.
     ctx.fused = tuple(g.detach() for g in (g_hidden, g_weight, g_bias))
@@ -289,7 +310,7 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
                                  beta: float = 0.0, temperature: float = 1.0, labels: Optional[Tensor] = None,
                                  ignore_index: int = -100, reduction: str = "batchmean",
                                  chunk_size: Optional[int] = None,
-                                 accum_dtype: Optional[torch.dtype] = None) -> Tensor:
+                                 accum_dtype: Optional[torch.dtype] = None, group=None) -> Tensor:
     """``generalized_jsd(student_hidden @ student_weight.T + student_bias, <teacher logits>, ...)`` without the
     logits ever being whole: the same loss (beta, temperature, labels/ignore_index, reductions "batchmean" and
     "sum"), computed chunk by chunk of tokens.
@@ -312,8 +333,18 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     clusters hold on chip: beyond 409600 entries in float32 with the teacher's logits, 819200 in bfloat16). ``accum_dtype``: the grad weight's accumulator over the chunks; None accumulates in the weight's dtype,
     ``torch.float32`` (for 16-bit weights) in a float32 copy (2x the weight's size more memory) rounded once at the
     end. The loss is float32 (float64 for float64 inputs). Double backward is not supported (a clear error).
+
+    ``group`` (a ``torch.distributed`` process group): the vocabulary is split across its ranks (Megatron's
+    column-parallel head): each rank passes its contiguous slice of the weights' rows (and biases, or teacher
+    logits), in rank order, and the same hidden states and labels; every rank returns the global loss and gets
+    its slice's weight and bias gradients and the full gradient of the hidden states (summed over the group).
+    Each chunk's divergence then runs as ``generalized_jsd(..., group=group)`` does. Not with ``teacher_topk``.
     """
     _check_linear("student", student_hidden, student_weight, student_bias, None, None, None)
+    name = group_name(group, "fused_linear_generalized_jsd") if group is not None else None
+    if group is not None and teacher_topk is not None:
+        raise NotImplementedError(_err("teacher_topk with a vocabulary split across a group is not implemented yet; "
+                                       "give the teacher as hidden states and weights, or as logits"))
     dtype, device = student_hidden.dtype, student_hidden.device
     hidden_size, vocab = student_hidden.shape[-1], student_weight.shape[0]
     lead = student_hidden.shape[:-1]
@@ -359,7 +390,7 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     grad_on = torch.is_grad_enabled()
     wants = [bool(grad_on and t is not None and t.requires_grad) for t in (hidden, student_weight, student_bias)]
     args = (hidden, student_weight, student_bias, t_hidden, t_weight, t_bias, t_logits, idx, lp, lab,
-            int(ignore_index), beta, temperature, reduction == "batchmean", int(chunk_size), accum_dtype)
+            int(ignore_index), beta, temperature, reduction == "batchmean", int(chunk_size), accum_dtype, name)
     if not any(wants) and not _is_tracing(hidden):
         return _fused(*args, False, False, False)[0]
     return _fused_op(*args, *wants)[0]

@@ -1,0 +1,357 @@
+"""Tests of generalized_jsd(..., group=...) over a vocabulary split across processes (kldiv_inline.vocab_parallel).
+
+Each multi-process test spawns its ranks once (gloo on the loopback interface on the CPU; NCCL on two GPUs in the
+gpu-marked test), bounded in time, and runs many cases in them: every rank builds the same full logits from the
+test's seed, computes the one-process result itself (group=None), then its slice's distributed result, and
+compares loss and gradients. A failure in a rank fails the test with that rank's traceback.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import kldiv_inline as K
+from kldiv_inline.peers import megatron_style_generalized_jsd
+from kldiv_inline.reference import relative_error
+from kldiv_inline.vocab_parallel import combine_norms
+
+REPO = Path(__file__).resolve().parent.parent
+SPAWN_TIMEOUT_S = 240  # the whole spawn: start-up (torch import, cached kernels), every case, shut-down
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # a rank stuck in a collective fails instead of hanging
+# Distributed against one process, relative (norm, and per element against the tensor's largest value).
+TOL = {torch.float32: 2e-5, torch.float64: 1e-9, torch.bfloat16: 8e-3}
+# Settings every process that may touch NCCL keeps (NVLink multicast off).
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+@pytest.fixture(autouse=True)
+def _print_seed(_fresh_seed):
+    print(f"torch.manual_seed({_fresh_seed})")
+
+
+# ------------------------------------------------------------------------------------------- launcher
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, backend: str, body, args) -> None:
+    os.environ.update(NCCL_ENV)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT,
+                            **({"device_id": torch.device(device)} if backend == "nccl" else {}))
+    try:
+        body(rank, world, device, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(body, world: int, *args, backend: str = "gloo") -> None:
+    """Runs body(rank, world, device, *args) in `world` new processes joined in a process group; fails the test
+    if any raises (with its traceback) or if they are not all done within SPAWN_TIMEOUT_S (then kills them)."""
+    os.environ.update(NCCL_ENV)  # inherited by the children
+    ctx = mp.start_processes(_entry, args=(world, _free_port(), backend, body, args), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=max(0.0, deadline - time.monotonic()), grace_period=5):
+            if time.monotonic() >= deadline:
+                pytest.fail(f"the {world} ranks did not finish within {SPAWN_TIMEOUT_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+# ------------------------------------------------------------------------------------------ the cases
+def _bounds(widths):
+    edges = [0]
+    for w in widths:
+        edges.append(edges[-1] + w)
+    return edges
+
+
+def _close(out, ref, tol, what):
+    assert out.shape == ref.shape, (what, out.shape, ref.shape)
+    assert out.dtype == ref.dtype, (what, out.dtype, ref.dtype)
+    err = relative_error(out.detach(), ref.detach())
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+    scale = ref.detach().double().abs().max() if ref.numel() else 0.0
+    torch.testing.assert_close(out.detach().double(), ref.detach().double(), rtol=tol,
+                               atol=tol * float(scale) + 1e-30, equal_nan=True, msg=what)
+
+
+def _logits(shape, dtype, device, gen):
+    scale = float(torch.rand((), generator=gen)) * 4 + 0.5
+    return (torch.randn(shape, dtype=torch.float64, generator=gen) * scale).to(device=device, dtype=dtype)
+
+
+def _one_case(rank, device, group, gen, *, widths, lead=(5,), dtype=torch.float32, beta=0.5, reduction="batchmean",
+              mask=0.3, teacher_grad=False, pad_rank=None, labels=True):
+    """One problem: the distributed loss and this rank's gradients against the one-process ones."""
+    tol = TOL[dtype]
+    vocab = sum(widths)
+    s_full = _logits(lead + (vocab,), dtype, device, gen)
+    t_full = _logits(lead + (vocab,), dtype, device, gen)
+    edges = _bounds(widths)
+    if pad_rank is not None:  # a padded vocabulary: one rank's whole slice is -inf in both
+        s_full[..., edges[pad_rank]:edges[pad_rank + 1]] = float("-inf")
+        t_full[..., edges[pad_rank]:edges[pad_rank + 1]] = float("-inf")
+    lab = None
+    if labels:
+        lab = torch.randint(0, vocab, lead, generator=gen).to(device)
+        lab = lab.masked_fill(torch.rand(lead, generator=gen).to(device) < mask, -100)
+    temperature = float(torch.rand((), generator=gen)) * 2 + 0.5
+    kw = dict(beta=beta, temperature=temperature, labels=lab, reduction=reduction)
+    what = f"{dtype} widths={widths} lead={lead} beta={beta} {reduction} mask={mask} teacher_grad={teacher_grad}"
+
+    def grads_of(s, t, group_):
+        s = s.detach().clone().requires_grad_()
+        t = t.detach().clone().requires_grad_(teacher_grad)
+        loss = K.generalized_jsd(s, t, group=group_, **kw)
+        go = grad_out if reduction == "none" else grad_out.reshape(())
+        loss.backward(go)
+        return loss.detach(), s.grad, t.grad
+
+    n_lead = math.prod(lead)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    signs = torch.where(torch.rand(lead, generator=gen) < 0.5, -1.0, 1.0)
+    grad_out = ((torch.rand(lead, generator=gen) + 0.5) * signs).to(device=device, dtype=acc)
+    if reduction != "none":
+        grad_out = grad_out.reshape(-1)[:1] if n_lead else torch.ones(1, dtype=acc, device=device)
+    ref_loss, ref_gs, ref_gt = grads_of(s_full, t_full, None)
+    lo, hi = edges[rank], edges[rank + 1]
+    loss, gs, gt = grads_of(s_full[..., lo:hi], t_full[..., lo:hi], group)
+    _close(loss, ref_loss, tol, f"loss ({what})")
+    _close(gs, ref_gs[..., lo:hi], tol, f"student grad ({what})")
+    if teacher_grad:
+        _close(gt, ref_gt[..., lo:hi], tol, f"teacher grad ({what})")
+    # Every rank returns the same loss, bit for bit.
+    flat = loss.reshape(-1).contiguous()
+    losses = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(losses, flat, group=group)
+    assert all(torch.equal(x, flat) for x in losses), f"ranks disagree on the loss ({what})"
+    if lab is not None and (lab == -100).any():
+        assert (gs[lab == -100] == 0).all(), f"masked tokens got a gradient ({what})"
+    return loss
+
+
+def _cases_body(rank, world, device, seed, widths_list, dtypes):
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(seed)  # the same stream on every rank: the same full inputs
+    for widths in widths_list:
+        for dtype in dtypes:
+            for beta in (0.0, 0.5, 1.0):
+                for reduction in ("batchmean", "sum", "none"):
+                    _one_case(rank, device, group, gen, widths=widths, dtype=dtype, beta=beta, reduction=reduction,
+                              teacher_grad=reduction != "sum")
+    w = widths_list[0]
+    for beta in (0.0, 0.3, 1.0):
+        # every token masked: zero loss and gradients, not NaN
+        loss = _one_case(rank, device, group, gen, widths=w, beta=beta, mask=1.1, teacher_grad=True)
+        assert loss.item() == 0.0
+        # a rank's whole slice padded with -inf; leading dims; no labels
+        _one_case(rank, device, group, gen, widths=w, beta=beta, pad_rank=world - 1, reduction="none")
+        _one_case(rank, device, group, gen, widths=w, lead=(2, 3), beta=beta, labels=False, teacher_grad=True)
+    _one_case(rank, device, group, gen, widths=w, lead=(0,), beta=0.5, reduction="sum")  # no tokens at all
+    _extra_semantics(rank, device, group, gen, w)
+
+
+def _extra_semantics(rank, device, group, gen, widths):
+    """No-grad path, a second backward (retain_graph), the Megatron-style peer, the top-k teacher's clear error."""
+    edges = _bounds(widths)
+    lo, hi = edges[rank], edges[rank + 1]
+    s_full = _logits((4, sum(widths)), torch.float64, device, gen)
+    t_full = _logits((4, sum(widths)), torch.float64, device, gen)
+    s = s_full[:, lo:hi].clone().requires_grad_()
+    t = t_full[:, lo:hi].clone()
+    kw = dict(beta=0.5, temperature=1.5)
+    with torch.no_grad():
+        plain = K.generalized_jsd(s, t, group=group, **kw)
+    loss = K.generalized_jsd(s, t, group=group, **kw)
+    assert torch.equal(loss.detach(), plain)
+    (g1,) = torch.autograd.grad(2.0 * loss, s, retain_graph=True)
+    (g2,) = torch.autograd.grad(loss, s)
+    torch.testing.assert_close(g1, 2.0 * g2, rtol=1e-12, atol=0)
+    ref = K.generalized_jsd(s_full.clone().requires_grad_(), t_full, **kw)
+    _close(loss.detach(), ref.detach(), TOL[torch.float64], "loss (no-grad check)")
+    # The Megatron-style peer (float32 inside) computes the same loss and gradients.
+    lab = torch.tensor([0, -100, 3, 1], device=device)
+    s.grad = None
+    ours = K.generalized_jsd(s, t, labels=lab, group=group, **kw)
+    (g_ours,) = torch.autograd.grad(ours, s)
+    peer = megatron_style_generalized_jsd(s, t, lab, group=group, **kw)
+    (g_peer,) = torch.autograd.grad(peer, s)
+    _close(peer.double(), ours, TOL[torch.float32], "Megatron-style peer's loss")
+    _close(g_peer, g_ours, TOL[torch.float32], "Megatron-style peer's gradient")
+    idx = torch.zeros((4, 1), dtype=torch.long, device=device)
+    lp = torch.zeros((4, 1), dtype=torch.float64, device=device)
+    with pytest.raises(NotImplementedError, match="teacher_topk"):
+        K.generalized_jsd(s, teacher_topk=(idx, lp), group=group)
+
+
+# ------------------------------------------------------------------------------------------- fused head
+def _fused_case(rank, device, group, gen, *, widths, n=7, hidden=6, dtype=torch.float32, beta=0.5,
+                reduction="batchmean", mask=0.3, teacher="hidden", bias=True, chunk_size=3):
+    """The fused LM head with the weights' rows (and bias, or teacher logits) split: the loss, grad hidden (the
+    full one on every rank) and this rank's rows of grad weight and grad bias against the one-process ones."""
+    tol = TOL[dtype]
+    vocab = sum(widths)
+    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(shape, dtype=torch.float64, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    h, w, b = rand(n, hidden), rand(vocab, hidden, scale=0.7), rand(vocab) if bias else None
+    th, tw, tb = rand(n, hidden + 2), rand(vocab, hidden + 2, scale=0.7), rand(vocab)
+    t_logits = rand(n, vocab, scale=2.0)
+    lab = torch.randint(0, vocab, (n,), generator=gen).to(device)
+    lab = lab.masked_fill(torch.rand(n, generator=gen).to(device) < mask, -100)
+    kw = dict(beta=beta, temperature=float(torch.rand((), generator=gen)) * 2 + 0.5, labels=lab,
+              reduction=reduction, chunk_size=chunk_size)
+    what = f"fused {dtype} widths={widths} beta={beta} {reduction} mask={mask} teacher={teacher} bias={bias}"
+
+    def run(sl, group_):
+        leaves = [x.detach().clone().requires_grad_() for x in (h, w[sl], b[sl] if bias else None) if x is not None]
+        teach = (dict(teacher_hidden=th, teacher_weight=tw[sl], teacher_bias=tb[sl]) if teacher == "hidden"
+                 else dict(teacher_logits=t_logits[:, sl]))
+        loss = K.fused_linear_generalized_jsd(leaves[0], leaves[1], student_bias=leaves[2] if bias else None,
+                                              group=group_, **teach, **kw)
+        return (loss, *torch.autograd.grad(loss, leaves))
+
+    ref = run(slice(None), None)
+    out = run(slice(lo, hi), group)
+    _close(out[0], ref[0], tol, f"loss ({what})")
+    _close(out[1], ref[1], tol, f"grad hidden ({what})")
+    _close(out[2], ref[2][lo:hi], tol, f"grad weight ({what})")
+    if bias:
+        _close(out[3], ref[3][lo:hi], tol, f"grad bias ({what})")
+
+
+def _fused_body(rank, world, device, seed, widths):
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(seed)
+    for dtype in (torch.float32, torch.float64):
+        for beta in (0.0, 0.5, 1.0):
+            for reduction in ("batchmean", "sum"):
+                _fused_case(rank, device, group, gen, widths=widths, dtype=dtype, beta=beta, reduction=reduction)
+    for beta in (0.0, 0.5, 1.0):
+        _fused_case(rank, device, group, gen, widths=widths, beta=beta, teacher="logits", bias=False, chunk_size=100)
+        _fused_case(rank, device, group, gen, widths=widths, beta=beta, mask=1.1)  # every token masked
+    with torch.no_grad():  # the forward alone
+        _fused_case_no_grad(rank, device, group, gen, widths)
+    with pytest.raises(NotImplementedError, match="teacher_topk"):
+        idx = torch.zeros((2, 1), dtype=torch.long, device=device)
+        K.fused_linear_generalized_jsd(torch.randn(2, 4, device=device), torch.randn(widths[rank], 4, device=device),
+                                       teacher_topk=(idx, torch.zeros((2, 1), device=device)), group=group)
+
+
+def _fused_case_no_grad(rank, device, group, gen, widths):
+    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
+    h = torch.randn(5, 4, generator=gen).to(device)
+    w, t = torch.randn(sum(widths), 4, generator=gen).to(device), torch.randn(5, sum(widths), generator=gen).to(device)
+    ref = K.fused_linear_generalized_jsd(h, w, teacher_logits=t, beta=0.5, chunk_size=2)
+    out = K.fused_linear_generalized_jsd(h, w[lo:hi], teacher_logits=t[:, lo:hi], beta=0.5, chunk_size=2, group=group)
+    _close(out, ref, TOL[torch.float32], "fused loss without gradients")
+
+
+# ------------------------------------------------------------------------------------------------ tests
+def test_two_ranks_match_one(_fresh_seed):
+    K.load("cpu", extension="distill")  # built once here, not by both ranks at once
+    spawn(_cases_body, 2, _fresh_seed, [(23, 14), (1, 40)], [torch.float32, torch.float64])
+
+
+def test_three_ranks_uneven_match_one(_fresh_seed):
+    K.load("cpu", extension="distill")
+    spawn(_cases_body, 3, _fresh_seed, [(9, 30, 2)], [torch.float32, torch.float64])
+
+
+def test_fused_head_two_and_three_ranks_match_one(_fresh_seed):
+    K.load("cpu", extension="distill")
+    spawn(_fused_body, 2, _fresh_seed, (13, 20))
+    spawn(_fused_body, 3, _fresh_seed, (5, 1, 17))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_nccl_match_one(_fresh_seed):
+    K.load("cuda", extension="distill")
+    spawn(_gpu_body, 2, _fresh_seed, backend="nccl")
+
+
+def _gpu_body(rank, world, device, seed):
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(seed)
+    for widths in [(64128, 64128), (100000, 28256), (3001, 77)]:
+        for dtype in (torch.bfloat16, torch.float32):
+            for beta in (0.0, 0.5, 1.0):
+                _one_case(rank, device, group, gen, widths=widths, lead=(33,), dtype=dtype, beta=beta,
+                          teacher_grad=beta == 0.5)
+    _cases_body(rank, world, device, seed, [(23, 14)], [torch.float32, torch.float64])
+    for beta in (0.0, 0.5, 1.0):  # the fused head at a real vocabulary, bf16
+        _fused_case(rank, device, group, gen, widths=(64128, 64128), n=300, hidden=256, dtype=torch.bfloat16,
+                    beta=beta, chunk_size=128)
+    _fused_body(rank, world, device, seed, (13, 20))
+
+
+def test_combine_norms_is_the_logsumexp_of_the_whole_row():
+    # Slices' (max, log2 sum) pairs combine into the whole row's, -inf slices and masked rows included.
+    x = torch.randn(6, 50, dtype=torch.float64) * 3
+    x[1, :20] = float("-inf")  # the first slice of row 1 holds no mass
+    x[2] = float("-inf")  # a row with no mass at all
+    cuts = [(0, 20), (20, 21), (21, 50)]
+    parts = []
+    for lo, hi in cuts:
+        sl = x[:, lo:hi] * math.log2(math.e)
+        mx = sl.amax(dim=1)
+        lz = torch.log2(torch.exp2(sl - torch.where(mx.isinf(), 0.0, mx)[:, None]).sum(dim=1))
+        parts.append(torch.stack([mx, lz, mx, lz], dim=1))
+    out = combine_norms(torch.stack(parts))
+    whole = torch.logsumexp(x, dim=1) * math.log2(math.e)  # base-2 logsumexp
+    got = out[:, 0] + torch.where(out[:, 0].isinf(), 0.0, out[:, 1])
+    torch.testing.assert_close(got, whole, rtol=1e-14, atol=0)
+    assert out[2].tolist() == [float("-inf")] * 4
+    assert torch.isnan(combine_norms(torch.stack([p.clone().fill_(float("nan")) for p in parts]))).all()
+
+
+def test_benchmark_runs_under_torchrun(tmp_path):
+    # The 2-GPU benchmark's script, tiny, on 2 CPU processes: every provider of both forms checked, timed, written.
+    K.load("cpu", extension="distill")
+    out = tmp_path / "bench.csv"
+    env = {**os.environ, **NCCL_ENV, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "tools" / "bench_vocab_parallel.py"), "--device", "cpu", "--tokens", "24", "--vocab", "301",
+           "--hidden", "8", "--reps", "2", "--warmup", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SPAWN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = pd.read_csv(out)
+    assert sorted(zip(rows.form, rows.impl, rows.world, rows.beta)) == sorted(
+        (form, impl, world, beta) for form in ("logits", "fused_linear") for beta in (0.0, 0.5)
+        for impl, world in (("kldiv_inline", 1), ("kldiv_inline", 2), ("megatron_style", 2)))
+    assert (rows.status == "ok").all() and (rows.median_ms > 0).all()
+    last = proc.stdout.rstrip().splitlines()[-1].split()  # the table comes last
+    assert last[:4] == ["fused_linear", "megatron_style", "2", "0.5"] and last[-1] == "ok"
+
+
+def test_group_must_be_a_process_group():
+    s = torch.randn(3, 8)
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        K.generalized_jsd(s, torch.randn(3, 8), group="world")

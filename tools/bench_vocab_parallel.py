@@ -1,0 +1,284 @@
+"""Times the distillation divergence with the vocabulary split across GPUs; run it under torchrun:
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
+        torchrun --standalone --nproc-per-node 2 tools/bench_vocab_parallel.py      # -> results/<card>-x2/
+    torchrun --standalone --nproc-per-node 2 tools/bench_vocab_parallel.py --device cpu --tokens 32 --vocab 500 \\
+        --hidden 16 --out /tmp/bench.csv                                              # a smoke test on the CPU
+
+One global problem (default: bfloat16, 4096 tokens x a 128256 vocabulary, T = 2, 10% of tokens masked, forward
+and backward; forward KL and the JSD at beta 0.5), in two forms:
+  logits:       generalized_jsd of given logits, the student's gradient;
+  fused_linear: fused_linear_generalized_jsd of hidden states [tokens, hidden] and LM-head weights [vocab, hidden]
+                (student and teacher alike), the gradients of the student's hidden states and weight;
+each timed as
+  kldiv_inline   world 1: the kit's op on one device (group=None), on rank 0 while the others wait;
+  kldiv_inline   world N: the kit's op with group=WORLD, each rank a contiguous 1/N of the vocabulary (of the
+                 logits, or of the weights' rows);
+  megatron_style world N: kldiv_inline.peers' Megatron-style PyTorch peer of the form, the same split.
+Each provider is checked first and a wrong one is not timed: its loss against float64 PyTorch (logits) or the
+one-device op's (fused_linear, whose logits are rounded to bfloat16 by the matrix product), its gradients (this
+rank's slice) against the one-device op's. Times follow kldiv_inline.timing: CUDA events around each call after
+warm-up, the L2 flushed before each, the ranks aligned by a barrier outside the timed region; a world-N call's
+time is its slowest rank's. Rows as bench.csv's plus `world`, `beta`, `temperature`, `hidden`; for the logits
+form `bytes` and `gbps` are per GPU (both logits read, the gradient written once). Rank 0 writes the CSV and
+env.json and prints a table last: each time over the one-device op's (`/ world 1`) and the peer's over it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+# NVLink multicast off in every process this launches (before NCCL starts).
+os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import kldiv_inline as K  # noqa: E402
+from kldiv_inline import envinfo, floors, timing  # noqa: E402
+from kldiv_inline.bench import COLUMNS  # noqa: E402
+from kldiv_inline.peers import (megatron_style_fused_linear_generalized_jsd,  # noqa: E402
+                                megatron_style_generalized_jsd)
+from kldiv_inline.reference import generalized_jsd_reference, relative_error  # noqa: E402
+
+EXTRA_COLUMNS = ["world", "beta", "temperature", "hidden"]
+FORMS = ("logits", "fused_linear")
+# The loss's relative error: against float64 (logits: the float32 peer's exp and log), against the one-device
+# op (fused_linear: the same bf16 logits up to the matrix products' order of summation).
+LOSS_TOL = {"logits": 1e-4, "fused_linear": 2e-3}
+GRAD_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5, torch.float64: 1e-9}
+REFERENCE_ROWS = 256  # rows per float64 chunk of the reference loss
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--forms", default=",".join(FORMS), help=f"comma list of {FORMS}")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--hidden", type=int, default=4096, help="hidden size of the fused_linear form")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"])
+    ap.add_argument("--temperature", type=float, default=2.0)
+    ap.add_argument("--masked", type=float, default=0.1, help="fraction of tokens whose label is ignore_index")
+    ap.add_argument("--betas", default="0,0.5", help="comma list")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--out", default=None, help="CSV path (default results/<device>-x<world>/bench.csv)")
+    args = ap.parse_args(argv)
+    args.forms = args.forms.split(",")
+    if not set(args.forms) <= set(FORMS):
+        ap.error(f"--forms: choose from {FORMS}")
+    return args
+
+
+def slice_bounds(vocab: int, world: int) -> list[int]:
+    """Contiguous slices in rank order, the first vocab % world ranks one entry wider."""
+    widths = [vocab // world + (r < vocab % world) for r in range(world)]
+    return [sum(widths[:r]) for r in range(world + 1)]
+
+
+class Problem:
+    """One form's inputs, the whole ones (the same on every rank: one seed) and this rank's slices, and which
+    of them are leaves that take a gradient (`grads`) and which of those are split (`split`)."""
+
+    def __init__(self, form: str, args, device: str, rank: int, world: int):
+        gen = torch.Generator(device=device).manual_seed(1234)
+        dtype = getattr(torch, args.dtype)
+        n, v, hdim = args.tokens, args.vocab, args.hidden
+
+        def randn(*shape, scale):
+            return (torch.randn(shape, generator=gen, device=device) * scale).to(dtype)
+
+        labels = torch.randint(0, v, (n,), generator=gen, device=device)
+        self.labels = labels.masked_fill(torch.rand(n, generator=gen, device=device) < args.masked, -100)
+        b = slice_bounds(v, world)
+        self.lo, self.hi = b[rank], b[rank + 1]
+        part = slice(self.lo, self.hi)
+        self.form = form
+        if form == "logits":
+            s, t = randn(n, v, scale=2.0), randn(n, v, scale=2.0)
+            self.whole = (s, t)
+            self.parts = (s[:, part].contiguous(), t[:, part].contiguous())
+            self.grads, self.split = (0,), (0,)
+        else:  # logits of spread ~2, as above: weights of norm ~2 per row against unit hidden states
+            h, th = randn(n, hdim, scale=1.0), randn(n, hdim, scale=1.0)
+            w, tw = randn(v, hdim, scale=2.0 / hdim ** 0.5), randn(v, hdim, scale=2.0 / hdim ** 0.5)
+            self.whole = (h, w, th, tw)
+            self.parts = (h, w[part].contiguous(), th, tw[part].contiguous())
+            self.grads, self.split = (0, 1), (1,)
+
+    def prepare(self, *inputs):
+        """Fresh leaves (outside the timed region) for the inputs that take a gradient."""
+        return tuple(x.detach().requires_grad_() if i in self.grads else x for i, x in enumerate(inputs))
+
+
+def providers(prob: Problem, beta: float, temperature: float, group, world: int):
+    """(impl, world, fn(*inputs) -> loss, whether every rank runs it on its slices)."""
+    kw = dict(beta=beta, temperature=temperature, labels=prob.labels)
+    if prob.form == "logits":
+        def ours(g):
+            return lambda s, t: K.generalized_jsd(s, t, group=g, **kw)
+
+        def peer(s, t):
+            return megatron_style_generalized_jsd(s, t, prob.labels, beta=beta, temperature=temperature, group=group)
+    else:
+        def ours(g):
+            return lambda h, w, th, tw: K.fused_linear_generalized_jsd(h, w, th, tw, group=g, **kw)
+
+        def peer(h, w, th, tw):
+            return megatron_style_fused_linear_generalized_jsd(h, w, th, tw, prob.labels, beta=beta,
+                                                               temperature=temperature, group=group)
+    out = [("kldiv_inline", 1, ours(None), False)]
+    if world > 1:
+        out.append(("kldiv_inline", world, ours(group), True))
+    out.append(("megatron_style", world, peer, True))
+    return out
+
+
+def training_step(fn, prob: Problem):
+    """The loss and the gradients of the inputs that take one."""
+    def run(*inputs):
+        loss = fn(*inputs)
+        return (loss.detach(), *torch.autograd.grad(loss, [inputs[i] for i in prob.grads]))
+    return run
+
+
+def reference_loss(prob: Problem, beta: float, temperature: float) -> float:
+    """The logits form's batchmean loss in float64, a chunk of rows at a time (the whole problem in float64 would
+    not fit)."""
+    s, t = prob.whole
+    total = 0.0
+    for lo in range(0, s.shape[0], REFERENCE_ROWS):
+        sl = slice(lo, lo + REFERENCE_ROWS)
+        total += float(generalized_jsd_reference(s[sl], t[sl], beta=beta, temperature=temperature,
+                                                 labels=prob.labels[sl], reduction="sum"))
+    return total / max(int((prob.labels != -100).sum()), 1)
+
+
+def time_it(fn, prob: Problem, inputs, args, device: str, aligned: bool) -> list[float]:
+    """Per-call milliseconds of this rank (CUDA events, or a wall clock on the CPU)."""
+    def prepare(*x):
+        if aligned:
+            dist.barrier()
+        return prob.prepare(*x)
+
+    if device == "cuda":
+        return timing.time_cuda(fn, [inputs], args.reps, args.warmup, flush=timing.L2Flush(device), prepare=prepare)
+    return timing.time_wall(fn, [inputs], args.reps, args.warmup, device, prepare=prepare)
+
+
+def slowest(times: list[float], device: str) -> list[float]:
+    """Each call's time on the slowest rank."""
+    x = torch.tensor(times, dtype=torch.float64, device=device)
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    return torch.stack(parts).amax(dim=0).tolist()
+
+
+def _part(prob: Problem, grads: tuple, split_by_me: bool) -> list[torch.Tensor]:
+    """This rank's slice of each gradient (those of split inputs are already slices when the rank ran split)."""
+    return [g if split_by_me or i not in prob.split else (g[:, prob.lo:prob.hi] if prob.form == "logits"
+                                                          else g[prob.lo:prob.hi])
+            for i, g in zip(prob.grads, grads)]
+
+
+def run_beta(args, prob: Problem, beta: float, device: str, rank: int, world: int) -> list[dict]:
+    group = dist.group.WORLD
+    provs = providers(prob, beta, args.temperature, group, world)
+    # The one-device op's loss and gradients: every rank computes them (once) to check its slices of the others.
+    one = training_step(provs[0][2], prob)(*prob.prepare(*prob.whole))
+    ref = reference_loss(prob, beta, args.temperature) if prob.form == "logits" else float(one[0])
+    ref_grads = _part(prob, one[1:], False)
+    rows = []
+    for impl, w, fn, everyone in provs:
+        inputs = prob.parts if everyone else prob.whole
+        got = training_step(fn, prob)(*prob.prepare(*inputs))
+        grad_err = max(relative_error(g, r) for g, r in zip(_part(prob, got[1:], everyone), ref_grads))
+        errs = torch.tensor([abs(float(got[0]) - ref) / abs(ref), grad_err], device=device)
+        dist.all_reduce(errs, op=dist.ReduceOp.MAX)  # the worst rank's: every rank decides alike
+        rel_err, grad_err = errs.tolist()
+        ok = rel_err <= LOSS_TOL[prob.form] and grad_err <= GRAD_TOL[prob.whole[0].dtype]
+        status = "ok" if ok else f"wrong: loss rel err {rel_err:.2e}, grad rel err {grad_err:.2e}"
+        times = []
+        step = training_step(fn, prob)
+        if ok and (everyone or rank == 0):
+            times = time_it(step, prob, inputs, args, device, aligned=everyone)
+        if everyone and ok:
+            times = slowest(times, device)
+        dist.barrier()  # the others wait while rank 0 times the one-device op
+        row = {"device": device, "impl": impl, "pass": "fwd+bwd", "form": prob.form, "dtype": args.dtype,
+               "batch": args.tokens, "features": args.vocab, "rel_err": rel_err, "status": status,
+               "timer": "cuda" if device == "cuda" else "wall", "world": w, "beta": beta,
+               "temperature": args.temperature, "hidden": args.hidden if prob.form == "fused_linear" else None}
+        if times:
+            med, q20, q80 = timing.quantiles(times)
+            row.update(median_ms=med, q20_ms=q20, q80_ms=q80)
+            if prob.form == "logits":
+                per_gpu_bytes = 3 * args.tokens * (args.vocab // w) * prob.whole[0].element_size()
+                peak = floors.device_peak_gbps(device)
+                gbps = per_gpu_bytes / med / 1e6
+                row.update(bytes=per_gpu_bytes, gbps=gbps, pct_of_peak=100 * gbps / peak if peak else None)
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """The rows, each time also over the one-device op's and the peer's over it (same form and beta)."""
+    df = pd.DataFrame(rows)
+
+    def num(v, fmt, width):
+        return f"{v:>{width}{fmt}}" if pd.notna(v) else f"{'-':>{width}}"
+
+    lines = [f"{'form':<13}{'impl':<16}{'world':>6}{'beta':>6}{'median ms':>11}{'q20':>9}{'q80':>9}{'/ world 1':>11}"
+             f"{'peer / this':>13}  status"]
+    for r in rows:
+        same = df[(df.form == r["form"]) & (df.beta == r["beta"])]
+        base = same[(same.impl == "kldiv_inline") & (same.world == 1)].median_ms
+        peer = same[same.impl == "megatron_style"].median_ms
+        med = r.get("median_ms")
+        over_base = med / base.iloc[0] if len(base) and pd.notna(med) else None
+        peer_over = peer.iloc[0] / med if len(peer) and pd.notna(med) else None
+        lines.append(f"{r['form']:<13}{r['impl']:<16}{r['world']:>6}{r['beta']:>6}" + num(med, ".3f", 11)
+                     + num(r.get("q20_ms"), ".3f", 9) + num(r.get("q80_ms"), ".3f", 9) + num(over_base, ".3f", 11)
+                     + num(peer_over, ".2f", 13) + f"  {r['status'][:50]}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    device = args.device
+    if device == "cuda":
+        gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(gpu)
+        dist.init_process_group("nccl", device_id=gpu)
+    else:
+        dist.init_process_group("gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        rows = []
+        for form in args.forms:
+            prob = Problem(form, args, device, rank, world)
+            for beta in (float(b) for b in args.betas.split(",")):
+                rows += run_beta(args, prob, beta, device, rank, world)
+            del prob
+        if rank == 0:
+            out = Path(args.out) if args.out else (Path(envinfo.REPO_ROOT) / "results"
+                                                   / f"{envinfo.device_slug(device)}-x{world}" / "bench.csv")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            pd.DataFrame(rows).reindex(columns=COLUMNS + EXTRA_COLUMNS).to_csv(out, index=False)
+            envinfo.write_env(out.parent, device, {
+                "world": world, "command": f"torchrun --nproc-per-node {world} tools/bench_vocab_parallel.py "
+                + " ".join(sys.argv[1:])})
+            print(f"-> {out}")
+            print(table(rows))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
