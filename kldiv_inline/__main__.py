@@ -86,7 +86,9 @@ def main(argv=None) -> int:
     common(p)
     p.add_argument("--headline-only", action="store_true", help="only the P1-P5 cases, no size sweep")
     p.add_argument("--reps", type=int, default=30, help="timed calls per provider and case")
-    p.add_argument("--kl-only", action="store_true", help="the KL suite only (no distillation suite)")
+    p.add_argument("--kl-only", action="store_true", help="the KL suite only (no distillation suites)")
+    p.add_argument("--linear-sweep", action="store_true",
+                   help="the fused LM head over 1k-16k tokens too (else its goals' 4096 tokens only on a GPU)")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("plot", help="PNGs from the results CSVs")
     p.add_argument("--results", default=results_default)
@@ -96,7 +98,9 @@ def main(argv=None) -> int:
     common(p)
     p.add_argument("--headline-only", action="store_true", help="only the P1-P5 cases, no size sweep")
     p.add_argument("--reps", type=int, default=30, help="timed calls per provider and case")
-    p.add_argument("--kl-only", action="store_true", help="the KL suite only (no distillation suite)")
+    p.add_argument("--kl-only", action="store_true", help="the KL suite only (no distillation suites)")
+    p.add_argument("--linear-sweep", action="store_true",
+                   help="the fused LM head over 1k-16k tokens too (else its goals' 4096 tokens only on a GPU)")
     p.set_defaults(func=cmd_results)
     args = parser.parse_args(argv)
     if hasattr(args, "device"):

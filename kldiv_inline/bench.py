@@ -31,7 +31,8 @@ PEERS = ["torch_eager", "torch_compile", "liger"]       # the speed-up chart's p
 # The CSV's columns: those of older runs first (they still plot), then the floor's and % of peak.
 COLUMNS = ["device", "impl", "pass", "form", "dtype", "batch", "features", "median_ms", "q20_ms", "q80_ms",
            "gbps", "floor_ms", "x_floor", "rel_err", "status", "timer", "bytes", "floor_gbps", "floor_source",
-           "pct_of_peak", "beta", "peak_mib"]
+           "pct_of_peak", "beta", "peak_mib", "hidden", "extra_mib", "matmul_tflops", "loss_rel_err", "grad_rel_err",
+           "grad_rel_err_torch"]
 
 
 @dataclasses.dataclass
@@ -219,6 +220,11 @@ def main(args) -> int:
 
         print("bench: the distillation suite", file=sys.stderr)
         rows += bench_distill.run(device, floor, reps=min(reps, 10))
+        from . import bench_linear
+
+        print("bench: the fused LM head's suite", file=sys.stderr)
+        sweep = getattr(args, "linear_sweep", False) or device != "cuda"
+        rows += bench_linear.run(device, reps=min(reps, 10), sizes=None if sweep else [bench_linear.HEADLINE])
     path = write_csv(rows, folder / "bench.csv")
     # read_gbps and copy_gbps: what older runs recorded in place of the floor's keys.
     env_path = write_env(folder, device, floor_env(floor), drop=("read_gbps", "copy_gbps"))

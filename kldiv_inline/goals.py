@@ -110,7 +110,9 @@ def goal_rows(rows: list[dict], device: str, ours: str) -> list[dict]:
         out.append({"goal": name, "case": f"{g[2]} {g[3]} {g[4]} {g[5]}x{g[6]}", "target": text,
                     "value": value, "ours_ms": _number(mine["median_ms"]), "met": bool(ok)})
     if device == "cuda":
-        out += distill_goal_rows(rows, ours)
+        from .bench_linear import goal_rows as linear_goal_rows  # the fused LM head's goals (L1-L4)
+
+        out += distill_goal_rows(rows, ours) + linear_goal_rows(rows, ours)
     floor = floor_goal(rows)
     return out + ([floor] if floor else [])
 
