@@ -823,6 +823,10 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
   return {out, gs, gt};
 }
 
+bool distill_in_place_ok(int64_t vocab, int64_t element_size, bool topk) {
+  return plan_launch(vocab, static_cast<size_t>(element_size) * (topk ? 1 : 2), topk).use_smem;
+}
+
 void distill_scale_grad_(at::Tensor grad, const at::Tensor& grad_out) {
   TORCH_CHECK(grad.is_cuda() && grad.dim() == 2 && grad.stride(1) == 1,
               "distill: scale_grad_ needs a [rows, vocab] CUDA tensor with unit stride along the vocabulary");

@@ -36,6 +36,13 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
                                       bool want_student, bool want_teacher,
                                       const c10::optional<at::Tensor>& grad_student_out);
 
+// Whether distill_forward can write d loss / d student logits over the student logits themselves
+// (grad_student_out aliasing the student) for rows of `vocab` entries of `element_size` bytes (with a teacher's
+// rows beside them, or a top-k teacher): on CUDA only when a cluster holds the rows on chip; always on the CPU.
+// Asking beats catching the refusal: an error raised inside an extension can take the process down on some
+// set-ups (seen on the lent H200s).
+bool distill_in_place_ok(int64_t vocab, int64_t element_size, bool topk);
+
 // grad [n, v] *= grad_out (one value, or one per row), skipped (on the device) for rows whose factor is 1.
 void distill_scale_grad_(at::Tensor grad, const at::Tensor& grad_out);
 
@@ -50,6 +57,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("student"), py::arg("teacher"), py::arg("labels"), py::arg("ignore_index"), py::arg("beta"),
         py::arg("temperature"), py::arg("norms"), py::arg("ksums"), py::arg("scale"), py::arg("want_student"),
         py::arg("want_teacher"), py::arg("grad_student_out") = py::none());
+  m.def("distill_in_place_ok", &distill_in_place_ok, "whether d logits may be written over the logits",
+        py::arg("vocab"), py::arg("element_size"), py::arg("topk"));
   m.def("distill_scale_grad_", &distill_scale_grad_, "grad *= grad_out per row, skipping factors of 1",
         py::arg("grad"), py::arg("grad_out"));
 }

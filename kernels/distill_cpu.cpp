@@ -326,6 +326,8 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
   return {out, gs, gt};
 }
 
+bool distill_in_place_ok(int64_t, int64_t, bool) { return true; }  // each entry is read before it is written
+
 void distill_scale_grad_(at::Tensor grad, const at::Tensor& grad_out) {
   TORCH_CHECK(grad.device().is_cpu() && grad.dim() == 2 && grad.stride(1) == 1,
               "distill: scale_grad_ needs a [rows, vocab] CPU tensor with unit stride along the vocabulary");

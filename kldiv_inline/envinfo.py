@@ -49,8 +49,12 @@ def _git(*args: str) -> str | None:
 
 
 def commit() -> str:
-    """HEAD's hash, with ``+dirty`` when tracked files under kernels/ or kldiv_inline/ differ from it."""
-    head = _git("rev-parse", "HEAD") or os.environ.get("KLDIV_INLINE_COMMIT", "unknown")
+    """``KLDIV_INLINE_COMMIT`` when set (a copy of the tree on another machine may carry a stale .git: on the
+    lent GPUs one answered the session's first commit), else HEAD's hash, with ``+dirty`` when tracked files
+    under kernels/ or kldiv_inline/ differ from it."""
+    if os.environ.get("KLDIV_INLINE_COMMIT"):
+        return os.environ["KLDIV_INLINE_COMMIT"]
+    head = _git("rev-parse", "HEAD") or "unknown"
     dirty = _git("status", "--porcelain", "--untracked-files=no", "--", "kernels", "kldiv_inline")
     return head + ("+dirty" if dirty else "")
 

@@ -42,8 +42,6 @@ __all__ = ["fused_linear_generalized_jsd", "FusedLinearGeneralizedJSDLoss", "def
 BUFFER_BYTES = 512 << 20
 # Chunk sizes are rounded down to a multiple of this (when at least this large): tensor-core friendly products.
 CHUNK_MULTIPLE = 128
-# The message of the CUDA kernel's refusal to write d logits over logits whose rows do not fit on chip.
-_IN_PLACE_REFUSED = "in-place gradient"
 
 
 def default_chunk_size(tokens: int, vocab: int, itemsize: int, buffers: int) -> int:
@@ -117,8 +115,10 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t_hidden: Opt
     rows = min(chunk_size, n)
     s_buf = hidden.new_empty((rows, vocab))
     t_buf = hidden.new_empty((rows, vocab)) if t_hidden is not None else None
-    g_buf = None  # only where the kernel cannot write d logits over the logits (rows too long to sit on chip)
     group = resolve_group(group_name) if group_name is not None else None
+    # d logits go over the logits where the kernel allows it (rows that sit on chip), else to their own buffer.
+    in_place = mod.distill_in_place_ok(vocab, hidden.element_size(), t_hidden is None and t_logits is None)
+    g_buf = None if in_place else torch.empty_like(s_buf)
     if group is not None and want:
         # Split over ranks, d logits go to their own buffer: whether a slice fits on chip may differ between
         # ranks, and a retry after a refusal would desynchronise the collectives.
@@ -147,15 +147,8 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t_hidden: Opt
             if not want:
                 total += mod.distill_forward(logits, *args, False, False)[0]
                 continue
-            if g_buf is None:
-                try:
-                    part, dlogits, _ = mod.distill_forward(logits, *args, True, False, logits)
-                except RuntimeError as e:
-                    if _IN_PLACE_REFUSED not in str(e):
-                        raise
-                    g_buf = torch.empty_like(s_buf)
-            if g_buf is not None:
-                part, dlogits, _ = mod.distill_forward(logits, *args, True, False, g_buf[: r1 - r0])
+            out = logits if g_buf is None else g_buf[: r1 - r0]
+            part, dlogits, _ = mod.distill_forward(logits, *args, True, False, out)
             total += part
         if want_hidden:
             torch.mm(dlogits, weight, out=g_hidden[r0:r1])

@@ -48,6 +48,21 @@ DISTILL_GOALS = [
 ]
 
 
+# The vocabulary split across GPUs (tools/bench_vocab_parallel.py: the same global problem on 1 and on N GPUs),
+# matched on form and beta: (name, form, beta, what, bound). "scaling": our time on N GPUs / ours on one <= bound;
+# "vs_peer": the Megatron-style peer's time on N GPUs / ours on N >= bound.
+VOCAB_GOALS = [
+    ("V1", "logits", 0.0, "scaling", 0.6),
+    ("V1", "logits", 0.0, "vs_peer", 4.0),
+    ("V1", "logits", 0.5, "scaling", 0.6),
+    ("V1", "logits", 0.5, "vs_peer", 4.0),
+    ("V2", "fused_linear", 0.0, "scaling", 0.6),
+    ("V2", "fused_linear", 0.0, "vs_peer", 4.0),
+    ("V2", "fused_linear", 0.5, "scaling", 0.6),
+    ("V2", "fused_linear", 0.5, "vs_peer", 4.0),
+]
+
+
 def _number(value) -> float | None:
     """A CSV cell as a float; None when empty (NaN, None or '')."""
     try:
@@ -112,9 +127,42 @@ def goal_rows(rows: list[dict], device: str, ours: str) -> list[dict]:
     if device == "cuda":
         from .bench_linear import goal_rows as linear_goal_rows  # the fused LM head's goals (L1-L4)
 
-        out += distill_goal_rows(rows, ours) + linear_goal_rows(rows, ours)
+        out += distill_goal_rows(rows, ours) + linear_goal_rows(rows, ours) + vocab_goal_rows(rows, ours)
     floor = floor_goal(rows)
     return out + ([floor] if floor else [])
+
+
+def vocab_goal_rows(rows: list[dict], ours: str, peer: str = "megatron_style") -> list[dict]:
+    """VOCAB_GOALS measured in rows that carry a `world` column (a run over several GPUs)."""
+    def find(impl, form, beta, world):
+        for r in rows:
+            if (r.get("impl") == impl and r.get("form") == form and _number(r.get("beta")) == beta
+                    and _number(r.get("world")) == world and r.get("status") == "ok"):
+                return r
+        return None
+
+    worlds = {_number(r.get("world")) for r in rows} - {None, 1.0}
+    out = []
+    for world in sorted(worlds):
+        for name, form, beta, what, bound in VOCAB_GOALS:
+            mine, one = find(ours, form, beta, world), find(ours, form, beta, 1.0)
+            if mine is None:
+                continue
+            if what == "scaling":
+                if one is None:
+                    continue
+                value = _number(mine["median_ms"]) / _number(one["median_ms"])
+                ok, text = value <= bound, f"time on {world:g} GPUs / on 1 <= {bound}"
+            else:
+                other = find(peer, form, beta, world)
+                if other is None:
+                    continue
+                value = _number(other["median_ms"]) / _number(mine["median_ms"])
+                ok, text = value >= bound, f"{peer} time / ours on {world:g} GPUs >= {bound}"
+            out.append({"goal": name, "case": f"fwd+bwd {form} beta={beta:g} {mine['dtype']} "
+                        f"{int(mine['batch'])}x{int(mine['features'])}", "target": text, "value": value,
+                        "ours_ms": _number(mine["median_ms"]), "met": bool(ok)})
+    return out
 
 
 def distill_goal_rows(rows: list[dict], ours: str) -> list[dict]:

@@ -132,6 +132,9 @@ def plot_timings(timed: pd.DataFrame, ours: str | None = None, title: str | None
 # ------------------------------------------------------------------------------- the KL suite's results
 def load_bench(path: Path) -> pd.DataFrame:
     df = pd.read_csv(path)
+    # A column written twice (an earlier writer of the two-GPU run repeated beta and hidden) is read once.
+    twice = [c for c in df.columns if c.endswith(".1") and c[:-2] in df.columns]
+    df = df.drop(columns=twice)
     df["numel"] = df["batch"] * df["features"]
     itemsize = df["dtype"].map({"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2})
     df["mib_per_input"] = df["numel"] * itemsize / 2**20
@@ -308,7 +311,8 @@ def plot_folder(folder: Path, out: Path | None = None, *, ours: str, peers: list
             fig.tight_layout()
             legend_outside(fig, axes)
             save(fig, f"time_{pass_.replace('+', '_')}_{form}_{dtype}.png")
-        if not headline_frame(df, ours).empty:
+        hf = headline_frame(df, ours)
+        if not hf.empty and (peers is None or hf["impl"].isin(peers).any()):
             save(plot_speedups(df, ours, peers), "speedups.png")
     corr = folder / "correctness.csv"
     if corr.exists():

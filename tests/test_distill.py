@@ -23,9 +23,9 @@ REDUCTIONS = ["batchmean", "sum", "none"]
 # float32 lanes from the given (rounded) logits, so 16-bit inputs keep float32 accuracy for the loss; their
 # gradients are rounded to the 16-bit dtype once. float32 gradients: the GPU's 2^x (ex2.approx, ~2^-22 relative)
 # and the factor (u - K) of the reverse-KL and JSD gradients, which cancels where u is near its mean, reach
-# 3e-5 (seen on an H200).
+# 3e-5 (seen on an H200). float16 gradients reached 2.0e-3 for 0.7% of seeds (KLDIV_TEST_SEED=3).
 LOSS_TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2e-6, torch.float16: 2e-6}
-GRAD_TOL = {torch.float64: 1e-12, torch.float32: 1e-4, torch.bfloat16: 8e-3, torch.float16: 1.5e-3}
+GRAD_TOL = {torch.float64: 1e-12, torch.float32: 1e-4, torch.bfloat16: 8e-3, torch.float16: 3e-3}
 
 
 @pytest.fixture(autouse=True)

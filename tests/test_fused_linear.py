@@ -370,26 +370,29 @@ def test_meta_tensors_give_shapes():
 
 
 def test_kernel_refusing_in_place_falls_back_to_a_buffer(device, monkeypatch):
-    # The CUDA kernel refuses to write d logits over logits whose rows do not fit on chip; the chunks then use a
-    # separate gradient buffer. Simulated here with a module that refuses every in-place call.
+    # Where the kernel cannot write d logits over the logits (CUDA rows too long to sit on chip: it says so when
+    # asked), the chunks use a separate gradient buffer, with the same results. Simulated with a module that
+    # answers no; the in-place call itself would be refused, so the test fails if it is attempted.
     real = fused_linear._module(torch.device(device))
     calls = []
 
-    class Refusing:
+    class NoInPlace:
+        def distill_in_place_ok(self, vocab, element_size, topk):
+            return False
+
         def distill_forward(self, student, *args):
-            calls.append(len(args) == 11 and args[10] is not None and args[10].data_ptr() == student.data_ptr())
-            if calls[-1]:
-                raise RuntimeError("distill: an in-place gradient needs rows that fit on chip (vocabulary of 40 is "
-                                   "too long)")
+            in_place = len(args) == 11 and args[10] is not None and args[10].data_ptr() == student.data_ptr()
+            calls.append(in_place)
+            assert not in_place, "d logits written over the logits although the kernel said it cannot"
             return real.distill_forward(student, *args)
 
     lead, vocab = (7,), 40
     h, w, b = leaves(*head(lead, 8, vocab, torch.float64, device))
     t_kw, t_ref = teacher("hidden", lead, vocab, torch.float64, device)
     expect, g_expect = run(h, w, b, t_kw, chunk_size=3, beta=0.5)
-    monkeypatch.setattr(fused_linear, "_module", lambda dev: Refusing())
+    monkeypatch.setattr(fused_linear, "_module", lambda dev: NoInPlace())
     loss, grads = run(h, w, b, t_kw, chunk_size=3, beta=0.5)
-    assert calls == [True, False, False, False]  # refused once, then three chunks into the separate buffer
+    assert calls == [False, False, False]  # three chunks, each into the separate buffer
     assert torch.equal(loss, expect) and all(torch.equal(g, e) for g, e in zip(grads, g_expect))
 
 
@@ -418,12 +421,13 @@ def test_opcheck(device):
     th, tw, _ = head((6,), 5, 11, torch.float32, device, bias=False)
     lab = torch.tensor([1, -100, 2, 3, 4, 5], device=device)
     op = torch.ops.kldiv_inline.fused_linear_distill.default
-    torch.library.opcheck(op, (h, w, b, None, None, None, t, None, None, lab, -100, 0.5, 2.0, True, 4, None,
+    # (..., chunk_size, accum_dtype, group_name, want_hidden, want_weight, want_bias)
+    torch.library.opcheck(op, (h, w, b, None, None, None, t, None, None, lab, -100, 0.5, 2.0, True, 4, None, None,
                                True, True, True))
     torch.library.opcheck(op, (h, w, None, th, tw, None, None, None, None, None, -100, 0.0, 1.0, False, 100, None,
-                               True, False, False))
+                               None, True, False, False))
     idx, lp = topk_teacher((6,), 11, 3, device)
-    torch.library.opcheck(op, (h, w, b, None, None, None, None, idx, lp, lab, -100, 1.0, 1.5, True, 5, None,
+    torch.library.opcheck(op, (h, w, b, None, None, None, None, idx, lp, lab, -100, 1.0, 1.5, True, 5, None, None,
                                False, True, True))
 
 
@@ -543,13 +547,13 @@ def test_llama_head_accuracy_cuda(beta):
 
 @pytest.mark.gpu
 def test_long_rows_use_a_separate_gradient_buffer_cuda():
-    # float32 rows of 2^19 with a teacher (4 MiB a row) do not fit a cluster's shared memory: the kernel refuses to
-    # write d logits over the logits, and the chunks use a separate gradient buffer (the CPU twin never refuses).
+    # float32 rows of 2^19 with a teacher (4 MiB a row) do not fit a cluster's shared memory: the kernel cannot
+    # write d logits over the logits (it says so when asked), and the chunks use a separate gradient buffer (the CPU
+    # twin always can). (The kernel's own refusal, an error raised in the extension, is not provoked here: on the
+    # lent H200s such an error took the process down instead of raising.)
     lead, vocab = (6,), 1 << 19
-    s = torch.randn(2, vocab, device="cuda")
-    with pytest.raises(RuntimeError, match=fused_linear._IN_PLACE_REFUSED):
-        fused_linear._module(s.device).distill_forward(s, s.clone(), None, None, None, -100, 0.5, 1.0, 1, True, False,
-                                                       s)
+    mod = fused_linear._module(torch.device("cuda"))
+    assert not mod.distill_in_place_ok(vocab, 4, False) and mod.distill_in_place_ok(128256, 2, False)
     h, w, b = leaves(*head(lead, 16, vocab, torch.float32, "cuda"))
     t_kw, t_ref = teacher("hidden", lead, vocab, torch.float32, "cuda")
     kw = dict(beta=0.5, temperature=2.0, labels=labels_for(lead, "cuda"))

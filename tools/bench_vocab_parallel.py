@@ -45,7 +45,8 @@ from kldiv_inline.peers import (megatron_style_fused_linear_generalized_jsd,  # 
                                 megatron_style_generalized_jsd)
 from kldiv_inline.reference import generalized_jsd_reference, relative_error  # noqa: E402
 
-EXTRA_COLUMNS = ["world", "beta", "temperature", "hidden"]
+# bench.csv's columns, then this run's own (each once: bench.COLUMNS already has beta and hidden)
+EXTRA_COLUMNS = [c for c in ("world", "beta", "temperature", "hidden") if c not in COLUMNS]
 FORMS = ("logits", "fused_linear")
 # The loss's relative error: against float64 (logits: the float32 peer's exp and log), against the one-device
 # op (fused_linear: the same bf16 logits up to the matrix products' order of summation).
