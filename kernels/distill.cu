@@ -71,15 +71,15 @@ template <typename T, typename A> struct Params {
   const int64_t* labels;  // null: no mask
   int64_t ignore_index;
   int64_t n, v, slice;  // slice: entries per block (a multiple of kSliceAlign)
-  A k2;     // log2(e) / T: logits to base-2 exponents
-  A inv_t;  // 1 / T: the gradients' factor
+  A k2;                 // log2(e) / T: logits to base-2 exponents
+  A inv_t;              // 1 / T: the gradients' factor
   RowConst<A> c;
   T* gs;  // student gradient rows (stride gs_stride), null if not written by this launch
   int64_t gs_stride;
-  T* gt;  // teacher gradient, contiguous [n, v], null if not written
+  T* gt;                    // teacher gradient, contiguous [n, v], null if not written
   const double* scale_dev;  // 1 / unmasked rows, computed on the device (batchmean); null: scale_host
   double scale_host;
-  int phase;  // -1: all phases (one device); else PHASE_NORMS / PHASE_TERMS / PHASE_GRAD
+  int phase;          // -1: all phases (one device); else PHASE_NORMS / PHASE_TERMS / PHASE_GRAD
   const A* norms_in;  // [n, 4], phases after PHASE_NORMS
   const A* k_in;      // [n, 2], PHASE_GRAD
   A* out;             // -1: loss per row [n]; PHASE_NORMS: [n, 4]; PHASE_TERMS: [n, 3]
@@ -151,8 +151,8 @@ __device__ __forceinline__ void cluster_sum(cg::cluster_group& cluster, A (&v)[N
 // The rows' normalisers over the cluster from each block's (max, sum of 2^(x - max)) of two rows: the cluster's
 // max, and log2 of the blocks' sums rescaled to it.
 template <typename A>
-__device__ __forceinline__ void cluster_norms(cg::cluster_group& cluster, const A (&mx)[2], const A (&sm)[2],
-                                              A* slot, A* bcast, Norm<A> (&norm)[2]) {
+__device__ __forceinline__ void cluster_norms(cg::cluster_group& cluster, const A (&mx)[2], const A (&sm)[2], A* slot,
+                                              A* bcast, Norm<A> (&norm)[2]) {
   if (threadIdx.x == 0) {
     slot[0] = mx[0];
     slot[1] = sm[0];
@@ -286,7 +286,8 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
     }
     if (writes_out && threadIdx.x == 0) {
       if (p.phase == -1) p.out[row] = A(0);
-      else if (p.phase == PHASE_NORMS) p.out[4 * row] = p.out[4 * row + 1] = p.out[4 * row + 2] = p.out[4 * row + 3] = ninf<A>();
+      else if (p.phase == PHASE_NORMS)
+        p.out[4 * row] = p.out[4 * row + 1] = p.out[4 * row + 2] = p.out[4 * row + 3] = ninf<A>();
       else if (p.phase == PHASE_TERMS) p.out[3 * row] = p.out[3 * row + 1] = p.out[3 * row + 2] = A(0);
     }
     return;
@@ -521,8 +522,9 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
 }
 
 // 1 / (rows whose label is not ignore_index), 0 when there are none: the batchmean divisor, on the device.
-__global__ void __launch_bounds__(1024)
-inv_count_kernel(const int64_t* __restrict__ labels, int64_t n, int64_t ignore_index, double* __restrict__ inv) {
+__global__ void __launch_bounds__(
+    1024) inv_count_kernel(const int64_t* __restrict__ labels, int64_t n, int64_t ignore_index,
+                                          double* __restrict__ inv) {
   __shared__ long long part[32];
   long long c = 0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) c += labels[i] != ignore_index;
@@ -538,9 +540,9 @@ inv_count_kernel(const int64_t* __restrict__ labels, int64_t n, int64_t ignore_i
 
 // loss = (sum of the rows' losses, in a fixed order, in double) * scale.
 template <typename A>
-__global__ void __launch_bounds__(1024)
-total_kernel(const A* __restrict__ rows, int64_t n, const double* __restrict__ scale_dev, double scale_host,
-             A* __restrict__ out) {
+__global__ void __launch_bounds__(
+    1024) total_kernel(const A* __restrict__ rows, int64_t n, const double* __restrict__ scale_dev,
+                                      double scale_host, A* __restrict__ out) {
   __shared__ double part[32];
   double s = 0.0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += static_cast<double>(rows[i]);
@@ -556,8 +558,9 @@ total_kernel(const A* __restrict__ rows, int64_t n, const double* __restrict__ s
 
 // grad[row] *= grad_out (one value or one per row); a block whose factor is 1 returns at once.
 template <typename T>
-__global__ void __launch_bounds__(256) scale_rows_kernel(T* grad, int64_t n, int64_t v, int64_t stride,
-                                                         const double* __restrict__ go, bool per_row) {
+__global__ void __launch_bounds__(
+    256) scale_rows_kernel(T* grad, int64_t n, int64_t v, int64_t stride, const double* __restrict__ go,
+                                          bool per_row) {
   using A = typename AccOf<T>::type;
   for (int64_t row = blockIdx.y; row < n; row += gridDim.y) {
     const A f = static_cast<A>(go[per_row ? row : 0]);
@@ -692,8 +695,10 @@ void check_device(const at::Tensor& x) {
   TORCH_CHECK(x.is_cuda(), "distill (cuda backend): expected CUDA tensors, got ", x.device());
   int major = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device()));
-  TORCH_CHECK(major >= 9, "distill (cuda backend): the kernels use thread-block clusters, which need compute "
-              "capability 9.0 (Hopper) or newer; this GPU has ", major, ".x. Use CPU tensors instead.");
+  TORCH_CHECK(major >= 9,
+              "distill (cuda backend): the kernels use thread-block clusters, which need compute "
+              "capability 9.0 (Hopper) or newer; this GPU has ",
+              major, ".x. Use CPU tensors instead.");
 }
 
 // A gradient written over the student's own logits (the fused LM head does this) is safe only where the row's
@@ -714,8 +719,8 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
                                         const c10::optional<at::Tensor>& topk_idx,
                                         const c10::optional<at::Tensor>& topk_lp,
                                         const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
-                                        double temperature, int64_t reduction, bool want_student,
-                                        bool want_teacher, const c10::optional<at::Tensor>& grad_student_out) {
+                                        double temperature, int64_t reduction, bool want_student, bool want_teacher,
+                                        const c10::optional<at::Tensor>& grad_student_out) {
   check_device(student);
   check_scalars(beta, temperature, reduction);
   const Rows r = prepare_rows(student, teacher, topk_idx, topk_lp, labels);
@@ -734,7 +739,7 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
     if (r.labels.defined() && r.n > 0) {
       inv_div = at::empty({}, dopts);
       inv_count_kernel<<<1, 1024, 0, stream>>>(r.labels.data_ptr<int64_t>(), r.n, ignore_index,
-                                              inv_div.data_ptr<double>());
+                                               inv_div.data_ptr<double>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else {
       inv_host = r.n > 0 ? 1.0 / static_cast<double>(r.n) : 0.0;
@@ -766,8 +771,8 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
   at::Tensor loss = at::empty({}, r.s.options().dtype(acc));
   AT_DISPATCH_FLOATING_TYPES(acc, "distill_total", [&] {
     total_kernel<scalar_t><<<1, 1024, 0, stream>>>(rows_loss.data_ptr<scalar_t>(), r.n,
-                                                   inv_div.defined() ? inv_div.data_ptr<double>() : nullptr,
-                                                   inv_host, loss.data_ptr<scalar_t>());
+                                                   inv_div.defined() ? inv_div.data_ptr<double>() : nullptr, inv_host,
+                                                   loss.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {loss, gs, gt};
@@ -796,8 +801,9 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
     TORCH_CHECK(scale.has_value() && scale->numel() == 1 && scale->scalar_type() == at::kDouble &&
                     scale->device() == r.s.device(),
                 "distill: the gradient scale must be one float64 value on the logits' device");
-  at::Tensor out = phase == PHASE_NORMS ? at::empty({r.n, 4}, r.s.options().dtype(acc))
-                   : phase == PHASE_TERMS ? at::empty({r.n, 3}, r.s.options().dtype(acc)) : at::Tensor();
+  at::Tensor out = phase == PHASE_NORMS   ? at::empty({r.n, 4}, r.s.options().dtype(acc))
+                   : phase == PHASE_TERMS ? at::empty({r.n, 3}, r.s.options().dtype(acc))
+                                          : at::Tensor();
   at::Tensor gs = ws ? grad_buffer(grad_student_out, r) : at::Tensor();
   at::Tensor gt = wt ? at::empty({r.n, r.v}, r.s.options()) : at::Tensor();
   if (r.n == 0 || (phase == PHASE_GRAD && !(ws || wt))) return {out, gs, gt};
@@ -815,9 +821,8 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
     p.norms_in = phase != PHASE_NORMS ? norms->data_ptr<A>() : nullptr;
     p.k_in = phase == PHASE_GRAD && (ws || wt) ? ksums->data_ptr<A>() : nullptr;
     p.out = out.defined() ? out.data_ptr<A>() : nullptr;
-    dispatch_mode(mode, [&](auto mode_c) {
-      launch_for<T, decltype(mode_c)::value, false>(l, CFG_GENERIC, r.n, p, stream);
-    });
+    dispatch_mode(mode,
+                  [&](auto mode_c) { launch_for<T, decltype(mode_c)::value, false>(l, CFG_GENERIC, r.n, p, stream); });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {out, gs, gt};
@@ -838,11 +843,10 @@ void distill_scale_grad_(at::Tensor grad, const at::Tensor& grad_out) {
   const at::Tensor go = grad_out.to(at::kDouble).contiguous();
   const bool per_row = go.numel() != 1 || grad.size(0) == 1;
   const int64_t n = grad.size(0), v = grad.size(1);
-  const dim3 grid(static_cast<unsigned>(min64((v + 255) / 256, 64)),
-                  static_cast<unsigned>(min64(n, 65535)));
+  const dim3 grid(static_cast<unsigned>(min64((v + 255) / 256, 64)), static_cast<unsigned>(min64(n, 65535)));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "distill_scale_grad", [&] {
-    scale_rows_kernel<scalar_t><<<grid, 256, 0, stream>>>(grad.data_ptr<scalar_t>(), n, v, grad.stride(0),
-                                                          go.data_ptr<double>(), per_row);
+    scale_rows_kernel<scalar_t>
+        <<<grid, 256, 0, stream>>>(grad.data_ptr<scalar_t>(), n, v, grad.stride(0), go.data_ptr<double>(), per_row);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

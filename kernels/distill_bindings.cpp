@@ -19,8 +19,8 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
                                         const c10::optional<at::Tensor>& topk_idx,
                                         const c10::optional<at::Tensor>& topk_lp,
                                         const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
-                                        double temperature, int64_t reduction, bool want_student,
-                                        bool want_teacher, const c10::optional<at::Tensor>& grad_student_out);
+                                        double temperature, int64_t reduction, bool want_student, bool want_teacher,
+                                        const c10::optional<at::Tensor>& grad_student_out);
 
 // One phase of a call whose vocabulary is split across processes (each holds a slice of every row):
 //   0 (norms): returns {[n, 4] the normalisers of student and teacher logits / T over this slice: (max, log of
@@ -51,14 +51,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backend", &distill_backend, "which backend this module holds: 'cuda' or 'cpu'");
   m.def("distill_forward", &distill_forward, "divergence of student and teacher logits (see distill_bindings.cpp)",
         py::arg("student"), py::arg("teacher"), py::arg("topk_idx"), py::arg("topk_lp"), py::arg("labels"),
-        py::arg("ignore_index"), py::arg("beta"), py::arg("temperature"), py::arg("reduction"),
-        py::arg("want_student"), py::arg("want_teacher"), py::arg("grad_student_out") = py::none());
+        py::arg("ignore_index"), py::arg("beta"), py::arg("temperature"), py::arg("reduction"), py::arg("want_student"),
+        py::arg("want_teacher"), py::arg("grad_student_out") = py::none());
   m.def("distill_phase", &distill_phase, "one phase of a vocabulary-parallel divergence", py::arg("phase"),
         py::arg("student"), py::arg("teacher"), py::arg("labels"), py::arg("ignore_index"), py::arg("beta"),
         py::arg("temperature"), py::arg("norms"), py::arg("ksums"), py::arg("scale"), py::arg("want_student"),
         py::arg("want_teacher"), py::arg("grad_student_out") = py::none());
   m.def("distill_in_place_ok", &distill_in_place_ok, "whether d logits may be written over the logits",
         py::arg("vocab"), py::arg("element_size"), py::arg("topk"));
-  m.def("distill_scale_grad_", &distill_scale_grad_, "grad *= grad_out per row, skipping factors of 1",
-        py::arg("grad"), py::arg("grad_out"));
+  m.def("distill_scale_grad_", &distill_scale_grad_, "grad *= grad_out per row, skipping factors of 1", py::arg("grad"),
+        py::arg("grad_out"));
 }

@@ -77,14 +77,31 @@ constexpr double kSeriesLimit = 0.5;
 // 8.8e-8 in float arithmetic, the Horner rounding itself; the Taylor series needs degree 8 for that); double: the
 // Taylor series to u^16 (truncation below 3e-17).
 DS_HD float f_over_u2(float u) {
-  constexpr float c[7] = {0.5f, 0.33333337119711653f, 0.12500000425576246f, 0.03333212212184884f,
-                          0.006944308299484956f, 0.0012001555757105312f, 0.00017469932608297052f};
+  constexpr float c[7] = {0.5f,
+                          0.33333337119711653f,
+                          0.12500000425576246f,
+                          0.03333212212184884f,
+                          0.006944308299484956f,
+                          0.0012001555757105312f,
+                          0.00017469932608297052f};
   return horner(c, u);
 }
 DS_HD double f_over_u2(double u) {
-  constexpr double c[15] = {1.0 / 2, 2.0 / 6, 3.0 / 24, 4.0 / 120, 5.0 / 720, 6.0 / 5040, 7.0 / 40320,
-                            8.0 / 362880, 9.0 / 3628800, 10.0 / 39916800, 11.0 / 479001600, 12.0 / 6227020800,
-                            13.0 / 87178291200, 14.0 / 1307674368000, 15.0 / 20922789888000};
+  constexpr double c[15] = {1.0 / 2,
+                            2.0 / 6,
+                            3.0 / 24,
+                            4.0 / 120,
+                            5.0 / 720,
+                            6.0 / 5040,
+                            7.0 / 40320,
+                            8.0 / 362880,
+                            9.0 / 3628800,
+                            10.0 / 39916800,
+                            11.0 / 479001600,
+                            12.0 / 6227020800,
+                            13.0 / 87178291200,
+                            14.0 / 1307674368000,
+                            15.0 / 20922789888000};
   return horner(c, u);
 }
 
@@ -115,8 +132,8 @@ inline void jsd_series(double beta, double (&us)[kJsdTerms], double (&g)[kJsdTer
   double fact = 1.0;
   for (int k = 0; k < N; ++k) {
     if (k > 0) fact *= k;
-    e[k] = 1.0 / fact;                   // e^d
-    w[k] = k == 0 ? 0.0 : beta / fact;   // beta (e^d - 1), no constant term
+    e[k] = 1.0 / fact;                  // e^d
+    w[k] = k == 0 ? 0.0 : beta / fact;  // beta (e^d - 1), no constant term
     log1p_w[k] = 0.0;
     pw[k] = w[k];
   }
@@ -148,9 +165,7 @@ inline void jsd_series(double beta, double (&us)[kJsdTerms], double (&g)[kJsdTer
 
 // ------------------------------------------------------------------------------------- entries and rows
 // One entry (or bucket): log-probabilities and probabilities of student and teacher, and d = lt - ls.
-template <typename A> struct Point {
-  A ls, lt, ps, pt, d;
-};
+template <typename A> struct Point { A ls, lt, ps, pt, d; };
 
 // Constants of a row that every entry needs: beta, the logs of the mixture weights and the JSD's series.
 template <typename A> struct RowConst {
@@ -196,9 +211,7 @@ template <typename A> DS_HD void mixture_u(const Point<A>& e, const RowConst<A>&
 // Sums over a row (or the part of it held here): the loss, and what the gradients need beside it,
 // ks = sum ps u_s and kt = sum pt u_t (the KL of student, teacher to what it is compared with, in the plain form
 // p log(p / q); the gradient is p (u - K); a zero p contributes 0).
-template <typename A> struct Terms {
-  A loss, ks, kt;
-};
+template <typename A> struct Terms { A loss, ks, kt; };
 
 // The loss of one entry (>= 0) and its parts of ks (KS) and kt (KT).
 template <int MODE, bool KS, bool KT, typename A>
@@ -256,9 +269,7 @@ template <int MODE, typename A> DS_HD A teacher_grad(const Point<A>& e, const Ro
 // A row's softmax normaliser, in base 2: with a2 = x log2(e) / T, mx = max a2 and lz = log2 of the sum of
 // 2^(a2 - mx). Log-probabilities are formed as (a2 - mx) - lz, exact near the maximum whatever the logits'
 // offset (one combined logsumexp would be rounded at the offset: 1e-3 at logits of 1e4 in float32).
-template <typename A> struct Norm {
-  A mx, lz;
-};
+template <typename A> struct Norm { A mx, lz; };
 
 // Both rows' normalisers, with the differences every entry needs.
 template <typename A> struct RowNorms {

@@ -72,8 +72,8 @@ Terms<double> row_terms(const T* s, const T* t, int64_t v, A k2, const RowNorms<
 
 // Gradients of a row (already scaled by `scale`, i.e. the reduction's divisor and 1/T); either output may be null.
 template <typename T, int MODE, typename A>
-void row_grad(const T* s, const T* t, int64_t v, A k2, const RowNorms<A>& rn, const RowConst<A>& c, A ks, A kt,
-              A scale, T* gs, T* gt) {
+void row_grad(const T* s, const T* t, int64_t v, A k2, const RowNorms<A>& rn, const RowConst<A>& c, A ks, A kt, A scale,
+              T* gs, T* gt) {
   for (int64_t j = 0; j < v; ++j) {
     const Point<A> e = point_at(s[j], t[j], k2, rn);
     if (gs) gs[j] = static_cast<T>(student_grad<MODE>(e, c, ks) * scale);
@@ -81,11 +81,11 @@ void row_grad(const T* s, const T* t, int64_t v, A k2, const RowNorms<A>& rn, co
   }
 }
 
-// A top-k row: the k tokens and the tail (the rest of the vocabulary) as buckets. Members are marked in `mark` (scratch of v bytes);
-// a duplicate or out-of-range index makes the row's loss NaN (the Python layer rejects them first).
+// A top-k row: the k tokens and the tail (the rest of the vocabulary) as buckets. Members are marked in `mark` (scratch
+// of v bytes); a duplicate or out-of-range index makes the row's loss NaN (the Python layer rejects them first).
 template <typename T, int MODE, typename A>
-A row_topk(const T* s, int64_t v, const int64_t* idx, const A* lp, int64_t k, A k2, const RowConst<A>& c,
-           A scale, T* gs, std::vector<unsigned char>& mark) {
+A row_topk(const T* s, int64_t v, const int64_t* idx, const A* lp, int64_t k, A k2, const RowConst<A>& c, A scale,
+           T* gs, std::vector<unsigned char>& mark) {
   const Norm<A> ns = row_norm<T, A>(s, v, k2);
   auto log2_p = [&](int64_t j) { return log2_prob(static_cast<A>(s[j]), k2, ns); };
   mark.assign(v, 0);
@@ -158,8 +158,8 @@ void forward_rows(const Args& a, double inv_div, at::Tensor& rows_loss, at::Tens
         continue;
       }
       if (r.topk()) {
-        out[i] = row_topk<T, MODE, A>(s, r.v, r.idx.data_ptr<int64_t>() + i * r.k, r.lp.data_ptr<A>() + i * r.k,
-                                      r.k, k2, c, scale, gsi, mark);
+        out[i] = row_topk<T, MODE, A>(s, r.v, r.idx.data_ptr<int64_t>() + i * r.k, r.lp.data_ptr<A>() + i * r.k, r.k,
+                                      k2, c, scale, gsi, mark);
         continue;
       }
       const T* t = r.t.data_ptr<T>() + i * r.t.stride(0);
@@ -167,8 +167,7 @@ void forward_rows(const Args& a, double inv_div, at::Tensor& rows_loss, at::Tens
       const Terms<double> sums = row_terms<T, MODE, A>(s, t, r.v, k2, rn, c);
       out[i] = static_cast<A>(sums.loss);
       if (gsi || gti)
-        row_grad<T, MODE, A>(s, t, r.v, k2, rn, c, static_cast<A>(sums.ks), static_cast<A>(sums.kt), scale, gsi,
-                             gti);
+        row_grad<T, MODE, A>(s, t, r.v, k2, rn, c, static_cast<A>(sums.ks), static_cast<A>(sums.kt), scale, gsi, gti);
     }
   }
 }
@@ -255,8 +254,8 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
                                         const c10::optional<at::Tensor>& topk_idx,
                                         const c10::optional<at::Tensor>& topk_lp,
                                         const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
-                                        double temperature, int64_t reduction, bool want_student,
-                                        bool want_teacher, const c10::optional<at::Tensor>& grad_student_out) {
+                                        double temperature, int64_t reduction, bool want_student, bool want_teacher,
+                                        const c10::optional<at::Tensor>& grad_student_out) {
   check_device(student);
   check_scalars(beta, temperature, reduction);
   Args a{prepare_rows(student, teacher, topk_idx, topk_lp, labels), ignore_index, beta, 1.0 / temperature};
@@ -271,9 +270,8 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
   // in backward by grad_output).
   const double inv_div = reduction == RED_BATCHMEAN ? (count > 0 ? 1.0 / static_cast<double>(count) : 0.0) : 1.0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.s.scalar_type(), "distill_forward", [&] {
-    dispatch_mode(mode_of(beta), [&](auto mode_c) {
-      forward_rows<scalar_t, decltype(mode_c)::value>(a, inv_div, rows_loss, gs, gt);
-    });
+    dispatch_mode(mode_of(beta),
+                  [&](auto mode_c) { forward_rows<scalar_t, decltype(mode_c)::value>(a, inv_div, rows_loss, gs, gt); });
   });
   if (reduction == RED_NONE) return {rows_loss, gs, gt};
   double total = 0.0;
@@ -282,9 +280,8 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
     for (int64_t i = 0; i < r.n; ++i) total += static_cast<double>(l[i]);
   });
   at::Tensor loss = at::empty({}, r.s.options().dtype(acc));
-  AT_DISPATCH_FLOATING_TYPES(acc, "distill_loss", [&] {
-    *loss.data_ptr<scalar_t>() = static_cast<scalar_t>(total * inv_div);
-  });
+  AT_DISPATCH_FLOATING_TYPES(acc, "distill_loss",
+                             [&] { *loss.data_ptr<scalar_t>() = static_cast<scalar_t>(total * inv_div); });
   return {loss, gs, gt};
 }
 
@@ -314,8 +311,9 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
   auto needs_k = [&](bool teacher_side) { return teacher_side ? mode != REVERSE_KL : mode != FORWARD_KL; };
   const bool ws = want_student && (phase == PHASE_TERMS ? !needs_k(false) : phase == PHASE_GRAD && needs_k(false));
   const bool wt = want_teacher && (phase == PHASE_TERMS ? !needs_k(true) : phase == PHASE_GRAD && needs_k(true));
-  at::Tensor out = phase == PHASE_NORMS ? at::empty({r.n, 4}, r.s.options().dtype(acc))
-                   : phase == PHASE_TERMS ? at::empty({r.n, 3}, r.s.options().dtype(acc)) : at::Tensor();
+  at::Tensor out = phase == PHASE_NORMS   ? at::empty({r.n, 4}, r.s.options().dtype(acc))
+                   : phase == PHASE_TERMS ? at::empty({r.n, 3}, r.s.options().dtype(acc))
+                                          : at::Tensor();
   at::Tensor gs = ws ? grad_buffer(grad_student_out, r) : at::Tensor();
   at::Tensor gt = wt ? at::empty({r.n, r.v}, r.s.options()) : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.s.scalar_type(), "distill_phase", [&] {

@@ -37,22 +37,24 @@ inline Rows prepare_rows(const at::Tensor& student, const c10::optional<at::Tens
   r.idx = opt(topk_idx);
   r.lp = opt(topk_lp);
   r.labels = opt(labels);
-  TORCH_CHECK(r.s.dim() == 2 && r.s.stride(1) == 1, "distill: student logits must be [rows, vocab] with unit "
-              "stride along the vocabulary, got sizes ", r.s.sizes(), " strides ", r.s.strides());
-  TORCH_CHECK(at::isFloatingType(r.s.scalar_type()), "distill: logits must be floating point, got ",
-              r.s.scalar_type());
+  TORCH_CHECK(r.s.dim() == 2 && r.s.stride(1) == 1,
+              "distill: student logits must be [rows, vocab] with unit "
+              "stride along the vocabulary, got sizes ",
+              r.s.sizes(), " strides ", r.s.strides());
+  TORCH_CHECK(at::isFloatingType(r.s.scalar_type()), "distill: logits must be floating point, got ", r.s.scalar_type());
   r.n = r.s.size(0);
   r.v = r.s.size(1);
   TORCH_CHECK(r.t.defined() != r.idx.defined(), "distill: give exactly one of teacher logits and a top-k teacher");
   if (r.t.defined()) {
-    TORCH_CHECK(r.t.sizes() == r.s.sizes() && r.t.stride(1) == 1, "distill: teacher logits must match the "
+    TORCH_CHECK(r.t.sizes() == r.s.sizes() && r.t.stride(1) == 1,
+                "distill: teacher logits must match the "
                 "student's [rows, vocab] with unit stride along the vocabulary");
     TORCH_CHECK(r.t.scalar_type() == r.s.scalar_type() && r.t.device() == r.s.device(),
                 "distill: teacher logits must have the student's dtype and device");
   } else {
     TORCH_CHECK(r.lp.defined(), "distill: a top-k teacher needs log-probabilities beside its indices");
-    TORCH_CHECK(r.idx.dim() == 2 && r.idx.size(0) == r.n && r.idx.is_contiguous() &&
-                    r.idx.scalar_type() == at::kLong && r.idx.device() == r.s.device(),
+    TORCH_CHECK(r.idx.dim() == 2 && r.idx.size(0) == r.n && r.idx.is_contiguous() && r.idx.scalar_type() == at::kLong &&
+                    r.idx.device() == r.s.device(),
                 "distill: top-k indices must be contiguous int64 [rows, k] on the logits' device");
     TORCH_CHECK(r.lp.sizes() == r.idx.sizes() && r.lp.is_contiguous() &&
                     r.lp.scalar_type() == acc_type(r.s.scalar_type()) && r.lp.device() == r.s.device(),
@@ -73,7 +75,8 @@ inline Rows prepare_rows(const at::Tensor& student, const c10::optional<at::Tens
 inline void check_row_stats(const at::Tensor& x, const Rows& r, int64_t width, const char* what) {
   TORCH_CHECK(x.defined() && x.dim() == 2 && x.size(0) == r.n && x.size(1) == width && x.is_contiguous() &&
                   x.scalar_type() == acc_type(r.s.scalar_type()) && x.device() == r.s.device(),
-              "distill: ", what, " must be contiguous [rows, ", width, "] of the accumulation dtype on the logits' "
+              "distill: ", what, " must be contiguous [rows, ", width,
+              "] of the accumulation dtype on the logits' "
               "device");
 }
 
@@ -92,9 +95,15 @@ inline at::Tensor grad_buffer(const c10::optional<at::Tensor>& given, const Rows
 // Calls f(mode) with the mode as a std::integral_constant.
 template <typename F> void dispatch_mode(int mode, F&& f) {
   switch (mode) {
-    case FORWARD_KL: f(std::integral_constant<int, FORWARD_KL>{}); break;
-    case REVERSE_KL: f(std::integral_constant<int, REVERSE_KL>{}); break;
-    default: f(std::integral_constant<int, JSD>{}); break;
+    case FORWARD_KL:
+      f(std::integral_constant<int, FORWARD_KL>{});
+      break;
+    case REVERSE_KL:
+      f(std::integral_constant<int, REVERSE_KL>{});
+      break;
+    default:
+      f(std::integral_constant<int, JSD>{});
+      break;
   }
 }
 
@@ -103,8 +112,10 @@ enum Phase : int { PHASE_NORMS = 0, PHASE_TERMS = 1, PHASE_GRAD = 2 };
 
 inline void check_scalars(double beta, double temperature, int64_t reduction) {
   TORCH_CHECK(beta >= 0.0 && beta <= 1.0, "distill: beta must lie in [0, 1], got ", beta);
-  TORCH_CHECK(temperature > 0.0 && std::isfinite(temperature), "distill: temperature must be positive and "
-              "finite, got ", temperature);
+  TORCH_CHECK(temperature > 0.0 && std::isfinite(temperature),
+              "distill: temperature must be positive and "
+              "finite, got ",
+              temperature);
   TORCH_CHECK(reduction >= RED_NONE && reduction <= RED_BATCHMEAN, "distill: unknown reduction code ", reduction);
 }
 

@@ -3,10 +3,10 @@
 // Forward, reduced (sum / mean / batchmean): one pass over both inputs. Each thread accumulates in float
 // lanes (double for float64 inputs) that it empties into a double every kFlush iterations: a float sum over
 // thousands of terms loses about 1e-6 of the result. A warp-shuffle then shared-memory tree turns the
-// block's sum into one double partial; a second, single-block kernel adds the partials in a fixed order and writes the 0-d result. No
-// atomics, no host synchronisation: the same inputs give the same bits, inside CUDA graphs too.
-// With `want_grad` the same pass also writes d loss / d input (already divided by the reduction's divisor),
-// so training costs one write beyond the forward's reads; backward only rescales it when grad_output != 1.
+// block's sum into one double partial; a second, single-block kernel adds the partials in a fixed order and writes the
+// 0-d result. No atomics, no host synchronisation: the same inputs give the same bits, inside CUDA graphs too. With
+// `want_grad` the same pass also writes d loss / d input (already divided by the reduction's divisor), so training
+// costs one write beyond the forward's reads; backward only rescales it when grad_output != 1.
 //
 // Forward, reduction='none': an elementwise kernel over the broadcast shape.
 // Backward (reduction 'none', gradients w.r.t. the target, or a recompute): an elementwise kernel.
@@ -23,8 +23,8 @@
 #include <cuda_runtime.h>
 
 #include <mutex>
-#include <unordered_map>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #include "kldiv_common.h"
@@ -33,9 +33,9 @@
 namespace kldiv {
 namespace {
 
-constexpr int kThreads = 512;      // threads per block of the streaming kernels
+constexpr int kThreads = 512;  // threads per block of the streaming kernels
 constexpr int kFinalThreads = 1024;
-constexpr int kFlush = 8;          // vector iterations summed in float before moving into the double total
+constexpr int kFlush = 8;  // vector iterations summed in float before moving into the double total
 
 template <typename T> struct Acc { using type = float; };
 template <> struct Acc<double> { using type = double; };
@@ -151,8 +151,8 @@ reduce_kernel(const T* __restrict__ x, const T* __restrict__ t, const Geometry g
 
   if (CONTIG) {
     const bool aligned =
-        ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(t) | reinterpret_cast<uintptr_t>(grad)) &
-         15) == 0;
+        ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(t) | reinterpret_cast<uintptr_t>(grad)) & 15) ==
+        0;
     const int64_t nvec = aligned ? n / V : 0;
     scalar_from = nvec * V;
     // Two vectors of each input in flight per iteration before any arithmetic.
@@ -224,8 +224,8 @@ pointwise_kernel(const T* __restrict__ x, const T* __restrict__ t, const Geometr
   int64_t scalar_from = 0;
   if (CONTIG) {
     const bool aligned =
-        ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(t) | reinterpret_cast<uintptr_t>(out)) &
-         15) == 0;
+        ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(t) | reinterpret_cast<uintptr_t>(out)) & 15) ==
+        0;
     const int64_t nvec = aligned ? n / V : 0;
     scalar_from = nvec * V;
     for (int64_t i = tid; i < nvec; i += stride) {
@@ -233,8 +233,8 @@ pointwise_kernel(const T* __restrict__ x, const T* __restrict__ t, const Geometr
       Vec<T> o;
 #pragma unroll
       for (int k = 0; k < V; ++k)
-        o.v[k] = static_cast<T>(
-            kl_point<A, FORM, LOGT, sizeof(T) == 2>(static_cast<A>(xa.v[k]), static_cast<A>(ta.v[k])));
+        o.v[k] =
+            static_cast<T>(kl_point<A, FORM, LOGT, sizeof(T) == 2>(static_cast<A>(xa.v[k]), static_cast<A>(ta.v[k])));
       *reinterpret_cast<Vec<T>*>(out + i * V) = o;
     }
   }
@@ -292,8 +292,8 @@ using namespace kldiv;
 const char* kl_backend() { return "cuda"; }
 
 // See kldiv_bindings.cpp for the contract of each entry point.
-std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor& target, bool reduce,
-                                       double divisor, bool log_target, bool from_probs, bool want_grad) {
+std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor& target, bool reduce, double divisor,
+                                       bool log_target, bool from_probs, bool want_grad) {
   check_device(input);
   Prepared p = prepare(input, target);
   const c10::cuda::CUDAGuard guard(input.device());
@@ -315,7 +315,7 @@ std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor
         } else {
           auto k = pointwise_kernel<T, FORM, LOGT, false>;
           k<<<grid_for_kernel(k, p.g.n), kThreads, 0, stream>>>(p.x.data_ptr<T>(), p.t.data_ptr<T>(), p.g,
-                                                          out.data_ptr<T>());
+                                                                out.data_ptr<T>());
         }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
@@ -331,8 +331,8 @@ std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "kl_div_reduce", [&] {
     using T = scalar_t;
     dispatch_form(from_probs, log_target, [&](auto form_c, auto logt_c) {
-        constexpr int FORM = decltype(form_c)::value;
-        constexpr bool LOGT = decltype(logt_c)::value;
+      constexpr int FORM = decltype(form_c)::value;
+      constexpr bool LOGT = decltype(logt_c)::value;
       T* gptr = want_grad ? grad.data_ptr<T>() : nullptr;
       const double inv = 1.0 / divisor;
       int64_t blocks = 1;
@@ -351,17 +351,16 @@ std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor
       else if (p.g.contiguous) launch(reduce_kernel<T, FORM, LOGT, true, false>, vec_work);
       else launch(reduce_kernel<T, FORM, LOGT, false, false>, p.g.n);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      final_kernel<T><<<1, kFinalThreads, 0, stream>>>(partials.data_ptr<double>(), blocks, divisor,
-                                                       out.data_ptr<T>());
+      final_kernel<T><<<1, kFinalThreads, 0, stream>>>(partials.data_ptr<double>(), blocks, divisor, out.data_ptr<T>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
   return {out, grad};
 }
 
-std::vector<at::Tensor> kl_div_backward(const at::Tensor& grad_out, const at::Tensor& input,
-                                        const at::Tensor& target, bool reduce, double divisor, bool log_target,
-                                        bool from_probs, bool want_input, bool want_target) {
+std::vector<at::Tensor> kl_div_backward(const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& target,
+                                        bool reduce, double divisor, bool log_target, bool from_probs, bool want_input,
+                                        bool want_target) {
   check_device(input);
   Prepared p = prepare(input, target);
   const c10::cuda::CUDAGuard guard(input.device());
@@ -374,14 +373,12 @@ std::vector<at::Tensor> kl_div_backward(const at::Tensor& grad_out, const at::Te
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "kl_div_backward", [&] {
     using T = scalar_t;
     dispatch_form(from_probs, log_target, [&](auto form_c, auto logt_c) {
-        constexpr int FORM = decltype(form_c)::value;
-        constexpr bool LOGT = decltype(logt_c)::value;
+      constexpr int FORM = decltype(form_c)::value;
+      constexpr bool LOGT = decltype(logt_c)::value;
       auto k = backward_kernel<T, FORM, LOGT>;
-      k<<<grid_for_kernel(k, p.g.n), kThreads, 0, stream>>>(p.x.data_ptr<T>(), p.t.data_ptr<T>(), p.g,
-                                                      go.data_ptr<T>(), reduce ? 0 : 1,
-                                                      reduce ? 1.0 / divisor : 1.0,
-                                                      want_input ? gx.data_ptr<T>() : nullptr,
-                                                      want_target ? gt.data_ptr<T>() : nullptr);
+      k<<<grid_for_kernel(k, p.g.n), kThreads, 0, stream>>>(
+          p.x.data_ptr<T>(), p.t.data_ptr<T>(), p.g, go.data_ptr<T>(), reduce ? 0 : 1, reduce ? 1.0 / divisor : 1.0,
+          want_input ? gx.data_ptr<T>() : nullptr, want_target ? gt.data_ptr<T>() : nullptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
@@ -390,9 +387,9 @@ std::vector<at::Tensor> kl_div_backward(const at::Tensor& grad_out, const at::Te
 
 void kl_div_scale_grad_(at::Tensor grad, const at::Tensor& grad_out) {
   TORCH_CHECK(grad.is_cuda() && grad.is_contiguous(), "kldiv: scale_grad_ needs a contiguous CUDA tensor");
-  TORCH_CHECK(grad_out.numel() == 1 && grad_out.scalar_type() == grad.scalar_type() &&
-                  grad_out.device() == grad.device(),
-              "kldiv: scale_grad_ takes one grad_output value of the gradient's dtype and device");
+  TORCH_CHECK(
+      grad_out.numel() == 1 && grad_out.scalar_type() == grad.scalar_type() && grad_out.device() == grad.device(),
+      "kldiv: scale_grad_ takes one grad_output value of the gradient's dtype and device");
   if (grad.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(grad.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -400,7 +397,7 @@ void kl_div_scale_grad_(at::Tensor grad, const at::Tensor& grad_out) {
     using T = scalar_t;
     auto k = scale_kernel<T>;
     k<<<grid_for_kernel(k, grad.numel()), kThreads, 0, stream>>>(grad.data_ptr<T>(), grad.numel(),
-                                                           grad_out.data_ptr<T>());
+                                                                 grad_out.data_ptr<T>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

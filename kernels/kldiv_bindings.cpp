@@ -13,14 +13,14 @@ const char* kl_backend();
 // reduce=false: returns {loss per element over the broadcast shape, undefined}.
 // reduce=true:  returns {0-d sum / divisor, d(sum / divisor)/d input if want_grad else undefined}; the fused
 //               gradient needs the input to have the broadcast shape.
-std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor& target, bool reduce,
-                                       double divisor, bool log_target, bool from_probs, bool want_grad);
+std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor& target, bool reduce, double divisor,
+                                       bool log_target, bool from_probs, bool want_grad);
 
 // Gradients of the loss w.r.t. input and/or target over the broadcast shape (undefined where not wanted).
 // grad_out: one value (reduce=true, the loss was sum / divisor) or the broadcast shape (reduce=false).
-std::vector<at::Tensor> kl_div_backward(const at::Tensor& grad_out, const at::Tensor& input,
-                                        const at::Tensor& target, bool reduce, double divisor, bool log_target,
-                                        bool from_probs, bool want_input, bool want_target);
+std::vector<at::Tensor> kl_div_backward(const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& target,
+                                        bool reduce, double divisor, bool log_target, bool from_probs, bool want_input,
+                                        bool want_target);
 
 // grad *= grad_out (one value), skipped on the device when grad_out == 1.
 void kl_div_scale_grad_(at::Tensor grad, const at::Tensor& grad_out);
@@ -28,9 +28,9 @@ void kl_div_scale_grad_(at::Tensor grad, const at::Tensor& grad_out);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kldiv_inline kernels";
   m.def("backend", &kl_backend, "which backend this module holds: 'cuda' or 'cpu'");
-  m.def("kl_div_forward", &kl_div_forward, "KL-divergence loss (see kernels/kldiv_bindings.cpp)",
-        py::arg("input"), py::arg("target"), py::arg("reduce"), py::arg("divisor"), py::arg("log_target"),
-        py::arg("from_probs"), py::arg("want_grad"));
+  m.def("kl_div_forward", &kl_div_forward, "KL-divergence loss (see kernels/kldiv_bindings.cpp)", py::arg("input"),
+        py::arg("target"), py::arg("reduce"), py::arg("divisor"), py::arg("log_target"), py::arg("from_probs"),
+        py::arg("want_grad"));
   m.def("kl_div_backward", &kl_div_backward, "gradients of the KL-divergence loss", py::arg("grad_out"),
         py::arg("input"), py::arg("target"), py::arg("reduce"), py::arg("divisor"), py::arg("log_target"),
         py::arg("from_probs"), py::arg("want_input"), py::arg("want_target"));

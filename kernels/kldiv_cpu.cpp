@@ -57,8 +57,7 @@ struct LogNormalPositive {
 
 // Exact path: any dtype, any layout. Returns the chunk's sum; writes the fused gradient when grad != null.
 template <typename T, int FORM, bool LOGT>
-double chunk_exact(const T* x, const T* t, const Geometry& g, int64_t begin, int64_t end, T* grad,
-                   double inv_divisor) {
+double chunk_exact(const T* x, const T* t, const Geometry& g, int64_t begin, int64_t end, T* grad, double inv_divisor) {
   using A = typename Acc<T>::type;
   const A gscale = static_cast<A>(inv_divisor);
   double acc = 0;
@@ -182,8 +181,8 @@ using namespace kldiv;
 
 const char* kl_backend() { return "cpu"; }
 
-std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor& target, bool reduce,
-                                       double divisor, bool log_target, bool from_probs, bool want_grad) {
+std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor& target, bool reduce, double divisor,
+                                       bool log_target, bool from_probs, bool want_grad) {
   check_device(input);
   Prepared p = prepare(input, target);
   const auto opts = input.options();
@@ -217,9 +216,9 @@ std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor
   return {out, grad};
 }
 
-std::vector<at::Tensor> kl_div_backward(const at::Tensor& grad_out, const at::Tensor& input,
-                                        const at::Tensor& target, bool reduce, double divisor, bool log_target,
-                                        bool from_probs, bool want_input, bool want_target) {
+std::vector<at::Tensor> kl_div_backward(const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& target,
+                                        bool reduce, double divisor, bool log_target, bool from_probs, bool want_input,
+                                        bool want_target) {
   check_device(input);
   Prepared p = prepare(input, target);
   const at::Tensor go = prepare_grad_out(grad_out, input, reduce, p.shape);
@@ -231,9 +230,8 @@ std::vector<at::Tensor> kl_div_backward(const at::Tensor& grad_out, const at::Te
     using T = scalar_t;
     dispatch_form(from_probs, log_target, [&](auto form_c, auto logt_c) {
       backward<T, decltype(form_c)::value, decltype(logt_c)::value>(
-          p.x.data_ptr<T>(), p.t.data_ptr<T>(), p.g, go.data_ptr<T>(), reduce ? 0 : 1,
-          reduce ? 1.0 / divisor : 1.0, want_input ? gx.data_ptr<T>() : nullptr,
-          want_target ? gt.data_ptr<T>() : nullptr);
+          p.x.data_ptr<T>(), p.t.data_ptr<T>(), p.g, go.data_ptr<T>(), reduce ? 0 : 1, reduce ? 1.0 / divisor : 1.0,
+          want_input ? gx.data_ptr<T>() : nullptr, want_target ? gt.data_ptr<T>() : nullptr);
     });
   });
   return {gx, gt};
@@ -241,9 +239,9 @@ std::vector<at::Tensor> kl_div_backward(const at::Tensor& grad_out, const at::Te
 
 void kl_div_scale_grad_(at::Tensor grad, const at::Tensor& grad_out) {
   TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous(), "kldiv: scale_grad_ needs a contiguous CPU tensor");
-  TORCH_CHECK(grad_out.numel() == 1 && grad_out.scalar_type() == grad.scalar_type() &&
-                  grad_out.device() == grad.device(),
-              "kldiv: scale_grad_ takes one grad_output value of the gradient's dtype and device");
+  TORCH_CHECK(
+      grad_out.numel() == 1 && grad_out.scalar_type() == grad.scalar_type() && grad_out.device() == grad.device(),
+      "kldiv: scale_grad_ takes one grad_output value of the gradient's dtype and device");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "kl_div_scale_grad", [&] {
     scale_in_place<scalar_t>(grad.data_ptr<scalar_t>(), grad.numel(), grad_out.data_ptr<scalar_t>());
   });

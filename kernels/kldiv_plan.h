@@ -20,10 +20,10 @@ namespace kldiv {
 constexpr int kMaxDims = 8;
 
 struct Geometry {
-  int64_t n;                  // elements of the broadcast shape
-  int ndim;                   // dimensions after coalescing (0 for a single element)
-  bool contiguous;            // both operands are dense and in row-major order: offset == linear index
-  int64_t sizes[kMaxDims];    // innermost dimension last
+  int64_t n;                   // elements of the broadcast shape
+  int ndim;                    // dimensions after coalescing (0 for a single element)
+  bool contiguous;             // both operands are dense and in row-major order: offset == linear index
+  int64_t sizes[kMaxDims];     // innermost dimension last
   int64_t stride_x[kMaxDims];  // element strides (0 where broadcast)
   int64_t stride_t[kMaxDims];
 };
@@ -33,10 +33,9 @@ inline void check_operands(const at::Tensor& x, const at::Tensor& t) {
   TORCH_CHECK(x.defined() && t.defined(), "kldiv: undefined tensor");
   TORCH_CHECK(x.scalar_type() == t.scalar_type(), "kldiv: input and target must have the same dtype, got ",
               x.scalar_type(), " and ", t.scalar_type());
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "kldiv: expected a floating-point dtype, got ",
-              x.scalar_type());
-  TORCH_CHECK(x.device() == t.device(), "kldiv: input and target are on different devices (", x.device(),
-              " and ", t.device(), ")");
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "kldiv: expected a floating-point dtype, got ", x.scalar_type());
+  TORCH_CHECK(x.device() == t.device(), "kldiv: input and target are on different devices (", x.device(), " and ",
+              t.device(), ")");
 }
 
 inline std::vector<int64_t> broadcast_shape(const at::Tensor& x, const at::Tensor& t) {
@@ -45,8 +44,7 @@ inline std::vector<int64_t> broadcast_shape(const at::Tensor& x, const at::Tenso
 
 // Builds the iteration geometry over `shape` (the broadcast shape) for x and t. Returns false when more than
 // kMaxDims dimensions remain after coalescing; the caller then passes contiguous copies.
-inline bool make_geometry(const at::Tensor& x, const at::Tensor& t, const std::vector<int64_t>& shape,
-                          Geometry& g) {
+inline bool make_geometry(const at::Tensor& x, const at::Tensor& t, const std::vector<int64_t>& shape, Geometry& g) {
   const int nd = static_cast<int>(shape.size());
   g.n = 1;
   for (auto s : shape) g.n *= s;
@@ -94,7 +92,7 @@ __host__ __device__ __forceinline__
 #else
 inline
 #endif
-void offsets(const Geometry& g, int64_t i, int64_t& ox, int64_t& ot) {
+    void offsets(const Geometry& g, int64_t i, int64_t& ox, int64_t& ot) {
   ox = 0;
   ot = 0;
   for (int d = g.ndim - 1; d >= 0; --d) {

@@ -81,10 +81,15 @@ at::Tensor read_floor(const at::Tensor& buffer, int64_t unroll) {
               "read_floor: the buffer must be 16-byte aligned");
   const c10::cuda::CUDAGuard guard(buffer.device());
   switch (unroll) {
-    case 1: return launch<1>(buffer);
-    case 2: return launch<2>(buffer);
-    case 4: return launch<4>(buffer);
-    case 8: return launch<8>(buffer);
-    default: TORCH_CHECK(false, "read_floor: unroll must be 1, 2, 4 or 8, got ", unroll);
+    case 1:
+      return launch<1>(buffer);
+    case 2:
+      return launch<2>(buffer);
+    case 4:
+      return launch<4>(buffer);
+    case 8:
+      return launch<8>(buffer);
+    default:
+      TORCH_CHECK(false, "read_floor: unroll must be 1, 2, 4 or 8, got ", unroll);
   }
 }

@@ -11,11 +11,11 @@
     from kldiv_inline import harness                          # check, time and plot any op against
     harness.check(...), harness.bench(...), harness.plot(...) # float64 PyTorch, its peers and the floor
 """
-from .loader import KernelBuildError, ToolchainError, load, load_sources
-from .ops import KLDivLoss, kl_div, kl_div_from_probs
+from . import kernelbench
 from .distill import GeneralizedJSDLoss, generalized_jsd
 from .fused_linear import FusedLinearGeneralizedJSDLoss, fused_linear_generalized_jsd
-from . import kernelbench
+from .loader import KernelBuildError, ToolchainError, load, load_sources
+from .ops import KLDivLoss, kl_div, kl_div_from_probs
 
 __all__ = ["kl_div", "kl_div_from_probs", "KLDivLoss", "generalized_jsd", "GeneralizedJSDLoss",
            "fused_linear_generalized_jsd", "FusedLinearGeneralizedJSDLoss", "load", "load_sources", "KernelBuildError",

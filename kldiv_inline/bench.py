@@ -13,8 +13,8 @@ import dataclasses
 import json
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pandas as pd
 import torch
@@ -142,7 +142,7 @@ def run_case(case: Case, device: str, floor: floors.Floor, variants: list[str], 
             warnings.simplefilter("ignore")  # peers' deprecation and reduction warnings
             timed = harness.bench(providers(case, device, variants, pass_), [hcase],
                                   reference=reference(case.form, pass_),
-                                  bytes_moved=lambda *_: case.bytes_moved(pass_), timer=case.timer, reps=reps,
+                                  bytes_moved=lambda *_, p=pass_: case.bytes_moved(p), timer=case.timer, reps=reps,
                                   warmup=warmup, floor=floor, inference_mode=pass_ == "fwd")
         rows += timed.rename(columns={"provider": "impl"}).to_dict("records")
     return rows

@@ -15,7 +15,7 @@ Floors: fwd+bwd reads both logit tensors and writes the student's gradient once 
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

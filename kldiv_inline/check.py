@@ -11,8 +11,8 @@ import dataclasses
 import itertools
 import math
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pandas as pd
 import torch

@@ -17,7 +17,7 @@ beyond the forward's reads, no extra pass, no host synchronisation.
 from __future__ import annotations
 
 import numbers
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -53,14 +53,14 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _empty_if_none(t: Optional[Tensor], like: Tensor) -> Tensor:
+def _empty_if_none(t: Tensor | None, like: Tensor) -> Tensor:
     return t if t is not None else like.new_empty((0,))
 
 
 # ----------------------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("kldiv_inline::distill_forward", mutates_args=())
-def _forward_op(student: Tensor, teacher: Optional[Tensor], topk_idx: Optional[Tensor], topk_lp: Optional[Tensor],
-                labels: Optional[Tensor], ignore_index: int, beta: float, temperature: float, reduction: int,
+def _forward_op(student: Tensor, teacher: Tensor | None, topk_idx: Tensor | None, topk_lp: Tensor | None,
+                labels: Tensor | None, ignore_index: int, beta: float, temperature: float, reduction: int,
                 want_student: bool, want_teacher: bool) -> tuple[Tensor, Tensor, Tensor]:
     loss, gs, gt = _module(student.device).distill_forward(student, teacher, topk_idx, topk_lp, labels, ignore_index,
                                                            beta, temperature, reduction, want_student, want_teacher)
@@ -211,7 +211,7 @@ def _check_teacher_logits(teacher_logits, shape: torch.Size, dtype: torch.dtype,
                          f"{teacher_logits.device}: they must be on one device")
 
 
-def _check_labels(labels, lead: torch.Size, device: torch.device) -> Optional[Tensor]:
+def _check_labels(labels, lead: torch.Size, device: torch.device) -> Tensor | None:
     """Labels of the tokens' leading shape as one int64 row (None stays None)."""
     if labels is None:
         return None
@@ -254,9 +254,9 @@ def _prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, la
     return args, lead
 
 
-def generalized_jsd(student_logits: Tensor, teacher_logits: Optional[Tensor] = None, *,
-                    teacher_topk: Optional[tuple[Tensor, Tensor]] = None, beta: float = 0.0,
-                    temperature: float = 1.0, labels: Optional[Tensor] = None, ignore_index: int = -100,
+def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None, *,
+                    teacher_topk: tuple[Tensor, Tensor] | None = None, beta: float = 0.0,
+                    temperature: float = 1.0, labels: Tensor | None = None, ignore_index: int = -100,
                     reduction: str = "batchmean", group=None) -> Tensor:
     """Divergence between the student's and the teacher's softmax(logits / temperature), per token.
 
@@ -315,8 +315,8 @@ class GeneralizedJSDLoss(torch.nn.Module):
             raise ValueError(f"GeneralizedJSDLoss: reduction must be one of {REDUCTIONS}, got {reduction!r}")
         self.beta, self.temperature, self.ignore_index, self.reduction = beta, temperature, ignore_index, reduction
 
-    def forward(self, student_logits: Tensor, teacher_logits: Optional[Tensor] = None,
-                labels: Optional[Tensor] = None, teacher_topk: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
+    def forward(self, student_logits: Tensor, teacher_logits: Tensor | None = None,
+                labels: Tensor | None = None, teacher_topk: tuple[Tensor, Tensor] | None = None) -> Tensor:
         return generalized_jsd(student_logits, teacher_logits, teacher_topk=teacher_topk, beta=self.beta,
                                temperature=self.temperature, labels=labels, ignore_index=self.ignore_index,
                                reduction=self.reduction)

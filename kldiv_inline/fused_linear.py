@@ -24,14 +24,24 @@ The teacher is a constant: no gradient flows to it, whether or not its tensors r
 from __future__ import annotations
 
 import numbers
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .distill import (_FLOAT_DTYPES, _acc_dtype, _check_labels, _check_settings, _check_teacher_logits,
-                      _empty_if_none, _is_tracing, _module, _rows, _scaled, _validate_topk)
+from .distill import (
+    _FLOAT_DTYPES,
+    _acc_dtype,
+    _check_labels,
+    _check_settings,
+    _check_teacher_logits,
+    _empty_if_none,
+    _is_tracing,
+    _module,
+    _rows,
+    _scaled,
+    _validate_topk,
+)
 from .vocab_parallel import divergence_rows, group_name, resolve_group
 
 __all__ = ["fused_linear_generalized_jsd", "FusedLinearGeneralizedJSDLoss", "default_chunk_size"]
@@ -56,7 +66,7 @@ def default_chunk_size(tokens: int, vocab: int, itemsize: int, buffers: int) -> 
 
 
 # ------------------------------------------------------------------------------------------ the chunks
-def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor) -> Tensor:
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:
     if bias is None:
         return torch.mm(x, weight.t(), out=out)
     return torch.addmm(bias, x, weight.t(), out=out)
@@ -86,11 +96,11 @@ def _accumulate(acc: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
             acc[r0:r1].add_(prod)
 
 
-def _fused(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t_hidden: Optional[Tensor],
-           t_weight: Optional[Tensor], t_bias: Optional[Tensor], t_logits: Optional[Tensor],
-           topk_idx: Optional[Tensor], topk_lp: Optional[Tensor], labels: Optional[Tensor], ignore_index: int,
-           beta: float, temperature: float, batchmean: bool, chunk_size: int, accum_dtype: Optional[torch.dtype],
-           group_name: Optional[str], want_hidden: bool, want_weight: bool, want_bias: bool):
+def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor | None,
+           t_weight: Tensor | None, t_bias: Tensor | None, t_logits: Tensor | None,
+           topk_idx: Tensor | None, topk_lp: Tensor | None, labels: Tensor | None, ignore_index: int,
+           beta: float, temperature: float, batchmean: bool, chunk_size: int, accum_dtype: torch.dtype | None,
+           group_name: str | None, want_hidden: bool, want_weight: bool, want_bias: bool):
     """The loss (batchmean or sum) and its gradients w.r.t. hidden [n, H], weight and bias (each only if wanted,
     else an empty tensor). With ``group_name``, the vocabulary (weight's rows, bias, teacher logits) is this rank's
     slice: each chunk's divergence runs in kldiv_inline.vocab_parallel's phases, and grad hidden is summed over
@@ -174,11 +184,11 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t_hidden: Opt
 
 # ----------------------------------------------------------------------------------------- custom op
 @torch.library.custom_op("kldiv_inline::fused_linear_distill", mutates_args=())
-def _fused_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t_hidden: Optional[Tensor],
-              t_weight: Optional[Tensor], t_bias: Optional[Tensor], t_logits: Optional[Tensor],
-              topk_idx: Optional[Tensor], topk_lp: Optional[Tensor], labels: Optional[Tensor], ignore_index: int,
-              beta: float, temperature: float, batchmean: bool, chunk_size: int, accum_dtype: Optional[torch.dtype],
-              group_name: Optional[str], want_hidden: bool, want_weight: bool,
+def _fused_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor | None,
+              t_weight: Tensor | None, t_bias: Tensor | None, t_logits: Tensor | None,
+              topk_idx: Tensor | None, topk_lp: Tensor | None, labels: Tensor | None, ignore_index: int,
+              beta: float, temperature: float, batchmean: bool, chunk_size: int, accum_dtype: torch.dtype | None,
+              group_name: str | None, want_hidden: bool, want_weight: bool,
               want_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _fused(hidden, weight, bias, t_hidden, t_weight, t_bias, t_logits, topk_idx, topk_lp, labels,
                   ignore_index, beta, temperature, batchmean, chunk_size, accum_dtype, group_name, want_hidden,
@@ -242,8 +252,8 @@ def _err(message: str) -> str:
     return f"fused_linear_generalized_jsd: {message}"
 
 
-def _check_linear(who: str, hidden, weight, bias, dtype: Optional[torch.dtype], device: Optional[torch.device],
-                  vocab: Optional[int]) -> None:
+def _check_linear(who: str, hidden, weight, bias, dtype: torch.dtype | None, device: torch.device | None,
+                  vocab: int | None) -> None:
     """hidden [..., H], weight [V, H], bias [V] or None: tensors of one floating dtype on one device (those given
     for the student when checking the teacher)."""
     for name, t in ((f"{who}_hidden", hidden), (f"{who}_weight", weight)):
@@ -286,7 +296,7 @@ def _check_chunk_size(chunk_size) -> None:
         raise ValueError(_err(f"chunk_size must be >= 1, got {chunk_size}"))
 
 
-def _check_accum_dtype(accum_dtype, weight_dtype: torch.dtype) -> Optional[torch.dtype]:
+def _check_accum_dtype(accum_dtype, weight_dtype: torch.dtype) -> torch.dtype | None:
     """None or the weight's dtype (accumulate in it), or float32 for 16-bit weights."""
     allowed = (None, weight_dtype) + ((torch.float32,) if weight_dtype in (torch.float16, torch.bfloat16) else ())
     if accum_dtype not in allowed:
@@ -296,14 +306,14 @@ def _check_accum_dtype(accum_dtype, weight_dtype: torch.dtype) -> Optional[torch
 
 
 def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
-                                 teacher_hidden: Optional[Tensor] = None, teacher_weight: Optional[Tensor] = None, *,
-                                 teacher_logits: Optional[Tensor] = None,
-                                 teacher_topk: Optional[tuple[Tensor, Tensor]] = None,
-                                 student_bias: Optional[Tensor] = None, teacher_bias: Optional[Tensor] = None,
-                                 beta: float = 0.0, temperature: float = 1.0, labels: Optional[Tensor] = None,
+                                 teacher_hidden: Tensor | None = None, teacher_weight: Tensor | None = None, *,
+                                 teacher_logits: Tensor | None = None,
+                                 teacher_topk: tuple[Tensor, Tensor] | None = None,
+                                 student_bias: Tensor | None = None, teacher_bias: Tensor | None = None,
+                                 beta: float = 0.0, temperature: float = 1.0, labels: Tensor | None = None,
                                  ignore_index: int = -100, reduction: str = "batchmean",
-                                 chunk_size: Optional[int] = None,
-                                 accum_dtype: Optional[torch.dtype] = None, group=None) -> Tensor:
+                                 chunk_size: int | None = None,
+                                 accum_dtype: torch.dtype | None = None, group=None) -> Tensor:
     """``generalized_jsd(student_hidden @ student_weight.T + student_bias, <teacher logits>, ...)`` without the
     logits ever being whole: the same loss (beta, temperature, labels/ignore_index, reductions "batchmean" and
     "sum"), computed chunk by chunk of tokens.
@@ -323,7 +333,8 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     buffers within 512 MiB, e.g. 1024 tokens of a 128256 vocabulary in bfloat16 with a teacher given as hidden +
     weight, 2048 with teacher logits or top-k). The memory beyond the inputs and the parameter gradients is those
     buffers (and one more where the CUDA kernel cannot write d logits over the logits: rows longer than its
-    clusters hold on chip: beyond 409600 entries in float32 with the teacher's logits, 819200 in bfloat16). ``accum_dtype``: the grad weight's accumulator over the chunks; None accumulates in the weight's dtype,
+    clusters hold on chip: beyond 409600 entries in float32 with the teacher's logits, 819200 in bfloat16).
+    ``accum_dtype``: the grad weight's accumulator over the chunks; None accumulates in the weight's dtype,
     ``torch.float32`` (for 16-bit weights) in a float32 copy (2x the weight's size more memory) rounded once at the
     end. The loss is float32 (float64 for float64 inputs). Double backward is not supported (a clear error).
 
@@ -395,7 +406,7 @@ class FusedLinearGeneralizedJSDLoss(torch.nn.Module):
     function (teacher_logits, teacher_topk, biases, labels, accum_dtype) pass through ``forward``."""
 
     def __init__(self, beta: float = 0.0, temperature: float = 1.0, ignore_index: int = -100,
-                 reduction: str = "batchmean", chunk_size: Optional[int] = None):
+                 reduction: str = "batchmean", chunk_size: int | None = None):
         super().__init__()
         # Checked now, so a wrong setting fails where it is made.
         _check_settings(beta, temperature, ignore_index, reduction)
@@ -406,8 +417,8 @@ class FusedLinearGeneralizedJSDLoss(torch.nn.Module):
         self.beta, self.temperature, self.ignore_index = beta, temperature, ignore_index
         self.reduction, self.chunk_size = reduction, chunk_size
 
-    def forward(self, student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Optional[Tensor] = None,
-                teacher_weight: Optional[Tensor] = None, **kwargs) -> Tensor:
+    def forward(self, student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor | None = None,
+                teacher_weight: Tensor | None = None, **kwargs) -> Tensor:
         return fused_linear_generalized_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight,
                                             beta=self.beta, temperature=self.temperature,
                                             ignore_index=self.ignore_index, reduction=self.reduction,

@@ -28,7 +28,8 @@ import contextlib
 import dataclasses
 import math
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import pandas as pd
 import torch

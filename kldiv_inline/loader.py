@@ -40,8 +40,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -283,7 +283,7 @@ def _gencode_flags(archs: Sequence[str]) -> list[str]:
     return flags
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _nvcc_targets(cuda_home: str) -> frozenset[int]:
     """The compute capabilities (as 90, 100, ...) this nvcc compiles for; empty if it cannot say."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
@@ -331,7 +331,7 @@ def _include_flag(d: Path) -> str:
     return "-I" + shlex.quote(str(d)).replace("$", "$$")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu_fingerprint() -> str:
     """The host CPU, for builds with -march=native (whose code may not run on another CPU)."""
     with contextlib.suppress(OSError):
@@ -474,8 +474,8 @@ def _compiler_errors(log: str) -> list[str]:
                 and not re.search(r"errors? detected in the compilation of", line)):
             out.append(line)
             # The compiler's context (the source line, a caret), not the next build command.
-            out.extend(l for l in lines[i + 1:i + 3]
-                       if l.strip() and "error" not in l.lower() and not re.match(r"\s*\[\d+/\d+\]", l))
+            out.extend(nxt for nxt in lines[i + 1:i + 3]
+                       if nxt.strip() and "error" not in nxt.lower() and not re.match(r"\s*\[\d+/\d+\]", nxt))
     return out
 
 

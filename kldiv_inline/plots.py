@@ -188,8 +188,9 @@ def headline_frame(df: pd.DataFrame, ours: str) -> pd.DataFrame:
             if mine.empty:
                 continue
             t_ours = float(mine["median_ms"].iloc[0])
-            label = f"{form} {dtype} {batch}x{features}" + "".join(
-                f" {c}={v:g}" for c, v in zip(extra, rest) if pd.notna(v)) + (" (wall clock)" if timer == "wall" else "")
+            label = (f"{form} {dtype} {batch}x{features}"
+                     + "".join(f" {c}={v:g}" for c, v in zip(extra, rest) if pd.notna(v))
+                     + (" (wall clock)" if timer == "wall" else ""))
             for _, r in h.iterrows():
                 rows.append({"pass": pass_, "case": label, "form": form, "dtype": dtype, "numel": batch * features,
                              "impl": r["impl"],
@@ -257,7 +258,7 @@ def plot_correctness(path: Path, ax=None, title: str = ""):
     worst = df.groupby(["dtype", "case"])["rel_err"].max().unstack(0)
     worst = worst.clip(lower=1e-17)
     worst.plot(ax=ax, marker="o", lw=0)
-    for dtype, tol in df.groupby("dtype")["tol"].first().items():
+    for tol in df.groupby("dtype")["tol"].first():
         ax.axhline(tol, ls=":", lw=1, color="gray")
     ax.set_yscale("log")
     ax.set_ylabel("worst relative error vs float64")
@@ -302,7 +303,7 @@ def plot_folder(folder: Path, out: Path | None = None, *, ours: str, peers: list
         env = folder / "env.json"
         e = json.loads(env.read_text()) if env.exists() else {}
         read_gbps = e.get("floor_gbps") or e.get("read_gbps")  # older runs recorded only read_gbps
-        for (pass_, form, dtype), g in df.groupby(["pass", "form", "dtype"]):
+        for pass_, form, dtype in df.groupby(["pass", "form", "dtype"]).groups:
             if sweep_frame(df, pass_, form, dtype)["numel"].nunique() < 2:
                 continue
             fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))

@@ -325,13 +325,13 @@ def test_gradcheck_float64(device):
         s = logits((3, 7), torch.float64, device).requires_grad_()
         t = logits((3, 7), torch.float64, device).requires_grad_()
         lab = torch.tensor([0, -100, 2], device=device)
-        torch.autograd.gradcheck(lambda a, b: K.generalized_jsd(a, b, beta=beta, temperature=1.5, labels=lab,
-                                                                reduction="none"), (s, t))
+        torch.autograd.gradcheck(lambda a, b, beta=beta, lab=lab: K.generalized_jsd(
+            a, b, beta=beta, temperature=1.5, labels=lab, reduction="none"), (s, t))
     s = logits((3, 9), torch.float64, device).requires_grad_()
     idx, lp = topk_teacher((3,), 9, 4, device)
     for beta in (0.0, 0.4, 1.0):
-        torch.autograd.gradcheck(lambda a: K.generalized_jsd(a, teacher_topk=(idx, lp.double()), beta=beta,
-                                                             reduction="sum"), (s,))
+        torch.autograd.gradcheck(lambda a, beta=beta: K.generalized_jsd(a, teacher_topk=(idx, lp.double()),
+                                                                        beta=beta, reduction="sum"), (s,))
 
 
 def test_backward_twice_with_retain_graph(device):

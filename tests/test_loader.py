@@ -689,7 +689,7 @@ def _read_only_mount_prefix(path: Path) -> list[str] | None:
     if not unshare or not Path("/proc/self/ns/mnt").exists():
         return None
     for flags in (["-m"], ["-r", "-m"]):  # root; else a user namespace
-        script = f'mount --bind -o ro "$0" "$0" && exec "$@"'
+        script = 'mount --bind -o ro "$0" "$0" && exec "$@"'
         prefix = [unshare, *flags, "sh", "-c", script, str(path)]
         probe = subprocess.run([*prefix, "sh", "-c", f'! touch "{path}/.probe" 2>/dev/null'], capture_output=True)
         if probe.returncode == 0:

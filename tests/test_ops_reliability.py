@@ -13,14 +13,23 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from test_ops import (
+    FORMS,
+    GRAD_RTOL,
+    REDUCTIONS,
+    assert_forward_matches,
+    assert_grad_close,
+    call,
+    make_pair,
+    random_grad_out,
+    ref_grads,
+    reference,
+)
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import kldiv_inline as K
 from kldiv_inline import layout, ops
 from kldiv_inline.check import TOLERANCE
-
-from test_ops import (FORMS, GRAD_RTOL, REDUCTIONS, assert_forward_matches, assert_grad_close, call, make_pair,
-                      random_grad_out, ref_grads, reference)
 
 DOUBLE_BACKWARD = "double backward"
 

@@ -41,8 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kldiv_inline as K  # noqa: E402
 from kldiv_inline import envinfo, floors, timing  # noqa: E402
 from kldiv_inline.bench import COLUMNS  # noqa: E402
-from kldiv_inline.peers import (megatron_style_fused_linear_generalized_jsd,  # noqa: E402
-                                megatron_style_generalized_jsd)
+from kldiv_inline.peers import megatron_style_fused_linear_generalized_jsd, megatron_style_generalized_jsd  # noqa: E402
 from kldiv_inline.reference import generalized_jsd_reference, relative_error  # noqa: E402
 
 # bench.csv's columns, then this run's own (each once: bench.COLUMNS already has beta and hidden)
