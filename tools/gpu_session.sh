@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# What a lent-GPU session runs (the device tool copies the working tree, without .git, to a bare machine
-# with torch, triton, pandas, matplotlib and pytest, and no network). Wheels that machine lacks (Liger-Kernel,
-# nbclient and friends) travel in .whl/ (see the device README); the commit is passed in, since .git stays here.
+# What a session on a remote GPU machine runs, for a copy of this tree on a machine that has torch, triton,
+# pandas, matplotlib and pytest but no network. Python wheels that machine lacks (Liger-Kernel for its peers;
+# nbclient, nbformat and ipykernel for the notebooks) go in .whl/ beside the tree and are installed into
+# /tmp/site. Set KLDIV_INLINE_COMMIT to the commit the tree holds: results record it (a copied .git may be stale).
 #   tools/gpu_session.sh test      # PYTHON=python3 make test: every test, the gpu-marked ones included
 #   tools/gpu_session.sh results   # PYTHON=python3 make results: check, bench, plot into results/
-#   tools/gpu_session.sh notebooks # execute the three notebooks at full size, executed copies to $OUT
+#   tools/gpu_session.sh notebooks # execute every notebook at full size, executed copies to $OUT (or /tmp)
+# Two GPUs: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2 \
+#   tools/bench_vocab_parallel.py    # the vocabulary split across GPUs -> results/<card>-x2/
 set -euo pipefail
 mode=${1:?test|results|notebooks}
 export PYTHONUNBUFFERED=1
