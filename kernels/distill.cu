@@ -722,9 +722,8 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
                                         double temperature, int64_t reduction, bool want_student, bool want_teacher,
                                         const c10::optional<at::Tensor>& grad_student_out) {
   check_device(student);
-  check_scalars(beta, temperature, reduction);
-  const Rows r = prepare_rows(student, teacher, topk_idx, topk_lp, labels);
-  TORCH_CHECK(!(want_teacher && r.topk()), "distill: no gradient for a top-k teacher");
+  const Rows r =
+      prepare_forward(student, teacher, topk_idx, topk_lp, labels, beta, temperature, reduction, want_teacher);
   const c10::cuda::CUDAGuard guard(student.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto acc = acc_type(r.s.scalar_type());

@@ -257,10 +257,9 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
                                         double temperature, int64_t reduction, bool want_student, bool want_teacher,
                                         const c10::optional<at::Tensor>& grad_student_out) {
   check_device(student);
-  check_scalars(beta, temperature, reduction);
-  Args a{prepare_rows(student, teacher, topk_idx, topk_lp, labels), ignore_index, beta, 1.0 / temperature};
+  Args a{prepare_forward(student, teacher, topk_idx, topk_lp, labels, beta, temperature, reduction, want_teacher),
+         ignore_index, beta, 1.0 / temperature};
   const Rows& r = a.r;
-  TORCH_CHECK(!(want_teacher && r.topk()), "distill: no gradient for a top-k teacher");
   const auto acc = acc_type(r.s.scalar_type());
   at::Tensor rows_loss = at::empty({r.n}, r.s.options().dtype(acc));
   at::Tensor gs = want_student ? grad_buffer(grad_student_out, r) : at::Tensor();

@@ -119,4 +119,15 @@ inline void check_scalars(double beta, double temperature, int64_t reduction) {
   TORCH_CHECK(reduction >= RED_NONE && reduction <= RED_BATCHMEAN, "distill: unknown reduction code ", reduction);
 }
 
+// The checks of distill_forward's arguments shared by both backends, and the rows they describe.
+inline Rows prepare_forward(const at::Tensor& student, const c10::optional<at::Tensor>& teacher,
+                            const c10::optional<at::Tensor>& topk_idx, const c10::optional<at::Tensor>& topk_lp,
+                            const c10::optional<at::Tensor>& labels, double beta, double temperature, int64_t reduction,
+                            bool want_teacher) {
+  check_scalars(beta, temperature, reduction);
+  Rows r = prepare_rows(student, teacher, topk_idx, topk_lp, labels);
+  TORCH_CHECK(!(want_teacher && r.topk()), "distill: no gradient for a top-k teacher");
+  return r;
+}
+
 }  // namespace distill
