@@ -94,7 +94,9 @@ def _variant(name):
     from .variants import load_variant
 
     mod = load_variant(name)
-    return lambda p, t: mod.kl_div_probs_batchmean(p, t)
+    # The seed's design returns shape [1] (one of its faults, shown in notebook 03), PyTorch a 0-d loss: time
+    # it through a 0-d view, as the check compares shapes.
+    return lambda p, t: mod.kl_div_probs_batchmean(p, t).reshape(())
 
 
 def _with_backward(fn):

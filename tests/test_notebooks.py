@@ -26,7 +26,8 @@ nbformat = pytest.importorskip("nbformat")
 
 REPO = Path(__file__).resolve().parent.parent
 NB_DIR = REPO / "notebooks"
-NAMES = ["01_correctness.ipynb", "02_performance.ipynb", "03_naive_to_roofline.ipynb", "04_your_own_kernel.ipynb"]
+NAMES = ["01_correctness.ipynb", "02_performance.ipynb", "03_naive_to_roofline.ipynb", "04_your_own_kernel.ipynb",
+         "05_distillation.ipynb"]
 CELL_TIMEOUT_S = 1800  # a cold build of the kit's CUDA module inside a cell takes minutes
 
 

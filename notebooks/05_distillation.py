@@ -1,0 +1,181 @@
+# %% [markdown]
+# # 5. Distillation from logits: checked against float64, timed against the peers
+#
+# `kldiv_inline.generalized_jsd` computes the divergence between a student's and a teacher's
+# softmax(logits / T) token by token: forward KL (`beta = 0`), reverse KL (`beta = 1`) and the generalized
+# Jensen-Shannon divergence in between (TRL's convention), with label masks and served top-k teachers, in one
+# kernel that reads each logit once and writes the student's gradient in the forward pass. This notebook:
+#
+# 1. computes it beside TRL's PyTorch loss and the float64 reference;
+# 2. shows why it sums every divergence in a non-negative form (where student and teacher nearly agree);
+# 3. checks gradients and a top-k teacher;
+# 4. times it against the peers with the kit's harness (`kldiv_inline.bench_distill`, what
+#    `python -m kldiv_inline bench` runs), and reads the committed results of this device;
+# 5. shows the LM head fused in (`fused_linear_generalized_jsd`), where logits never exist whole.
+#
+# Without a GPU everything runs on the CPU twin at small sizes: the same code path, not a performance claim.
+
+# %% tags=["parameters"]
+# Parameters: the only cell to edit. FULL: the sizes of a GPU study; without a GPU a quick CPU run.
+# KLDIV_NB_FULL=1 or 0 in the environment overrides the default either way.
+import os
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FULL = os.environ.get("KLDIV_NB_FULL", "1" if DEVICE == "cuda" else "0") == "1"
+REPS = 10 if FULL else 3  # timed calls per provider and case
+
+# %%
+import sys
+from pathlib import Path
+
+ROOT = Path.cwd().resolve().parent  # this notebook runs in <repo>/notebooks
+if (ROOT / "kldiv_inline").is_dir() and str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the kit straight from the checkout
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+import kldiv_inline as K
+from kldiv_inline import bench_distill, floors, plots
+from kldiv_inline.peers import trl_generalized_jsd
+from kldiv_inline.reference import generalized_jsd_reference, relative_error
+
+# %matplotlib inline
+
+print(f"device {DEVICE}, FULL={FULL}, torch {torch.__version__}")
+
+# %% [markdown]
+# ## 1. One call, three ways
+#
+# Student and teacher logits of 6 x 3 tokens over a vocabulary of 5000, temperature 2, a quarter of the tokens
+# masked (label -100). The kit's loss, TRL's PyTorch loss (float32 log_softmax, `kl_div` with
+# `log_target=True`) and the float64 reference, for each beta.
+
+# %%
+torch.manual_seed(0)
+student = (torch.randn(6, 3, 5000) * 2).to(DEVICE)
+teacher = (torch.randn(6, 3, 5000) * 2).to(DEVICE)
+labels = torch.randint(0, 5000, (6, 3), device=DEVICE)
+labels[torch.rand(6, 3, device=DEVICE) < 0.25] = -100
+rows = []
+for beta in (0.0, 0.3, 0.5, 1.0):
+    ours = K.generalized_jsd(student, teacher, beta=beta, temperature=2.0, labels=labels)
+    trl = trl_generalized_jsd(student, teacher, labels, beta=beta, temperature=2.0)
+    ref = generalized_jsd_reference(student, teacher, beta=beta, temperature=2.0, labels=labels)
+    rows.append({"beta": beta, "ours": float(ours), "trl": float(trl), "float64": float(ref),
+                 "ours rel err": relative_error(ours, ref), "trl rel err": relative_error(trl, ref)})
+pd.DataFrame(rows)
+
+# %% [markdown]
+# ## 2. Never negative where the distributions agree
+#
+# A divergence is never negative, but its plain sum `p (log p - log q)` cancels when student and teacher
+# nearly agree: in float32 the rounding of terms of size `|u|` swamps a total of size `u^2 / 2`. The kit sums
+# `q f(u)`, `f(u) = u e^u - expm1(u) >= 0`, term by term (a series where `|u|` is small), so every token's
+# loss is `>= 0` and close to float64. Below: per-token forward KL of bf16 logits one rounding apart (1e-3).
+
+# %%
+torch.manual_seed(1)
+t = torch.randn(256, 32000, dtype=torch.float64, device=DEVICE) * 2
+s = (t + torch.randn_like(t) * 1e-3).to(torch.bfloat16)
+t = t.to(torch.bfloat16)
+ref = generalized_jsd_reference(s, t, reduction="none")
+ours = K.generalized_jsd(s, t, reduction="none")
+sf, tf = torch.log_softmax(s.float(), -1), torch.log_softmax(t.float(), -1)
+plain = (tf.exp() * (tf - sf)).sum(-1)  # the plain float32 sum, as the peers compute it
+print(f"float64 per-token KL: {ref.min():.2e} .. {ref.max():.2e}")
+print(f"ours:  min {ours.min():.2e}, relative error {relative_error(ours, ref):.1e}")
+print(f"plain: min {plain.min():.2e}, relative error {relative_error(plain, ref):.1e}, "
+      f"{int((plain < 0).sum())} of 256 tokens negative")
+fig, ax = plt.subplots(figsize=(6, 3.5))
+ax.scatter(ref.cpu(), (plain.double() - ref).cpu(), s=6, label="plain float32 sum")
+ax.scatter(ref.cpu(), (ours.double() - ref).cpu(), s=6, label="kldiv_inline")
+ax.axhline(0, color="k", lw=0.8)
+ax.set_xlabel("per-token KL (float64)")
+ax.set_ylabel("error against float64")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# ## 3. Gradients, and a served top-k teacher
+#
+# The forward pass writes d loss / d logits when they require grad; backward only rescales. Against float64
+# autograd of the reference, for the student and (self-distillation) the teacher. Then a teacher given as its
+# top-100 log-probabilities (what vLLM or SGLang return): the divergence over the 100 tokens and one tail
+# bucket, with the student's gradient over its whole vocabulary.
+
+# %%
+s = student.clone().requires_grad_()
+t = teacher.clone().requires_grad_()
+loss = K.generalized_jsd(s, t, beta=0.5, temperature=2.0, labels=labels)
+loss.backward()
+s64, t64 = student.double().requires_grad_(), teacher.double().requires_grad_()
+generalized_jsd_reference(s64, t64, beta=0.5, temperature=2.0, labels=labels).backward()
+print(f"student grad rel err {relative_error(s.grad, s64.grad):.1e}, teacher grad {relative_error(t.grad, t64.grad):.1e}")
+
+lp, idx = torch.log_softmax(teacher.double() / 2.0, -1).topk(100, dim=-1)
+s = student.clone().requires_grad_()
+loss = K.generalized_jsd(s, teacher_topk=(idx, lp.float()), temperature=2.0, labels=labels)
+loss.backward()
+s64 = student.double().requires_grad_()
+ref = generalized_jsd_reference(s64, teacher_topk=(idx, lp), temperature=2.0, labels=labels)
+ref.backward()
+print(f"top-k: loss {loss.item():.6f} (float64 {ref.item():.6f}), grad rel err {relative_error(s.grad, s64.grad):.1e}")
+
+# %% [markdown]
+# ## 4. Timed against the peers
+#
+# `bench_distill.run` is the suite behind the distillation rows of `results/<device>/bench.csv`: bf16 logits
+# (4096 x 128256 on a GPU; 64 x 4096 on the CPU), T = 2, 10% masked; forward + backward per beta, forward
+# only, and a top-k teacher. Each provider is checked against float64 on the first rows before it is timed.
+# Peers: TRL's PyTorch loss eager and under torch.compile, and Liger-Kernel's JSD after `log_softmax`
+# (GPU, when installed).
+
+# %%
+floor = floors.measure_floor(DEVICE)
+rows = bench_distill.run(DEVICE, floor, reps=REPS, betas=(0.0, 0.5) if FULL else (0.0,))
+timed = pd.DataFrame(rows)
+timed[["impl", "pass", "form", "beta", "median_ms", "x_floor", "peak_mib", "status"]]
+
+# %%
+fig = plots.plot_speedups(timed, bench_distill.OURS)
+plt.show()
+
+# %% [markdown]
+# The committed results of this device, with their goals (D1-D6), drawn from `results/<device>/`:
+
+# %%
+from kldiv_inline.envinfo import device_slug  # noqa: E402
+
+folder = ROOT / "results" / device_slug(DEVICE)
+if (folder / "bench.csv").exists():
+    committed = plots.load_bench(folder / "bench.csv")
+    if "beta" in committed and committed["form"].isin(["logits", "topk"]).any():
+        print((folder / "goals.md").read_text())
+    else:
+        print(f"{folder} holds no distillation rows yet: `make results` writes them")
+else:
+    print(f"no committed results for {DEVICE} ({folder.name}): `make results` writes them")
+
+# %% [markdown]
+# ## 5. The LM head fused in
+#
+# `fused_linear_generalized_jsd(hidden, weight, teacher_hidden, teacher_weight, ...)` makes the logits a chunk
+# of tokens at a time (a matrix product into a reused buffer), turns them into d logits in place with the same
+# kernel, and accumulates the gradients of the hidden states and the weight: the logits never exist whole.
+# Checked here against the divergence of materialised float64 logits.
+
+# %%
+torch.manual_seed(2)
+h = torch.randn(48, 64, device=DEVICE, requires_grad=True)
+w = (torch.randn(3000, 64, device=DEVICE) * 0.2).requires_grad_()
+th, tw = torch.randn(48, 64, device=DEVICE), torch.randn(3000, 64, device=DEVICE) * 0.2
+loss = K.fused_linear_generalized_jsd(h, w, th, tw, beta=0.5, temperature=2.0, chunk_size=16)
+loss.backward()
+h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+ref = generalized_jsd_reference(h64 @ w64.T, th.double() @ tw.double().T, beta=0.5, temperature=2.0)
+ref.backward()
+print(f"loss {loss.item():.6f} (float64 {ref.item():.6f}); grad hidden rel err {relative_error(h.grad, h64.grad):.1e}, "
+      f"grad weight {relative_error(w.grad, w64.grad):.1e}")
