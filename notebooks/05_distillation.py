@@ -113,7 +113,8 @@ loss = K.generalized_jsd(s, t, beta=0.5, temperature=2.0, labels=labels)
 loss.backward()
 s64, t64 = student.double().requires_grad_(), teacher.double().requires_grad_()
 generalized_jsd_reference(s64, t64, beta=0.5, temperature=2.0, labels=labels).backward()
-print(f"student grad rel err {relative_error(s.grad, s64.grad):.1e}, teacher grad {relative_error(t.grad, t64.grad):.1e}")
+print(f"student grad rel err {relative_error(s.grad, s64.grad):.1e}, "
+      f"teacher grad {relative_error(t.grad, t64.grad):.1e}")
 
 lp, idx = torch.log_softmax(teacher.double() / 2.0, -1).topk(100, dim=-1)
 s = student.clone().requires_grad_()
