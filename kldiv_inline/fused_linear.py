@@ -302,8 +302,9 @@ def _check_accum_dtype(accum_dtype, weight_dtype: torch.dtype) -> Optional[torch
     return None if accum_dtype == weight_dtype else accum_dtype
 
 
-def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Optional[Tensor] = None,
-                                 teacher_weight: Optional[Tensor] = None, *, teacher_logits: Optional[Tensor] = None,
+def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
+                                 teacher_hidden: Optional[Tensor] = None, teacher_weight: Optional[Tensor] = None, *,
+                                 teacher_logits: Optional[Tensor] = None,
                                  teacher_topk: Optional[tuple[Tensor, Tensor]] = None,
                                  student_bias: Optional[Tensor] = None, teacher_bias: Optional[Tensor] = None,
                                  beta: float = 0.0, temperature: float = 1.0, labels: Optional[Tensor] = None,
@@ -328,7 +329,8 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     ``chunk_size``: tokens per chunk; None picks one from the shapes (``default_chunk_size``: the chunk's logit
     buffers within 512 MiB, e.g. 1024 tokens of a 128256 vocabulary in bfloat16 with a teacher given as hidden +
     weight, 2048 with teacher logits or top-k). The memory beyond the inputs and the parameter gradients is those
-    buffers. ``accum_dtype``: the grad weight's accumulator over the chunks; None accumulates in the weight's dtype,
+    buffers (and one more where the CUDA kernel cannot write d logits over the logits: rows longer than its
+    clusters hold on chip: beyond 409600 entries in float32 with the teacher's logits, 819200 in bfloat16). ``accum_dtype``: the grad weight's accumulator over the chunks; None accumulates in the weight's dtype,
     ``torch.float32`` (for 16-bit weights) in a float32 copy (2x the weight's size more memory) rounded once at the
     end. The loss is float32 (float64 for float64 inputs). Double backward is not supported (a clear error).
 
