@@ -419,12 +419,12 @@ def test_opcheck(device):
     lab = torch.tensor([1, -100, 2, 3, 4, 5], device=device)
     op = torch.ops.kldiv_inline.fused_linear_distill.default
     torch.library.opcheck(op, (h, w, b, None, None, None, t, None, None, lab, -100, 0.5, 2.0, True, 4, None,
-                               True, True, True))
+                               None, True, True, True))
     torch.library.opcheck(op, (h, w, None, th, tw, None, None, None, None, None, -100, 0.0, 1.0, False, 100, None,
-                               True, False, False))
+                               None, True, False, False))
     idx, lp = topk_teacher((6,), 11, 3, device)
     torch.library.opcheck(op, (h, w, b, None, None, None, None, idx, lp, lab, -100, 1.0, 1.5, True, 5, None,
-                               False, True, True))
+                               None, False, True, True))
 
 
 @pytest.mark.slow
