@@ -225,9 +225,10 @@ def _check_labels(labels, lead: torch.Size, device: torch.device) -> Tensor | No
     return labels.reshape(-1).to(torch.int64).contiguous()
 
 
-def _prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, labels, ignore_index, reduction):
+def _prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, labels, ignore_index, reduction,
+             topk_vocab: Optional[int] = None):
     """Checks every argument and lays the logits out as rows; returns the kernel's arguments and the shape of
-    the per-token loss."""
+    the per-token loss. Top-k indices must lie in [0, topk_vocab) (default: the logits' vocabulary)."""
     if not isinstance(student_logits, Tensor):
         raise TypeError(f"generalized_jsd: student_logits must be a tensor, got {type(student_logits).__name__}")
     if student_logits.dtype not in _FLOAT_DTYPES:
@@ -247,7 +248,7 @@ def _prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, la
         _check_teacher_logits(teacher_logits, student_logits.shape, student_logits.dtype, student_logits.device)
         teacher = _rows(teacher_logits, vocab)
     else:
-        idx, lp = _validate_topk(teacher_topk, student_logits, lead, vocab)
+        idx, lp = _validate_topk(teacher_topk, student_logits, lead, vocab if topk_vocab is None else topk_vocab)
     lab = _check_labels(labels, lead, student_logits.device)
     args = (_rows(student_logits, vocab), teacher, idx, lp, lab, int(ignore_index), beta, temperature,
             _REDUCTION_CODE[reduction])
@@ -281,7 +282,7 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
 
     ``group`` (a ``torch.distributed`` process group): the vocabulary is split across its ranks, each holding a
     contiguous slice of both logits in rank order (``kldiv_inline.vocab_parallel``); the loss is the global one
-    on every rank, the gradients are each rank's slice's. Not yet with ``teacher_topk``.
+    on every rank, the gradients are each rank's slice's; ``teacher_topk``'s indices are then global.
     """
     if group is not None:
         from .vocab_parallel import generalized_jsd_vocab_parallel

@@ -17,8 +17,15 @@ the K sums are bit-identical on every rank and from run to run, whatever the bac
 collectives run on the current stream (NCCL on GPUs, gloo on CPUs) and nothing waits for the host: batchmean's
 divisor is counted from the labels on the device. As in the one-device op, the forward pass writes the
 gradients (of the reduced loss) and backward only rescales them by grad_output, with no communication.
+
+A top-k teacher (global indices) takes another route (_topk_rows): the student's normalisers (phase 0), one
+all-gather of each token's k + 1 bucket values, and the one-device kernel over the buckets on every rank; its
+indices are checked against the whole vocabulary, which costs one small all-gather and a host synchronisation.
+fused_linear_generalized_jsd(..., group=group) runs each chunk of tokens through divergence_rows.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -28,6 +35,8 @@ from . import distill
 
 __all__ = ["generalized_jsd_vocab_parallel", "divergence_rows", "combine_norms", "group_name", "resolve_group"]
 
+
+_LOG2E, _LN2 = 1 / math.log(2), math.log(2)
 
 # One collective into one tensor: all_gather_single where torch has it (it deprecates all_gather_into_tensor).
 _GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -41,6 +50,14 @@ def _all_gather(x: Tensor, group) -> Tensor:
     return out.view((world,) + tuple(x.shape))
 
 
+def _sum_in_rank_order(parts: Tensor) -> Tensor:
+    """parts[0] + parts[1] + ... in that order (a reduction kernel may pair them otherwise)."""
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
 def combine_norms(parts: Tensor) -> Tensor:
     """The rows' normalisers over the whole vocabulary from each slice's, ``parts`` [world, n, 4] of
     (max, log2 sum 2^(x - max)) of student then teacher (base 2, distill_common.h's Norm): the largest max, and
@@ -50,7 +67,7 @@ def combine_norms(parts: Tensor) -> Tensor:
     mx, lz = p[..., 0::2], p[..., 1::2]  # [world, n, 2]: student, teacher
     top = mx.amax(dim=0)
     shift = torch.where(top == float("-inf"), torch.zeros_like(top), top)  # -inf - -inf would be NaN
-    total = torch.exp2(lz + mx - shift).sum(dim=0)
+    total = _sum_in_rank_order(torch.exp2(lz + mx - shift))
     out = torch.stack([top[:, 0], torch.log2(total[:, 0]), top[:, 1], torch.log2(total[:, 1])], dim=1)
     return out.to(parts.dtype)
 
@@ -84,7 +101,7 @@ def divergence_rows(student: Tensor, teacher: Tensor, labels: Tensor | None, ign
     norms = combine_norms(_all_gather(local_norms, group))
     terms, gs, gt = mod.distill_phase(1, student, teacher, *common, norms, None, scale, want_s, want_t,
                                       grad_student_out)
-    sums = _all_gather(terms, group).sum(dim=0)  # [n, 3]: the rows' loss, ks, kt, added in rank order
+    sums = _sum_in_rank_order(_all_gather(terms, group))  # [n, 3]: the rows' loss, ks, kt
     if _needs_phase2(beta, want_s, want_t):
         _, gs2, gt2 = mod.distill_phase(2, student, teacher, *common, norms, sums[:, 1:].contiguous(), scale,
                                         want_s, want_t, grad_student_out)
@@ -93,9 +110,56 @@ def divergence_rows(student: Tensor, teacher: Tensor, labels: Tensor | None, ign
     return sums[:, 0], gs, gt
 
 
-def _run(student: Tensor, teacher: Tensor, labels: Tensor | None, ignore_index: int, beta: float,
-         temperature: float, reduction: int, group, want_s: bool, want_t: bool):
-    """The reduced loss and the gradients (of the reduced loss; for none, of the rows' sum), or None."""
+def _topk_rows(student: Tensor, idx: Tensor, lp: Tensor, labels: Tensor | None, ignore_index: int, beta: float,
+               temperature: float, reduction: int, group, offset: int, vocab: int, want_s: bool):
+    """A top-k teacher (global indices; this rank's slice starts at ``offset`` of ``vocab``): (the reduced loss,
+    the student's gradient of this slice or None).
+
+    The divergence runs over k + 1 buckets (the k tokens, the tail) whose student probabilities need the whole
+    row: each rank gives the log-probabilities of the members it holds and its part of the tail's mass (one
+    all-gather), then every rank runs the one-device kernel on the same k + 1 "logits" per token (T times the
+    buckets' log-probabilities, the members at 0..k-1): the same loss, and the gradients of the buckets. A member's
+    gradient is its bucket's; a tail entry's is its share of the tail's (p_v / p_tail), as in the kernel."""
+    mod = distill._module(student.device)
+    n, v = student.shape
+    k = idx.shape[1]
+    acc = distill._acc_dtype(student.dtype)
+    common = (labels, ignore_index, beta, temperature)
+    # The student's normaliser over the whole row (phase 0 gives the teacher's too: the student stands in).
+    local_norms = mod.distill_phase(0, student, student, *common, None, None, None, False, False)[0]
+    norms = combine_norms(_all_gather(local_norms, group))
+    log2_p = (student.to(acc) * (_LOG2E / temperature) - norms[:, :1]) - norms[:, 1:2]  # as the kernels' log2_prob
+    p = torch.exp2(log2_p)
+    here = (idx >= offset) & (idx < offset + v)
+    col = torch.where(here, idx - offset, v)  # members held elsewhere go to a spare column
+    member = torch.zeros((n, v + 1), dtype=torch.bool, device=student.device).scatter_(1, col, True)[:, :v]
+    part = torch.cat([torch.where(here, log2_p.gather(1, col.clamp_max(v - 1)), 0.0).double(),
+                      (p * ~member).sum(dim=1, dtype=torch.float64, keepdim=True)], dim=1)
+    whole = _sum_in_rank_order(_all_gather(part, group))  # each member held by one rank; the tails summed
+    p_tail = whole[:, k]
+    buckets = whole[:, :k] * _LN2
+    if k < vocab:  # a tail bucket only where some of the vocabulary is outside the top-k
+        buckets = torch.cat([buckets, p_tail.log()[:, None]], dim=1)
+    arange = torch.arange(k, device=student.device).expand(n, k).contiguous()
+    loss, g_buckets, _ = mod.distill_forward((buckets * temperature).to(acc), None, arange, lp, labels, ignore_index,
+                                             beta, temperature, reduction, want_s, False)
+    if not want_s:
+        return loss, None
+    coef = torch.zeros_like(p_tail) if k == vocab else torch.where(p_tail > 0, g_buckets[:, k].double() / p_tail, 0.0)
+    grad = torch.cat([p * coef[:, None].to(acc), p.new_zeros((n, 1))], dim=1).scatter_(1, col, g_buckets[:, :k])
+    keep = labels != ignore_index if labels is not None else torch.ones(n, dtype=torch.bool, device=student.device)
+    return loss, torch.where(keep[:, None], grad[:, :v], 0.0).to(student.dtype)
+
+
+def _run(student: Tensor, teacher: Tensor | None, idx: Tensor | None, lp: Tensor | None, labels: Tensor | None,
+         settings: tuple, want_s: bool, want_t: bool):
+    """The reduced loss and the gradients (of the reduced loss; for none, of the rows' sum), or None.
+    ``settings``: (ignore_index, beta, temperature, reduction code, group, top-k offset, top-k vocabulary)."""
+    ignore_index, beta, temperature, reduction, group, offset, vocab = settings
+    if idx is not None:
+        loss, gs = _topk_rows(student, idx, lp, labels, ignore_index, beta, temperature, reduction, group, offset,
+                              vocab, want_s)
+        return loss, gs, None
     scale = _grad_scale(labels, ignore_index, student.shape[0], reduction, student.device)
     rows_loss, gs, gt = divergence_rows(student, teacher, labels, ignore_index, beta, temperature, group, scale,
                                         want_s, want_t)
@@ -110,11 +174,10 @@ class _VocabParallelDivergence(torch.autograd.Function):
     first time; a second backward, with retain_graph=True, runs the phases again, on every rank alike)."""
 
     @staticmethod
-    def forward(ctx, student, teacher, labels, ignore_index, beta, temperature, reduction, group, want_s, want_t):
-        loss, gs, gt = _run(student, teacher, labels, ignore_index, beta, temperature, reduction, group, want_s,
-                            want_t)
-        ctx.save_for_backward(student, teacher, labels)
-        ctx.args = (ignore_index, beta, temperature, reduction, group)
+    def forward(ctx, student, teacher, idx, lp, labels, settings, want_s, want_t):
+        loss, gs, gt = _run(student, teacher, idx, lp, labels, settings, want_s, want_t)
+        ctx.save_for_backward(student, teacher, idx, lp, labels)
+        ctx.settings = settings
         ctx.fused = (gs, gt)
         ctx.set_materialize_grads(False)
         return loss
@@ -122,20 +185,28 @@ class _VocabParallelDivergence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         if grad_out is None:
-            return (None,) * 10
+            return (None,) * 8
         if torch.is_grad_enabled():
             raise RuntimeError("generalized_jsd: double backward (create_graph=True) is not supported: its gradient "
                                "has no graph of its own, so a penalty on it would be silently dropped")
-        student, teacher, labels = ctx.saved_tensors
+        student, teacher, idx, lp, labels = ctx.saved_tensors
         need_s, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gs, gt = ctx.fused
         if (need_s and gs is None) or (need_t and gt is None):  # a second backward: compute them again
-            _, gs, gt = _run(student, teacher, labels, *ctx.args, need_s, need_t)
+            _, gs, gt = _run(student, teacher, idx, lp, labels, ctx.settings, need_s, need_t)
         ctx.fused = (None, None)  # rescaled in place below: a later backward recomputes
         grad_out = grad_out.to(distill._acc_dtype(student.dtype))
         out_s = distill._scaled(gs, grad_out, True) if need_s else None
         out_t = distill._scaled(gt, grad_out, True) if need_t else None
-        return (out_s, out_t) + (None,) * 8
+        return (out_s, out_t) + (None,) * 6
+
+
+def _slices(width: int, device, group) -> tuple[int, int]:
+    """This rank's offset in the vocabulary and the vocabulary's size, from every rank's slice width (one small
+    all-gather and one host synchronisation: only top-k indices need them)."""
+    widths = _all_gather(torch.tensor([[width]], dtype=torch.int64, device=device), group).flatten().tolist()
+    rank = dist.get_rank(group)
+    return sum(widths[:rank]), sum(widths)
 
 
 def _check_group(group, who: str = "generalized_jsd") -> None:
@@ -161,18 +232,18 @@ def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tenso
     are checked as there, the logits being this rank's slice. Every rank must call it with the same rows, labels
     and settings (a collective)."""
     _check_group(group)
-    if teacher_topk is not None:
-        raise NotImplementedError("generalized_jsd: teacher_topk with a vocabulary split across a group is not "
-                                  "implemented yet; gather the student's logits or pass the teacher's logits")
-    args, lead = distill._prepare(student_logits, teacher_logits, None, beta, temperature, labels, ignore_index,
-                                  reduction)
-    student, teacher, _, _, lab, ignore_index, beta, temperature, code = args
+    offset, vocab = 0, None
+    if teacher_topk is not None and isinstance(student_logits, Tensor) and student_logits.dim() >= 1:
+        offset, vocab = _slices(student_logits.shape[-1], student_logits.device, group)
+    args, lead = distill._prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, labels,
+                                  ignore_index, reduction, topk_vocab=vocab)
+    student, teacher, idx, lp, lab, ignore_index, beta, temperature, code = args
+    settings = (ignore_index, beta, temperature, code, group, offset, vocab)
     grad_on = torch.is_grad_enabled()
     want_s = bool(grad_on and student.requires_grad)
-    want_t = bool(grad_on and teacher.requires_grad)
+    want_t = bool(grad_on and teacher is not None and teacher.requires_grad)
     if want_s or want_t:
-        loss = _VocabParallelDivergence.apply(student, teacher, lab, ignore_index, beta, temperature, code, group,
-                                              want_s, want_t)
+        loss = _VocabParallelDivergence.apply(student, teacher, idx, lp, lab, settings, want_s, want_t)
     else:
-        loss = _run(student, teacher, lab, ignore_index, beta, temperature, code, group, False, False)[0]
+        loss = _run(student, teacher, idx, lp, lab, settings, False, False)[0]
     return loss.reshape(lead) if code == distill._REDUCTION_CODE["none"] else loss

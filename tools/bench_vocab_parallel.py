@@ -1,7 +1,7 @@
 """Times the distillation divergence with the vocabulary split across GPUs; run it under torchrun:
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
-        torchrun --standalone --nproc-per-node 2 tools/bench_vocab_parallel.py      # -> results/<card>-x2/
+        torchrun --standalone --nproc-per-node 2 tools/bench_vocab_parallel.py   # -> results/<card>-x2/bench.csv
     torchrun --standalone --nproc-per-node 2 tools/bench_vocab_parallel.py --device cpu --tokens 32 --vocab 500 \\
         --hidden 16 --out /tmp/bench.csv                                              # a smoke test on the CPU
 
@@ -67,7 +67,9 @@ def parse(argv=None):
     ap.add_argument("--betas", default="0,0.5", help="comma list")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--out", default=None, help="CSV path (default results/<device>-x<world>/bench.csv)")
+    ap.add_argument("--results", default=str(envinfo.REPO_ROOT / "results"),
+                    help="the results folder: the CSV goes to <results>/<device>-x<world>/bench.csv")
+    ap.add_argument("--out", default=None, help="the CSV's path instead (env.json beside it)")
     args = ap.parse_args(argv)
     args.forms = args.forms.split(",")
     if not set(args.forms) <= set(FORMS):
@@ -266,8 +268,8 @@ def main(argv=None) -> int:
                 rows += run_beta(args, prob, beta, device, rank, world)
             del prob
         if rank == 0:
-            out = Path(args.out) if args.out else (Path(envinfo.REPO_ROOT) / "results"
-                                                   / f"{envinfo.device_slug(device)}-x{world}" / "bench.csv")
+            out = Path(args.out) if args.out else (Path(args.results) / f"{envinfo.device_slug(device)}-x{world}"
+                                                   / "bench.csv")
             out.parent.mkdir(parents=True, exist_ok=True)
             pd.DataFrame(rows).reindex(columns=COLUMNS + EXTRA_COLUMNS).to_csv(out, index=False)
             envinfo.write_env(out.parent, device, {
