@@ -226,7 +226,7 @@ def _check_labels(labels, lead: torch.Size, device: torch.device) -> Tensor | No
 
 
 def _prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, labels, ignore_index, reduction,
-             topk_vocab: Optional[int] = None):
+             topk_vocab: int | None = None):
     """Checks every argument and lays the logits out as rows; returns the kernel's arguments and the shape of
     the per-token loss. Top-k indices must lie in [0, topk_vocab) (default: the logits' vocabulary)."""
     if not isinstance(student_logits, Tensor):

@@ -261,7 +261,7 @@ def _topk_case(rank, device, group, gen, *, widths, k, lead=(6,), dtype=torch.fl
     kw = dict(teacher_topk=(idx, lp), beta=beta, temperature=float(torch.rand((), generator=gen)) * 2 + 0.5,
               labels=lab, reduction=reduction)
     what = f"top-k {dtype} widths={widths} k={k} beta={beta} {reduction} mask={mask}"
-    grad_out = ((torch.rand(lead, generator=gen) + 0.5)).to(device=device, dtype=acc)
+    grad_out = (torch.rand(lead, generator=gen) + 0.5).to(device=device, dtype=acc)
 
     def run(s, group_):
         s = s.detach().clone().requires_grad_()
