@@ -98,12 +98,18 @@ def _scaled(grad: Tensor, grad_out: Tensor, in_place: bool) -> Tensor:
     return (grad * factor).to(grad.dtype)
 
 
+def _refuse_double_backward(who: str) -> None:
+    """Backward of the fused-gradient ops: their gradients have no graph of their own, so under create_graph=True
+    a penalty on them would be silently dropped; say so instead."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{who}: double backward (create_graph=True) is not supported: its gradient has no graph "
+                           "of its own, so a penalty on it would be silently dropped")
+
+
 def _backward(ctx, grad_out, _g_student, _g_teacher):
     if grad_out is None:
         return (None,) * 11
-    if torch.is_grad_enabled():
-        raise RuntimeError("generalized_jsd: double backward (create_graph=True) is not supported: its gradient "
-                           "has no graph of its own, so a penalty on it would be silently dropped")
+    _refuse_double_backward("generalized_jsd")
     student, teacher, topk_idx, topk_lp, labels = ctx.saved_tensors
     need_s = ctx.needs_input_grad[0] and ctx.wanted[0]
     need_t = ctx.needs_input_grad[1] and ctx.wanted[1]

@@ -38,6 +38,7 @@ from .distill import (
     _empty_if_none,
     _is_tracing,
     _module,
+    _refuse_double_backward,
     _rows,
     _scaled,
     _validate_topk,
@@ -222,9 +223,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_loss, *_grads_of_gradients):
     if grad_loss is None:
         return (None,) * _N_INPUTS
-    if torch.is_grad_enabled():
-        raise RuntimeError("fused_linear_generalized_jsd: double backward (create_graph=True) is not supported: its "
-                           "gradients have no graph of their own, so a penalty on them would be silently dropped")
+    _refuse_double_backward("fused_linear_generalized_jsd")
     saved = ctx.saved_tensors
     need = [ctx.needs_input_grad[i] and ctx.wanted[i] for i in range(3)]
     tracing = torch.compiler.is_compiling() or type(grad_loss) is not Tensor

@@ -186,9 +186,7 @@ class _VocabParallelDivergence(torch.autograd.Function):
     def backward(ctx, grad_out):
         if grad_out is None:
             return (None,) * 8
-        if torch.is_grad_enabled():
-            raise RuntimeError("generalized_jsd: double backward (create_graph=True) is not supported: its gradient "
-                               "has no graph of its own, so a penalty on it would be silently dropped")
+        distill._refuse_double_backward("generalized_jsd")
         student, teacher, idx, lp, labels = ctx.saved_tensors
         need_s, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gs, gt = ctx.fused
