@@ -200,7 +200,7 @@ template <typename T> __device__ __forceinline__ void store_chunk(T* dst, const 
   }
 }
 
-__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+__host__ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 // The largest of a chunk's raw values (packed max for 16-bit types: half the instructions).
 template <typename T> __device__ __forceinline__ float chunk_max(const Vec<T>& v) {
@@ -521,6 +521,8 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
 #endif
 }
 
+#include "distill_fast.cuh"
+
 // 1 / (rows whose label is not ignore_index), 0 when there are none: the batchmean divisor, on the device.
 __global__ void __launch_bounds__(
     1024) inv_count_kernel(const int64_t* __restrict__ labels, int64_t n, int64_t ignore_index,
@@ -691,6 +693,44 @@ Params<T, A> base_params(const Rows& r, int64_t ignore_index, double beta, doubl
   return p;
 }
 
+// Whether a distill_forward call takes fast_rows_kernel (distill_fast.cuh): a full teacher row, no teacher
+// gradient, slices in shared memory, every row of student, teacher and gradient starting on a 16-byte boundary.
+// KLDIV_DISTILL_FAST=0 (a research knob) sends every call to rows_kernel, to compare the two.
+bool fast_path_ok(const Rows& r, const Launch& l, const at::Tensor& gs, bool want_teacher) {
+  if (const char* env = std::getenv("KLDIV_DISTILL_FAST"))
+    if (std::atoi(env) == 0) return false;
+  if (r.topk() || want_teacher || !l.use_smem || r.s.scalar_type() == at::kDouble) return false;
+  const int64_t vec = 16 / static_cast<int64_t>(r.s.element_size());
+  auto rows_aligned = [&](const at::Tensor& x) {
+    return aligned16(x.data_ptr()) && (x.size(0) <= 1 || x.stride(0) % vec == 0);
+  };
+  return rows_aligned(r.s) && rows_aligned(r.t) && (!gs.defined() || rows_aligned(gs));
+}
+
+// fast_rows_kernel, then each row's loss from its warps' partial sums into rows_loss.
+template <typename T, typename A>
+void launch_fast(const Launch& plan, int mode, bool want_student, int64_t n, Params<T, A> p, at::Tensor& rows_loss,
+                 cudaStream_t stream) {
+  if constexpr (std::is_same<A, double>::value) {
+    TORCH_CHECK(false, "distill: no fast path for float64 logits");  // fast_path_ok refuses them first
+  } else {
+    Launch l = plan;
+    l.threads = kFastThreads;
+    const int per_row = l.cluster * kFastWarps;
+    at::Tensor partial = at::empty({n * per_row}, rows_loss.options());
+    p.out = partial.data_ptr<float>();
+    dispatch_mode(mode, [&](auto mode_c) {
+      constexpr int MODE = decltype(mode_c)::value;
+      if (want_student) launch_rows(fast_rows_kernel<T, MODE, true>, l, n, &p, stream);
+      else launch_rows(fast_rows_kernel<T, MODE, false>, l, n, &p, stream);
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    fast_rows_total_kernel<<<static_cast<unsigned>((n + 7) / 8), 256, 0, stream>>>(
+        partial.data_ptr<float>(), n, per_row, rows_loss.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
 void check_device(const at::Tensor& x) {
   TORCH_CHECK(x.is_cuda(), "distill (cuda backend): expected CUDA tensors, got ", x.device());
   int major = 0;
@@ -758,6 +798,10 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
       p.scale_host = inv_host;
       p.out = rows_loss.data_ptr<A>();
       const int cfg = want_teacher ? CFG_GENERIC : (want_student ? CFG_STUDENT : CFG_INFER);
+      if (fast_path_ok(r, l, gs, want_teacher)) {
+        launch_fast(l, mode_of(beta), want_student, r.n, p, rows_loss, stream);
+        return;
+      }
       dispatch_mode(mode_of(beta), [&](auto mode_c) {
         constexpr int MODE = decltype(mode_c)::value;
         if (r.topk()) launch_for<T, MODE, true>(l, cfg, r.n, p, stream);
@@ -842,7 +886,10 @@ void distill_scale_grad_(at::Tensor grad, const at::Tensor& grad_out) {
   const at::Tensor go = grad_out.to(at::kDouble).contiguous();
   const bool per_row = go.numel() != 1 || grad.size(0) == 1;
   const int64_t n = grad.size(0), v = grad.size(1);
-  const dim3 grid(static_cast<unsigned>(min64((v + 255) / 256, 64)), static_cast<unsigned>(min64(n, 65535)));
+  // Blocks loop over rows: a grid of a few thousand blocks streams at full bandwidth when the factor is not 1, and
+  // costs microseconds when it is (the usual backward of a mean loss; one block per row cost ~0.1 ms at 4096 rows).
+  const int64_t bx = min64((v + 255) / 256, 64);
+  const dim3 grid(static_cast<unsigned>(bx), static_cast<unsigned>(min64(n, max64(1, 4096 / bx))));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "distill_scale_grad", [&] {
     scale_rows_kernel<scalar_t>
         <<<grid, 256, 0, stream>>>(grad.data_ptr<scalar_t>(), n, v, grad.stride(0), go.data_ptr<double>(), per_row);

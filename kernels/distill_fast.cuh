@@ -1,0 +1,235 @@
+// The hot configuration of the distillation kernel, with fewer barriers (included by distill.cu after its
+// helpers; not a standalone header). Same math, same results as rows_kernel (the functions of distill_common.h),
+// for the launches that dominate training and inference: 16-bit or float32 logits, a full teacher row, slices in
+// shared memory, rows aligned to 16 bytes, one device, the student's gradient or none.
+//
+// What differs from rows_kernel, and why (kernels/NOTES.md, version 5): rows_kernel spent a third of its stalls
+// at 12 barriers per row, four of them cluster-wide. Here
+//   - each thread copies and later reads only its own chunks of the slice: no block barrier after the copy;
+//   - each warp finds its maximum and its sums of exponentials without leaving the warp (shuffles), and one
+//     cluster barrier publishes every warp's (max, sum) pairs; warp 0 of each block combines all of them in the
+//     same fixed order (so every block holds identical normalisers);
+//   - the loss is not reduced across the cluster: each warp writes its partial sum, and a small kernel adds a
+//     row's partials in a fixed order (deterministic);
+//   - the barrier that keeps a block's shared memory alive while others read it is split: arrive right after
+//     the last remote read, wait just before the block exits, with the whole gradient pass in between.
+// Forward KL and inference need one full cluster barrier per row; reverse KL and the JSD (whose gradients need
+// the row sum ks) two.
+
+constexpr int kFastThreads = 256;
+constexpr int kFastWarps = kFastThreads / 32;
+
+// The two halves of a cluster barrier (cooperative_groups' cluster.sync() is both at once).
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+
+// Two normalisers' (max, sum of 2^(x - max)) pairs combined; a pair with no mass (sum 0, max maybe -inf) adds
+// nothing. Symmetric in its arguments, so every lane of a butterfly ends with the same value.
+__device__ __forceinline__ void combine_pair(float& m, float& l, float m2, float l2) {
+  const float g = fmaxf(m, m2);
+  l = (l == 0.f ? 0.f : l * d_exp2(m - g)) + (l2 == 0.f ? 0.f : l2 * d_exp2(m2 - g));
+  m = g;
+}
+
+template <typename T, int MODE, bool GRAD>
+__global__ void __launch_bounds__(kFastThreads) fast_rows_kernel(const Params<T, float> p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();
+#else
+  constexpr int N = Vec<T>::N;
+  constexpr bool KS = GRAD && student_needs_k<MODE>();  // the gradient needs the row sum ks first
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ float4 slot_norms[kFastWarps];
+  __shared__ float slot_ks[kFastWarps];
+  __shared__ float bcast[4];
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int ranks = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t row = blockIdx.x / ranks;
+  const int64_t lo = static_cast<int64_t>(rank) * p.slice;
+  const int count = static_cast<int>(max64(0, min64(p.v - lo, p.slice)));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const T* gsrc = p.s + row * p.s_stride + lo;
+  const T* gtsrc = p.t + row * p.t_stride + lo;
+  T* gs = GRAD ? p.gs + row * p.gs_stride + lo : nullptr;
+  float* partial = p.out + (row * ranks + rank) * kFastWarps;  // this block's warps' losses
+
+  if (p.labels && p.labels[row] == p.ignore_index) {  // masked: zeros, and no barrier (the cluster agrees)
+    if (GRAD) {
+      const Vec<T> zero{};
+      for (int c = threadIdx.x; c < count / N; c += kFastThreads) store_chunk(gs + c * N, zero, true);
+      for (int j = count / N * N + threadIdx.x; j < count; j += kFastThreads) gs[j] = zero.v[0];
+    }
+    if (threadIdx.x < kFastWarps) partial[threadIdx.x] = 0.f;
+    return;
+  }
+
+  // Each thread copies its own chunks (c = threadIdx.x + i * kFastThreads) and reads no other: no block barrier.
+  T* xs = reinterpret_cast<T*>(smem_raw);
+  T* xt = xs + p.slice;
+  const int chunks = count / N;
+  {
+    const unsigned bs = static_cast<unsigned>(__cvta_generic_to_shared(xs));
+    const unsigned bt = static_cast<unsigned>(__cvta_generic_to_shared(xt));
+    for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(bs + c * 16u), "l"(gsrc + c * N));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(bt + c * 16u), "l"(gtsrc + c * N));
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+  }
+  // The last block's slice may end in a partial chunk: its entries are read from device memory in each pass by
+  // threads 0 .. N-2 (no thread writes an entry another reads).
+  const int tail = chunks * N + static_cast<int>(threadIdx.x);
+  const bool has_tail = tail < count;
+  const float k2 = p.k2;
+
+  // ---- 1. normalisers: the warp's max, the warp's sums relative to it, then one cluster barrier
+  Norm<float> norm[2];
+  {
+    float mx[2] = {ninf<float>(), ninf<float>()};
+    for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
+      mx[0] = fmaxf(mx[0], chunk_max(load_chunk(xs + c * N, true)));
+      mx[1] = fmaxf(mx[1], chunk_max(load_chunk(xt + c * N, true)));
+    }
+    if (has_tail) {
+      mx[0] = fmaxf(mx[0], static_cast<float>(gsrc[tail]));
+      mx[1] = fmaxf(mx[1], static_cast<float>(gtsrc[tail]));
+    }
+    mx[0] = warp_max(mx[0]) * k2;  // k2 > 0: the max of the scaled logits
+    mx[1] = warp_max(mx[1]) * k2;
+    const float o0 = mx[0] == ninf<float>() ? 0.f : mx[0], o1 = mx[1] == ninf<float>() ? 0.f : mx[1];
+    float sm[2] = {0.f, 0.f};
+    for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
+      const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
+#pragma unroll
+      for (int q = 0; q < N; ++q) {
+        sm[0] += d_exp2(static_cast<float>(vs.v[q]) * k2 - o0);
+        sm[1] += d_exp2(static_cast<float>(vt.v[q]) * k2 - o1);
+      }
+    }
+    if (has_tail) {
+      sm[0] += d_exp2(static_cast<float>(gsrc[tail]) * k2 - o0);
+      sm[1] += d_exp2(static_cast<float>(gtsrc[tail]) * k2 - o1);
+    }
+    sm[0] = warp_sum(sm[0]);
+    sm[1] = warp_sum(sm[1]);
+    if (lane == 0) slot_norms[warp] = make_float4(mx[0], sm[0], mx[1], sm[1]);
+    cluster_arrive();
+    cluster_wait();
+    if (warp == 0) {  // every block combines all ranks x warps pairs in the same order
+      float m0 = ninf<float>(), l0 = 0.f, m1 = ninf<float>(), l1 = 0.f;
+      for (int i = lane; i < ranks * kFastWarps; i += 32) {
+        const float4 q = *cluster.map_shared_rank(slot_norms + i % kFastWarps, i / kFastWarps);
+        combine_pair(m0, l0, q.x, q.y);
+        combine_pair(m1, l1, q.z, q.w);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        combine_pair(m0, l0, __shfl_xor_sync(0xffffffffu, m0, o), __shfl_xor_sync(0xffffffffu, l0, o));
+        combine_pair(m1, l1, __shfl_xor_sync(0xffffffffu, m1, o), __shfl_xor_sync(0xffffffffu, l1, o));
+      }
+      if (lane == 0) {
+        bcast[0] = m0;
+        bcast[1] = d_log2(l0);
+        bcast[2] = m1;
+        bcast[3] = d_log2(l1);
+      }
+    }
+    __syncthreads();
+    norm[0] = Norm<float>{bcast[0], bcast[1]};
+    norm[1] = Norm<float>{bcast[2], bcast[3]};
+  }
+  if (!KS) cluster_arrive();  // this block reads no other's shared memory any more; wait before leaving
+  const float scale = static_cast<float>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(p.inv_t));
+  const RowNorms<float> rn = row_norms(norm[0], norm[1]);
+  T* ggs = gs;  // the gradient's row (alias-safe: each thread writes only entries it has already read)
+
+  // ---- 2. terms (and forward KL's gradient, which needs no row sum)
+  float ks = 0.f;
+  {
+    Terms<float> acc{0.f, 0.f, 0.f};
+    auto terms_pass = [&](auto close_c) {
+      constexpr bool CLOSE = decltype(close_c)::value;
+      constexpr bool G = GRAD && !KS;
+      for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
+        const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
+        Vec<T> g;
+#pragma unroll
+        for (int q = 0; q < N; ++q) {
+          const Point<float> e = make_point<CLOSE>(static_cast<float>(vs.v[q]), static_cast<float>(vt.v[q]), k2, rn);
+          point_terms<MODE, KS, false>(e, p.c, acc);
+          if (G) g.v[q] = static_cast<T>(student_grad<MODE>(e, p.c, 0.f) * scale);
+        }
+        if (G) store_chunk(ggs + c * N, g, true);
+      }
+      if (has_tail) {
+        const Point<float> e =
+            make_point<CLOSE>(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), k2, rn);
+        point_terms<MODE, KS, false>(e, p.c, acc);
+        if (G) ggs[tail] = static_cast<T>(student_grad<MODE>(e, p.c, 0.f) * scale);
+      }
+    };
+    if (rn.close) terms_pass(std::true_type{});
+    else terms_pass(std::false_type{});
+    const float loss = warp_sum(acc.loss);
+    if (lane == 0) partial[warp] = loss;
+    if (KS) {
+      const float k = warp_sum(acc.ks);
+      if (lane == 0) slot_ks[warp] = k;
+      cluster_arrive();  // every block has read the normalisers and published its ks
+      cluster_wait();
+      if (warp == 0) {
+        float v = 0.f;
+        for (int i = lane; i < ranks * kFastWarps; i += 32)
+          v += *cluster.map_shared_rank(slot_ks + i % kFastWarps, i / kFastWarps);
+        v = warp_sum(v);
+        if (lane == 0) bcast[0] = v;
+      }
+      __syncthreads();
+      ks = bcast[0];
+      cluster_arrive();
+    }
+  }
+
+  // ---- 3. the gradients that need ks (reverse KL, JSD)
+  if (KS) {
+    auto grad_pass = [&](auto close_c) {
+      constexpr bool CLOSE = decltype(close_c)::value;
+      for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
+        const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
+        Vec<T> g;
+#pragma unroll
+        for (int q = 0; q < N; ++q) {
+          const Point<float> e = make_point<CLOSE>(static_cast<float>(vs.v[q]), static_cast<float>(vt.v[q]), k2, rn);
+          g.v[q] = static_cast<T>(student_grad<MODE>(e, p.c, ks) * scale);
+        }
+        store_chunk(ggs + c * N, g, true);
+      }
+      if (has_tail) {
+        const Point<float> e =
+            make_point<CLOSE>(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), k2, rn);
+        ggs[tail] = static_cast<T>(student_grad<MODE>(e, p.c, ks) * scale);
+      }
+    };
+    if (rn.close) grad_pass(std::true_type{});
+    else grad_pass(std::false_type{});
+  }
+  cluster_wait();  // no block leaves while another may still read its shared memory
+#endif
+}
+
+// A row's loss from its blocks' warps' partial sums, in a fixed order: one warp per row.
+__global__ void __launch_bounds__(256) fast_rows_total_kernel(const float* __restrict__ partial, int64_t n, int per_row,
+                                              float* __restrict__ rows) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  if (row >= n) return;
+  const int lane = threadIdx.x & 31;
+  float s = 0.f;
+  for (int i = lane; i < per_row; i += 32) s += partial[row * per_row + i];
+  s = warp_sum(s);
+  if (lane == 0) rows[row] = s;
+}
