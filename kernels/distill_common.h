@@ -275,6 +275,7 @@ template <typename A> struct Norm { A mx, lz; };
 template <typename A> struct RowNorms {
   Norm<A> s, t;
   A dmx, dlz;  // t.mx - s.mx, t.lz - s.lz
+  A dd;        // dmx + dlz: one rounding common to the whole row (a normaliser's error, see the top of this file)
   bool close;  // the maxima are within 1: d is formed from the logits' own difference (see make_point)
 };
 
@@ -284,6 +285,7 @@ template <typename A> DS_HD RowNorms<A> row_norms(Norm<A> s, Norm<A> t) {
   r.t = t;
   r.dmx = t.mx - s.mx;
   r.dlz = t.lz - s.lz;
+  r.dd = r.dmx + r.dlz;
   r.close = r.dmx > A(-1) && r.dmx < A(1);
   return r;
 }
@@ -293,14 +295,15 @@ template <typename A> DS_HD A log2_prob(A x, A k2, const Norm<A>& n) { return (x
 
 // The point of an entry from its logits xs, xt (not yet scaled; k2 = log2(e) / T) and the rows' normalisers.
 // d = lt - ls two ways (CLOSE is r.close, a row's constant, hoisted out of the entries' loop by the callers):
-// where the rows share an offset, from the logits' difference first, (xt - xs) k2 - dmx - dlz: exact for 16-bit
+// where the rows share an offset, from the logits' difference first, (xt - xs) k2 - (dmx + dlz) (one fused
+// multiply-add; the sum dmx + dlz is the row's constant, so its rounding is a normaliser's error): exact for 16-bit
 // logits and keeping u's digits where the distributions nearly agree; otherwise from each row's shifted logit,
 // (b - mt) - (a - ms) - dlz: exact near each maximum, where the mass is.
 template <bool CLOSE, typename A> DS_HD Point<A> make_point(A xs, A xt, A k2, const RowNorms<A>& r) {
   Point<A> e;
   const A as = xs * k2 - r.s.mx, at = xt * k2 - r.t.mx;  // shifted scaled logits, base 2
   const A ls2 = as - r.s.lz, lt2 = at - r.t.lz;
-  const A d2 = CLOSE ? ((xt - xs) * k2 - r.dmx) - r.dlz : (at - as) - r.dlz;
+  const A d2 = CLOSE ? (xt - xs) * k2 - r.dd : (at - as) - r.dlz;
   e.ps = d_exp2(ls2);
   e.pt = d_exp2(lt2);
   e.ls = ls2 * A(kLn2);
