@@ -155,7 +155,8 @@ def test_16bit_against_materialised_references(device, dtype, beta, form):
     # 16-bit logit, by the number of rows.)
     def addmm_chunks(bias, x, weight):
         rows = [x[r0:r0 + 6] for r0 in range(0, x.shape[0], 6)]
-        return torch.cat([fused_linear._linear(r, weight, bias, r.new_empty(r.shape[0], weight.shape[0])) for r in rows])
+        return torch.cat([fused_linear._linear(r, weight, bias, r.new_empty(r.shape[0], weight.shape[0]))
+                          for r in rows])
 
     with torch.no_grad():
         logits = addmm_chunks(b, h, w)
