@@ -613,12 +613,22 @@ def test_no_host_sync_and_graph_capture():
                                               chunk_size=16)
         return loss, torch.autograd.grad(loss, [h, w, b])
 
-    expect, g_expect = step()  # built and warmed up
+    expect, g_expect = step()  # built
     torch.cuda.set_sync_debug_mode("error")
     try:
         step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    # PyTorch's recipe for capturing autograd: warm up on a side stream first, so that what is set up lazily per
+    # stream and thread (cuBLAS handles and workspaces for the matrix products, the autograd engine's streams) is
+    # made before the capture. Warmed up on the default stream only, the capture failed on an H100
+    # (cudaErrorStreamCaptureImplicit: work on the legacy stream while a blocking stream captured).
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         loss, grads = step()
