@@ -1,0 +1,59 @@
+"""Profile one training step of the fused LM head (fused_linear_generalized_jsd, forward + backward) and list the GPU
+kernels it runs, grouped by name, with their share of the step: where the time beyond the matrix products goes.
+
+    python tools/profile_fused_head.py [--tokens 4096 --hidden 4096 --vocab 128256 --beta 0.0 --chunk-size N]
+
+The case is the bench's (bf16, student and teacher as hidden states + weight, T = 2, 10% of tokens masked).
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import kldiv_inline as K  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--tokens", type=int, default=4096)
+ap.add_argument("--hidden", type=int, default=4096)
+ap.add_argument("--vocab", type=int, default=128256)
+ap.add_argument("--beta", type=float, default=0.0)
+ap.add_argument("--chunk-size", type=int, default=None)
+ap.add_argument("--rows", type=int, default=25, help="kernels listed")
+args = ap.parse_args()
+print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+g = torch.Generator(device="cuda").manual_seed(0)
+n, h_size, v = args.tokens, args.hidden, args.vocab
+
+
+def rand(*shape, scale=1.0):
+    return (torch.randn(*shape, device="cuda", generator=g) * scale).bfloat16()
+
+
+h = rand(n, h_size).requires_grad_()
+w = rand(v, h_size, scale=h_size**-0.5).requires_grad_()
+th, tw = rand(n, h_size), rand(v, h_size, scale=h_size**-0.5)
+lab = torch.randint(0, v, (n,), device="cuda", generator=g)
+lab[torch.rand(n, device="cuda", generator=g) < 0.1] = -100
+
+
+def step():
+    h.grad = w.grad = None
+    K.fused_linear_generalized_jsd(h, w, th, tw, beta=args.beta, temperature=2.0, labels=lab,
+                                   chunk_size=args.chunk_size).backward()
+
+
+for _ in range(3):
+    step()
+torch.cuda.synchronize()
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    step()
+    torch.cuda.synchronize()
+events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+total = sum(e.self_device_time_total for e in events)
+print(f"GPU time of one step: {total / 1e3:.2f} ms over {sum(e.count for e in events)} kernels")
+print(f"{'ms':>8} {'share':>6} {'calls':>6}  kernel")
+for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.rows]:
+    print(f"{e.self_device_time_total / 1e3:8.3f} {e.self_device_time_total / total:6.1%} {e.count:6d}  {e.key[:110]}")
