@@ -564,6 +564,7 @@ __global__ void __launch_bounds__(
     256) scale_rows_kernel(T* grad, int64_t n, int64_t v, int64_t stride, const double* __restrict__ go,
                                           bool per_row) {
   using A = typename AccOf<T>::type;
+  if (!per_row && go[0] == 1.0) return;  // the usual backward of a mean loss: nothing to do
   for (int64_t row = blockIdx.y; row < n; row += gridDim.y) {
     const A f = static_cast<A>(go[per_row ? row : 0]);
     if (f == A(1)) continue;
@@ -760,10 +761,12 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
                                         const c10::optional<at::Tensor>& topk_lp,
                                         const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
                                         double temperature, int64_t reduction, bool want_student, bool want_teacher,
-                                        const c10::optional<at::Tensor>& grad_student_out) {
+                                        const c10::optional<at::Tensor>& grad_student_out,
+                                        const c10::optional<at::Tensor>& scale) {
   check_device(student);
   const Rows r =
       prepare_forward(student, teacher, topk_idx, topk_lp, labels, beta, temperature, reduction, want_teacher);
+  const double* scale_given = forward_scale(scale, r, reduction);
   const c10::cuda::CUDAGuard guard(student.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto acc = acc_type(r.s.scalar_type());
@@ -794,7 +797,7 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
       p.gs = want_student ? gs.data_ptr<T>() : nullptr;
       p.gs_stride = want_student ? gs.stride(0) : 0;
       p.gt = want_teacher ? gt.data_ptr<T>() : nullptr;
-      p.scale_dev = inv_div.defined() ? inv_div.data_ptr<double>() : nullptr;
+      p.scale_dev = scale_given ? scale_given : inv_div.defined() ? inv_div.data_ptr<double>() : nullptr;
       p.scale_host = inv_host;
       p.out = rows_loss.data_ptr<A>();
       const int cfg = want_teacher ? CFG_GENERIC : (want_student ? CFG_STUDENT : CFG_INFER);
@@ -814,8 +817,10 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
   at::Tensor loss = at::empty({}, r.s.options().dtype(acc));
   AT_DISPATCH_FLOATING_TYPES(acc, "distill_total", [&] {
     total_kernel<scalar_t><<<1, 1024, 0, stream>>>(rows_loss.data_ptr<scalar_t>(), r.n,
-                                                   inv_div.defined() ? inv_div.data_ptr<double>() : nullptr, inv_host,
-                                                   loss.data_ptr<scalar_t>());
+                                                   scale_given         ? scale_given
+                                                   : inv_div.defined() ? inv_div.data_ptr<double>()
+                                                                       : nullptr,
+                                                   inv_host, loss.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {loss, gs, gt};

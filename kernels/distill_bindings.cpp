@@ -15,12 +15,15 @@ const char* distill_backend();
 // Returns {loss ([n] for none, else 0-d; float32, float64 for float64 logits), d loss / d student logits if
 // want_student (written into grad_student_out when given, which may alias the student logits), d loss / d teacher
 // logits if want_teacher}. The gradients are those of the reduced loss (for none: of the sum of the rows' losses).
+// scale: with reduction sum only, a 0-d float64 tensor on the logits' device that multiplies the loss and the
+// gradients (the fused LM head's batchmean divisor, counted over the whole batch on the device).
 std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::optional<at::Tensor>& teacher,
                                         const c10::optional<at::Tensor>& topk_idx,
                                         const c10::optional<at::Tensor>& topk_lp,
                                         const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
                                         double temperature, int64_t reduction, bool want_student, bool want_teacher,
-                                        const c10::optional<at::Tensor>& grad_student_out);
+                                        const c10::optional<at::Tensor>& grad_student_out,
+                                        const c10::optional<at::Tensor>& scale);
 
 // One phase of a call whose vocabulary is split across processes (each holds a slice of every row):
 //   0 (norms): returns {[n, 4] the normalisers of student and teacher logits / T over this slice: (max, log of
@@ -52,7 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("distill_forward", &distill_forward, "divergence of student and teacher logits (see distill_bindings.cpp)",
         py::arg("student"), py::arg("teacher"), py::arg("topk_idx"), py::arg("topk_lp"), py::arg("labels"),
         py::arg("ignore_index"), py::arg("beta"), py::arg("temperature"), py::arg("reduction"), py::arg("want_student"),
-        py::arg("want_teacher"), py::arg("grad_student_out") = py::none());
+        py::arg("want_teacher"), py::arg("grad_student_out") = py::none(), py::arg("scale") = py::none());
   m.def("distill_phase", &distill_phase, "one phase of a vocabulary-parallel divergence", py::arg("phase"),
         py::arg("student"), py::arg("teacher"), py::arg("labels"), py::arg("ignore_index"), py::arg("beta"),
         py::arg("temperature"), py::arg("norms"), py::arg("ksums"), py::arg("scale"), py::arg("want_student"),

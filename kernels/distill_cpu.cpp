@@ -255,11 +255,13 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
                                         const c10::optional<at::Tensor>& topk_lp,
                                         const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
                                         double temperature, int64_t reduction, bool want_student, bool want_teacher,
-                                        const c10::optional<at::Tensor>& grad_student_out) {
+                                        const c10::optional<at::Tensor>& grad_student_out,
+                                        const c10::optional<at::Tensor>& scale) {
   check_device(student);
   Args a{prepare_forward(student, teacher, topk_idx, topk_lp, labels, beta, temperature, reduction, want_teacher),
          ignore_index, beta, 1.0 / temperature};
   const Rows& r = a.r;
+  const double* scale_given = forward_scale(scale, r, reduction);
   const auto acc = acc_type(r.s.scalar_type());
   at::Tensor rows_loss = at::empty({r.n}, r.s.options().dtype(acc));
   at::Tensor gs = want_student ? grad_buffer(grad_student_out, r) : at::Tensor();
@@ -267,7 +269,9 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
   const int64_t count = unmasked_rows(a);
   // The gradients are those of the reduced loss: batchmean divides by the unmasked rows (none: per row, scaled
   // in backward by grad_output).
-  const double inv_div = reduction == RED_BATCHMEAN ? (count > 0 ? 1.0 / static_cast<double>(count) : 0.0) : 1.0;
+  const double inv_div = scale_given                  ? *scale_given
+                         : reduction == RED_BATCHMEAN ? (count > 0 ? 1.0 / static_cast<double>(count) : 0.0)
+                                                      : 1.0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.s.scalar_type(), "distill_forward", [&] {
     dispatch_mode(mode_of(beta),
                   [&](auto mode_c) { forward_rows<scalar_t, decltype(mode_c)::value>(a, inv_div, rows_loss, gs, gt); });

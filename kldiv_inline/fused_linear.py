@@ -15,10 +15,11 @@ Per chunk of ``chunk_size`` tokens (cuBLAS through torch, into buffers reused fr
 So the step costs the four matrix products (student logits, grad hidden, grad weight, teacher logits) and one
 read of the logits by the kernel, and the memory beyond the inputs and the parameter gradients is the buffers.
 
-The gradients are computed in the forward pass (when the student's tensors require grad): the kernels give those
-of the SUM of the tokens' losses, and batchmean's divisor (the unmasked tokens of the whole batch, counted on the
-device: no host synchronisation) scales them once at the end (one pass over grad weight; a kernel that took the
-divisor would save it). Backward only rescales them in place by grad_output, skipped on the device when it is 1.
+The gradients are computed in the forward pass (when the student's tensors require grad). batchmean's divisor
+(the unmasked tokens of the whole batch, counted on the device: no host synchronisation) goes to the kernel,
+which scales d logits as it writes them, so the products carry it (float16 excepted: its range would flush the
+scaled d logits to zero, so there the sums' gradients are scaled once at the end). Backward only rescales them in
+place by grad_output, skipped on the device when it is 1.
 The teacher is a constant: no gradient flows to it, whether or not its tensors require grad.
 """
 from __future__ import annotations
@@ -111,12 +112,17 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
     mod = _module(hidden.device)
     want = want_hidden or want_weight or want_bias
     # The chunks' kernels reduce by sum; batchmean's divisor, the unmasked tokens of the whole batch, is counted
-    # on the device (no synchronisation) and applied to the loss and the gradients at the end.
+    # on the device (no synchronisation). The kernel applies it to d logits as it writes them (so the products
+    # carry it and no pass over grad weight rescales it: that pass took 8% of a step on an H100), except for
+    # float16, whose range would flush the scaled d logits to zero: there it is applied at the end.
     scale = None
     if batchmean and labels is not None:
-        scale = 1.0 / (labels != ignore_index).sum().clamp_min(1).to(acc_t)
+        scale = 1.0 / (labels != ignore_index).sum().clamp_min(1).to(torch.float64)
     elif batchmean:
-        scale = torch.full((), 1.0 / max(n, 1), dtype=acc_t, device=hidden.device)
+        scale = torch.full((), 1.0 / max(n, 1), dtype=torch.float64, device=hidden.device)
+    in_kernel = scale is not None and hidden.dtype != torch.float16
+    k_scale = scale if in_kernel else None  # the kernels' scale (None: their sum)
+    late = scale.to(acc_t) if scale is not None and not in_kernel else None  # applied at the end
     total = torch.zeros((), dtype=acc_t, device=hidden.device)
     g_hidden = hidden.new_empty(hidden.shape) if want_hidden else None
     g_weight = weight.new_empty(weight.shape) if want_weight else None
@@ -148,18 +154,20 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
             idx, lp = topk_idx[r0:r1], topk_lp[r0:r1]
         lab = labels[r0:r1] if labels is not None else None
         if group is not None:
-            rows_loss, dlogits, _ = divergence_rows(logits, teacher, lab, ignore_index, beta, temperature, group, ones,
-                                                    want, False, g_buf[: r1 - r0] if want else None)
-            total += rows_loss.sum(dtype=torch.float64).to(acc_t)
+            rows_loss, dlogits, _ = divergence_rows(logits, teacher, lab, ignore_index, beta, temperature, group,
+                                                    ones if k_scale is None else k_scale, want, False,
+                                                    g_buf[: r1 - r0] if want else None)
+            rows_sum = rows_loss.sum(dtype=torch.float64)
+            total += (rows_sum if k_scale is None else rows_sum * k_scale).to(acc_t)
             if not want:
                 continue
         else:
             args = (teacher, idx, lp, lab, ignore_index, beta, temperature, 1)
             if not want:
-                total += mod.distill_forward(logits, *args, False, False)[0]
+                total += mod.distill_forward(logits, *args, False, False, None, k_scale)[0]
                 continue
             out = logits if g_buf is None else g_buf[: r1 - r0]
-            part, dlogits, _ = mod.distill_forward(logits, *args, True, False, out)
+            part, dlogits, _ = mod.distill_forward(logits, *args, True, False, out, k_scale)
             total += part
         if want_hidden:
             torch.mm(dlogits, weight, out=g_hidden[r0:r1])
@@ -169,17 +177,17 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
             b_acc += dlogits.sum(0, dtype=acc_t)
     if want_hidden and group is not None:
         dist.all_reduce(g_hidden, group=group)  # the hidden states are replicated: their gradient sums the slices'
-    if want_hidden and scale is not None:
-        g_hidden.mul_(scale)
+    if want_hidden and late is not None:
+        g_hidden.mul_(late)
     if want_weight:
         if n == 0:
             g_weight.zero_()
-        elif scale is not None:
-            torch.mul(w_acc, scale, out=g_weight)  # in place, or rounding a float32 accumulator once
+        elif late is not None:
+            torch.mul(w_acc, late, out=g_weight)  # in place, or rounding a float32 accumulator once
         elif w_acc is not g_weight:
-            g_weight.copy_(w_acc)
-    g_bias = (b_acc if scale is None else b_acc * scale).to(bias.dtype) if want_bias else None
-    loss = total if scale is None else total * scale
+            g_weight.copy_(w_acc)  # rounding a float32 accumulator once
+    g_bias = (b_acc if late is None else b_acc * late).to(bias.dtype) if want_bias else None
+    loss = total if late is None else total * late
     return loss, _empty_if_none(g_hidden, hidden), _empty_if_none(g_weight, hidden), _empty_if_none(g_bias, hidden)
 
 

@@ -486,6 +486,26 @@ def test_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
+def test_device_scale_multiplies_loss_and_gradients(device):
+    # distill_forward's scale (the fused LM head passes batchmean's divisor, counted on the device): with reduction
+    # sum, loss and gradients are the sum's times the scale; with any other reduction it is refused.
+    s = logits((6, 700), torch.bfloat16, device)
+    t = logits((6, 700), torch.bfloat16, device)
+    lab = labels_for((6,), device)
+    mod = K.load(device, extension="distill")
+    for beta in (0.0, 0.5):
+        plain = mod.distill_forward(s, t, None, None, lab, -100, beta, 1.5, 1, True, False)
+        c = float(torch.rand(())) + 0.1
+        scaled = mod.distill_forward(s, t, None, None, lab, -100, beta, 1.5, 1, True, False, None,
+                                     torch.tensor(c, dtype=torch.float64, device=device))
+        torch.testing.assert_close(scaled[0], plain[0] * c, rtol=1e-6, atol=0)
+        torch.testing.assert_close(scaled[1].float(), (plain[1].float() * c).bfloat16().float(), rtol=2**-7, atol=0)
+    if device == "cpu":  # an error raised in a CUDA extension's host code can crash the process on some set-ups
+        with pytest.raises(RuntimeError, match="reduction sum only"):
+            mod.distill_forward(s, t, None, None, lab, -100, 0.0, 1.5, 2, True, False, None,
+                                torch.tensor(0.5, dtype=torch.float64, device=device))
+
+
 @pytest.mark.gpu
 def test_in_place_gradient_buffer():
     # The fused LM head writes d logits over the logits: the kernel reads a row before writing its gradient.

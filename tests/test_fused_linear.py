@@ -619,19 +619,19 @@ def test_no_host_sync_and_graph_capture():
         step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    # PyTorch's recipe for capturing autograd: warm up on a side stream first, so that what is set up lazily per
-    # stream and thread (cuBLAS handles and workspaces for the matrix products, the autograd engine's streams) is
-    # made before the capture. Warmed up on the default stream only, the capture failed on an H100
-    # (cudaErrorStreamCaptureImplicit: work on the legacy stream while a blocking stream captured).
+    # Capturing autograd: autograd's nodes keep the stream they were made on, and a capture that waits on another
+    # stream fails (cudaErrorStreamCaptureImplicit, seen on an H100, also after a warm-up on a separate side
+    # stream). So fresh leaves, warmed up on the very stream that then captures.
+    h, w, b = leaves(h, w, b)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
             step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            loss, grads = step()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        loss, grads = step()
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(loss, expect)
