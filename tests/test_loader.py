@@ -379,6 +379,13 @@ def test_kit_load_cuda_is_the_cuda_module():
     assert kldiv_inline.load("cuda") is m
 
 
+def test_kit_load_cuda_distill_builds_without_a_gpu():
+    # CI has no GPU but compiles every CUDA source of the kit: the distillation kernels too.
+    m = kldiv_inline.load("cuda", extension="distill")
+    assert m.backend() == "cuda"
+    assert hasattr(m, "distill_forward") and hasattr(m, "distill_phase")
+
+
 def test_kit_load_cpu_is_the_cpu_module():
     m = kldiv_inline.load("cpu")
     assert m.backend() == "cpu"
