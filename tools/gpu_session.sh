@@ -2,8 +2,8 @@
 # What a session on a remote GPU machine runs, for a copy of this tree on a machine that has torch, triton,
 # pandas, matplotlib and pytest but no network. Python wheels that machine lacks (Liger-Kernel for its peers;
 # nbclient, nbformat and ipykernel for the notebooks) go in .whl/ beside the tree and are installed into
-# /tmp/site. Set KLDIV_INLINE_COMMIT to the commit the tree holds, as a literal taken where the real .git is
-# (a copied .git may be stale, so `$(git rev-parse HEAD)` run on the copy can name the wrong commit): results record it.
+# /tmp/site. Set KLDIV_INLINE_COMMIT to the commit the tree holds, as a literal taken where the real .git is (a
+# copied .git may be stale, so `$(git rev-parse HEAD)` run on the copy can name the wrong commit): results record it.
 #   tools/gpu_session.sh test      # PYTHON=python3 make test: every test, the gpu-marked ones included
 #   tools/gpu_session.sh results   # PYTHON=python3 make results: check, bench, plot into results/
 #   tools/gpu_session.sh notebooks # execute every notebook at full size, executed copies to $OUT (or /tmp)
