@@ -845,10 +845,7 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
   const bool ws = want_student && (phase == PHASE_TERMS ? !needs_k(false) : phase == PHASE_GRAD && needs_k(false));
   const bool wt = want_teacher && (phase == PHASE_TERMS ? !needs_k(true) : phase == PHASE_GRAD && needs_k(true));
   if (phase == PHASE_GRAD && (ws || wt)) check_row_stats(opt(ksums), r, 2, "the rows' K sums");
-  if (ws || wt)
-    TORCH_CHECK(scale.has_value() && scale->numel() == 1 && scale->scalar_type() == at::kDouble &&
-                    scale->device() == r.s.device(),
-                "distill: the gradient scale must be one float64 value on the logits' device");
+  const double* scale_dev = (ws || wt) ? device_scale(scale, r) : nullptr;
   at::Tensor out = phase == PHASE_NORMS   ? at::empty({r.n, 4}, r.s.options().dtype(acc))
                    : phase == PHASE_TERMS ? at::empty({r.n, 3}, r.s.options().dtype(acc))
                                           : at::Tensor();
@@ -865,7 +862,7 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
     p.gs = ws ? gs.data_ptr<T>() : nullptr;
     p.gs_stride = ws ? gs.stride(0) : 0;
     p.gt = wt ? gt.data_ptr<T>() : nullptr;
-    p.scale_dev = (ws || wt) ? scale->data_ptr<double>() : nullptr;
+    p.scale_dev = scale_dev;
     p.norms_in = phase != PHASE_NORMS ? norms->data_ptr<A>() : nullptr;
     p.k_in = phase == PHASE_GRAD && (ws || wt) ? ksums->data_ptr<A>() : nullptr;
     p.out = out.defined() ? out.data_ptr<A>() : nullptr;

@@ -146,35 +146,42 @@ __global__ void __launch_bounds__(kFastThreads) fast_rows_kernel(const Params<T,
   if (!KS) cluster_arrive();  // this block reads no other's shared memory any more; wait before leaving
   const float scale = static_cast<float>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(p.inv_t));
   const RowNorms<float> rn = row_norms(norm[0], norm[1]);
-  T* ggs = gs;  // the gradient's row (alias-safe: each thread writes only entries it has already read)
-
-  // ---- 2. terms (and forward KL's gradient, which needs no row sum)
-  float ks = 0.f;
-  {
-    Terms<float> acc{0.f, 0.f, 0.f};
-    auto terms_pass = [&](auto close_c) {
+  // Visits this thread's entries with their points: its chunks from shared memory, then its tail entry from device
+  // memory, in a loop compiled for the row's offset choice (rn.close). WRITE: what `f` returns is the entry's
+  // gradient (before the scale), stored over the row of gs (alias-safe: a thread writes only entries it has read).
+  auto for_each_point = [&](auto write_c, auto&& f) {
+    constexpr bool WRITE = decltype(write_c)::value;
+    auto pass = [&](auto close_c) {
       constexpr bool CLOSE = decltype(close_c)::value;
-      constexpr bool G = GRAD && !KS;
       for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
         const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
         Vec<T> g;
 #pragma unroll
         for (int q = 0; q < N; ++q) {
-          const Point<float> e = make_point<CLOSE>(static_cast<float>(vs.v[q]), static_cast<float>(vt.v[q]), k2, rn);
-          point_terms<MODE, KS, false>(e, p.c, acc);
-          if (G) g.v[q] = static_cast<T>(student_grad<MODE>(e, p.c, 0.f) * scale);
+          const float d = f(make_point<CLOSE>(static_cast<float>(vs.v[q]), static_cast<float>(vt.v[q]), k2, rn));
+          if (WRITE) g.v[q] = static_cast<T>(d * scale);
         }
-        if (G) store_chunk(ggs + c * N, g, true);
+        if (WRITE) store_chunk(gs + c * N, g, true);
       }
       if (has_tail) {
-        const Point<float> e =
-            make_point<CLOSE>(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), k2, rn);
-        point_terms<MODE, KS, false>(e, p.c, acc);
-        if (G) ggs[tail] = static_cast<T>(student_grad<MODE>(e, p.c, 0.f) * scale);
+        const float d = f(make_point<CLOSE>(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), k2, rn));
+        if (WRITE) gs[tail] = static_cast<T>(d * scale);
       }
     };
-    if (rn.close) terms_pass(std::true_type{});
-    else terms_pass(std::false_type{});
+    if (rn.close) pass(std::true_type{});
+    else pass(std::false_type{});
+  };
+
+  // ---- 2. terms (and forward KL's gradient, which needs no row sum)
+  float ks = 0.f;
+  {
+    Terms<float> acc{0.f, 0.f, 0.f};
+    constexpr bool G = GRAD && !KS;
+    for_each_point(std::bool_constant<G>{}, [&](const Point<float>& e) {
+      point_terms<MODE, KS, false>(e, p.c, acc);
+      if constexpr (G) return student_grad<MODE>(e, p.c, 0.f);
+      else return 0.f;
+    });
     const float loss = warp_sum(acc.loss);
     if (lane == 0) partial[warp] = loss;
     if (KS) {
@@ -196,28 +203,7 @@ __global__ void __launch_bounds__(kFastThreads) fast_rows_kernel(const Params<T,
   }
 
   // ---- 3. the gradients that need ks (reverse KL, JSD)
-  if (KS) {
-    auto grad_pass = [&](auto close_c) {
-      constexpr bool CLOSE = decltype(close_c)::value;
-      for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
-        const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
-        Vec<T> g;
-#pragma unroll
-        for (int q = 0; q < N; ++q) {
-          const Point<float> e = make_point<CLOSE>(static_cast<float>(vs.v[q]), static_cast<float>(vt.v[q]), k2, rn);
-          g.v[q] = static_cast<T>(student_grad<MODE>(e, p.c, ks) * scale);
-        }
-        store_chunk(ggs + c * N, g, true);
-      }
-      if (has_tail) {
-        const Point<float> e =
-            make_point<CLOSE>(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), k2, rn);
-        ggs[tail] = static_cast<T>(student_grad<MODE>(e, p.c, ks) * scale);
-      }
-    };
-    if (rn.close) grad_pass(std::true_type{});
-    else grad_pass(std::false_type{});
-  }
+  if (KS) for_each_point(std::true_type{}, [&](const Point<float>& e) { return student_grad<MODE>(e, p.c, ks); });
   cluster_wait();  // no block leaves while another may still read its shared memory
 #endif
 }

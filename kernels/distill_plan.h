@@ -80,17 +80,23 @@ inline void check_row_stats(const at::Tensor& x, const Rows& r, int64_t width, c
               "device");
 }
 
-// Output buffer for the student's gradient: a given one (written in place, e.g. over the logits themselves) or
-// a new one.
-// distill_forward's optional device scale: with reduction sum only, one float64 value on the logits' device.
-inline const double* forward_scale(const c10::optional<at::Tensor>& scale, const Rows& r, int64_t reduction) {
-  if (!scale.has_value()) return nullptr;
-  TORCH_CHECK(reduction == RED_SUM, "distill: a scale goes with reduction sum only");
-  TORCH_CHECK(scale->numel() == 1 && scale->scalar_type() == at::kDouble && scale->device() == r.s.device(),
+// A scale computed on the device (a reduction's divisor): one float64 value on the logits' device; its address.
+inline const double* device_scale(const c10::optional<at::Tensor>& scale, const Rows& r) {
+  TORCH_CHECK(scale.has_value() && scale->numel() == 1 && scale->scalar_type() == at::kDouble &&
+                  scale->device() == r.s.device(),
               "distill: the scale must be one float64 value on the logits' device");
   return scale->data_ptr<double>();
 }
 
+// distill_forward's optional scale: with reduction sum only; null when not given.
+inline const double* forward_scale(const c10::optional<at::Tensor>& scale, const Rows& r, int64_t reduction) {
+  if (!scale.has_value()) return nullptr;
+  TORCH_CHECK(reduction == RED_SUM, "distill: a scale goes with reduction sum only");
+  return device_scale(scale, r);
+}
+
+// Output buffer for the student's gradient: a given one (written in place, e.g. over the logits themselves) or
+// a new one.
 inline at::Tensor grad_buffer(const c10::optional<at::Tensor>& given, const Rows& r) {
   if (!given.has_value()) return at::empty({r.n, r.v}, r.s.options());
   const at::Tensor& g = *given;
