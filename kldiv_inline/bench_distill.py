@@ -38,9 +38,10 @@ def sizes(device: str) -> tuple[int, int]:
 
 def make_inputs(tokens: int, vocab: int, device: str, seed: int | None = None):
     """Student and teacher logits (bf16, like an LM head's), labels with MASKED of them ignore_index, and the
-    teacher's top-k log-probabilities (float32, as a server returns them)."""
+    teacher's top-k log-probabilities (float32, as a server returns them). Without a seed, one is drawn from
+    torch's global generator, so a caller (a test) that seeds torch replays the inputs."""
     g = torch.Generator(device=device)
-    g.seed() if seed is None else g.manual_seed(seed)
+    g.manual_seed(int(torch.randint(2**62, ())) if seed is None else seed)
     s = (torch.randn(tokens, vocab, device=device, generator=g) * 2).to(torch.bfloat16)
     t = (torch.randn(tokens, vocab, device=device, generator=g) * 2).to(torch.bfloat16)
     labels = torch.randint(0, vocab, (tokens,), device=device, generator=g)
