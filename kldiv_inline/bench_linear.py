@@ -220,6 +220,12 @@ def run(device: str, reps: int = 10, sizes: Sequence[tuple[int, int, int]] | Non
     return rows
 
 
+def _measured(row: dict, key: str) -> float:
+    """row[key], NaN where it is missing or None (a column a CSV row left empty): not measured."""
+    value = row.get(key)
+    return math.nan if value is None else float(value)
+
+
 def goal_rows(rows: list[dict], ours: str = OURS) -> list[dict]:
     """LINEAR_GOALS measured in the rows (HEADLINE's shape only): goal, case, target, value, ours_ms, met."""
     def find(impl, beta):
@@ -240,14 +246,14 @@ def goal_rows(rows: list[dict], ours: str = OURS) -> list[dict]:
             value = other["median_ms"] / mine["median_ms"]
             ok, text = value >= bound, f"{peer} time / ours >= {bound}"
         elif what == "extra_vs_peer":
-            value = mine.get("extra_mib", math.nan) / other.get("extra_mib", math.nan)
+            value = _measured(mine, "extra_mib") / _measured(other, "extra_mib")
             ok, text = value < bound, f"extra memory / {peer}'s < {bound}"
         else:
-            value = mine.get(what, math.nan)
+            value = _measured(mine, what)
             text = {"x_floor": f"time / floor <= {bound}", "extra_mib": f"extra memory (MiB) <= {bound:g}"}.get(
                 what, f"{what} <= {bound:g}")
             ok = value <= bound
-        if value is None or value != value:  # not measured (NaN): no verdict
+        if value != value:  # not measured (NaN): no verdict
             continue
         out.append({"goal": name, "case": f"fwd+bwd linear beta={beta:g} bfloat16 {'x'.join(map(str, HEADLINE))}",
                     "target": text, "value": float(value), "ours_ms": mine["median_ms"], "met": bool(ok)})

@@ -251,6 +251,48 @@ def plot_speedups(df: pd.DataFrame, ours: str, peers: list[str] | None = None, c
     return fig
 
 
+def linear_sweep_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """The fused LM head's timed rows (form "linear"), or an empty frame."""
+    if "form" not in df or "hidden" not in df:
+        return df.iloc[0:0]
+    return df[(df["form"] == "linear") & (df["status"] == "ok")]
+
+
+def plot_linear_sweep(df: pd.DataFrame, ours: str, memory_bound_mib: float | None = None, title: str = ""):
+    """The fused LM head against tokens, one row of panels per (beta, hidden, vocabulary): time per training step
+    (log-log, 20-80% bands, the matrix-product floor dashed) and the memory each provider's step takes beyond its
+    inputs and parameter gradients (``extra_mib``), with ``memory_bound_mib`` dotted."""
+    lin = linear_sweep_frame(df)
+    groups = list(lin.groupby(["beta", "hidden", "features"], dropna=False).groups)
+    fig, axes = plt.subplots(max(1, len(groups)), 2, figsize=(11, 3.9 * max(1, len(groups))), squeeze=False)
+    for (beta, hidden, vocab), (ax_t, ax_m) in zip(groups, axes):
+        sel = lin[(lin["beta"] == beta) & (lin["hidden"] == hidden) & (lin["features"] == vocab)]
+        draw_time(ax_t, sel, by="impl", x="batch", xlabel="tokens", ours=ours, legend=False)
+        ax_t.set_ylabel("time per training step (ms)")
+        ax_t.set_title(f"fwd+bwd, beta={beta:g}, hidden {hidden:g}, vocabulary {vocab:g}", fontsize=9)
+        for name, rows, style in _lines(sel, "impl", "batch", ours):
+            if "extra_mib" in rows and rows["extra_mib"].notna().any():
+                ax_m.plot(rows["batch"], rows["extra_mib"] / 1024, marker="o", ms=3, label=name, **style)
+        if memory_bound_mib:
+            ax_m.axhline(memory_bound_mib / 1024, color="k", ls=":", lw=1, label="memory goal")
+        ax_m.set_xscale("log")
+        ax_m.set_yscale("log")
+        ax_m.set_xlabel("tokens")
+        ax_m.set_ylabel("extra memory of the step (GiB)")
+        ax_m.set_title("beyond inputs and parameter gradients", fontsize=9)
+        ax_m.grid(True, which="both", alpha=0.3)
+        tokens = sorted(sel["batch"].unique())
+        for ax in (ax_t, ax_m):  # the token counts themselves, and plain numbers, on the log axes
+            ax.set_xticks(tokens, [f"{t:g}" for t in tokens])
+            ax.xaxis.set_minor_formatter(plt.NullFormatter())
+            ax.yaxis.set_major_formatter(plt.FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(plt.NullFormatter())
+    fig.suptitle(title or "the LM head fused with the divergence: time and memory against tokens", fontsize=10)
+    fig.tight_layout()
+    legend_outside(fig, axes.ravel())
+    return fig
+
+
 def plot_correctness(path: Path, ax=None, title: str = ""):
     """Worst relative error against float64 per dtype and case, with each dtype's tolerance."""
     df = pd.read_csv(path)
@@ -304,14 +346,18 @@ def plot_folder(folder: Path, out: Path | None = None, *, ours: str, peers: list
         e = json.loads(env.read_text()) if env.exists() else {}
         read_gbps = e.get("floor_gbps") or e.get("read_gbps")  # older runs recorded only read_gbps
         for pass_, form, dtype in df.groupby(["pass", "form", "dtype"]).groups:
-            if sweep_frame(df, pass_, form, dtype)["numel"].nunique() < 2:
-                continue
+            if form == "linear" or sweep_frame(df, pass_, form, dtype)["numel"].nunique() < 2:
+                continue  # the fused LM head is bound by its matrix products, not bandwidth: drawn below
             fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
             plot_time_vs_size(df, pass_, form, dtype, ax=axes[0], ours=ours, legend=False)
             plot_bandwidth(df, pass_, form, dtype, read_gbps, ax=axes[1], ours=ours, legend=False)
             fig.tight_layout()
             legend_outside(fig, axes)
             save(fig, f"time_{pass_.replace('+', '_')}_{form}_{dtype}.png")
+        if linear_sweep_frame(df)["batch"].nunique() >= 2:
+            from .bench_linear import LINEAR_GOALS
+            bound = next((b for _, _, what, _, b in LINEAR_GOALS if what == "extra_mib"), None)
+            save(plot_linear_sweep(df, ours, bound), "linear_time_memory.png")
         hf = headline_frame(df, ours)
         if not hf.empty and (peers is None or hf["impl"].isin(peers).any()):
             save(plot_speedups(df, ours, peers), "speedups.png")

@@ -96,3 +96,33 @@ def test_speedups_one_panel_per_pass(tmp_path):
     assert [ax.get_title(loc="left").split(":")[0] for ax in panels] == ["fwd", "fwd+bwd"]
     assert all(len(ax.get_yticklabels()) == 3 for ax in panels)  # the three sizes, one row each
     assert fig.legends  # outside the panels, not over the bars
+
+
+def _fake_linear_rows():
+    rows = []
+    for impl, scale, extra in (("kldiv_inline", 1.1, 500.0), ("torch_eager", 1.8, 6000.0), ("liger", 4.0, 1600.0)):
+        for beta in (0.0, 0.5):
+            for tokens in (1024, 2048, 4096):
+                floor = 8 * tokens * 4096 * 128256 / 700e12 * 1e3
+                t = floor * scale
+                rows.append({"device": "cuda", "impl": impl, "pass": "fwd+bwd", "form": "linear", "dtype": "bfloat16",
+                             "batch": tokens, "features": 128256, "hidden": 4096, "beta": beta, "median_ms": t,
+                             "q20_ms": t * 0.99, "q80_ms": t * 1.01, "floor_ms": floor, "x_floor": scale,
+                             "status": "ok", "timer": "cuda", "peak_mib": extra + 1000, "extra_mib": extra * tokens / 4096})
+    return rows
+
+
+def test_linear_sweep_draws_time_and_memory_against_tokens(tmp_path):
+    folder = tmp_path / "some-gpu"
+    bench.write_csv(_fake_rows() + _fake_linear_rows(), folder / "bench.csv")
+    names = {p.name for p in plots.plot_all(tmp_path, ours=bench.OURS, peers=bench.PEERS)}
+    assert "linear_time_memory.png" in names
+    assert not any("linear" in n and n.startswith("time_") for n in names)  # not drawn as a bandwidth sweep
+    fig = plots.plot_linear_sweep(plots.load_bench(folder / "bench.csv"), bench.OURS, memory_bound_mib=1024)
+    time_ax, memory_ax = fig.axes[0], fig.axes[1]
+    assert len(fig.axes) == 4  # two betas, time and memory each
+    ours = next(line for line in memory_ax.get_lines() if line.get_label() == bench.OURS)
+    assert list(ours.get_xdata()) == [1024, 2048, 4096]
+    assert list(ours.get_ydata()) == pytest.approx([125 / 1024, 250 / 1024, 500 / 1024])
+    assert any(line.get_label() == "floor" for line in time_ax.get_lines())
+    assert any(line.get_label() == "memory goal" for line in memory_ax.get_lines())
