@@ -108,7 +108,8 @@ def _fake_linear_rows():
                 rows.append({"device": "cuda", "impl": impl, "pass": "fwd+bwd", "form": "linear", "dtype": "bfloat16",
                              "batch": tokens, "features": 128256, "hidden": 4096, "beta": beta, "median_ms": t,
                              "q20_ms": t * 0.99, "q80_ms": t * 1.01, "floor_ms": floor, "x_floor": scale,
-                             "status": "ok", "timer": "cuda", "peak_mib": extra + 1000, "extra_mib": extra * tokens / 4096})
+                             "status": "ok", "timer": "cuda", "peak_mib": extra + 1000,
+                             "extra_mib": extra * tokens / 4096})
     return rows
 
 
