@@ -15,6 +15,17 @@ from pathlib import Path
 
 from .envinfo import REPO_ROOT
 
+# The benchmark's suites: the KL op, distillation from logits, the fused LM head.
+SUITES = ("kl", "distill", "linear")
+
+
+def _suites(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [n for n in names if n not in SUITES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"suites are a comma-separated list of {', '.join(SUITES)}; got {text!r}")
+    return names
+
 
 def _device(arg: str | None) -> str:
     import torch
@@ -75,6 +86,15 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     results_default = str(REPO_ROOT / "results")
 
+    def suites(p):
+        p.add_argument("--suites", default=",".join(SUITES), type=_suites,
+                       help=f"comma-separated suites to run, of {', '.join(SUITES)} (default: all)")
+        p.add_argument("--kl-only", dest="suites", action="store_const", const=["kl"], help="--suites kl")
+        p.add_argument("--linear-sweep", action="store_true",
+                       help="the fused LM head over 1k-16k tokens too (else its goals' 4096 tokens only on a GPU); "
+                            "with --suites linear and its own --results folder, a run that fits where the whole "
+                            "results run does not")
+
     def common(p):
         p.add_argument("--results", default=results_default, help="results folder (default: %(default)s)")
         p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
@@ -86,9 +106,7 @@ def main(argv=None) -> int:
     common(p)
     p.add_argument("--headline-only", action="store_true", help="only the P1-P5 cases, no size sweep")
     p.add_argument("--reps", type=int, default=30, help="timed calls per provider and case")
-    p.add_argument("--kl-only", action="store_true", help="the KL suite only (no distillation suites)")
-    p.add_argument("--linear-sweep", action="store_true",
-                   help="the fused LM head over 1k-16k tokens too (else its goals' 4096 tokens only on a GPU)")
+    suites(p)
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("plot", help="PNGs from the results CSVs")
     p.add_argument("--results", default=results_default)
@@ -98,9 +116,7 @@ def main(argv=None) -> int:
     common(p)
     p.add_argument("--headline-only", action="store_true", help="only the P1-P5 cases, no size sweep")
     p.add_argument("--reps", type=int, default=30, help="timed calls per provider and case")
-    p.add_argument("--kl-only", action="store_true", help="the KL suite only (no distillation suites)")
-    p.add_argument("--linear-sweep", action="store_true",
-                   help="the fused LM head over 1k-16k tokens too (else its goals' 4096 tokens only on a GPU)")
+    suites(p)
     p.set_defaults(func=cmd_results)
     args = parser.parse_args(argv)
     if hasattr(args, "device"):

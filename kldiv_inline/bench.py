@@ -215,13 +215,16 @@ def main(args) -> int:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         tqdm = lambda it, **kw: it  # noqa: E731
-    for case in tqdm(cases, desc="bench", file=sys.stderr):
-        rows += run_case(case, device, floor, variants, reps=reps, warmup=5)
-    if not getattr(args, "kl_only", False):
+    suites = getattr(args, "suites", None) or ["kl", "distill", "linear"]
+    if "kl" in suites:
+        for case in tqdm(cases, desc="bench", file=sys.stderr):
+            rows += run_case(case, device, floor, variants, reps=reps, warmup=5)
+    if "distill" in suites:
         from . import bench_distill
 
         print("bench: the distillation suite", file=sys.stderr)
         rows += bench_distill.run(device, floor, reps=min(reps, 10))
+    if "linear" in suites:
         from . import bench_linear
 
         print("bench: the fused LM head's suite", file=sys.stderr)

@@ -127,3 +127,16 @@ def test_linear_sweep_draws_time_and_memory_against_tokens(tmp_path):
     assert list(ours.get_ydata()) == pytest.approx([125 / 1024, 250 / 1024, 500 / 1024])
     assert any(line.get_label() == "floor" for line in time_ax.get_lines())
     assert any(line.get_label() == "memory goal" for line in memory_ax.get_lines())
+
+
+def test_bench_runs_only_the_suites_asked_for(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "kldiv_inline", "bench", "--suites", "linear", "--reps", "2",
+                           "--results", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    rows = list(csv.DictReader((folder / "bench.csv").open()))
+    assert rows and {r["form"] for r in rows} == {"linear"}
+    assert "--suites linear" in json.loads((folder / "env.json").read_text())["command"]
+    bad = subprocess.run([sys.executable, "-m", "kldiv_inline", "bench", "--suites", "kl,nope"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "suites are a comma-separated list of kl, distill, linear" in bad.stderr
