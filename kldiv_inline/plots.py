@@ -371,9 +371,10 @@ def plot_folder(folder: Path, out: Path | None = None, *, ours: str, peers: list
 
 
 def plot_all(results: Path, out: Path | None = None, *, ours: str, peers: list[str] | None = None) -> list[Path]:
-    """PNGs for every results/<device>/ folder holding CSVs."""
+    """PNGs for every folder under ``results`` holding CSVs (results/<device>/, and deeper ones such as a
+    separate run's results/linear-sweep/<device>/); with ``out``, at the same relative paths under it."""
     written = []
-    for folder in sorted(p for p in results.iterdir() if p.is_dir()):
-        if any(folder.glob("*.csv")):
-            written += plot_folder(folder, (out / folder.name) if out else None, ours=ours, peers=peers)
+    folders = sorted({p.parent for p in results.rglob("*.csv")} - {results})
+    for folder in folders:
+        written += plot_folder(folder, (out / folder.relative_to(results)) if out else None, ours=ours, peers=peers)
     return written

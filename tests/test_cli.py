@@ -114,7 +114,7 @@ def _fake_linear_rows():
 
 
 def test_linear_sweep_draws_time_and_memory_against_tokens(tmp_path):
-    folder = tmp_path / "some-gpu"
+    folder = tmp_path / "linear-sweep" / "some-gpu"  # a separate run's folder, one level deeper: drawn too
     bench.write_csv(_fake_rows() + _fake_linear_rows(), folder / "bench.csv")
     names = {p.name for p in plots.plot_all(tmp_path, ours=bench.OURS, peers=bench.PEERS)}
     assert "linear_time_memory.png" in names
