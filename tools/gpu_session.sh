@@ -7,10 +7,11 @@
 #   tools/gpu_session.sh test      # PYTHON=python3 make test: every test, the gpu-marked ones included
 #   tools/gpu_session.sh results   # PYTHON=python3 make results: check, bench, plot into results/
 #   tools/gpu_session.sh notebooks # execute every notebook at full size, executed copies to $OUT (or /tmp)
+#   tools/gpu_session.sh sweep     # the fused LM head at 1k-16k tokens -> ${RESULTS:-results}/linear-sweep/<card>/
 # Two GPUs: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2 \
 #   tools/bench_vocab_parallel.py    # the vocabulary split across GPUs -> results/<card>-x2/
 set -euo pipefail
-mode=${1:?test|results|notebooks}
+mode=${1:?test|results|notebooks|sweep}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -20,6 +21,7 @@ python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cud
 case $mode in
   test) PYTHON=python3 make test PYTEST_ARGS="${PYTEST_ARGS:--q -x}" ;;
   results) PYTHON=python3 make results ;;
+  sweep) python3 -m kldiv_inline bench --suites linear --linear-sweep --reps 5 --results "${RESULTS:-results}/linear-sweep" ;;
   notebooks)
     for nb in notebooks/0*.ipynb; do
       python3 - "$nb" <<'PY'
