@@ -74,24 +74,28 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tens
     return torch.addmm(bias, x, weight.t(), out=out)
 
 
-def _accumulate(acc: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
-    """acc = a @ b (first) or acc += a @ b. For an accumulator wider than a and b (float32 for 16-bit inputs),
-    each product is formed in float32 before it is added: on CUDA in slices of acc's rows (a 64 MiB temporary),
-    on the CPU (the twin, any speed) from float32 copies of the 16-bit values (exact conversions)."""
-    if acc.dtype == a.dtype:
+def _accumulate(acc: Tensor, a: Tensor, b: Tensor, first: bool, scale: Tensor | None = None) -> None:
+    """acc = a @ b (first) or acc += a @ b, times ``scale`` (a device scalar) when given. For an accumulator wider
+    than a and b (float32 for 16-bit inputs), or with a scale, each product is formed in float32 (and scaled)
+    before it is added: on CUDA in slices of acc's rows (a 64 MiB temporary), on the CPU (the twin, any speed) from
+    float32 copies of the 16-bit values (exact conversions)."""
+    if acc.dtype == a.dtype and scale is None:
         if first:
             torch.mm(a, b, out=acc)
         else:
             acc.addmm_(a, b)
         return
+    wide = torch.promote_types(acc.dtype, torch.float32)
     if a.is_cuda:
         step = max(1, (64 << 20) // (4 * max(1, acc.shape[1])))
-        tmp = acc.new_empty((min(step, acc.shape[0]), acc.shape[1]))
+        tmp = acc.new_empty((min(step, acc.shape[0]), acc.shape[1]), dtype=wide)
         slices = [(r0, min(acc.shape[0], r0 + step)) for r0 in range(0, acc.shape[0], step)]
-        products = ((r0, r1, torch.mm(a[r0:r1], b, out_dtype=acc.dtype, out=tmp[: r1 - r0])) for r0, r1 in slices)
+        products = ((r0, r1, torch.mm(a[r0:r1], b, out_dtype=wide, out=tmp[: r1 - r0])) for r0, r1 in slices)
     else:
-        products = iter([(0, acc.shape[0], torch.mm(a.to(acc.dtype), b.to(acc.dtype)))])
+        products = iter([(0, acc.shape[0], torch.mm(a.to(wide), b.to(wide)))])
     for r0, r1, prod in products:
+        if scale is not None:
+            prod.mul_(scale.to(wide))
         if first:
             acc[r0:r1].copy_(prod)
         else:
@@ -114,7 +118,9 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
     # The chunks' kernels reduce by sum; batchmean's divisor, the unmasked tokens of the whole batch, is counted
     # on the device (no synchronisation). The kernel applies it to d logits as it writes them (so the products
     # carry it and no pass over grad weight rescales it: that pass took 8% of a step on an H100), except for
-    # float16, whose range would flush the scaled d logits to zero: there it is applied at the end.
+    # float16, whose range would flush the scaled d logits to zero: there it is applied to each chunk's product
+    # for grad weight in float32 (grad weight sums every token's contribution, so its unscaled sum can pass
+    # float16's 65504 where the gradient itself does not), and at the end to the loss, grad hidden and grad bias.
     scale = None
     if batchmean and labels is not None:
         scale = 1.0 / (labels != ignore_index).sum().clamp_min(1).to(torch.float64)
@@ -172,7 +178,7 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
         if want_hidden:
             torch.mm(dlogits, weight, out=g_hidden[r0:r1])
         if want_weight:
-            _accumulate(w_acc, dlogits.t(), h, first=r0 == 0)
+            _accumulate(w_acc, dlogits.t(), h, first=r0 == 0, scale=late)
         if want_bias:
             b_acc += dlogits.sum(0, dtype=acc_t)
     if want_hidden and group is not None:
@@ -182,8 +188,6 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
     if want_weight:
         if n == 0:
             g_weight.zero_()
-        elif late is not None:
-            torch.mul(w_acc, late, out=g_weight)  # in place, or rounding a float32 accumulator once
         elif w_acc is not g_weight:
             g_weight.copy_(w_acc)  # rounding a float32 accumulator once
     g_bias = (b_acc if late is None else b_acc * late).to(bias.dtype) if want_bias else None

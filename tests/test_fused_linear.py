@@ -331,6 +331,29 @@ def test_float32_accumulator(device, dtype):
     assert torch.equal(g16[0], g32[0]) and torch.equal(g16[2], g32[2])
 
 
+@pytest.mark.parametrize("accum_dtype", [None, torch.float32], ids=["float16_accumulator", "float32_accumulator"])
+def test_float16_weight_gradient_does_not_overflow(device, accum_dtype):
+    # grad weight sums every token's contribution; under batchmean the sum is divided by the tokens. In float16 the
+    # undivided sum passes 65504 while the gradient itself (~1500 here) does not: it must come out finite and
+    # right, as PyTorch's float16 path gives it.
+    n, hidden, vocab = 64, 4, 8
+    h = torch.randn(n, hidden, dtype=torch.float64) * 0.1
+    h[:, 0] = 1500 + torch.rand(n, dtype=torch.float64)
+    h[:, 1] = 1.0
+    w = torch.randn(vocab, hidden, dtype=torch.float64) * 0.1
+    w[0, 1] = 8.0
+    t = torch.randn(n, vocab, dtype=torch.float64)
+    t[:, 1] += 8.0
+    h16, w16 = leaves(h.half().to(device), w.half().to(device))
+    t16 = t.half().to(device)
+    lab = labels_for((n,), device, 0.1)
+    loss, grads = run(h16, w16, None, dict(teacher_logits=t16), labels=lab, chunk_size=5, accum_dtype=accum_dtype)
+    _, ref = reference(h16, w16, None, dict(teacher_logits=t16.double()), labels=lab)
+    assert torch.isfinite(grads[1]).all() and ref[1].abs().max() > 1000
+    assert_close(grads[1], ref[1], 2e-3, "grad weight")
+    assert_close(grads[0], ref[0], 2e-3, "grad hidden")
+
+
 # ------------------------------------------------------------------------------- 4. sizes and devices
 def test_default_chunk_size():
     cs = fused_linear.default_chunk_size
