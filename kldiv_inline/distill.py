@@ -16,11 +16,13 @@ beyond the forward's reads, no extra pass, no host synchronisation.
 """
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from .loader import load
 
@@ -145,7 +147,16 @@ def _check_number(name: str, value, low: float, high: float, low_open: bool) -> 
 def _rows(x: Tensor, vocab: int) -> Tensor:
     """[..., V] -> [rows, V] with unit stride along the vocabulary (a view where possible)."""
     x2 = x.reshape(-1, vocab)
-    return x2 if x2.stride(-1) == 1 or vocab == 1 else x2.contiguous()
+    if x2.stride(-1) == 1:
+        return x2
+    if vocab == 1:  # one entry per row: the stride along it is never used, so say 1 (a view; contiguous() would
+        return x2.as_strided(x2.shape, (x2.stride(0), 1), x2.storage_offset())  # keep it: PyTorch ignores it)
+    return x2.contiguous()
+
+
+# Top-k probability mass beyond 1 (or, with k = V, away from 1) accepted as rounding and normalised away: a
+# bfloat16 log-probability is rounded by up to |log p| 2^-9 relative, which over a top-100 stays below 1%.
+TOPK_MASS_SLACK = 0.02
 
 
 def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int) -> tuple[Tensor, Tensor]:
@@ -169,18 +180,35 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int) 
     if lp.requires_grad and torch.is_grad_enabled():
         raise ValueError("generalized_jsd: no gradient flows to a top-k teacher's log-probabilities; detach them")
     idx2 = idx.reshape(-1, k).to(torch.int64).contiguous()
-    lp2 = lp.reshape(-1, k).to(_acc_dtype(student.dtype)).contiguous()
+    lp2 = lp.reshape(-1, k).to(_acc_dtype(student.dtype))
+    # The kernels sum each KL in a form that holds for normalised distributions only. A served teacher's
+    # log-probabilities carry rounding (bfloat16 ones can hold a little more than 1 of mass, which would leave a
+    # tail of 0 and a reverse KL of inf): mass above 1 is divided out, and with k = V the k buckets are the whole
+    # distribution, normalised alike. Beyond TOPK_MASS_SLACK it is no rounding: an error, checked below.
+    lse = torch.logsumexp(lp2, dim=-1, keepdim=True)
+    shift = lse if k == vocab else lse.clamp_min(0)
+    lp2 = (lp2 - torch.where(torch.isneginf(shift), 0.0, shift)).contiguous()  # (NaN stays NaN)
     if idx2.numel() and not _is_tracing(idx2):
-        # One host synchronisation: a wrong index must be an error, not a wrong number. (Under torch.compile or
-        # CUDA-graph capture this check is skipped; the kernels then make such a row's loss NaN.)
+        # One host synchronisation: a wrong index or a teacher that is no distribution must be an error, not a
+        # wrong number. (Under torch.compile or CUDA-graph capture it is skipped; the kernels then make a row with a
+        # bad index NaN.)
         bad_range = (idx2.min() < 0) | (idx2.max() >= vocab)
         srt = idx2.sort(dim=-1).values
         dup = (srt[:, 1:] == srt[:, :-1]).any() if k > 1 else torch.zeros((), dtype=torch.bool, device=idx2.device)
-        bad_range, dup = (bool(v) for v in torch.stack([bad_range, dup]).cpu())
+        excess = lse.abs() if k == vocab else lse
+        bad_mass = (excess > math.log1p(TOPK_MASS_SLACK)).any()
+        bad_range, dup, bad_mass = (bool(v) for v in torch.stack([bad_range, dup, bad_mass]).cpu())
         if bad_range:
             raise ValueError(f"generalized_jsd: top-k indices must lie in [0, {vocab})")
         if dup:
             raise ValueError("generalized_jsd: top-k indices of a token must be distinct")
+        if bad_mass:
+            worst = float(lse.flatten()[excess.flatten().argmax()])
+            allowed = "at most 1" if k < vocab else "1 (k = V: the whole vocabulary)"
+            raise ValueError(f"generalized_jsd: top-k log-probabilities must be those of a distribution: a token's "
+                             f"{k} probabilities sum to {math.exp(worst):.4g}, where they must sum to {allowed}, "
+                             f"give or take {TOPK_MASS_SLACK:.0%} of rounding; pass "
+                             "log_softmax(teacher_logits).topk(k)")
     return idx2, lp2
 
 
@@ -199,7 +227,26 @@ def _check_settings(beta, temperature, ignore_index, reduction) -> tuple[float, 
         raise ValueError("generalized_jsd: temperature must be finite")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"generalized_jsd: ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not -(2**63) <= int(ignore_index) < 2**63:
+        raise ValueError(f"generalized_jsd: ignore_index must fit in int64 (labels' type), got {ignore_index}")
     return beta, temperature
+
+
+def refuse_transforms(who: str, *tensors) -> None:
+    """A clear error for what the kernels cannot do: torch.func transforms (vmap, grad, jvp: their wrapped tensors
+    have no storage a kernel could read) and forward-mode AD (its tangent would be dropped without a word)."""
+    if torch.compiler.is_compiling():
+        return
+    for t in tensors:
+        if not isinstance(t, Tensor):
+            continue
+        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+            raise NotImplementedError(f"{who}: torch.func transforms (vmap, grad, jacrev, jvp) are not supported: "
+                                      "pass the batch itself (every leading dim is a token) and use "
+                                      "torch.autograd for gradients")
+        if forward_ad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(f"{who}: forward-mode AD (torch.autograd.forward_ad) is not supported; use "
+                                      "reverse mode (backward)")
 
 
 def _check_teacher_logits(teacher_logits, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
@@ -221,8 +268,10 @@ def _check_labels(labels, lead: torch.Size, device: torch.device) -> Tensor | No
     """Labels of the tokens' leading shape as one int64 row (None stays None)."""
     if labels is None:
         return None
-    if not isinstance(labels, Tensor) or labels.dtype.is_floating_point or labels.dtype.is_complex:
-        raise TypeError("generalized_jsd: labels must be an integer tensor")
+    if (not isinstance(labels, Tensor) or labels.dtype.is_floating_point or labels.dtype.is_complex
+            or labels.dtype == torch.bool):
+        raise TypeError(f"generalized_jsd: labels must be an integer tensor, got "
+                        f"{labels.dtype if isinstance(labels, Tensor) else type(labels).__name__}")
     if labels.shape != lead:
         raise ValueError(f"generalized_jsd: labels must have the logits' leading shape {tuple(lead)}, got "
                          f"{tuple(labels.shape)}")
@@ -246,6 +295,8 @@ def _prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, la
     if student_logits.device.type not in ("cpu", "cuda", "meta"):
         raise NotImplementedError(f"generalized_jsd: no kernels for {student_logits.device.type} tensors")
     beta, temperature = _check_settings(beta, temperature, ignore_index, reduction)
+    pair = teacher_topk if isinstance(teacher_topk, (tuple, list)) else ()
+    refuse_transforms("generalized_jsd", student_logits, teacher_logits, labels, *pair)
     vocab, lead = student_logits.shape[-1], student_logits.shape[:-1]
     if (teacher_logits is None) == (teacher_topk is None):
         raise ValueError("generalized_jsd: give exactly one of teacher_logits and teacher_topk")
@@ -278,10 +329,13 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
 
     ``teacher_topk = (indices, logprobs)``, each ``[..., k]``: a served teacher's top-k log-probabilities, used as
     given (the temperature applies to the student only). The divergence then runs over k + 1 buckets: the k
-    tokens and one tail holding the rest of each distribution's mass (teacher: 1 - sum exp(logprobs), clamped at
-    0; student: its probability outside the k tokens). The student's gradient covers its whole vocabulary; none
-    flows to the top-k teacher. Indices must be distinct and in range: checked with one host synchronisation in
-    eager mode; under torch.compile or CUDA-graph capture a bad row's loss is NaN instead.
+    tokens and one tail holding the rest of each distribution's mass (teacher: 1 - sum exp(logprobs); student: its
+    probability outside the k tokens). The student's gradient covers its whole vocabulary; none flows to the
+    top-k teacher. Rounding of the log-probabilities (a served bfloat16 top-k can hold a little more than 1 of
+    mass) is normalised away: mass above 1 is divided out (the tail is then 0), and with k = V the k buckets are
+    normalised; mass off by more than 2% (``TOPK_MASS_SLACK``) is an error. Indices must be distinct and in range.
+    Both are checked with one host synchronisation in eager mode; under torch.compile or CUDA-graph capture the
+    check is skipped and a row with a bad index has a NaN loss.
 
     Gradients flow to the student's logits, and to the teacher's logits when they require grad. Logits of -inf
     (a padded vocabulary) are legal. Double backward is not supported (a clear error).
@@ -315,11 +369,7 @@ class GeneralizedJSDLoss(torch.nn.Module):
     def __init__(self, beta: float = 0.0, temperature: float = 1.0, ignore_index: int = -100,
                  reduction: str = "batchmean"):
         super().__init__()
-        # Checked now, so a wrong setting fails where it is made.
-        _check_number("beta", beta, 0.0, 1.0, low_open=False)
-        _check_number("temperature", temperature, 0.0, float("inf"), low_open=True)
-        if not isinstance(reduction, str) or reduction not in REDUCTIONS:
-            raise ValueError(f"GeneralizedJSDLoss: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        _check_settings(beta, temperature, ignore_index, reduction)  # checked now: fails where it is made
         self.beta, self.temperature, self.ignore_index, self.reduction = beta, temperature, ignore_index, reduction
 
     def forward(self, student_logits: Tensor, teacher_logits: Tensor | None = None,

@@ -43,6 +43,7 @@ from .distill import (
     _rows,
     _scaled,
     _validate_topk,
+    refuse_transforms,
 )
 from .vocab_parallel import divergence_rows, group_name, resolve_group
 
@@ -356,6 +357,9 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     Each chunk's divergence then runs as ``generalized_jsd(..., group=group)`` does. Not with ``teacher_topk``.
     """
     _check_linear("student", student_hidden, student_weight, student_bias, None, None, None)
+    pair = teacher_topk if isinstance(teacher_topk, (tuple, list)) else ()
+    refuse_transforms("fused_linear_generalized_jsd", student_hidden, student_weight, student_bias, teacher_hidden,
+                      teacher_weight, teacher_bias, teacher_logits, labels, *pair)
     name = group_name(group, "fused_linear_generalized_jsd") if group is not None else None
     if group is not None and teacher_topk is not None:
         raise NotImplementedError(_err("teacher_topk with a vocabulary split across a group is not implemented yet; "

@@ -73,6 +73,10 @@ def generalized_jsd_reference(student_logits: Tensor, teacher_logits: Tensor | N
     else:
         idx, lp = teacher_topk
         idx, lp = idx.long(), lp.double()
+        # As the kit: mass above 1 (rounding) divided out; with k = V the buckets are the whole distribution.
+        lse = lp.logsumexp(-1, keepdim=True)
+        shift = lse if idx.shape[-1] == ls.shape[-1] else lse.clamp_min(0)
+        lp = lp - torch.where(torch.isneginf(shift), 0.0, shift)
         member = torch.zeros_like(ls, dtype=torch.bool).scatter(-1, idx, True)
         p_tail = (ls.exp() * ~member).sum(-1, keepdim=True)
         q_tail = (1 - lp.exp().sum(-1, keepdim=True)).clamp_min(0)

@@ -343,6 +343,37 @@ def test_topk_bad_indices_raise(device):
         K.generalized_jsd(s, teacher_topk=(idx, lp.clone().requires_grad_()))
 
 
+def test_topk_mass_is_checked_and_rounding_normalised(device):
+    s = logits((3, 12), torch.float32, device)
+    idx, lp = topk_teacher((3,), 12, 4, device)
+    # Not a distribution: an error naming the mass (a log-probability above 0; with k = V, mass far from 1).
+    with pytest.raises(ValueError, match="must be those of a distribution: a token.s 4 probabilities sum to"):
+        K.generalized_jsd(s, teacher_topk=(idx, torch.where(torch.arange(4, device=device) == 0, 0.5, lp)))
+    full_idx = torch.arange(12, device=device).expand(3, 12)
+    half = torch.log_softmax(s.double(), -1).float() + math.log(0.5)
+    with pytest.raises(ValueError, match="sum to 0.5"):
+        K.generalized_jsd(s, teacher_topk=(full_idx, half))
+    # Rounding (a served bfloat16 top-k holding a little more than 1): the mass above 1 is divided out, so the
+    # kernels' non-negative sums hold, and the loss and gradients are the normalised teacher's. (Its tail is then
+    # 0: a reverse KL is inf wherever the student has mass outside the top-k, as the reference says too.)
+    probs = torch.tensor([0.9, 0.0999], device=device)
+    lp_b = probs.log().bfloat16().float().expand(3, 2)
+    assert float(lp_b[0].exp().sum()) > 1
+    idx_b = torch.tensor([2, 5], device=device).expand(3, 2)
+    s.requires_grad_()
+    other = torch.log_softmax(torch.randn(3, 12, dtype=torch.float64, device=device) * 2, -1).float()
+    for k_idx, k_lp in ((idx_b, lp_b), (full_idx, other + 0.01)):
+        full = k_idx.shape[-1] == 12
+        norm = k_lp - k_lp.double().logsumexp(-1, keepdim=True).clamp_min(-math.inf if full else 0).float()
+        for beta in (0.0, 0.5) + ((1.0,) if full else ()):
+            out, (gs,) = run(s, None, teacher_topk=(k_idx, k_lp), beta=beta, reduction="none")
+            ref, (rs,) = reference(s, None, torch.ones(3, dtype=torch.float64, device=device),
+                                   teacher_topk=(k_idx, norm), beta=beta, reduction="none")
+            assert torch.isfinite(out).all() and torch.isfinite(gs).all()
+            assert_close(out, ref, 2e-5, "loss")
+            assert_close(gs, rs, 2e-5, "grad")
+
+
 def test_topk_bad_row_is_nan_in_the_kernel(device):
     # The kernels' own net under the Python check (which torch.compile and graph capture skip).
     s = logits((3, 12), torch.float32, device)
@@ -545,6 +576,45 @@ def test_bad_input_raises_clearly(device):
         K.generalized_jsd(s.long(), t.long())
     with pytest.raises(ValueError, match="vocabulary"):
         K.generalized_jsd(s[:, :0], t[:, :0])
+    with pytest.raises(TypeError, match="integer tensor, got torch.bool"):
+        K.generalized_jsd(s, t, labels=torch.ones(4, dtype=torch.bool, device=device))
+    with pytest.raises(ValueError, match="int64"):
+        K.generalized_jsd(s, t, ignore_index=2**70)
+    # The module checks its settings where it is made.
+    for kw, exc in ((dict(temperature=float("inf")), ValueError), (dict(ignore_index=1.5), TypeError),
+                    (dict(beta=2.0), ValueError), (dict(reduction="mean"), ValueError)):
+        with pytest.raises(exc):
+            K.GeneralizedJSDLoss(**kw)
+
+
+def test_function_transforms_and_forward_ad_raise(device):
+    # vmap's batched tensors have no storage a kernel can read (the CPU twin used to abort the process), and
+    # forward-mode AD's tangent would be dropped without a word: both are clear errors.
+    from torch.autograd import forward_ad
+
+    s = logits((2, 4, 20), torch.float32, device)
+    t = logits((4, 20), torch.float32, device)
+    with pytest.raises(NotImplementedError, match="torch.func"):
+        torch.func.vmap(lambda x: K.generalized_jsd(x, t))(s)
+    with pytest.raises(NotImplementedError, match="torch.func"):
+        torch.func.grad(lambda x: K.generalized_jsd(x, t))(s[0])
+    with pytest.raises(NotImplementedError, match="forward-mode"), forward_ad.dual_level():
+        K.generalized_jsd(forward_ad.make_dual(s[0], torch.randn_like(s[0])), t)
+    w = logits((20, 8), torch.float32, device)
+    with pytest.raises(NotImplementedError, match="torch.func"):
+        torch.func.vmap(lambda h: K.fused_linear_generalized_jsd(h, w, teacher_logits=t))(
+            logits((2, 4, 8), torch.float32, device))
+
+
+def test_one_entry_vocabulary_with_any_strides(device):
+    s = logits((1, 5), torch.float32, device).t()  # [5, 1] with stride 5 along the vocabulary
+    t = logits((5, 1), torch.float32, device)
+    assert s.stride(-1) != 1
+    out = K.generalized_jsd(s, t, reduction="none")  # one entry: both distributions are 1 there, the KL 0
+    assert out.shape == (5,) and float(out.abs().max()) < 1e-12
+    w = logits((1, 3), torch.float32, device)
+    h = logits((5, 3), torch.float32, device)
+    assert abs(float(K.fused_linear_generalized_jsd(h, w, teacher_logits=s))) < 1e-12
 
 
 @pytest.mark.gpu

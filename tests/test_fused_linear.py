@@ -337,12 +337,13 @@ def test_float16_weight_gradient_does_not_overflow(device, accum_dtype):
     # undivided sum passes 65504 while the gradient itself (~1500 here) does not: it must come out finite and
     # right, as PyTorch's float16 path gives it.
     n, hidden, vocab = 64, 4, 8
-    h = torch.randn(n, hidden, dtype=torch.float64) * 0.1
-    h[:, 0] = 1500 + torch.rand(n, dtype=torch.float64)
+    h = torch.randn(n, hidden, dtype=torch.float64) * 0.01
+    h[:, 0] = 1500 + torch.rand(n, dtype=torch.float64)  # a large feature the logits do not use (w[:, 0] = 0)...
     h[:, 1] = 1.0
-    w = torch.randn(vocab, hidden, dtype=torch.float64) * 0.1
-    w[0, 1] = 8.0
-    t = torch.randn(n, vocab, dtype=torch.float64)
+    w = torch.randn(vocab, hidden, dtype=torch.float64) * 0.01
+    w[:, 0] = 0.0
+    w[0, 1] = 8.0  # ...while student and teacher disagree (entry 0 against entry 1): d logits of order 1
+    t = torch.randn(n, vocab, dtype=torch.float64) * 0.01
     t[:, 1] += 8.0
     h16, w16 = leaves(h.half().to(device), w.half().to(device))
     t16 = t.half().to(device)
