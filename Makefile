@@ -79,5 +79,7 @@ nbstripout-install: $(SETUP)
 	$(PY) -m nbstripout --install
 	git config filter.nbstripout.extrakeys metadata.language_info
 
-clean-cache:
-	rm -rf $${KLDIV_INLINE_CACHE:-$${XDG_CACHE_HOME:-$$HOME/.cache}/kldiv_inline}
+# The loader's own build folder (loader.cache_root: under KLDIV_INLINE_CACHE or TORCH_EXTENSIONS_DIR when set),
+# never the folder such a variable names.
+clean-cache: $(SETUP)
+	rm -rf "$$($(PY) -c 'from kldiv_inline.loader import cache_root; print(cache_root())')"

@@ -479,6 +479,21 @@ def _compiler_errors(log: str) -> list[str]:
     return out
 
 
+def _flag_include_dirs(flags: Sequence[str]) -> list[Path]:
+    """The folders that ``-Idir``, ``-I dir``, ``-isystem dir`` (and ``-isystemdir``) flags name."""
+    dirs, flags = [], list(flags)
+    for i, f in enumerate(flags):
+        for opt in ("-isystem", "-I"):
+            if f == opt and i + 1 < len(flags):
+                dirs.append(Path(flags[i + 1]).resolve())
+            elif f.startswith(opt) and len(f) > len(opt):
+                dirs.append(Path(f[len(opt):]).resolve())
+            else:
+                continue
+            break
+    return dirs
+
+
 def load_sources(
     paths: Iterable[str | os.PathLike],
     *,
@@ -517,7 +532,9 @@ def load_sources(
     if isinstance(functions, str):
         functions = [functions]
     incs = [Path(d).resolve() for d in include_dirs]
-    for d in {p.parent for p in srcs}:
+    # Folders named by -I / -isystem in the extra flags are searched too, so the headers found there are part of
+    # the cache key (else an edit to one would return the stale build).
+    for d in [*{p.parent for p in srcs}, *_flag_include_dirs([*extra_cflags, *extra_cuda_cflags])]:
         if d not in incs:
             incs.append(d)
 

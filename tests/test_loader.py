@@ -259,19 +259,20 @@ def test_rebuild_after_failed_build_in_same_process(tmp_path, cache):
 
 
 def test_rebuild_after_failed_build_with_same_name(tmp_path, cache):
-    """The fix lies outside the cache key (a header found through a raw -I flag, which the loader does not
+    """The fix lies outside the cache key (a header forced in by a raw -include flag, which the loader does not
     follow), so the retry has the failed build's name: torch's JIT versioner alone would skip the build and
-    fail to import (pytorch#119206)."""
+    fail to import (a known PyTorch issue: a failed JIT build's version is kept)."""
     inc = tmp_path / "inc"
     inc.mkdir()
     (inc / "fix.h").write_text("#define FIXED_VALUE (6 +)\n")
     src = tmp_path / "samename.cpp"
-    src.write_text(capi_module("FIXED_VALUE", prelude="#include <fix.h>"))
+    src.write_text(capi_module("FIXED_VALUE"))
+    flags = ["-include", str(inc / "fix.h")]
     with pytest.raises(kldiv_inline.KernelBuildError) as info:
-        kldiv_inline.load_sources([src], extra_cflags=[f"-I{inc}"])
+        kldiv_inline.load_sources([src], extra_cflags=flags)
     failed_name = info.value.name
     (inc / "fix.h").write_text("#define FIXED_VALUE (6 + 1)\n")
-    m = kldiv_inline.load_sources([src], extra_cflags=[f"-I{inc}"])
+    m = kldiv_inline.load_sources([src], extra_cflags=flags)
     assert m.__name__ == failed_name
     assert m.value() == 7
 
@@ -755,6 +756,21 @@ def test_editing_angle_included_header_from_include_dirs_rebuilds(tmp_path, cach
     m2 = kldiv_inline.load_sources([src], include_dirs=[inc])
     assert m2.__name__ != m1.__name__
     assert m2.value() == 12
+
+
+@pytest.mark.parametrize("flags", [lambda d: [f"-I{d}"], lambda d: ["-I", str(d)], lambda d: ["-isystem", str(d)]],
+                         ids=["-Idir", "-I dir", "-isystem dir"])
+def test_editing_header_found_through_include_flags_rebuilds(tmp_path, cache, flags):
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "flagged.h").write_text("#define FLAGGED 2\n")
+    src = tmp_path / "flagged.cpp"
+    src.write_text(capi_module("FLAGGED", prelude="#include <flagged.h>"))
+    m1 = kldiv_inline.load_sources([src], extra_cflags=flags(inc))
+    assert m1.value() == 2
+    (inc / "flagged.h").write_text("#define FLAGGED 7\n")
+    m2 = kldiv_inline.load_sources([src], extra_cflags=flags(inc))
+    assert m2.__name__ != m1.__name__ and m2.value() == 7
 
 
 # ------------------------------------------------------------------ 13. bindings and link errors
