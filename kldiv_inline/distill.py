@@ -338,7 +338,14 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     check is skipped and a row with a bad index has a NaN loss.
 
     Gradients flow to the student's logits, and to the teacher's logits when they require grad. Logits of -inf
-    (a padded vocabulary) are legal. Double backward is not supported (a clear error).
+    (a padded vocabulary) are legal. Double backward is not supported (a clear error); nor are torch.func
+    transforms (vmap, grad, jvp) and forward-mode AD (clear errors).
+
+    Limits of float32 lanes (16-bit and float32 logits): scaled logits ``|x / T|`` beyond about 1e7 are rounded
+    by more than the softmax can absorb (each is scaled before the row's maximum is subtracted), and from about
+    3e9 the result is NaN; float64 logits hold to about 1e15. The generalized JSD with beta within ~1e-6 of 0 or 1
+    loses digits in float32 lanes (relative error ~1e-3 at beta = 1e-6): use beta = 0 or 1 for the KLs, or
+    float64.
 
     ``group`` (a ``torch.distributed`` process group): the vocabulary is split across its ranks, each holding a
     contiguous slice of both logits in rank order (``kldiv_inline.vocab_parallel``); the loss is the global one
