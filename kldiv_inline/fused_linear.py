@@ -251,8 +251,9 @@ def _backward(ctx, grad_loss, *_grads_of_gradients):
         ctx.fused = None  # rescaled in place once; a second backward recomputes
         in_place = True
     factor = grad_loss.to(_acc_dtype(saved[0].dtype))
-    out = [_scaled(g.view(-1, g.shape[-1]), factor, in_place).view(g.shape) if ok else None
-           for g, ok in zip(fused, need)]
+    # As 2-d rows for _scaled (sizes, not -1: a hidden size of 0 leaves -1 ambiguous); the bias's as one row.
+    out = [_scaled(g.view(g.shape[0] if g.dim() > 1 else 1, g.shape[-1]), factor, in_place).view(g.shape)
+           if ok else None for g, ok in zip(fused, need)]
     return (*out,) + (None,) * (_N_INPUTS - 3)
 
 
@@ -387,7 +388,7 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
         if teacher_hidden.shape[:-1] != lead:
             raise ValueError(_err(f"teacher_hidden {tuple(teacher_hidden.shape)} must have the student's leading "
                                   f"dims {tuple(lead)}"))
-        t_hidden = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
+        t_hidden = teacher_hidden.detach().reshape(lead.numel(), teacher_hidden.shape[-1])  # (numel: H_t may be 0)
         t_weight = teacher_weight.detach()
         t_bias = teacher_bias.detach() if teacher_bias is not None else None
     elif forms[1]:
@@ -405,7 +406,7 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     if chunk_size is None:
         chunk_size = default_chunk_size(n, vocab, student_hidden.element_size(), 2 if t_hidden is not None else 1)
 
-    hidden = student_hidden.reshape(-1, hidden_size)
+    hidden = student_hidden.reshape(n, hidden_size)  # n, not -1: a hidden size of 0 is legal (logits = bias)
     grad_on = torch.is_grad_enabled()
     wants = [bool(grad_on and t is not None and t.requires_grad) for t in (hidden, student_weight, student_bias)]
     args = (hidden, student_weight, student_bias, t_hidden, t_weight, t_bias, t_logits, idx, lp, lab,

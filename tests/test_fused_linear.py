@@ -355,6 +355,18 @@ def test_float16_weight_gradient_does_not_overflow(device, accum_dtype):
     assert_close(grads[0], ref[0], 2e-3, "grad hidden")
 
 
+def test_hidden_size_zero(device):
+    # No features: the logits are the bias alone; grad hidden and grad weight are empty, grad bias is the usual.
+    lead, vocab = (5,), 7
+    h, w, b = leaves(*head(lead, 0, vocab, torch.float32, device))
+    t_kw, t_ref = teacher("logits", lead, vocab, torch.float32, device)
+    loss, grads = run(h, w, b, t_kw, chunk_size=2)
+    ref, rgrads = reference(h, w, b, t_ref)
+    assert_close(loss, ref, 2e-6, "loss")
+    assert [tuple(g.shape) for g in grads] == [(5, 0), (7, 0), (7,)]
+    assert_close(grads[2], rgrads[2], 2e-5, "grad bias")
+
+
 # ------------------------------------------------------------------------------- 4. sizes and devices
 def test_default_chunk_size():
     cs = fused_linear.default_chunk_size
