@@ -9,16 +9,19 @@
 
 A provider is any callable taking a case's ``args``; it returns a tensor or a tuple/list/dict of them.
 ``check`` runs the reference on the same inputs upcast to float64 (floating tensors only, recursively in
-tuples, lists and dicts) and compares each provider's outputs with it, output by output: the relative error
-||out - ref|| / ||ref|| against a tolerance for the output's dtype (``TOLERANCE``, overridable), NaN or inf
-only where the reference has them, shapes equal. Each call runs ``poisoned``: new tensors start as NaN, so
-an element the kernel fails to write shows up.
+tuples, lists and dicts; integer tensors, indices perhaps, reach it as they are) and compares each provider's
+outputs with it, output by output (dicts key by key): the relative error ||out - ref|| / ||ref|| against a
+tolerance for the output's dtype (``TOLERANCE``, overridable), NaN or inf only where the reference has them,
+shapes equal. Each call runs ``poisoned``: new tensors start as NaN, so an element the kernel fails to write
+shows up. Every provider and the reference get their own copies of the case's tensors, so one that writes
+into its inputs (or accumulates gradients in them) changes no one else's.
 
 ``bench`` refuses to time a provider that failed its check: it checks every provider first, against
 ``reference=`` or else the reference the cases were last checked with (``check`` records it on each case),
-unless ``checked=`` hands it the result of a check or ``reference=None`` says to time unchecked. Timing
-follows ``kldiv_inline.timing`` (CUDA events, L2 flush, input rotation, median and 20/80% quantiles; a wall
-clock on the CPU); the floor is the bytes moved over the read bandwidth of ``kldiv_inline.floors``.
+unless ``checked=`` hands it the result of a check (of these very callables: ``check`` records them) or
+``reference=None`` says to time unchecked. Timing follows ``kldiv_inline.timing`` (CUDA events, L2 flush,
+input rotation, median and 20/80% quantiles; a wall clock on the CPU); the floor is the bytes moved over the
+read bandwidth of ``kldiv_inline.floors``.
 
 The kit's own suites (``kldiv_inline.bench``) go through the same functions.
 """
@@ -46,13 +49,20 @@ BENCH_COLUMNS = ["provider", "case", "device", "timer", "status", "median_ms", "
                  "gbps", "floor_gbps", "floor_source", "floor_ms", "x_floor", "pct_of_peak", "rel_err"]
 
 WALL_INNER_CUDA = 50  # back-to-back calls per wall-clock sample on a GPU: the host's cost per call shows
+TIMERS = ("auto", "cuda", "wall")
+
+# A case's meta becomes columns of its rows: a meta key named like a result column would overwrite it.
+RESERVED_META = frozenset(CHECK_COLUMNS + BENCH_COLUMNS + ["peak_mib"])
+
+CHECKED_ATTR = "providers"  # check's frame.attrs[CHECKED_ATTR]: provider name -> the callable checked
 
 
 @dataclasses.dataclass
 class Case:
-    """One set of inputs. ``args`` are passed to every provider; ``meta`` becomes extra columns of each row
-    (e.g. ``{"pass": "fwd", "dtype": "float32"}``). ``reference`` is set by ``check`` (or given here): the
-    float64 truth ``bench`` checks providers against."""
+    """One set of inputs. ``args`` are passed to every provider (each gets its own copies of the tensors);
+    ``meta`` becomes extra columns of each row (e.g. ``{"pass": "fwd", "dtype": "float32"}``; not named like
+    a result column: ``RESERVED_META``). ``reference`` is set by ``check`` (or given here): the float64 truth
+    ``bench`` checks providers against."""
 
     name: str
     args: tuple
@@ -64,6 +74,14 @@ class Case:
             self.args = tuple(self.args)
         elif not isinstance(self.args, tuple):
             self.args = (self.args,)  # a single input
+        _check_meta(self)
+
+
+def _check_meta(case: Case) -> None:
+    clash = sorted(set(case.meta) & RESERVED_META)
+    if clash:
+        raise ValueError(f"case {case.name!r}: meta keys {clash} are result columns (they would overwrite them); "
+                         "rename them")
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -110,8 +128,9 @@ def _leaf(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 def upcast(obj: Any) -> Any:
-    """``obj`` with every floating tensor as a float64 leaf (requiring grad where the original did)."""
-    return _map_tensors(obj, lambda t: _leaf(t, torch.float64) if t.is_floating_point() else t)
+    """``obj`` with every floating tensor as a float64 leaf (requiring grad where the original did) and every
+    other tensor a copy as it is (integers may be indices): the reference cannot change the case's inputs."""
+    return _map_tensors(obj, lambda t: _leaf(t, torch.float64 if t.is_floating_point() else None))
 
 
 def clone_args(obj: Any) -> Any:
@@ -130,17 +149,40 @@ def _device(args: tuple) -> str:
     return tensors[0].device.type if tensors else "cpu"
 
 
-def _outputs(out: Any) -> list:
-    """A provider's result as a flat list of tensors (None stays None; numbers become 0-d tensors)."""
+def _outputs(out: Any, who: str = "a provider") -> list:
+    """A result as a flat list of tensors (None stays None; numbers become 0-d tensors). A Python float from the
+    reference becomes float64 (it is a double; float32 would round the truth); a provider's, float32 (what it
+    computed in is unknown: held to float32's tolerance, as a kernel's float would be)."""
     if out is None or isinstance(out, torch.Tensor):
         return [out]
     if isinstance(out, (int, float, bool)):
-        return [torch.tensor(out)]
+        wide = isinstance(out, float) and who == "the reference"
+        return [torch.tensor(out, dtype=torch.float64 if wide else None)]
     if isinstance(out, (tuple, list)):
-        return [o for item in out for o in _outputs(item)]
+        return [o for item in out for o in _outputs(item, who)]
     if isinstance(out, Mapping):
-        return [o for k in sorted(out) for o in _outputs(out[k])]
-    raise TypeError(f"a provider returned {type(out).__name__}; expected tensors (or tuples/lists/dicts of them)")
+        return [o for k in sorted(out) for o in _outputs(out[k], who)]
+    raise TypeError(f"{who} returned {type(out).__name__}; expected tensors (or tuples/lists/dicts of them)")
+
+
+def _keys(d: Mapping) -> str:
+    return "{" + ", ".join(sorted(map(repr, d))) + "}"
+
+
+def _key_mismatch(out: Any, ref: Any, where: str = "the output") -> str:
+    """Where a provider's dicts and the reference's differ in their keys, else "": dict outputs are compared
+    key by key (flattened in sorted key order), so the key sets must agree, at every depth."""
+    if isinstance(out, Mapping) != isinstance(ref, Mapping):
+        return f"{where} is {'a dict' if isinstance(out, Mapping) else 'no dict'}, unlike the reference's"
+    if isinstance(out, Mapping):
+        if set(out) != set(ref):
+            return f"{where} has dict keys {_keys(out)}, the reference {_keys(ref)}"
+        pairs = [(out[k], ref[k], f"{where}[{k!r}]") for k in ref]
+    elif isinstance(out, (tuple, list)) and isinstance(ref, (tuple, list)) and len(out) == len(ref):
+        pairs = [(o, r, f"{where}[{i}]") for i, (o, r) in enumerate(zip(out, ref))]
+    else:
+        return ""  # tensors, numbers, or sequences the output count tells apart
+    return next((m for m in (_key_mismatch(*p) for p in pairs) if m), "")
 
 
 def tolerance_for(dtype: torch.dtype, tolerance: float | Mapping | None = None) -> float:
@@ -156,13 +198,18 @@ def tolerance_for(dtype: torch.dtype, tolerance: float | Mapping | None = None) 
     return 0.0
 
 
+_REL_ERR = "relative error"  # compare's words for a failure in the numbers alone (bench's status tells the rest)
+
+
 def compare(out: Any, ref: Any, tolerance: float | Mapping | None = None) -> dict:
     """A provider's outputs against the reference's: max_abs_err, rel_err and tol (of the output furthest
     from its tolerance), ok, and error (why it failed beyond the numbers, else "")."""
-    outs, refs = _outputs(out), _outputs(ref)
-    if len(outs) != len(refs):
-        return {"max_abs_err": math.inf, "rel_err": math.inf, "tol": math.nan, "ok": False,
-                "error": f"{len(outs)} outputs, the reference has {len(refs)}"}
+    outs, refs = _outputs(out), _outputs(ref, "the reference")
+    mismatch = _key_mismatch(out, ref)
+    if not mismatch and len(outs) != len(refs):
+        mismatch = f"{len(outs)} outputs, the reference has {len(refs)}"
+    if mismatch:
+        return {"max_abs_err": math.inf, "rel_err": math.inf, "tol": math.nan, "ok": False, "error": mismatch}
     max_abs, worst, errors = 0.0, (0.0, 0.0, -1.0), []
     for i, (o, r) in enumerate(zip(outs, refs)):
         if o is None or r is None:
@@ -186,7 +233,7 @@ def compare(out: Any, ref: Any, tolerance: float | Mapping | None = None) -> dic
         if (ratio, rel) > (worst[2], worst[0]):
             worst = (rel, tol, ratio)
         if not rel <= tol:  # NaN never passes
-            errors.append(f"output {i}: relative error {rel:.3g} > {tol:.3g}")
+            errors.append(f"output {i}: {_REL_ERR} {rel:.3g} > {tol:.3g}")
     return {"max_abs_err": max_abs, "rel_err": worst[0], "tol": worst[1], "ok": not errors,
             "error": "; ".join(errors)}
 
@@ -195,10 +242,12 @@ def _prepare(setup: Callable | None):
     return setup if setup is not None else (lambda *args: args)
 
 
-def _check_names(cases: Sequence[Case]) -> None:
+def _check_cases(cases: Sequence[Case]) -> None:
     names = [c.name for c in cases]
     if len(set(names)) != len(names):
         raise ValueError(f"case names must be unique (they key the rows): {names}")
+    for case in cases:
+        _check_meta(case)  # again: meta is a dict, changed perhaps since the case was made
 
 
 def _error(e: Exception) -> str:
@@ -209,30 +258,66 @@ def _error(e: Exception) -> str:
 def check(providers: Mapping[str, Callable | None], reference: Callable, cases: Sequence[Case], *,
           tolerance: float | Mapping | None = None, setup: Callable | None = None) -> pd.DataFrame:
     """One row per (provider, case): provider, case, device, max_abs_err, rel_err, tol, ok, error, and the
-    case's meta columns. ``reference`` gets the case's args upcast to float64. ``setup(*args) -> args``
-    (e.g. fresh leaves that require grad) runs before every call, the reference's included. A provider
-    that raises fails with the exception in ``error``; one given as None is "not installed"."""
-    _check_names(cases)
+    case's meta columns. ``reference`` gets the case's args upcast to float64 (floating tensors; integer
+    tensors, indices perhaps, as they are). Each provider and the reference get their own copies of the
+    case's tensors. ``setup(*args) -> args`` (e.g. fresh leaves that require grad) runs before every call,
+    the reference's included. A provider that raises fails with the exception in ``error``; one given as None
+    is "not installed". A reference that raises or returns no tensors raises here, naming the reference.
+
+    ``frame.attrs[CHECKED_ATTR]`` records which callable each provider name was, so that ``bench(checked=)``
+    times only the callables checked."""
+    _check_cases(cases)
     prepare = _prepare(setup)
     rows = []
     for case in cases:
         case.reference = reference
         device = _device(case.args)
-        ref = reference(*prepare(*upcast(case.args)))
+        ref = _run_reference(reference, prepare, case)
         for name, fn in providers.items():
             row = {"provider": name, "case": case.name, **case.meta, "device": device}
             if fn is None:
                 rows.append({**row, "ok": False, "error": "not installed"})
                 continue
-            try:
-                args = prepare(*case.args)
-                with poisoned(device):
-                    out = fn(*args)
-                row.update(compare(out, ref, tolerance))
-            except Exception as e:  # a provider that fails is reported, the check goes on
-                row.update(ok=False, error=_error(e))
-            rows.append(row)
-    return _frame(rows, CHECK_COLUMNS, cases)
+            rows.append({**row, **_check_one(fn, case, ref, prepare, device, tolerance)})
+    df = _frame(rows, CHECK_COLUMNS, cases)
+    df.attrs[CHECKED_ATTR] = _Checked(providers)
+    return df
+
+
+def _check_one(fn: Callable, case: Case, ref: Any, prepare: Callable, device: str,
+               tolerance: float | Mapping | None) -> dict:
+    """compare's columns for one provider on one case (its inputs and outputs are freed on return, before the
+    next provider's copies)."""
+    try:
+        args = prepare(*clone_args(case.args))  # its own inputs: it may write into them
+        with poisoned(device):
+            out = fn(*args)
+        return compare(out, ref, tolerance)
+    except Exception as e:  # a provider that fails is reported, the check goes on
+        return {"ok": False, "error": _error(e)}
+
+
+class _Checked(dict):
+    """Provider name -> the callable checked. pandas deep-copies a frame's attrs as it copies the frame; this
+    stays itself, so the callables stay the very objects checked (a deep copy of a module would be another)."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def _run_reference(reference: Callable, prepare: Callable, case: Case) -> Any:
+    """The reference's outputs on ``case``. A reference that fails is one error, raised here, not every
+    provider's."""
+    args = prepare(*upcast(case.args))
+    try:
+        ref = reference(*args)
+    except Exception as e:
+        raise RuntimeError(f"the reference raised on case {case.name!r}: {_error(e)}") from e
+    try:
+        _outputs(ref, "the reference")
+    except TypeError as e:
+        raise TypeError(f"case {case.name!r}: {e}") from None
+    return ref
 
 
 def _frame(rows: list[dict], columns: list[str], cases: Sequence[Case]) -> pd.DataFrame:
@@ -248,12 +333,36 @@ def _frame(rows: list[dict], columns: list[str], cases: Sequence[Case]) -> pd.Da
 _LAST_CHECK = object()  # bench's default: the reference each case was last checked with
 
 
+def _same_callable(a: Callable | None, b: Callable | None) -> bool:
+    # == as well as is: ``obj.method`` is a new bound method at each access, equal to the last one.
+    return a is b or a == b
+
+
+def _check_checked(providers: Mapping[str, Callable | None], checked: pd.DataFrame) -> None:
+    """Refuses a check's verdict on a provider name that now names another callable. A frame without the
+    record (built by hand) is trusted by name."""
+    record = checked.attrs.get(CHECKED_ATTR)
+    if record is None:
+        return
+    names = set(checked["provider"])
+    for name, fn in providers.items():
+        if fn is not None and name in names and not (name in record and _same_callable(record[name], fn)):
+            raise ValueError(f"provider {name!r} is not the callable checked= was made with ({fn!r} now, "
+                             f"{record.get(name)!r} then): check it again (harness.check) and pass that result")
+
+
+def _verdict(row) -> tuple[bool, float, str]:
+    error = getattr(row, "error", "")
+    return bool(row.ok), row.rel_err, error if isinstance(error, str) else ""
+
+
 def _verdicts(providers, cases, reference, checked, tolerance, setup) -> dict[tuple[str, str], tuple]:
-    """(provider, case) -> (ok, rel_err) for every provider that exists."""
+    """(provider, case) -> (ok, rel_err, error) for every provider that exists."""
     out = {}
     if checked is not None:
+        _check_checked(providers, checked)
         for r in checked.itertuples(index=False):
-            out[(r.provider, r.case)] = (bool(r.ok), r.rel_err)
+            out[(r.provider, r.case)] = _verdict(r)
     for case in cases:
         todo = {n: f for n, f in providers.items() if f is not None and (n, case.name) not in out}
         if not todo:
@@ -264,22 +373,43 @@ def _verdicts(providers, cases, reference, checked, tolerance, setup) -> dict[tu
                              "it, against reference=... or the reference the case was checked with "
                              "(harness.check records it); pass reference=None to time without checking")
         if ref is None:
-            out.update({(n, case.name): (True, math.nan) for n in todo})
+            out.update({(n, case.name): (True, math.nan, "") for n in todo})
             continue
         for r in check(todo, ref, [case], tolerance=tolerance, setup=setup).itertuples(index=False):
-            out[(r.provider, r.case)] = (bool(r.ok), r.rel_err)
+            out[(r.provider, r.case)] = _verdict(r)
     return out
 
 
-def _input_sets(case: Case, device: str, timer: str) -> tuple[list[tuple], bool]:
-    """The input sets to rotate among, and whether to flush the L2 before each call: inputs that fit in
+def _numbers_only(error: str) -> bool:
+    """Whether a check's error says only that outputs were off by more than their tolerance."""
+    return bool(error) and all(part.split(": ", 1)[-1].startswith(_REL_ERR) for part in error.split("; "))
+
+
+def _wrong(rel_err: float, error: str) -> str:
+    """The status of a provider that failed its check: "wrong" where its numbers were off (rel_err says by how
+    much), else "wrong: <why>" (it raised, or its outputs had another shape, count or keys)."""
+    if not error or (not pd.isna(rel_err) and _numbers_only(error)):
+        return "wrong"
+    return f"wrong: {error}"
+
+
+def _n_input_sets(case: Case, device: str, timer: str) -> tuple[int, bool]:
+    """How many input sets to rotate among, and whether to flush the L2 before each call: inputs that fit in
     (twice) the L2 are flushed and rotated among copies that together overflow it."""
     in_bytes = sum(t.nbytes for t in _tensors(case.args))
     l2 = timing.l2_bytes(device)
     if timer != "cuda" or in_bytes > 2 * l2:
-        return [case.args], False
-    n_sets = min(8, max(2, (3 * l2) // max(1, in_bytes) + 1))
-    return [case.args] + [clone_args(case.args) for _ in range(n_sets - 1)], True
+        return 1, False
+    return min(8, max(2, (3 * l2) // max(1, in_bytes) + 1)), True
+
+
+def _check_bench_args(timer: str, reps: int, warmup: int) -> None:
+    if timer not in TIMERS:
+        raise ValueError(f"timer must be one of {', '.join(map(repr, TIMERS))}, not {timer!r}")
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"reps must be an integer >= 1 (timed calls per provider and case), not {reps!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0, not {warmup!r}")
 
 
 def _peak_mib(fn: Callable, args: tuple, device: str) -> float:
@@ -310,10 +440,16 @@ def bench(providers: Mapping[str, Callable | None], cases: Sequence[Case], *,
     the memory one call allocates beyond its inputs (CUDA). ``inference_mode``: time under
     ``torch.inference_mode()`` (forward-only cases). ``setup`` as in ``check``, outside the timed region.
 
-    status: "ok" (timed), "wrong" (failed its check: not timed), "not installed" (given as None), or
-    "error: ..." (raised while timed). rel_err is the check's (empty when timed with reference=None).
+    Each provider is timed on its own copies of the case's tensors (made once, before its warm-up), so one
+    that writes into its inputs changes no other's. ``checked=``: a ``check`` frame of these same callables
+    (a name that now names another callable is refused: check it again).
+
+    status: "ok" (timed), "wrong" (failed its check on the numbers: not timed), "wrong: ..." (failed its
+    check otherwise, e.g. raised: the check's error), "not installed" (given as None), or "error: ..."
+    (raised while timed). rel_err is the check's (empty when timed with reference=None).
     """
-    _check_names(cases)
+    _check_cases(cases)
+    _check_bench_args(timer, reps, warmup)
     verdicts = _verdicts(providers, cases, reference, checked, tolerance, setup)
     prepare = _prepare(setup)
     flushes: dict[str, timing.L2Flush] = {}
@@ -329,7 +465,7 @@ def bench(providers: Mapping[str, Callable | None], cases: Sequence[Case], *,
             fl = floor or floors.measure_floor(device)
             base.update(bytes=nbytes, floor_gbps=fl.gbps, floor_source=fl.source, floor_ms=fl.ms(nbytes))
         peak = floors.device_peak_gbps(device)
-        sets, flush = _input_sets(case, device, case_timer)
+        n_sets, flush = _n_input_sets(case, device, case_timer)
         if flush and device not in flushes:
             flushes[device] = timing.L2Flush(device)
         for name, fn in providers.items():
@@ -337,11 +473,12 @@ def bench(providers: Mapping[str, Callable | None], cases: Sequence[Case], *,
             if fn is None:
                 rows.append({**row, "status": "not installed"})
                 continue
-            ok, rel_err = verdicts[(name, case.name)]
+            ok, rel_err, error = verdicts[(name, case.name)]
             row["rel_err"] = rel_err
             if not ok:
-                rows.append({**row, "status": "wrong"})
+                rows.append({**row, "status": _wrong(rel_err, error)})
                 continue
+            sets = [clone_args(case.args) for _ in range(n_sets)]  # its own inputs: it may write into them
             try:
                 with torch.inference_mode(inference_mode):
                     if case_timer == "cuda":
@@ -355,6 +492,8 @@ def bench(providers: Mapping[str, Callable | None], cases: Sequence[Case], *,
             except Exception as e:  # a provider that fails is reported, the run goes on
                 rows.append({**row, "status": f"error: {_error(e)}"})
                 continue
+            finally:
+                del sets  # before the next provider's copies
             med, q20, q80 = timing.quantiles(times)
             row.update(status="ok", median_ms=med, q20_ms=q20, q80_ms=q80)
             if nbytes is not None:
@@ -362,7 +501,6 @@ def bench(providers: Mapping[str, Callable | None], cases: Sequence[Case], *,
                 if peak:
                     row["pct_of_peak"] = 100.0 * row["gbps"] / peak
             rows.append(row)
-        del sets
         if device == "cuda":
             torch.cuda.empty_cache()
     columns = BENCH_COLUMNS + (["peak_mib"] if measure_memory else [])
@@ -372,7 +510,8 @@ def bench(providers: Mapping[str, Callable | None], cases: Sequence[Case], *,
 # ------------------------------------------------------------------------------------------------ plot
 def plot(timed: pd.DataFrame, ours: str | None = None, *, title: str | None = None):
     """A matplotlib Figure of a ``bench`` frame: time (with 20-80% bands) and GB/s against bytes moved, one
-    line per provider (``ours`` drawn bold), the floor dashed and the vendor peak dotted."""
+    line per provider (``ours`` drawn bold), the floor dashed (with a marker at each case) and the vendor peak
+    dotted."""
     from . import plots
 
     return plots.plot_timings(timed, ours=ours, title=title)

@@ -53,7 +53,8 @@ def draw_time(ax, df: pd.DataFrame, *, by: str, x: str, xlabel: str, ours: str |
         ax.fill_between(rows[x], rows["q20_ms"], rows["q80_ms"], alpha=0.2, color=style["color"])
     if "floor_ms" in df and df["floor_ms"].notna().any():
         floor = df.groupby(x, as_index=False)["floor_ms"].first().sort_values(x)
-        ax.plot(floor[x], floor["floor_ms"], "k--", lw=1, label="floor")
+        # A marker at each case: one case makes a line of one point, invisible without it.
+        ax.plot(floor[x], floor["floor_ms"], "k--", lw=1, marker="_", ms=12, mew=1.5, label="floor")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel(xlabel)
@@ -98,12 +99,17 @@ def draw_gbps(ax, df: pd.DataFrame, *, by: str, x: str, xlabel: str, ours: str |
 
 
 def legend_outside(fig, axes) -> None:
-    """One legend for all ``axes`` (each label once), right of them, so it covers no line."""
+    """One legend for all ``axes`` (each label once), right of them, so it covers no line; it also lays the
+    figure out. The legend stays inside the figure, so a plain ``savefig`` or a window shows it too: the
+    constrained layout keeps a margin for it and lays the axes out in the rest, at every draw (a resized window
+    too)."""
     handles = {}
     for ax in axes:
         for h, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, h)
-    fig.legend(list(handles.values()), list(handles), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    fig.set_layout_engine("constrained")  # tight_layout would lay the axes out over a figure legend
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="outside right center", fontsize=8)
 
 
 def plot_timings(timed: pd.DataFrame, ours: str | None = None, title: str | None = None):
@@ -124,7 +130,6 @@ def plot_timings(timed: pd.DataFrame, ours: str | None = None, title: str | None
         ax.set_xticks(range(df["case_index"].max() + 1), list(dict.fromkeys(df["case"])), rotation=20)
     fig.suptitle(title or f"{', '.join(dict.fromkeys(df['device']))}: time and bandwidth per provider",
                  fontsize=9)
-    fig.tight_layout()
     legend_outside(fig, axes)
     return fig
 
@@ -246,7 +251,6 @@ def plot_speedups(df: pd.DataFrame, ours: str, peers: list[str] | None = None, c
         ax.grid(True, axis="x", which="both", alpha=0.3)
     axes[-1, 0].set_xlabel(f"speed-up of {ours} (log scale; right of 1: {ours} is faster)")
     fig.suptitle(title or f"speed-up of {ours} over each peer", fontsize=10, x=0.02, ha="left")
-    fig.tight_layout()
     legend_outside(fig, axes[:, 0])
     return fig
 
@@ -288,7 +292,6 @@ def plot_linear_sweep(df: pd.DataFrame, ours: str, memory_bound_mib: float | Non
             ax.yaxis.set_major_formatter(plt.FormatStrFormatter("%g"))
             ax.yaxis.set_minor_formatter(plt.NullFormatter())
     fig.suptitle(title or "the LM head fused with the divergence: time and memory against tokens", fontsize=10)
-    fig.tight_layout()
     legend_outside(fig, axes.ravel())
     return fig
 
@@ -311,15 +314,16 @@ def plot_correctness(path: Path, ax=None, title: str = ""):
     return ax
 
 
-def write_goals(folder: Path, ours: str) -> Path:
-    """folder/goals.md from folder/bench.csv and env.json (the verdicts on the goals for that run)."""
+def write_goals(folder: Path, ours: str, out: Path | None = None) -> Path:
+    """goals.md (in ``out``, default ``folder``) from folder/bench.csv and env.json (the verdicts on the goals for
+    that run)."""
     from .goals import goal_rows, goals_markdown
 
     df = pd.read_csv(folder / "bench.csv")
     rows = df.astype(object).where(df.notna(), None).to_dict("records")
     env = json.loads((folder / "env.json").read_text()) if (folder / "env.json").exists() else {}
     device = env.get("device") or ("cuda" if (df["device"] == "cuda").any() else "cpu")
-    path = folder / "goals.md"
+    path = (out or folder) / "goals.md"
     path.write_text(goals_markdown(goal_rows(rows, device, ours), env))
     return path
 
@@ -332,7 +336,8 @@ def plot_folder(folder: Path, out: Path | None = None, *, ours: str, peers: list
     title = _device_title(folder)
 
     def save(fig, name):
-        fig.text(0.99, 0.005, title, fontsize=7, ha="right", va="bottom", color="0.4")
+        # Below the canvas (the saved image grows to hold it: bbox_inches="tight"), clear of the axes' labels.
+        fig.text(0.99, 0.0, title, fontsize=7, ha="right", va="top", color="0.4")
         p = out / name
         fig.savefig(p, dpi=120, bbox_inches="tight")
         plt.close(fig)
@@ -341,7 +346,7 @@ def plot_folder(folder: Path, out: Path | None = None, *, ours: str, peers: list
     bench = folder / "bench.csv"
     if bench.exists():
         df = load_bench(bench)
-        write_goals(folder, ours)
+        write_goals(folder, ours, out)  # with --out, the source folder is left as it is
         env = folder / "env.json"
         e = json.loads(env.read_text()) if env.exists() else {}
         read_gbps = e.get("floor_gbps") or e.get("read_gbps")  # older runs recorded only read_gbps
@@ -351,7 +356,6 @@ def plot_folder(folder: Path, out: Path | None = None, *, ours: str, peers: list
             fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
             plot_time_vs_size(df, pass_, form, dtype, ax=axes[0], ours=ours, legend=False)
             plot_bandwidth(df, pass_, form, dtype, read_gbps, ax=axes[1], ours=ours, legend=False)
-            fig.tight_layout()
             legend_outside(fig, axes)
             save(fig, f"time_{pass_.replace('+', '_')}_{form}_{dtype}.png")
         if linear_sweep_frame(df)["batch"].nunique() >= 2:

@@ -74,7 +74,8 @@ def test_plot_cli_draws_pngs_without_gpu(tmp_path):
     names = {p.name for p in written}
     assert {"time_fwd_probs_float32.png", "time_fwd_bwd_probs_float32.png", "speedups.png"} <= names
     assert all(p.stat().st_size > 5000 for p in written)
-    assert "% of vendor peak" in (folder / "goals.md").read_text()
+    assert "% of vendor peak" in (tmp_path / "out" / "some-gpu" / "goals.md").read_text()
+    assert sorted(p.name for p in folder.iterdir()) == ["bench.csv", "env.json"]  # --out leaves the source alone
 
 
 def test_old_csvs_still_plot(tmp_path):

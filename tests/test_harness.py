@@ -1,11 +1,14 @@
 """The harness: a researcher's own kernel checked, timed and plotted in a few lines (the README's snippet,
 run as written), wrong providers caught and never timed, the timing columns, the floors and vendor peaks."""
+import functools
 import math
 import textwrap
 from pathlib import Path
 
 import matplotlib.figure
+import matplotlib.pyplot as plt
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -137,9 +140,9 @@ def test_bench_refuses_to_time_a_wrong_provider(device):
     assert timed[timed["provider"] == "wrong"]["median_ms"].isna().all()
     assert (timed[timed["provider"] == "wrong"]["rel_err"] > 1e-5).all()
     # A check result handed in is used as it is.
-    verdict = harness.check({"torch": lambda x: x + x}, reference=lambda x: 3 * x, cases=cases)
-    assert harness.bench({"torch": lambda x: x + x}, cases=cases, checked=verdict, reps=3,
-                         warmup=1)["status"].eq("wrong").all()
+    add = lambda x: x + x  # noqa: E731
+    verdict = harness.check({"torch": add}, reference=lambda x: 3 * x, cases=cases)
+    assert harness.bench({"torch": add}, cases=cases, checked=verdict, reps=3, warmup=1)["status"].eq("wrong").all()
 
 
 def test_bench_needs_a_reference_or_an_explicit_none():
@@ -175,6 +178,163 @@ def test_setup_meta_and_gradients(device):
     assert "peak_mib" in timed.columns
     if device == "cuda":  # the step allocates at least the gradient
         assert timed.set_index("provider").loc["right", "peak_mib"] >= 4096 * 4 / 2**20
+
+
+def test_check_gives_each_provider_and_the_reference_their_own_inputs():
+    """One that writes into its inputs changes no one else's, nor the case's."""
+    x, i = torch.rand(1000), torch.randint(0, 1000, (100,))
+    x0, i0 = x.clone(), i.clone()
+
+    def ref(x, i):  # a reference may write into its inputs too, integer ones included
+        out = 2 * x[i]
+        x.zero_(), i.zero_()
+        return out
+
+    providers = {"in_place": lambda x, i: x.mul_(2)[i], "right": lambda x, i: 2 * x[i]}
+    df = harness.check(providers, reference=ref, cases=[harness.Case("n=1000", (x, i))])
+    assert df["ok"].all(), df["error"].tolist()
+    assert torch.equal(x, x0) and torch.equal(i, i0)
+
+
+def test_bench_times_each_provider_on_its_own_inputs():
+    x = torch.rand(1000)
+    x0, seen = x.clone(), []
+    timed = harness.bench({"in_place": lambda x: x.mul_(2), "records": lambda x: seen.append(x)},
+                          cases=[harness.Case("n=1000", (x,))], reference=None, reps=3, warmup=1)
+    assert timed["status"].eq("ok").all() and len(seen) == 4
+    assert all(torch.equal(s, x0) for s in seen) and torch.equal(x, x0)
+    # One copy per provider, made before its warm-up, not one per call (inputs may be large).
+    assert len({s.data_ptr() for s in seen}) == 1 and seen[0].data_ptr() != x.data_ptr()
+
+
+def test_gradients_do_not_pile_up_on_the_case_inputs():
+    """Each provider's inputs are fresh leaves that require grad, as the case's are."""
+    w = torch.rand(1000, requires_grad=True)
+
+    def step(w):
+        (w * w).sum().backward()
+        return w.grad
+
+    df = harness.check({"a": step, "b": step}, reference=step, cases=[harness.Case("grad", (w,))])
+    assert df["ok"].all(), df["error"].tolist()
+    assert w.grad is None
+
+
+def test_bench_times_only_the_callables_checked():
+    cases = _cases("cpu", (1 << 10,))
+    mine = functools.partial(torch.mul, other=2)  # a deep copy of it would be another object
+    checked = harness.check({"m": mine}, reference=lambda x: 2 * x, cases=cases)
+    with pytest.raises(ValueError, match="'m' is not the callable .*check it again"):
+        harness.bench({"m": lambda x: 3 * x}, cases=cases, checked=checked, reps=3, warmup=1)
+    for frame in (checked, checked.copy(), checked[checked["ok"]]):  # pandas copies keep the record
+        assert harness.bench({"m": mine}, cases=cases, checked=frame, reps=3, warmup=1)["status"].eq("ok").all()
+
+    class Op:
+        def run(self, x):
+            return 2 * x
+
+    op = Op()  # op.run is a new bound method at each access: the same callable
+    checked = harness.check({"m": op.run}, reference=lambda x: 2 * x, cases=cases)
+    assert harness.bench({"m": op.run}, cases=cases, checked=checked, reps=3, warmup=1)["status"].eq("ok").all()
+    # A frame built by hand has no record: trusted by name, as before.
+    by_hand = pd.DataFrame(checked.to_dict("records"))
+    assert harness.bench({"m": lambda x: x + x}, cases=cases, checked=by_hand, reps=3,
+                         warmup=1)["status"].eq("ok").all()
+
+
+def test_python_numbers_from_the_reference_are_float64():
+    x = torch.randn(1000, dtype=torch.float64)
+    df = harness.check({"float64": lambda x: x.sum()}, reference=lambda x: float(x.sum()),
+                       cases=[harness.Case("sum", (x,))])
+    assert df["ok"].all(), df["error"].tolist()
+    assert harness.compare(torch.tensor(3), 3)["ok"]  # integers stay integers: exact
+
+
+def test_dict_outputs_are_compared_by_key():
+    providers = {"other_order": lambda x: {"b": x, "a": 2 * x}, "other_key": lambda x: {"a": 2 * x, "z": x},
+                 "swapped": lambda x: {"a": x, "b": 2 * x}, "nested": lambda x: {"a": 2 * x, "b": {"c": x}},
+                 "tuple": lambda x: (2 * x, x)}
+    df = harness.check(providers, reference=lambda x: {"a": 2 * x, "b": x}, cases=_cases("cpu", (1 << 10,)))
+    ok, err = dict(zip(df["provider"], df["ok"])), dict(zip(df["provider"], df["error"]))
+    assert ok == {"other_order": True, "other_key": False, "swapped": False, "nested": False, "tuple": False}
+    assert err["other_key"] == "the output has dict keys {'a', 'z'}, the reference {'a', 'b'}"
+    assert "['b'] is a dict" in err["nested"] and "no dict" in err["tuple"]
+
+
+def test_a_bad_reference_raises_once_naming_it():
+    cases = _cases("cpu", (64,))
+    providers = {"a": lambda x: 2 * x, "b": lambda x: x + x}
+    with pytest.raises(TypeError, match="the reference returned ndarray"):
+        harness.check(providers, reference=lambda x: x.numpy(), cases=cases)
+
+    def raises(x):
+        raise RuntimeError("no float64 kernel")
+
+    with pytest.raises(RuntimeError, match="the reference raised on case 'n=64': RuntimeError: no float64 kernel"):
+        harness.check(providers, reference=raises, cases=cases)
+    with pytest.raises(TypeError, match="the reference returned ndarray"):
+        harness.bench(providers, cases=cases, reference=lambda x: x.numpy(), reps=3, warmup=1)
+
+
+def test_bench_says_why_a_provider_failed_its_check():
+    def raises(x):
+        raise RuntimeError("kernel launch failed")
+
+    cases = _cases("cpu", (1 << 10,))
+    providers = {"raises": raises, "shape": lambda x: 2 * x[:-1], "off": lambda x: 2 * x + 1e-3}
+    for checked in (None, harness.check(providers, reference=lambda x: 2 * x, cases=cases)):
+        timed = harness.bench(providers, cases=cases, reference=lambda x: 2 * x, checked=checked, reps=3, warmup=1)
+        status = dict(zip(timed["provider"], timed["status"]))
+        assert status["raises"] == "wrong: RuntimeError: kernel launch failed"
+        assert status["shape"].startswith("wrong: ") and "shape" in status["shape"]
+        assert status["off"] == "wrong"  # the numbers: rel_err says by how much
+        assert timed["median_ms"].isna().all()
+
+
+def test_meta_keys_must_not_name_result_columns():
+    for key in ("provider", "case", "device", "ok", "error", "status", "bytes", "median_ms", "peak_mib"):
+        with pytest.raises(ValueError, match=f"meta keys \\['{key}'\\]"):
+            harness.Case("c", (torch.rand(4),), meta={key: 1, "dtype": "float32"})
+    case = harness.Case("c", (torch.rand(4),), meta={"dtype": "float32"})
+    case.meta["status"] = "mine"  # changed after the case was made: caught when it is used
+    with pytest.raises(ValueError, match="status"):
+        harness.check({"t": lambda x: 2 * x}, reference=lambda x: 2 * x, cases=[case])
+    with pytest.raises(ValueError, match="status"):
+        harness.bench({"t": lambda x: 2 * x}, cases=[case], reference=None, reps=3, warmup=1)
+
+
+def test_bench_validates_its_arguments():
+    cases = _cases("cpu", (64,))
+    for bad, match in (({"timer": "bogus"}, "timer must be one of 'auto', 'cuda', 'wall'"), ({"reps": 0}, "reps"),
+                       ({"reps": 2.5}, "reps"), ({"warmup": -1}, "warmup")):
+        with pytest.raises(ValueError, match=match):
+            harness.bench({"t": lambda x: 2 * x}, cases=cases, reference=None, **bad)
+
+
+def test_plot_legend_inside_the_figure_off_the_axes():
+    """Shown by a plain savefig (no bbox_inches="tight") and in a window: inside the canvas, over no panel."""
+    providers = {"mine": lambda x: 2 * x, "torch": lambda x: x + x}
+    cases = _cases("cpu")
+    with_bytes = harness.bench(providers, cases=cases, reference=None, reps=3, warmup=1,
+                               bytes_moved=lambda x: 2 * x.nbytes)
+    without = harness.bench(providers, cases=cases, reference=None, reps=3, warmup=1)
+    for timed in (with_bytes, without):
+        fig = harness.plot(timed, ours="mine")
+        fig.canvas.draw()
+        (legend,) = fig.legends
+        box, canvas = legend.get_window_extent(), fig.bbox
+        assert canvas.x0 <= box.x0 and box.x1 <= canvas.x1 and canvas.y0 <= box.y0 and box.y1 <= canvas.y1
+        assert not any(box.overlaps(ax.get_window_extent()) for ax in fig.axes)
+        plt.close(fig)
+
+
+def test_plot_floor_of_a_single_case_is_visible():
+    timed = harness.bench({"torch": lambda x: 2 * x}, cases=_cases("cpu", (1 << 12,)), reference=None, reps=3,
+                          warmup=1, bytes_moved=lambda x: 2 * x.nbytes)
+    fig = harness.plot(timed)
+    (floor,) = [line for line in fig.axes[0].get_lines() if line.get_label() == "floor"]
+    assert len(floor.get_xdata()) == 1 and floor.get_marker() not in (None, "", " ", "None")
+    plt.close(fig)
 
 
 def test_upcast_and_tolerances():
