@@ -122,9 +122,19 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def _leaf(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A detached copy (in ``dtype``), a leaf that requires grad if ``t`` did."""
-    out = t.detach().to(dtype, copy=True) if dtype is not None else t.detach().clone()
-    return out.requires_grad_(t.requires_grad)
+    """A detached copy (in ``dtype``) with ``t``'s sizes and strides, a leaf that requires grad if ``t`` did.
+    The strides are kept even where clone() would not (a slice with gaps, an expanded view with stride 0): a
+    kernel checked or timed on a strided input must see that input, not a contiguous copy of it."""
+    grad, t = t.requires_grad, t.detach()
+    if t.is_contiguous() or t.numel() == 0 or t.layout != torch.strided:
+        out = t.to(dtype, copy=True) if dtype is not None else t.clone(memory_format=torch.contiguous_format)
+        if out.stride() != t.stride() and t.numel() > 0 and t.layout == torch.strided:
+            out = out.as_strided(t.shape, t.stride())  # contiguous either way; only size-1 dims' strides differ
+    else:  # copy the span of storage the view reaches, then view it alike
+        span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        flat = t.as_strided((span,), (1,), t.storage_offset())
+        out = (flat.to(dtype, copy=True) if dtype is not None else flat.clone()).as_strided(t.shape, t.stride())
+    return out.requires_grad_(grad)
 
 
 def upcast(obj: Any) -> Any:

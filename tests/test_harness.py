@@ -432,3 +432,23 @@ def test_poisoned_outputs_catch_a_cuda_kernel_that_skips_elements(tmp_path):
     assert (ok["timer"] == "cuda").all() and ok["floor_source"].isin(["torch_sum", "read_kernel"]).all()
     if floors.device_peak_gbps("cuda"):
         assert ok["pct_of_peak"].between(0, 100).all()
+
+
+def test_copies_keep_the_inputs_strides():
+    # A kernel checked or timed on a strided input must get that layout, not a contiguous copy of it: a slice with
+    # gaps, a transpose, an expanded (stride 0) view.
+    x = torch.randn(6, 8)
+    seen = []
+
+    def spy(a, b, c):
+        seen.append((a.stride(), b.stride(), c.stride()))
+        return a.sum() + b.sum() + c.sum()
+
+    args = (x[:, ::2], x.t(), torch.randn(8).expand(5, 8))
+    case = harness.Case("strided", args)
+    harness.check({"spy": spy}, reference=lambda a, b, c: a.sum() + b.sum() + c.sum(), cases=[case])
+    harness.bench({"spy": spy}, [case], reference=None, reps=1, warmup=0, timer="wall")
+    want = tuple(a.stride() for a in args)
+    assert seen and all(s == want for s in seen), (seen, want)
+    up = harness.upcast(args)
+    assert tuple(a.stride() for a in up) == want and all(torch.equal(u, a.double()) for u, a in zip(up, args))
