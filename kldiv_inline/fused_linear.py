@@ -32,6 +32,7 @@ from torch import Tensor
 
 from .distill import (
     _FLOAT_DTYPES,
+    _REDUCTION_CODE,
     _acc_dtype,
     _check_labels,
     _check_settings,
@@ -45,7 +46,7 @@ from .distill import (
     _validate_topk,
     refuse_transforms,
 )
-from .vocab_parallel import divergence_rows, group_name, resolve_group
+from .vocab_parallel import divergence_rows, group_name, resolve_group, topk_rows, vocab_slice
 
 __all__ = ["fused_linear_generalized_jsd", "FusedLinearGeneralizedJSDLoss", "default_chunk_size"]
 
@@ -148,6 +149,9 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
         # ranks, and a retry after a refusal would desynchronise the collectives.
         g_buf = torch.empty_like(s_buf)
     ones = torch.ones((), dtype=torch.float64, device=hidden.device) if group is not None else None
+    if group is not None and topk_idx is not None:
+        offset, whole = vocab_slice(vocab, hidden.device, group)  # where this rank's rows sit among all ranks'
+        sum_code = _REDUCTION_CODE["sum"]
     for r0 in range(0, n, chunk_size):
         r1 = min(n, r0 + chunk_size)
         h, logits = hidden[r0:r1], s_buf[: r1 - r0]
@@ -160,7 +164,13 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
         else:
             idx, lp = topk_idx[r0:r1], topk_lp[r0:r1]
         lab = labels[r0:r1] if labels is not None else None
-        if group is not None:
+        if group is not None and idx is not None:
+            part, dlogits = topk_rows(logits, idx, lp, lab, ignore_index, beta, temperature, sum_code, group, offset,
+                                      whole, want, k_scale)
+            total += (part if k_scale is None else part * k_scale).to(acc_t)
+            if not want:
+                continue
+        elif group is not None:
             rows_loss, dlogits, _ = divergence_rows(logits, teacher, lab, ignore_index, beta, temperature, group,
                                                     ones if k_scale is None else k_scale, want, False,
                                                     g_buf[: r1 - r0] if want else None)
@@ -355,16 +365,14 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     column-parallel head): each rank passes its contiguous slice of the weights' rows (and biases, or teacher
     logits), in rank order, and the same hidden states and labels; every rank returns the global loss and gets
     its slice's weight and bias gradients and the full gradient of the hidden states (summed over the group).
-    Each chunk's divergence then runs as ``generalized_jsd(..., group=group)`` does. Not with ``teacher_topk``.
+    Each chunk's divergence then runs as ``generalized_jsd(..., group=group)`` does; ``teacher_topk``'s indices
+    are then global vocabulary ids (each rank finds those in its rows).
     """
     _check_linear("student", student_hidden, student_weight, student_bias, None, None, None)
     pair = teacher_topk if isinstance(teacher_topk, (tuple, list)) else ()
     refuse_transforms("fused_linear_generalized_jsd", student_hidden, student_weight, student_bias, teacher_hidden,
                       teacher_weight, teacher_bias, teacher_logits, labels, *pair)
     name = group_name(group, "fused_linear_generalized_jsd") if group is not None else None
-    if group is not None and teacher_topk is not None:
-        raise NotImplementedError(_err("teacher_topk with a vocabulary split across a group is not implemented yet; "
-                                       "give the teacher as hidden states and weights, or as logits"))
     dtype, device = student_hidden.dtype, student_hidden.device
     hidden_size, vocab = student_hidden.shape[-1], student_weight.shape[0]
     lead = student_hidden.shape[:-1]
@@ -398,7 +406,9 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
         pair = teacher_topk
         if isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(t, Tensor) for t in pair):
             pair = (pair[0], pair[1].detach())
-        idx, lp = _validate_topk(pair, student_hidden, lead, vocab)
+        # With a group the indices are global: checked against the whole vocabulary (every rank's rows).
+        whole = vocab if group is None else vocab_slice(vocab, device, group)[1]
+        idx, lp = _validate_topk(pair, student_hidden, lead, whole)
     lab = _check_labels(labels, lead, device)
     _check_chunk_size(chunk_size)
     accum_dtype = _check_accum_dtype(accum_dtype, dtype)

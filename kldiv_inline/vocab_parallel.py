@@ -18,10 +18,11 @@ collectives run on the current stream (NCCL on GPUs, gloo on CPUs) and nothing w
 divisor is counted from the labels on the device. As in the one-device op, the forward pass writes the
 gradients (of the reduced loss) and backward only rescales them by grad_output, with no communication.
 
-A top-k teacher (global indices) takes another route (_topk_rows): the student's normalisers (phase 0), one
+A top-k teacher (global indices) takes another route (topk_rows): the student's normalisers (phase 0), one
 all-gather of each token's k + 1 bucket values, and the one-device kernel over the buckets on every rank; its
 indices are checked against the whole vocabulary, which costs one small all-gather and a host synchronisation.
-fused_linear_generalized_jsd(..., group=group) runs each chunk of tokens through divergence_rows.
+fused_linear_generalized_jsd(..., group=group) runs each chunk of tokens through divergence_rows (topk_rows
+for a top-k teacher).
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ from torch import Tensor
 
 from . import distill
 
-__all__ = ["generalized_jsd_vocab_parallel", "divergence_rows", "combine_norms", "group_name", "resolve_group"]
+__all__ = ["generalized_jsd_vocab_parallel", "divergence_rows", "topk_rows", "vocab_slice", "combine_norms",
+           "group_name", "resolve_group"]
 
 
 _LOG2E, _LN2 = 1 / math.log(2), math.log(2)
@@ -110,10 +112,12 @@ def divergence_rows(student: Tensor, teacher: Tensor, labels: Tensor | None, ign
     return sums[:, 0], gs, gt
 
 
-def _topk_rows(student: Tensor, idx: Tensor, lp: Tensor, labels: Tensor | None, ignore_index: int, beta: float,
-               temperature: float, reduction: int, group, offset: int, vocab: int, want_s: bool):
+def topk_rows(student: Tensor, idx: Tensor, lp: Tensor, labels: Tensor | None, ignore_index: int, beta: float,
+               temperature: float, reduction: int, group, offset: int, vocab: int, want_s: bool,
+               scale: Tensor | None = None):
     """A top-k teacher (global indices; this rank's slice starts at ``offset`` of ``vocab``): (the reduced loss,
-    the student's gradient of this slice or None).
+    the student's gradient of this slice or None; that gradient times ``scale``, a device scalar, when given:
+    the fused head's batchmean divisor, applied before the gradient is rounded to the logits' dtype).
 
     The divergence runs over k + 1 buckets (the k tokens, the tail) whose student probabilities need the whole
     row: each rank gives the log-probabilities of the members it holds and its part of the tail's mass (one
@@ -148,7 +152,8 @@ def _topk_rows(student: Tensor, idx: Tensor, lp: Tensor, labels: Tensor | None, 
     coef = torch.zeros_like(p_tail) if k == vocab else torch.where(p_tail > 0, g_buckets[:, k].double() / p_tail, 0.0)
     grad = torch.cat([p * coef[:, None].to(acc), p.new_zeros((n, 1))], dim=1).scatter_(1, col, g_buckets[:, :k])
     keep = labels != ignore_index if labels is not None else torch.ones(n, dtype=torch.bool, device=student.device)
-    return loss, torch.where(keep[:, None], grad[:, :v], 0.0).to(student.dtype)
+    grad = torch.where(keep[:, None], grad[:, :v], 0.0)
+    return loss, (grad if scale is None else grad * scale.to(grad.dtype)).to(student.dtype)
 
 
 def _run(student: Tensor, teacher: Tensor | None, idx: Tensor | None, lp: Tensor | None, labels: Tensor | None,
@@ -157,7 +162,7 @@ def _run(student: Tensor, teacher: Tensor | None, idx: Tensor | None, lp: Tensor
     ``settings``: (ignore_index, beta, temperature, reduction code, group, top-k offset, top-k vocabulary)."""
     ignore_index, beta, temperature, reduction, group, offset, vocab = settings
     if idx is not None:
-        loss, gs = _topk_rows(student, idx, lp, labels, ignore_index, beta, temperature, reduction, group, offset,
+        loss, gs = topk_rows(student, idx, lp, labels, ignore_index, beta, temperature, reduction, group, offset,
                               vocab, want_s)
         return loss, gs, None
     scale = _grad_scale(labels, ignore_index, student.shape[0], reduction, student.device)
@@ -199,7 +204,7 @@ class _VocabParallelDivergence(torch.autograd.Function):
         return (out_s, out_t) + (None,) * 6
 
 
-def _slices(width: int, device, group) -> tuple[int, int]:
+def vocab_slice(width: int, device, group) -> tuple[int, int]:
     """This rank's offset in the vocabulary and the vocabulary's size, from every rank's slice width (one small
     all-gather and one host synchronisation: only top-k indices need them)."""
     widths = _all_gather(torch.tensor([[width]], dtype=torch.int64, device=device), group).flatten().tolist()
@@ -232,7 +237,7 @@ def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tenso
     _check_group(group)
     offset, vocab = 0, None
     if teacher_topk is not None and isinstance(student_logits, Tensor) and student_logits.dim() >= 1:
-        offset, vocab = _slices(student_logits.shape[-1], student_logits.device, group)
+        offset, vocab = vocab_slice(student_logits.shape[-1], student_logits.device, group)
     args, lead = distill._prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, labels,
                                   ignore_index, reduction, topk_vocab=vocab)
     student, teacher, idx, lp, lab, ignore_index, beta, temperature, code = args

@@ -308,6 +308,9 @@ def _fused_case(rank, device, group, gen, *, widths, n=7, hidden=6, dtype=torch.
     h, w, b = rand(n, hidden), rand(vocab, hidden, scale=0.7), rand(vocab) if bias else None
     th, tw, tb = rand(n, hidden + 2), rand(vocab, hidden + 2, scale=0.7), rand(vocab)
     t_logits = rand(n, vocab, scale=2.0)
+    k = min(4, vocab)
+    lp_all = torch.log_softmax(torch.randn(n, vocab, dtype=torch.float64, generator=gen) * 2, dim=-1)
+    topk_lp, topk_idx = (x.to(device) for x in lp_all.topk(k, dim=-1))  # global ids, as a server returns them
     lab = torch.randint(0, vocab, (n,), generator=gen).to(device)
     lab = lab.masked_fill(torch.rand(n, generator=gen).to(device) < mask, -100)
     kw = dict(beta=beta, temperature=float(torch.rand((), generator=gen)) * 2 + 0.5, labels=lab,
@@ -320,8 +323,10 @@ def _fused_case(rank, device, group, gen, *, widths, n=7, hidden=6, dtype=torch.
 
         leaves = [c(x).detach().clone().requires_grad_() for x in (h, w[sl], b[sl] if bias else None)
                   if x is not None]
-        teach = (dict(teacher_hidden=c(th), teacher_weight=c(tw[sl]), teacher_bias=c(tb[sl])) if teacher == "hidden"
-                 else dict(teacher_logits=c(t_logits[:, sl])))
+        lp_dtype = torch.float64 if cast == torch.float64 else torch.float32
+        teach = {"hidden": lambda: dict(teacher_hidden=c(th), teacher_weight=c(tw[sl]), teacher_bias=c(tb[sl])),
+                 "logits": lambda: dict(teacher_logits=c(t_logits[:, sl])),
+                 "topk": lambda: dict(teacher_topk=(topk_idx, topk_lp.to(lp_dtype)))}[teacher]()
         loss = K.fused_linear_generalized_jsd(leaves[0], leaves[1], student_bias=leaves[2] if bias else None,
                                               group=group_, **teach, **kw)
         return (loss, *torch.autograd.grad(loss, leaves))
@@ -348,8 +353,13 @@ def _fused_body(rank, world, device, seed, widths):
         _fused_case(rank, device, group, gen, widths=widths, beta=beta, mask=1.1)  # every token masked
     with torch.no_grad():  # the forward alone
         _fused_case_no_grad(rank, device, group, gen, widths)
-    with pytest.raises(NotImplementedError, match="teacher_topk"):
-        idx = torch.zeros((2, 1), dtype=torch.long, device=device)
+    for dtype in (torch.float32, torch.float64):  # a top-k teacher: global indices, each rank finds its own
+        for beta in (0.0, 0.5, 1.0):
+            _fused_case(rank, device, group, gen, widths=widths, dtype=dtype, beta=beta, teacher="topk")
+    _fused_case(rank, device, group, gen, widths=widths, beta=0.5, teacher="topk", reduction="sum", chunk_size=100)
+    _fused_case(rank, device, group, gen, widths=widths, beta=0.5, teacher="topk", mask=1.1)
+    with pytest.raises(ValueError, match=rf"in \[0, {sum(widths)}\)"):  # checked against the whole vocabulary
+        idx = torch.full((2, 1), sum(widths), dtype=torch.long, device=device)
         K.fused_linear_generalized_jsd(torch.randn(2, 4, device=device), torch.randn(widths[rank], 4, device=device),
                                        teacher_topk=(idx, torch.zeros((2, 1), device=device)), group=group)
 
