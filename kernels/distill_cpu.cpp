@@ -31,8 +31,39 @@ struct Args {
   double beta, inv_t;
 };
 
-inline bool row_masked(const Args& a, int64_t i) {
-  return a.r.labels.defined() && a.r.labels.data_ptr<int64_t>()[i] == a.ignore_index;
+// A call's tensors as raw pointers, taken before any OpenMP region: data_ptr() throws for a tensor without
+// storage (torch.func's wrappers, say), and an exception thrown inside a parallel region aborts the process.
+template <typename T, typename A> struct RowPtrs {
+  const T *s = nullptr, *t = nullptr;
+  const int64_t *labels = nullptr, *idx = nullptr;
+  const A* lp = nullptr;
+  T *gs = nullptr, *gt = nullptr;
+  int64_t s_stride = 0, t_stride = 0, gs_stride = 0;
+};
+
+template <typename T, typename A> RowPtrs<T, A> row_ptrs(const Rows& r, const at::Tensor& gs, const at::Tensor& gt) {
+  RowPtrs<T, A> p;
+  p.s = r.s.data_ptr<T>();
+  p.s_stride = r.s.stride(0);
+  if (r.t.defined()) {
+    p.t = r.t.data_ptr<T>();
+    p.t_stride = r.t.stride(0);
+  }
+  if (r.labels.defined()) p.labels = r.labels.data_ptr<int64_t>();
+  if (r.topk()) {
+    p.idx = r.idx.data_ptr<int64_t>();
+    p.lp = r.lp.data_ptr<A>();
+  }
+  if (gs.defined()) {
+    p.gs = gs.data_ptr<T>();
+    p.gs_stride = gs.stride(0);
+  }
+  if (gt.defined()) p.gt = gt.data_ptr<T>();
+  return p;
+}
+
+template <typename T, typename A> inline bool row_masked(const Args& a, const RowPtrs<T, A>& p, int64_t i) {
+  return p.labels && p.labels[i] == a.ignore_index;
 }
 
 // The normaliser of a row (distill_common.h's Norm; k2 = log2(e) / T). NaN anywhere gives NaN (as PyTorch's
@@ -143,26 +174,26 @@ void forward_rows(const Args& a, double inv_div, at::Tensor& rows_loss, at::Tens
   const RowConst<A> c = row_const<A>(a.beta);
   const A k2 = static_cast<A>(a.inv_t * kLog2e), scale = static_cast<A>(inv_div * a.inv_t);
   A* out = rows_loss.data_ptr<A>();
+  const RowPtrs<T, A> p = row_ptrs<T, A>(r, gs, gt);
 #pragma omp parallel if (r.n * r.v >= kParallelMin)
   {
     std::vector<unsigned char> mark;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < r.n; ++i) {
-      const T* s = r.s.data_ptr<T>() + i * r.s.stride(0);
-      T* gsi = gs.defined() ? gs.data_ptr<T>() + i * gs.stride(0) : nullptr;
-      T* gti = gt.defined() ? gt.data_ptr<T>() + i * r.v : nullptr;
-      if (row_masked(a, i)) {
+      const T* s = p.s + i * p.s_stride;
+      T* gsi = p.gs ? p.gs + i * p.gs_stride : nullptr;
+      T* gti = p.gt ? p.gt + i * r.v : nullptr;
+      if (row_masked(a, p, i)) {
         out[i] = A(0);
         if (gsi) std::fill(gsi, gsi + r.v, T(0));
         if (gti) std::fill(gti, gti + r.v, T(0));
         continue;
       }
       if (r.topk()) {
-        out[i] = row_topk<T, MODE, A>(s, r.v, r.idx.data_ptr<int64_t>() + i * r.k, r.lp.data_ptr<A>() + i * r.k, r.k,
-                                      k2, c, scale, gsi, mark);
+        out[i] = row_topk<T, MODE, A>(s, r.v, p.idx + i * r.k, p.lp + i * r.k, r.k, k2, c, scale, gsi, mark);
         continue;
       }
-      const T* t = r.t.data_ptr<T>() + i * r.t.stride(0);
+      const T* t = p.t + i * p.t_stride;
       const RowNorms<A> rn = row_norms(row_norm<T, A>(s, r.v, k2), row_norm<T, A>(t, r.v, k2));
       const Terms<double> sums = row_terms<T, MODE, A>(s, t, r.v, k2, rn, c);
       out[i] = static_cast<A>(sums.loss);
@@ -180,17 +211,21 @@ void phase_rows(const Args& a, int64_t phase, const at::Tensor& norms, const at:
   const Rows& r = a.r;
   const RowConst<A> c = row_const<A>(a.beta);
   const A k2 = static_cast<A>(a.inv_t * kLog2e), sc = static_cast<A>(scale_v * a.inv_t);
+  const RowPtrs<T, A> p = row_ptrs<T, A>(r, gs, gt);
+  A* const o_base = out.defined() ? out.data_ptr<A>() : nullptr;  // none in the gradient phase
+  const A* const l_base = phase == PHASE_NORMS ? nullptr : norms.data_ptr<A>();
+  const A* const k_base = ksums.defined() ? ksums.data_ptr<A>() : nullptr;
 #pragma omp parallel for schedule(static) if (r.n * r.v >= kParallelMin)
   for (int64_t i = 0; i < r.n; ++i) {
-    const T* s = r.s.data_ptr<T>() + i * r.s.stride(0);
-    const T* t = r.t.data_ptr<T>() + i * r.t.stride(0);
-    T* gsi = gs.defined() ? gs.data_ptr<T>() + i * gs.stride(0) : nullptr;
-    T* gti = gt.defined() ? gt.data_ptr<T>() + i * r.v : nullptr;
-    const bool masked = row_masked(a, i);
+    const T* s = p.s + i * p.s_stride;
+    const T* t = p.t + i * p.t_stride;
+    T* gsi = p.gs ? p.gs + i * p.gs_stride : nullptr;
+    T* gti = p.gt ? p.gt + i * r.v : nullptr;
+    const bool masked = row_masked(a, p, i);
     if (phase == PHASE_NORMS) {
       const Norm<A> ns = masked ? Norm<A>{ninf<A>(), ninf<A>()} : row_norm<T, A>(s, r.v, k2);
       const Norm<A> nt = masked ? Norm<A>{ninf<A>(), ninf<A>()} : row_norm<T, A>(t, r.v, k2);
-      A* o = out.data_ptr<A>() + 4 * i;
+      A* o = o_base + 4 * i;
       o[0] = ns.mx;
       o[1] = ns.lz;
       o[2] = nt.mx;
@@ -198,23 +233,23 @@ void phase_rows(const Args& a, int64_t phase, const at::Tensor& norms, const at:
       continue;
     }
     if (masked) {
-      if (phase == PHASE_TERMS) std::fill(out.data_ptr<A>() + 3 * i, out.data_ptr<A>() + 3 * i + 3, A(0));
+      if (phase == PHASE_TERMS) std::fill(o_base + 3 * i, o_base + 3 * i + 3, A(0));
       if (gsi) std::fill(gsi, gsi + r.v, T(0));
       if (gti) std::fill(gti, gti + r.v, T(0));
       continue;
     }
-    const A* l = norms.data_ptr<A>() + 4 * i;
+    const A* l = l_base + 4 * i;
     const RowNorms<A> rn = row_norms(Norm<A>{l[0], l[1]}, Norm<A>{l[2], l[3]});
     A ks = A(0), kt = A(0);
     if (phase == PHASE_TERMS) {
       const Terms<double> sums = row_terms<T, MODE, A>(s, t, r.v, k2, rn, c);
-      A* o = out.data_ptr<A>() + 3 * i;
+      A* o = o_base + 3 * i;
       o[0] = static_cast<A>(sums.loss);
       o[1] = static_cast<A>(sums.ks);
       o[2] = static_cast<A>(sums.kt);
-    } else if (ksums.defined()) {
-      ks = ksums.data_ptr<A>()[2 * i];
-      kt = ksums.data_ptr<A>()[2 * i + 1];
+    } else if (k_base) {
+      ks = k_base[2 * i];
+      kt = k_base[2 * i + 1];
     }
     if (gsi || gti) row_grad<T, MODE, A>(s, t, r.v, k2, rn, c, ks, kt, sc, gsi, gti);
   }
@@ -222,12 +257,14 @@ void phase_rows(const Args& a, int64_t phase, const at::Tensor& norms, const at:
 
 template <typename T> void scale_rows(at::Tensor& grad, const double* g, bool per_row) {
   using A = typename AccOf<T>::type;
+  T* const base = grad.data_ptr<T>();  // before the parallel region (see RowPtrs)
+  const int64_t rows = grad.size(0), cols = grad.size(1), stride = grad.stride(0);
 #pragma omp parallel for schedule(static) if (grad.numel() >= kParallelMin)
-  for (int64_t i = 0; i < grad.size(0); ++i) {
+  for (int64_t i = 0; i < rows; ++i) {
     const A f = static_cast<A>(g[per_row ? i : 0]);
     if (f == A(1)) continue;
-    T* row = grad.data_ptr<T>() + i * grad.stride(0);
-    for (int64_t j = 0; j < grad.size(1); ++j) row[j] = static_cast<T>(static_cast<A>(row[j]) * f);
+    T* row = base + i * stride;
+    for (int64_t j = 0; j < cols; ++j) row[j] = static_cast<T>(static_cast<A>(row[j]) * f);
   }
 }
 

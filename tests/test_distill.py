@@ -8,6 +8,8 @@ fresh random logits each run (conftest reseeds; the seed is printed), outputs ar
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -649,3 +651,18 @@ def test_no_fallback_to_pytorch_softmax(device, monkeypatch):
     loss = K.generalized_jsd(s, t, beta=0.5)
     loss.backward()
     assert torch.equal(loss.detach(), expect) and math.isfinite(float(loss))
+
+
+def test_cpu_kernel_under_vmap_raises_instead_of_aborting():
+    # Below the front end's check: the CPU twin called directly on vmap's storage-less tensors must raise (it
+    # threw inside an OpenMP region, which aborts the process; hence a child process here).
+    code = ("import torch, kldiv_inline as K\n"
+            "mod = K.load('cpu', extension='distill')\n"
+            "t = torch.randn(4, 20)\n"
+            "f = lambda x: mod.distill_forward(x, t, None, None, None, -100, 0.0, 1.0, 0, False, False)[0]\n"
+            "try:\n"
+            "    torch.func.vmap(f)(torch.randn(2, 4, 20))\n"
+            "except RuntimeError as e:\n"
+            "    print('raised', e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "raised" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
