@@ -159,7 +159,11 @@ def _rows(x: Tensor, vocab: int) -> Tensor:
 TOPK_MASS_SLACK = 0.02
 
 
-def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int) -> tuple[Tensor, Tensor]:
+def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, labels: Tensor | None = None,
+                   ignore_index: int = -100) -> tuple[Tensor, Tensor]:
+    """The top-k pair as [rows, k] int64 indices and log-probabilities (in the accumulation dtype), checked (in
+    eager mode): indices in range and distinct, the mass of a distribution (tokens masked by ``labels``, the
+    checked int64 row of them, are exempt from the mass check: padding may hold filler)."""
     if not (isinstance(teacher_topk, Sequence) and len(teacher_topk) == 2):
         raise TypeError("generalized_jsd: teacher_topk must be a pair (indices, logprobs)")
     idx, lp = teacher_topk
@@ -195,7 +199,9 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int) 
         bad_range = (idx2.min() < 0) | (idx2.max() >= vocab)
         srt = idx2.sort(dim=-1).values
         dup = (srt[:, 1:] == srt[:, :-1]).any() if k > 1 else torch.zeros((), dtype=torch.bool, device=idx2.device)
-        excess = lse.abs() if k == vocab else lse
+        excess = (lse.abs() if k == vocab else lse).flatten()
+        if labels is not None:
+            excess = torch.where(labels != ignore_index, excess, -math.inf)
         bad_mass = (excess > math.log1p(TOPK_MASS_SLACK)).any()
         bad_range, dup, bad_mass = (bool(v) for v in torch.stack([bad_range, dup, bad_mass]).cpu())
         if bad_range:
@@ -203,7 +209,7 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int) 
         if dup:
             raise ValueError("generalized_jsd: top-k indices of a token must be distinct")
         if bad_mass:
-            worst = float(lse.flatten()[excess.flatten().argmax()])
+            worst = float(lse.flatten()[excess.nan_to_num(nan=-math.inf).argmax()])  # (a NaN row is no offender)
             allowed = "at most 1" if k < vocab else "1 (k = V: the whole vocabulary)"
             raise ValueError(f"generalized_jsd: top-k log-probabilities must be those of a distribution: a token's "
                              f"{k} probabilities sum to {math.exp(worst):.4g}, where they must sum to {allowed}, "
@@ -300,13 +306,14 @@ def _prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, la
     vocab, lead = student_logits.shape[-1], student_logits.shape[:-1]
     if (teacher_logits is None) == (teacher_topk is None):
         raise ValueError("generalized_jsd: give exactly one of teacher_logits and teacher_topk")
+    lab = _check_labels(labels, lead, student_logits.device)
     teacher = idx = lp = None
     if teacher_logits is not None:
         _check_teacher_logits(teacher_logits, student_logits.shape, student_logits.dtype, student_logits.device)
         teacher = _rows(teacher_logits, vocab)
     else:
-        idx, lp = _validate_topk(teacher_topk, student_logits, lead, vocab if topk_vocab is None else topk_vocab)
-    lab = _check_labels(labels, lead, student_logits.device)
+        idx, lp = _validate_topk(teacher_topk, student_logits, lead, vocab if topk_vocab is None else topk_vocab,
+                                 lab, ignore_index)
     args = (_rows(student_logits, vocab), teacher, idx, lp, lab, int(ignore_index), beta, temperature,
             _REDUCTION_CODE[reduction])
     return args, lead

@@ -388,6 +388,7 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
                               "teacher_topk"))
     if teacher_bias is not None and not forms[0]:
         raise ValueError(_err("teacher_bias needs teacher_hidden and teacher_weight"))
+    lab = _check_labels(labels, lead, device)
     t_hidden = t_weight = t_bias = t_logits = idx = lp = None
     if forms[0]:
         if teacher_hidden is None or teacher_weight is None:
@@ -408,8 +409,7 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
             pair = (pair[0], pair[1].detach())
         # With a group the indices are global: checked against the whole vocabulary (every rank's rows).
         whole = vocab if group is None else vocab_slice(vocab, device, group)[1]
-        idx, lp = _validate_topk(pair, student_hidden, lead, whole)
-    lab = _check_labels(labels, lead, device)
+        idx, lp = _validate_topk(pair, student_hidden, lead, whole, lab, ignore_index)
     _check_chunk_size(chunk_size)
     accum_dtype = _check_accum_dtype(accum_dtype, dtype)
     n = lead.numel()

@@ -351,6 +351,17 @@ def test_topk_mass_is_checked_and_rounding_normalised(device):
     # Not a distribution: an error naming the mass (a log-probability above 0; with k = V, mass far from 1).
     with pytest.raises(ValueError, match="must be those of a distribution: a token.s 4 probabilities sum to"):
         K.generalized_jsd(s, teacher_topk=(idx, torch.where(torch.arange(4, device=device) == 0, 0.5, lp)))
+    # A masked token's top-k may hold filler (padding): it is exempt. A NaN row is not the one the error names.
+    filler = lp.clone()
+    filler[2] = 0.0
+    labels = torch.tensor([1, 2, -100], device=device)
+    assert torch.isfinite(K.generalized_jsd(s, teacher_topk=(idx, filler), labels=labels))
+    with pytest.raises(ValueError, match="sum to 4, "):
+        K.generalized_jsd(s, teacher_topk=(idx, filler))
+    nan_row = filler.clone()
+    nan_row[0] = math.nan
+    with pytest.raises(ValueError, match="sum to 4, "):
+        K.generalized_jsd(s, teacher_topk=(idx, nan_row))
     full_idx = torch.arange(12, device=device).expand(3, 12)
     half = torch.log_softmax(s.double(), -1).float() + math.log(0.5)
     with pytest.raises(ValueError, match="sum to 0.5"):
