@@ -126,9 +126,11 @@ def _leaf(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     The strides are kept even where clone() would not (a slice with gaps, an expanded view with stride 0): a
     kernel checked or timed on a strided input must see that input, not a contiguous copy of it."""
     grad, t = t.requires_grad, t.detach()
-    if t.is_contiguous() or t.numel() == 0 or t.layout != torch.strided:
+    if t.layout != torch.strided:  # sparse and other layouts: strides do not apply
+        return (t.to(dtype, copy=True) if dtype is not None else t.clone()).requires_grad_(grad)
+    if t.is_contiguous() or t.numel() == 0:
         out = t.to(dtype, copy=True) if dtype is not None else t.clone(memory_format=torch.contiguous_format)
-        if out.stride() != t.stride() and t.numel() > 0 and t.layout == torch.strided:
+        if out.stride() != t.stride() and t.numel() > 0:
             out = out.as_strided(t.shape, t.stride())  # contiguous either way; only size-1 dims' strides differ
     else:  # copy the span of storage the view reaches, then view it alike
         span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
@@ -406,9 +408,13 @@ def _wrong(rel_err: float, error: str) -> str:
 def _n_input_sets(case: Case, device: str, timer: str) -> tuple[int, bool]:
     """How many input sets to rotate among, and whether to flush the L2 before each call: inputs that fit in
     (twice) the L2 are flushed and rotated among copies that together overflow it."""
-    in_bytes = sum(t.nbytes for t in _tensors(case.args))
+    if timer != "cuda":
+        return 1, False
+    # (a sparse tensor has no nbytes: its dense size stands in, an upper bound of what it holds)
+    in_bytes = sum(t.nbytes if t.layout == torch.strided else t.numel() * t.element_size()
+                   for t in _tensors(case.args))
     l2 = timing.l2_bytes(device)
-    if timer != "cuda" or in_bytes > 2 * l2:
+    if in_bytes > 2 * l2:
         return 1, False
     return min(8, max(2, (3 * l2) // max(1, in_bytes) + 1)), True
 

@@ -452,3 +452,13 @@ def test_copies_keep_the_inputs_strides():
     assert seen and all(s == want for s in seen), (seen, want)
     up = harness.upcast(args)
     assert tuple(a.stride() for a in up) == want and all(torch.equal(u, a.double()) for u, a in zip(up, args))
+
+
+def test_sparse_inputs_are_copied_as_they_are():
+    x = torch.randn(6, 6).relu().to_sparse()
+    case = harness.Case("sparse", (x,))
+    df = harness.check({"dense2": lambda a: 2 * a.to_dense()}, reference=lambda a: 2 * a.to_dense(), cases=[case])
+    assert bool(df["ok"].iloc[0]), df["error"].iloc[0]
+    timed = harness.bench({"dense2": lambda a: 2 * a.to_dense()}, [case], reference=None, reps=1, warmup=0,
+                          timer="wall")
+    assert timed["status"].iloc[0] == "ok"
