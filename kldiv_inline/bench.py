@@ -198,12 +198,33 @@ def floor_env(floor: floors.Floor) -> dict:
     return {**env, "peak_gbps": peak} if peak else env
 
 
+# The suite each bench.csv row belongs to, by its form.
+SUITE_OF_FORM = {"probs": "kl", "logprobs": "kl", "logits": "distill", "topk": "distill", "linear": "linear"}
+
+
+def check_suites(args, folder: Path) -> None:
+    """Refuses a run of some suites that would replace a bench.csv holding others' rows (they would be lost:
+    give that run a folder of its own), and --linear-sweep without the linear suite."""
+    suites = getattr(args, "suites", None) or list(dict.fromkeys(SUITE_OF_FORM.values()))
+    if getattr(args, "linear_sweep", False) and "linear" not in suites:
+        raise SystemExit("--linear-sweep sweeps the fused LM head: add linear to --suites")
+    path = folder / "bench.csv"
+    if not path.exists():
+        return
+    held = {SUITE_OF_FORM.get(f, f) for f in pd.read_csv(path, usecols=["form"])["form"].dropna().unique()}
+    lost = sorted(held - set(suites))
+    if lost:
+        raise SystemExit(f"{path} holds rows of the {', '.join(lost)} suite(s), which --suites {','.join(suites)} "
+                         f"would drop: give this run another folder (--results), or run those suites too")
+
+
 def main(args) -> int:
     from .envinfo import device_slug, write_env
     from .variants import variant_names
 
     device = args.device  # resolved by the CLI: "cuda" or "cpu"
     folder = Path(args.results) / device_slug(device)
+    check_suites(args, folder)
     floor = floors.measure_floor(device)
     sources = ", ".join(f"{k} {v:.0f}" for k, v in floor.sources.items())
     print(f"{device}: floor {floor.gbps:.0f} GB/s from {floor.source} (read GB/s: {sources})", file=sys.stderr)

@@ -141,3 +141,20 @@ def test_bench_runs_only_the_suites_asked_for(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kldiv_inline", "bench", "--suites", "kl,nope"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "suites are a comma-separated list of kl, distill, linear" in bad.stderr
+
+
+def test_bench_refuses_to_drop_other_suites_rows(tmp_path):
+    # A run of some suites into a folder whose bench.csv holds others' rows would lose them: refused, at once.
+    from kldiv_inline.envinfo import device_slug
+
+    folder = tmp_path / device_slug("cpu")
+    bench.write_csv(_fake_rows(), folder / "bench.csv")  # the KL suite's rows
+    for cmd in ("bench", "results"):
+        proc = subprocess.run([sys.executable, "-m", "kldiv_inline", cmd, "--device", "cpu", "--suites", "linear",
+                               "--results", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0 and "holds rows of the kl suite" in proc.stderr, proc.stderr[-2000:]
+    assert len(pd.read_csv(folder / "bench.csv")) == len(_fake_rows())
+    assert not (folder / "correctness.csv").exists()  # results refused before its check ran
+    proc = subprocess.run([sys.executable, "-m", "kldiv_inline", "bench", "--suites", "kl", "--linear-sweep",
+                           "--results", str(tmp_path / "other")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "add linear to --suites" in proc.stderr
