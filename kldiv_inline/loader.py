@@ -315,7 +315,7 @@ def _resolve_includes(path: Path, include_dirs: Sequence[Path], seen: dict[Path,
     path = path.resolve()
     if path in seen:
         return
-    text = path.read_text()
+    text = path.read_bytes().decode("utf-8", "surrogateescape")  # any bytes (a system header need not be UTF-8)
     seen[path] = text
     for delim, inc in _INCLUDE_RE.findall(text):
         for d in (path.parent, *include_dirs) if delim == '"' else include_dirs:
@@ -532,15 +532,16 @@ def load_sources(
     if isinstance(functions, str):
         functions = [functions]
     incs = [Path(d).resolve() for d in include_dirs]
-    # Folders named by -I / -isystem in the extra flags are searched too, so the headers found there are part of
-    # the cache key (else an edit to one would return the stale build).
-    for d in [*{p.parent for p in srcs}, *_flag_include_dirs([*extra_cflags, *extra_cuda_cflags])]:
+    for d in {p.parent for p in srcs}:
         if d not in incs:
             incs.append(d)
+    # Folders named by -I / -isystem in the extra flags are searched as well (they reach their compiler through
+    # those flags, not ours), so the headers found there are part of the cache key: an edit to one rebuilds.
+    search = incs + [d for d in _flag_include_dirs([*extra_cflags, *extra_cuda_cflags]) if d not in incs]
 
     texts: dict[Path, str] = {}
     for p in srcs:
-        _resolve_includes(p, incs, texts)
+        _resolve_includes(p, search, texts)
     if functions is not None:
         _check_bindings_header(cpp_srcs, incs, functions)
 
@@ -553,7 +554,7 @@ def load_sources(
 
     key = hashlib.sha256()
     for p in sorted(texts):
-        key.update(str(p).encode() + b"\0" + texts[p].encode() + b"\0")
+        key.update(str(p).encode() + b"\0" + texts[p].encode("utf-8", "surrogateescape") + b"\0")
     fn_key = sorted(functions.items()) if isinstance(functions, Mapping) else functions
     for part in (repr(list(fn_key) if fn_key is not None else None),
                  repr(cflags), repr(cuda_cflags), repr(list(extra_ldflags)), repr(include_flags),
