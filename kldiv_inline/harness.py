@@ -309,12 +309,22 @@ def _check_one(fn: Callable, case: Case, ref: Any, prepare: Callable, device: st
         return {"ok": False, "error": _error(e)}
 
 
-class _Checked(dict):
-    """Provider name -> the callable checked. pandas deep-copies a frame's attrs as it copies the frame; this
-    stays itself, so the callables stay the very objects checked (a deep copy of a module would be another)."""
+class _Checked(str):
+    """Provider name -> the callable checked, in ``.callables``. A str to everything else: a frame's attrs are
+    written by to_parquet (as JSON) and to_pickle, which cannot hold callables (a lambda does not pickle), so
+    they keep only this note, and such a frame's verdicts are trusted by name, as a frame built by hand. pandas
+    deep-copies attrs as it copies a frame: this stays itself, so the callables stay the very objects checked."""
+
+    def __new__(cls, providers: Mapping[str, Callable | None]):
+        self = super().__new__(cls, "harness.check: the callables checked (held in memory only)")
+        self.callables = dict(providers)
+        return self
 
     def __deepcopy__(self, memo):
         return self
+
+    def __reduce__(self):
+        return (str, (str(self),))
 
 
 def _run_reference(reference: Callable, prepare: Callable, case: Case) -> Any:
@@ -354,8 +364,9 @@ def _check_checked(providers: Mapping[str, Callable | None], checked: pd.DataFra
     """Refuses a check's verdict on a provider name that now names another callable. A frame without the
     record (built by hand) is trusted by name."""
     record = checked.attrs.get(CHECKED_ATTR)
-    if record is None:
+    if not isinstance(record, _Checked):  # none (a frame built by hand), or a note after a pickle or JSON trip
         return
+    record = record.callables
     names = set(checked["provider"])
     for name, fn in providers.items():
         if fn is not None and name in names and not (name in record and _same_callable(record[name], fn)):

@@ -462,3 +462,21 @@ def test_sparse_inputs_are_copied_as_they_are():
     timed = harness.bench({"dense2": lambda a: 2 * a.to_dense()}, [case], reference=None, reps=1, warmup=0,
                           timer="wall")
     assert timed["status"].iloc[0] == "ok"
+
+
+def test_a_check_frame_pickles_and_serialises(tmp_path):
+    # The record of the callables checked stays in memory: the frame pickles (a lambda would not) and writes as
+    # JSON (as to_parquet writes attrs); read back, its verdicts are trusted by name.
+    import json
+    import pickle
+
+    f = lambda x: 2 * x  # noqa: E731
+    cases = [harness.Case("a", (torch.rand(64),))]
+    df = harness.check({"m": f}, reference=lambda x: 2 * x, cases=cases)
+    back = pickle.loads(pickle.dumps(df))
+    json.dumps(df.attrs)
+    assert back["ok"].all()
+    timed = harness.bench({"m": f}, cases, checked=back, reps=1, warmup=0, timer="wall")
+    assert timed["status"].tolist() == ["ok"]
+    with pytest.raises(ValueError, match="check it again"):  # in memory, the record still guards
+        harness.bench({"m": lambda x: 3 * x}, cases, checked=df, reps=1, warmup=0, timer="wall")
