@@ -15,11 +15,10 @@ from pathlib import Path
 
 from .envinfo import REPO_ROOT
 
-# The benchmark's suites: the KL op, distillation from logits, the fused LM head.
-SUITES = ("kl", "distill", "linear")
-
 
 def _suites(text: str) -> list[str]:
+    from .bench import SUITES
+
     names = [t.strip() for t in text.split(",") if t.strip()]
     unknown = [n for n in names if n not in SUITES]
     if unknown or not names:
@@ -91,6 +90,8 @@ def main(argv=None) -> int:
     results_default = str(REPO_ROOT / "results")
 
     def suites(p):
+        from .bench import SUITES
+
         p.add_argument("--suites", default=",".join(SUITES), type=_suites,
                        help=f"comma-separated suites to run, of {', '.join(SUITES)} (default: all)")
         p.add_argument("--kl-only", dest="suites", action="store_const", const=["kl"], help="--suites kl")

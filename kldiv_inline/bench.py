@@ -198,14 +198,16 @@ def floor_env(floor: floors.Floor) -> dict:
     return {**env, "peak_gbps": peak} if peak else env
 
 
-# The suite each bench.csv row belongs to, by its form.
+# The benchmark's suites, in the order they run (the KL op, distillation from logits, the fused LM head), and the
+# suite each bench.csv row belongs to, by its form.
+SUITES = ("kl", "distill", "linear")
 SUITE_OF_FORM = {"probs": "kl", "logprobs": "kl", "logits": "distill", "topk": "distill", "linear": "linear"}
 
 
 def check_suites(args, folder: Path) -> None:
     """Refuses a run of some suites that would replace a bench.csv holding others' rows (they would be lost:
     give that run a folder of its own), and --linear-sweep without the linear suite."""
-    suites = getattr(args, "suites", None) or list(dict.fromkeys(SUITE_OF_FORM.values()))
+    suites = getattr(args, "suites", None) or SUITES
     if getattr(args, "linear_sweep", False) and "linear" not in suites:
         raise SystemExit("--linear-sweep sweeps the fused LM head: add linear to --suites")
     path = folder / "bench.csv"
@@ -236,7 +238,7 @@ def main(args) -> int:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         tqdm = lambda it, **kw: it  # noqa: E731
-    suites = getattr(args, "suites", None) or ["kl", "distill", "linear"]
+    suites = getattr(args, "suites", None) or SUITES
     if "kl" in suites:
         for case in tqdm(cases, desc="bench", file=sys.stderr):
             rows += run_case(case, device, floor, variants, reps=reps, warmup=5)

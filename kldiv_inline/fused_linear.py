@@ -18,7 +18,8 @@ read of the logits by the kernel, and the memory beyond the inputs and the param
 The gradients are computed in the forward pass (when the student's tensors require grad). batchmean's divisor
 (the unmasked tokens of the whole batch, counted on the device: no host synchronisation) goes to the kernel,
 which scales d logits as it writes them, so the products carry it (float16 excepted: its range would flush the
-scaled d logits to zero, so there the sums' gradients are scaled once at the end). Backward only rescales them in
+scaled d logits to zero, so there each chunk's grad-weight product is scaled in float32 as it is added and
+the rest once at the end). Backward only rescales them in
 place by grad_output, skipped on the device when it is 1.
 The teacher is a constant: no gradient flows to it, whether or not its tensors require grad.
 """
