@@ -716,24 +716,14 @@ void launch_fast(const Launch& plan, int mode, bool want_student, int64_t n, Par
     TORCH_CHECK(false, "distill: no fast path for float64 logits");  // fast_path_ok refuses them first
   } else {
     Launch l = plan;
-    // The kept-exponentials instance where a thread's entries fit its registers (distill_fast.cuh);
-    // KLDIV_DISTILL_KEEP=0 (a research knob) takes the other, to compare the two.
-    bool keep = plan.slice <= static_cast<int64_t>(kKeepThreads) * kKeepEntries;
-    if (const char* env = std::getenv("KLDIV_DISTILL_KEEP"))
-      if (std::atoi(env) == 0) keep = false;
-    l.threads = fast_threads(keep);
-    const int per_row = l.cluster * (l.threads / 32);
+    l.threads = kFastThreads;
+    const int per_row = l.cluster * kFastWarps;
     at::Tensor partial = at::empty({n * per_row}, rows_loss.options());
     p.out = partial.data_ptr<float>();
     dispatch_mode(mode, [&](auto mode_c) {
       constexpr int MODE = decltype(mode_c)::value;
-      if (keep) {
-        if (want_student) launch_rows(fast_rows_kernel<T, MODE, true, true>, l, n, &p, stream);
-        else launch_rows(fast_rows_kernel<T, MODE, false, true>, l, n, &p, stream);
-      } else {
-        if (want_student) launch_rows(fast_rows_kernel<T, MODE, true, false>, l, n, &p, stream);
-        else launch_rows(fast_rows_kernel<T, MODE, false, false>, l, n, &p, stream);
-      }
+      if (want_student) launch_rows(fast_rows_kernel<T, MODE, true>, l, n, &p, stream);
+      else launch_rows(fast_rows_kernel<T, MODE, false>, l, n, &p, stream);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     fast_rows_total_kernel<<<static_cast<unsigned>((n + 7) / 8), 256, 0, stream>>>(

@@ -15,35 +15,9 @@
 //     the last remote read, wait just before the block exits, with the whole gradient pass in between.
 // Forward KL and inference need one full cluster barrier per row; reverse KL and the JSD (whose gradients need
 // the row sum ks) two.
-//
-// KEEP (kernels/NOTES.md, version 7): the exponentials of the normalisers' pass, 2^(x k2 - warp max), are kept in
-// registers and reused as the probabilities of the later passes (times one per-thread factor), so an entry costs
-// 2 MUFU exponentials instead of 4 (6 for reverse KL and the JSD). It needs a thread's entries to fit its
-// registers: 512 threads of kKeepEntries each, slices up to 8192 entries (a 128k vocabulary in a cluster of 16).
 
 constexpr int kFastThreads = 256;
 constexpr int kFastWarps = kFastThreads / 32;
-constexpr int kKeepThreads = 512;
-constexpr int kKeepEntries = 16;  // per thread and tensor: 32 registers for both tensors' exponentials
-constexpr int fast_threads(bool keep) { return keep ? kKeepThreads : kFastThreads; }
-// Blocks per SM the register allocation must allow: KEEP, 2 (64 registers a thread); otherwise none asked (0
-// emits no .minnctapersm: ptxas's own choice, 32-44 registers, as before KEEP existed).
-constexpr int fast_min_blocks(bool keep) { return keep ? 2 : 0; }
-
-// A point whose probabilities are given (the kept exponentials times the row's factors); otherwise make_point.
-template <bool CLOSE>
-__device__ __forceinline__ Point<float> make_point_kept(float xs, float xt, float ps, float pt, float k2,
-                                                        const RowNorms<float>& r) {
-  Point<float> e;
-  const float as = xs * k2 - r.s.mx, at = xt * k2 - r.t.mx;
-  const float d2 = CLOSE ? (xt - xs) * k2 - r.dd : (at - as) - r.dlz;
-  e.ps = ps;
-  e.pt = pt;
-  e.ls = (as - r.s.lz) * static_cast<float>(kLn2);
-  e.lt = (at - r.t.lz) * static_cast<float>(kLn2);
-  e.d = d2 * static_cast<float>(kLn2);
-  return e;
-}
 
 // The two halves of a cluster barrier (cooperative_groups' cluster.sync() is both at once).
 __device__ __forceinline__ void cluster_arrive() {
@@ -59,18 +33,16 @@ __device__ __forceinline__ void combine_pair(float& m, float& l, float m2, float
   m = g;
 }
 
-template <typename T, int MODE, bool GRAD, bool KEEP>
-__global__ void __launch_bounds__(fast_threads(KEEP), fast_min_blocks(KEEP)) fast_rows_kernel(const Params<T, float> p) {
+template <typename T, int MODE, bool GRAD>
+__global__ void __launch_bounds__(kFastThreads) fast_rows_kernel(const Params<T, float> p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();
 #else
   constexpr int N = Vec<T>::N;
   constexpr bool KS = GRAD && student_needs_k<MODE>();  // the gradient needs the row sum ks first
-  constexpr int THREADS = fast_threads(KEEP), WARPS = THREADS / 32;
-  constexpr int KC = KEEP ? kKeepEntries / N : 1;  // chunks a thread keeps (the host guarantees it has no more)
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ float4 slot_norms[WARPS];
-  __shared__ float slot_ks[WARPS];
+  __shared__ float4 slot_norms[kFastWarps];
+  __shared__ float slot_ks[kFastWarps];
   __shared__ float bcast[4];
 
   cg::cluster_group cluster = cg::this_cluster();
@@ -83,26 +55,26 @@ __global__ void __launch_bounds__(fast_threads(KEEP), fast_min_blocks(KEEP)) fas
   const T* gsrc = p.s + row * p.s_stride + lo;
   const T* gtsrc = p.t + row * p.t_stride + lo;
   T* gs = GRAD ? p.gs + row * p.gs_stride + lo : nullptr;
-  float* partial = p.out + (row * ranks + rank) * WARPS;  // this block's warps' losses
+  float* partial = p.out + (row * ranks + rank) * kFastWarps;  // this block's warps' losses
 
   if (p.labels && p.labels[row] == p.ignore_index) {  // masked: zeros, and no barrier (the cluster agrees)
     if (GRAD) {
       const Vec<T> zero{};
-      for (int c = threadIdx.x; c < count / N; c += THREADS) store_chunk(gs + c * N, zero, true);
-      for (int j = count / N * N + threadIdx.x; j < count; j += THREADS) gs[j] = zero.v[0];
+      for (int c = threadIdx.x; c < count / N; c += kFastThreads) store_chunk(gs + c * N, zero, true);
+      for (int j = count / N * N + threadIdx.x; j < count; j += kFastThreads) gs[j] = zero.v[0];
     }
-    if (threadIdx.x < WARPS) partial[threadIdx.x] = 0.f;
+    if (threadIdx.x < kFastWarps) partial[threadIdx.x] = 0.f;
     return;
   }
 
-  // Each thread copies its own chunks (c = threadIdx.x + i * THREADS) and reads no other: no block barrier.
+  // Each thread copies its own chunks (c = threadIdx.x + i * kFastThreads) and reads no other: no block barrier.
   T* xs = reinterpret_cast<T*>(smem_raw);
   T* xt = xs + p.slice;
   const int chunks = count / N;
   {
     const unsigned bs = static_cast<unsigned>(__cvta_generic_to_shared(xs));
     const unsigned bt = static_cast<unsigned>(__cvta_generic_to_shared(xt));
-    for (int c = threadIdx.x; c < chunks; c += THREADS) {
+    for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(bs + c * 16u), "l"(gsrc + c * N));
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(bt + c * 16u), "l"(gtsrc + c * N));
     }
@@ -117,11 +89,9 @@ __global__ void __launch_bounds__(fast_threads(KEEP), fast_min_blocks(KEEP)) fas
 
   // ---- 1. normalisers: the warp's max, the warp's sums relative to it, then one cluster barrier
   Norm<float> norm[2];
-  float kept[2][KC][N], kept_tail[2] = {0.f, 0.f};  // KEEP: 2^(x k2 - warp max), [student / teacher]
-  float warp_off[2];                                 // KEEP: the warp maxima those are relative to
   {
     float mx[2] = {ninf<float>(), ninf<float>()};
-    for (int c = threadIdx.x; c < chunks; c += THREADS) {
+    for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
       mx[0] = fmaxf(mx[0], chunk_max(load_chunk(xs + c * N, true)));
       mx[1] = fmaxf(mx[1], chunk_max(load_chunk(xt + c * N, true)));
     }
@@ -132,43 +102,18 @@ __global__ void __launch_bounds__(fast_threads(KEEP), fast_min_blocks(KEEP)) fas
     mx[0] = warp_max(mx[0]) * k2;  // k2 > 0: the max of the scaled logits
     mx[1] = warp_max(mx[1]) * k2;
     const float o0 = mx[0] == ninf<float>() ? 0.f : mx[0], o1 = mx[1] == ninf<float>() ? 0.f : mx[1];
-    warp_off[0] = mx[0];
-    warp_off[1] = mx[1];
     float sm[2] = {0.f, 0.f};
-    if constexpr (KEEP) {  // the same sums, each exponential kept for the later passes
+    for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
+      const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
 #pragma unroll
-      for (int i = 0; i < KC; ++i) {
-        const int c = threadIdx.x + i * THREADS;
-        if (c < chunks) {
-          const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
-#pragma unroll
-          for (int q = 0; q < N; ++q) {
-            kept[0][i][q] = d_exp2(static_cast<float>(vs.v[q]) * k2 - o0);
-            kept[1][i][q] = d_exp2(static_cast<float>(vt.v[q]) * k2 - o1);
-            sm[0] += kept[0][i][q];
-            sm[1] += kept[1][i][q];
-          }
-        }
+      for (int q = 0; q < N; ++q) {
+        sm[0] += d_exp2(static_cast<float>(vs.v[q]) * k2 - o0);
+        sm[1] += d_exp2(static_cast<float>(vt.v[q]) * k2 - o1);
       }
-      if (has_tail) {
-        kept_tail[0] = d_exp2(static_cast<float>(gsrc[tail]) * k2 - o0);
-        kept_tail[1] = d_exp2(static_cast<float>(gtsrc[tail]) * k2 - o1);
-        sm[0] += kept_tail[0];
-        sm[1] += kept_tail[1];
-      }
-    } else {
-      for (int c = threadIdx.x; c < chunks; c += THREADS) {
-        const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
-#pragma unroll
-        for (int q = 0; q < N; ++q) {
-          sm[0] += d_exp2(static_cast<float>(vs.v[q]) * k2 - o0);
-          sm[1] += d_exp2(static_cast<float>(vt.v[q]) * k2 - o1);
-        }
-      }
-      if (has_tail) {
-        sm[0] += d_exp2(static_cast<float>(gsrc[tail]) * k2 - o0);
-        sm[1] += d_exp2(static_cast<float>(gtsrc[tail]) * k2 - o1);
-      }
+    }
+    if (has_tail) {
+      sm[0] += d_exp2(static_cast<float>(gsrc[tail]) * k2 - o0);
+      sm[1] += d_exp2(static_cast<float>(gtsrc[tail]) * k2 - o1);
     }
     sm[0] = warp_sum(sm[0]);
     sm[1] = warp_sum(sm[1]);
@@ -177,8 +122,8 @@ __global__ void __launch_bounds__(fast_threads(KEEP), fast_min_blocks(KEEP)) fas
     cluster_wait();
     if (warp == 0) {  // every block combines all ranks x warps pairs in the same order
       float m0 = ninf<float>(), l0 = 0.f, m1 = ninf<float>(), l1 = 0.f;
-      for (int i = lane; i < ranks * WARPS; i += 32) {
-        const float4 q = *cluster.map_shared_rank(slot_norms + i % WARPS, i / WARPS);
+      for (int i = lane; i < ranks * kFastWarps; i += 32) {
+        const float4 q = *cluster.map_shared_rank(slot_norms + i % kFastWarps, i / kFastWarps);
         combine_pair(m0, l0, q.x, q.y);
         combine_pair(m1, l1, q.z, q.w);
       }
@@ -201,15 +146,6 @@ __global__ void __launch_bounds__(fast_threads(KEEP), fast_min_blocks(KEEP)) fas
   if (!KS) cluster_arrive();  // this block reads no other's shared memory any more; wait before leaving
   const float scale = static_cast<float>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(p.inv_t));
   const RowNorms<float> rn = row_norms(norm[0], norm[1]);
-  // KEEP: a kept exponential times 2^(warp max - row max - lz) is the probability 2^(x k2 - row max - lz); the
-  // factor is one accurate exp2 per thread (the offsets cancel exactly, whatever their own rounding). A warp with
-  // no mass (maximum -inf) kept zeros: factor 0.
-  float fac[2] = {0.f, 0.f};
-  if constexpr (KEEP) {
-#pragma unroll
-    for (int k = 0; k < 2; ++k)
-      fac[k] = warp_off[k] == ninf<float>() ? 0.f : exp2f((warp_off[k] - norm[k].mx) - norm[k].lz);
-  }
   // Visits this thread's entries with their points: its chunks from shared memory, then its tail entry from device
   // memory, in a loop compiled for the row's offset choice (rn.close). WRITE: what `f` returns is the entry's
   // gradient (before the scale), stored over the row of gs (alias-safe: a thread writes only entries it has read).
@@ -217,42 +153,19 @@ __global__ void __launch_bounds__(fast_threads(KEEP), fast_min_blocks(KEEP)) fas
     constexpr bool WRITE = decltype(write_c)::value;
     auto pass = [&](auto close_c) {
       constexpr bool CLOSE = decltype(close_c)::value;
-      if constexpr (KEEP) {
+      for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
+        const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
+        Vec<T> g;
 #pragma unroll
-        for (int i = 0; i < KC; ++i) {
-          const int c = threadIdx.x + i * THREADS;
-          if (c >= chunks) continue;
-          const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
-          Vec<T> g;
-#pragma unroll
-          for (int q = 0; q < N; ++q) {
-            const float d = f(make_point_kept<CLOSE>(static_cast<float>(vs.v[q]), static_cast<float>(vt.v[q]),
-                                                     kept[0][i][q] * fac[0], kept[1][i][q] * fac[1], k2, rn));
-            if (WRITE) g.v[q] = static_cast<T>(d * scale);
-          }
-          if (WRITE) store_chunk(gs + c * N, g, true);
+        for (int q = 0; q < N; ++q) {
+          const float d = f(make_point<CLOSE>(static_cast<float>(vs.v[q]), static_cast<float>(vt.v[q]), k2, rn));
+          if (WRITE) g.v[q] = static_cast<T>(d * scale);
         }
-        if (has_tail) {
-          const float d = f(make_point_kept<CLOSE>(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]),
-                                                   kept_tail[0] * fac[0], kept_tail[1] * fac[1], k2, rn));
-          if (WRITE) gs[tail] = static_cast<T>(d * scale);
-        }
-      } else {
-        for (int c = threadIdx.x; c < chunks; c += THREADS) {
-          const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
-          Vec<T> g;
-#pragma unroll
-          for (int q = 0; q < N; ++q) {
-            const float d = f(make_point<CLOSE>(static_cast<float>(vs.v[q]), static_cast<float>(vt.v[q]), k2, rn));
-            if (WRITE) g.v[q] = static_cast<T>(d * scale);
-          }
-          if (WRITE) store_chunk(gs + c * N, g, true);
-        }
-        if (has_tail) {
-          const float d =
-              f(make_point<CLOSE>(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), k2, rn));
-          if (WRITE) gs[tail] = static_cast<T>(d * scale);
-        }
+        if (WRITE) store_chunk(gs + c * N, g, true);
+      }
+      if (has_tail) {
+        const float d = f(make_point<CLOSE>(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), k2, rn));
+        if (WRITE) gs[tail] = static_cast<T>(d * scale);
       }
     };
     if (rn.close) pass(std::true_type{});
@@ -278,8 +191,8 @@ __global__ void __launch_bounds__(fast_threads(KEEP), fast_min_blocks(KEEP)) fas
       cluster_wait();
       if (warp == 0) {
         float v = 0.f;
-        for (int i = lane; i < ranks * WARPS; i += 32)
-          v += *cluster.map_shared_rank(slot_ks + i % WARPS, i / WARPS);
+        for (int i = lane; i < ranks * kFastWarps; i += 32)
+          v += *cluster.map_shared_rank(slot_ks + i % kFastWarps, i / kFastWarps);
         v = warp_sum(v);
         if (lane == 0) bcast[0] = v;
       }
