@@ -7,7 +7,8 @@ The committed figures come from `python -m kldiv_inline bench`; this prints a ta
 
 Per case (bf16 logits, T = 2, 10% of tokens masked): the loss's relative error against float64 (first 512 rows),
 our training step (forward + backward), the kernel alone (also under the tuning knobs KLDIV_DISTILL_SMEM_KIB,
-KLDIV_DISTILL_THREADS and KLDIV_DISTILL_FAST=0, the general kernel), the forward alone, and the TRL-style PyTorch
+KLDIV_DISTILL_THREADS and KLDIV_DISTILL_FAST=0, the general kernel; each with and without the gradient), the
+forward alone, and the TRL-style PyTorch
 peer eager and compiled; medians of kldiv_inline.timing's CUDA-event timings in ms, over the 3-tensor floor
 (read both logit tensors, write the gradient; 2 tensors for the forward and the top-k teacher) from the read
 bandwidth measured at the start.
@@ -103,11 +104,17 @@ def main():
         add(f"  kernel alone beta={beta}", timed(kernel(t, None, beta), args.reps), floor3)
         with torch.no_grad():
             add(f"ours fwd beta={beta}", timed(lambda kw=kw: K.generalized_jsd(s, t, **kw), args.reps), floor2)
+        add(f"  kernel alone fwd beta={beta}", timed(kernel(t, None, beta, grad=False), args.reps), floor2)
         for var, values in (("KLDIV_DISTILL_SMEM_KIB", args.smem_kib), ("KLDIV_DISTILL_THREADS", args.threads),
                             ("KLDIV_DISTILL_FAST", args.fast)):
             for val in filter(None, values.split(",")):
                 os.environ[var] = val
-                add(f"  kernel {var[15:].lower()}={val} beta={beta}", timed(kernel(t, None, beta), args.reps), floor3)
+                with torch.no_grad():
+                    e = relative_error(K.generalized_jsd(s[:512], t[:512], **{**kw, "labels": lab[:512]}),
+                                       generalized_jsd_reference(s[:512], t[:512], **{**kw, "labels": lab[:512]}))
+                knob = f"{var[len('KLDIV_DISTILL_'):].lower()}={val}"
+                add(f"  kernel {knob} beta={beta}", timed(kernel(t, None, beta), args.reps), floor3, f"rel err {e:.1e}")
+                add(f"  kernel fwd {knob} beta={beta}", timed(kernel(t, None, beta, grad=False), args.reps), floor2)
                 os.environ.pop(var)
         if not args.no_peers and beta in (0.0, 0.5):
             for name, f, reps in (("trl eager", trl_generalized_jsd, 3),
