@@ -83,6 +83,7 @@ template <typename T, typename A> struct Params {
   const A* norms_in;  // [n, 4], phases after PHASE_NORMS
   const A* k_in;      // [n, 2], PHASE_GRAD
   A* out;             // -1: loss per row [n]; PHASE_NORMS: [n, 4]; PHASE_TERMS: [n, 3]
+  bool staged;        // fast_rows_kernel: the copy in four groups, each thread's maximum taken as they land
 };
 
 // ------------------------------------------------------------------------------------------ reductions
@@ -717,6 +718,10 @@ void launch_fast(const Launch& plan, int mode, bool want_student, int64_t n, Par
   } else {
     Launch l = plan;
     l.threads = kFastThreads;
+    // KLDIV_DISTILL_STAGED=0 (a research knob): one copy group, waited for whole (as before the staged copy).
+    p.staged = true;
+    if (const char* env = std::getenv("KLDIV_DISTILL_STAGED"))
+      if (std::atoi(env) == 0) p.staged = false;
     const int per_row = l.cluster * kFastWarps;
     at::Tensor partial = at::empty({n * per_row}, rows_loss.options());
     p.out = partial.data_ptr<float>();

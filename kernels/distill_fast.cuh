@@ -68,19 +68,29 @@ __global__ void __launch_bounds__(kFastThreads) fast_rows_kernel(const Params<T,
   }
 
   // Each thread copies its own chunks (c = threadIdx.x + i * kFastThreads) and reads no other: no block barrier.
+  // Staged (p.staged): a thread's first three chunks go in a commit group each and the rest in a fourth (empty
+  // groups included, so every thread has four), and its maximum is taken from each group as it lands, while the
+  // later ones are still in flight.
   T* xs = reinterpret_cast<T*>(smem_raw);
   T* xt = xs + p.slice;
   const int chunks = count / N;
-  {
-    const unsigned bs = static_cast<unsigned>(__cvta_generic_to_shared(xs));
-    const unsigned bt = static_cast<unsigned>(__cvta_generic_to_shared(xt));
-    for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(bs + c * 16u), "l"(gsrc + c * N));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(bt + c * 16u), "l"(gtsrc + c * N));
+  const unsigned bs = static_cast<unsigned>(__cvta_generic_to_shared(xs));
+  const unsigned bt = static_cast<unsigned>(__cvta_generic_to_shared(xt));
+  auto copy_chunk = [&](int c) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(bs + c * 16u), "l"(gsrc + c * N));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(bt + c * 16u), "l"(gtsrc + c * N));
+  };
+  int c0 = threadIdx.x;  // the first chunk not yet in a commit group
+  if (p.staged) {
+#pragma unroll
+    for (int i = 0; i < 3; ++i, c0 += kFastThreads) {
+      if (c0 < chunks) copy_chunk(c0);
+      asm volatile("cp.async.commit_group;\n" ::);
     }
-    asm volatile("cp.async.commit_group;\n" ::);
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
   }
+  for (int c = c0; c < chunks; c += kFastThreads) copy_chunk(c);
+  asm volatile("cp.async.commit_group;\n" ::);
+  if (!p.staged) asm volatile("cp.async.wait_all;\n" ::: "memory");
   // The last block's slice may end in a partial chunk: its entries are read from device memory in each pass by
   // threads 0 .. N-2 (no thread writes an entry another reads).
   const int tail = chunks * N + static_cast<int>(threadIdx.x);
@@ -91,10 +101,24 @@ __global__ void __launch_bounds__(kFastThreads) fast_rows_kernel(const Params<T,
   Norm<float> norm[2];
   {
     float mx[2] = {ninf<float>(), ninf<float>()};
-    for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
+    auto take_max = [&](int c) {
       mx[0] = fmaxf(mx[0], chunk_max(load_chunk(xs + c * N, true)));
       mx[1] = fmaxf(mx[1], chunk_max(load_chunk(xt + c * N, true)));
+    };
+    int c1 = threadIdx.x;
+    if (p.staged) {  // wait_group takes an immediate: the three single-chunk groups spelled out
+      asm volatile("cp.async.wait_group 3;\n" ::: "memory");
+      if (c1 < chunks) take_max(c1);
+      c1 += kFastThreads;
+      asm volatile("cp.async.wait_group 2;\n" ::: "memory");
+      if (c1 < chunks) take_max(c1);
+      c1 += kFastThreads;
+      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+      if (c1 < chunks) take_max(c1);
+      c1 += kFastThreads;
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
     }
+    for (int c = c1; c < chunks; c += kFastThreads) take_max(c);
     if (has_tail) {
       mx[0] = fmaxf(mx[0], static_cast<float>(gsrc[tail]));
       mx[1] = fmaxf(mx[1], static_cast<float>(gtsrc[tail]));

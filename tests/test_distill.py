@@ -170,10 +170,11 @@ def test_fast_kernel_matches_general_kernel_and_float64(monkeypatch, dtype, beta
     kw = dict(beta=beta, temperature=1.7, labels=lab, reduction="none")
     go = random_grad_out(torch.ones(7, device="cuda"))
     ref, (rs,) = reference(s, t, go, **kw)
-    for fast in ("1", "0"):
+    for fast, staged in (("1", "1"), ("1", "0"), ("0", "1")):
         monkeypatch.setenv("KLDIV_DISTILL_FAST", fast)
+        monkeypatch.setenv("KLDIV_DISTILL_STAGED", staged)  # the fast kernel's copy: staged, or waited for whole
         out, (gs,) = run(s, t, go, **kw)
-        what = f"fast={fast}"
+        what = f"fast={fast} staged={staged}"
         assert_close(out, ref, 2e-6, f"loss {what}")
         assert_grad_close(gs, rs, dtype, f"grad {what}")
         assert (out[lab == -100] == 0).all() and (gs[lab == -100] == 0).all()
