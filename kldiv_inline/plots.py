@@ -267,7 +267,8 @@ def plot_linear_sweep(df: pd.DataFrame, ours: str, memory_bound_mib: float | Non
     (log-log, 20-80% bands, the matrix-product floor dashed) and the memory each provider's step takes beyond its
     inputs and parameter gradients (``extra_mib``), with ``memory_bound_mib`` dotted."""
     lin = linear_sweep_frame(df)
-    groups = list(lin.groupby(["beta", "hidden", "features"], dropna=False))
+    # only what was swept: a (beta, shape) timed at one token count (the JSD at the goals' shape) is no curve
+    groups = [(k, g) for k, g in lin.groupby(["beta", "hidden", "features"], dropna=False) if g["batch"].nunique() > 1]
     fig, axes = plt.subplots(max(1, len(groups)), 2, figsize=(11, 3.9 * max(1, len(groups))), squeeze=False)
     for ((beta, hidden, vocab), sel), (ax_t, ax_m) in zip(groups, axes):
         draw_time(ax_t, sel, by="impl", x="batch", xlabel="tokens", ours=ours, legend=False)

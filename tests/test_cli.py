@@ -130,6 +130,13 @@ def test_linear_sweep_draws_time_and_memory_against_tokens(tmp_path):
     assert any(line.get_label() == "memory goal" for line in memory_ax.get_lines())
 
 
+def test_linear_sweep_leaves_out_a_beta_timed_at_one_size():
+    # The sweep times the JSD at the goals' shape only: one point is no curve, so its row of panels is left out.
+    rows = [r for r in _fake_linear_rows() if r["beta"] == 0.0 or r["batch"] == 4096]
+    fig = plots.plot_linear_sweep(pd.DataFrame(rows), bench.OURS)
+    assert len(fig.axes) == 2 and "beta=0," in fig.axes[0].get_title()
+
+
 def test_bench_runs_only_the_suites_asked_for(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kldiv_inline", "bench", "--suites", "linear", "--reps", "2",
                            "--results", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
