@@ -201,6 +201,7 @@ def floor_env(floor: floors.Floor) -> dict:
 # The benchmark's suites, in the order they run (the KL op, distillation from logits, the fused LM head), and the
 # suite each bench.csv row belongs to, by its form.
 SUITES = ("kl", "distill", "linear")
+PARTIAL_NOTE = "the run did not finish: bench.csv holds the cases it did, and no goals.md was written"
 SUITE_OF_FORM = {"probs": "kl", "logprobs": "kl", "logits": "distill", "topk": "distill", "linear": "linear"}
 
 
@@ -234,6 +235,18 @@ def main(args) -> int:
     cases = headline_cases(device) + ([] if getattr(args, "headline_only", False) else sweep_cases(device))
     reps = getattr(args, "reps", 30)
     rows = []
+
+    def save(done: bool) -> Path:
+        """bench.csv and env.json of the rows so far. Called after each case too, so a run cut short (a device's
+        time limit) keeps what it finished; env.json says `partial` until the run ends."""
+        path = write_csv(rows, folder / "bench.csv")
+        if not done:  # an earlier run's goals would sit beside rows they were not computed from
+            (folder / "goals.md").unlink(missing_ok=True)
+        # read_gbps and copy_gbps: what older runs recorded in place of the floor's keys.
+        extra = {**floor_env(floor), **({} if done else {"partial": PARTIAL_NOTE})}
+        write_env(folder, device, extra, drop=("read_gbps", "copy_gbps") + (("partial",) if done else ()))
+        return path
+
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
@@ -242,20 +255,26 @@ def main(args) -> int:
     if "kl" in suites:
         for case in tqdm(cases, desc="bench", file=sys.stderr):
             rows += run_case(case, device, floor, variants, reps=reps, warmup=5)
+            save(done=False)
     if "distill" in suites:
         from . import bench_distill
 
         print("bench: the distillation suite", file=sys.stderr)
         rows += bench_distill.run(device, floor, reps=min(reps, 10))
+        save(done=False)
     if "linear" in suites:
         from . import bench_linear
 
         print("bench: the fused LM head's suite", file=sys.stderr)
         sweep = getattr(args, "linear_sweep", False) or device != "cuda"
-        rows += bench_linear.run(device, reps=min(reps, 10), sizes=None if sweep else [bench_linear.HEADLINE])
-    path = write_csv(rows, folder / "bench.csv")
-    # read_gbps and copy_gbps: what older runs recorded in place of the floor's keys.
-    env_path = write_env(folder, device, floor_env(floor), drop=("read_gbps", "copy_gbps"))
+
+        def keep(case_rows: list[dict]) -> None:
+            rows.extend(case_rows)
+            save(done=False)
+
+        bench_linear.run(device, reps=min(reps, 10), sizes=None if sweep else [bench_linear.HEADLINE], on_case=keep)
+    path = save(done=True)
+    env_path = folder / "env.json"
     goals = goal_rows(rows, device, OURS)
     (folder / "goals.md").write_text(goals_markdown(goals, json.loads(env_path.read_text())))
     print(table(rows))

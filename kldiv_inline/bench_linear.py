@@ -191,10 +191,11 @@ def _with_floor(rows: list[dict], tokens: int, hidden: int, vocab: int, tflops: 
 # ------------------------------------------------------------------------------------------------ runs
 def run(device: str, reps: int = 10, sizes: Sequence[tuple[int, int, int]] | None = None,
         betas: Sequence[float] = (0.0, 0.5), check_tokens: int = CHECK_TOKENS,
-        matmul_size: int | None = None) -> list[dict]:
+        matmul_size: int | None = None, on_case: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Every row of the suite on `device`: per (tokens, hidden, vocabulary) of ``sizes`` (default_sizes) and per
     beta (SWEEP_BETAS at the default sweep's sizes other than HEADLINE), each provider checked (on the first
-    check_tokens tokens) and timed, forward + backward."""
+    check_tokens tokens) and timed, forward + backward. ``on_case`` gets each case's rows as it ends (the CLI saves
+    them, so a sweep cut short keeps its finished sizes)."""
     sweep = sizes is None and device == "cuda"  # the default sizes on CUDA: the sweep's sizes run SWEEP_BETAS
     sizes = list(sizes) if sizes is not None else default_sizes(device)
     tflops = matmul_tflops(device, matmul_size or (8192 if device == "cuda" else 256), reps=reps)
@@ -221,6 +222,8 @@ def run(device: str, reps: int = 10, sizes: Sequence[tuple[int, int, int]] | Non
             if mine["status"] == "ok":
                 mine.update(accuracy(small, beta))
             rows += case_rows
+            if on_case is not None:
+                on_case(case_rows)
             if device == "cuda":
                 torch.cuda.empty_cache()
     return rows

@@ -137,6 +137,33 @@ def test_linear_sweep_leaves_out_a_beta_timed_at_one_size():
     assert len(fig.axes) == 2 and "beta=0," in fig.axes[0].get_title()
 
 
+def test_bench_cut_short_keeps_the_cases_it_finished(tmp_path, monkeypatch):
+    # A device's time limit can end a run mid-suite: the cases done are on disk, marked partial, with no goals.
+    import argparse
+
+    from kldiv_inline import bench_linear
+
+    real = bench_linear.providers
+
+    def providers(beta, device):
+        if beta == 0.5:
+            raise KeyboardInterrupt("the time limit")
+        return real(beta, device)
+
+    monkeypatch.setattr(bench_linear, "providers", providers)
+    folder = tmp_path / "cpu-run"
+    folder.mkdir()
+    (folder / "goals.md").write_text("an earlier run's goals")
+    monkeypatch.setattr("kldiv_inline.envinfo.device_slug", lambda device: "cpu-run")
+    args = argparse.Namespace(device="cpu", results=str(tmp_path), suites=["linear"], reps=2, linear_sweep=False)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(args)
+    rows = list(csv.DictReader((folder / "bench.csv").open()))
+    assert rows and {float(r["beta"]) for r in rows} == {0.0}
+    assert json.loads((folder / "env.json").read_text())["partial"] == bench.PARTIAL_NOTE
+    assert not (folder / "goals.md").exists()
+
+
 def test_bench_runs_only_the_suites_asked_for(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kldiv_inline", "bench", "--suites", "linear", "--reps", "2",
                            "--results", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -144,7 +171,8 @@ def test_bench_runs_only_the_suites_asked_for(tmp_path):
     (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     rows = list(csv.DictReader((folder / "bench.csv").open()))
     assert rows and {r["form"] for r in rows} == {"linear"}
-    assert "--suites linear" in json.loads((folder / "env.json").read_text())["command"]
+    env = json.loads((folder / "env.json").read_text())
+    assert "--suites linear" in env["command"] and "partial" not in env  # a finished run is not marked partial
     bad = subprocess.run([sys.executable, "-m", "kldiv_inline", "bench", "--suites", "kl,nope"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "suites are a comma-separated list of kl, distill, linear" in bad.stderr
