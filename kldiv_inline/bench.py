@@ -201,7 +201,7 @@ def floor_env(floor: floors.Floor) -> dict:
 # The benchmark's suites, in the order they run (the KL op, distillation from logits, the fused LM head), and the
 # suite each bench.csv row belongs to, by its form.
 SUITES = ("kl", "distill", "linear")
-PARTIAL_NOTE = "the run did not finish: bench.csv holds the cases it did, and no goals.md was written"
+PARTIAL_NOTE = "the run did not finish: bench.csv holds the cases it did"
 SUITE_OF_FORM = {"probs": "kl", "logprobs": "kl", "logits": "distill", "topk": "distill", "linear": "linear"}
 
 

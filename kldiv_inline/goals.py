@@ -211,7 +211,8 @@ def goals_markdown(goals: list[dict], env: dict) -> str:
                  + ", ".join(f"{k} {v:.0f}" for k, v in sorted(sources.items())) + ")"
                  + (f", vendor peak {env['peak_gbps']:.0f} GB/s." if env.get("peak_gbps") else "."))
     lines = [f"Measured on {env.get('device_name')} (torch {env.get('torch')}, CUDA {env.get('cuda')}, "
-             f"commit {env.get('commit')}), `{env.get('command')}`, {env.get('date_utc')}.{floor}", "",
+             f"commit {env.get('commit')}), `{env.get('command')}`, {env.get('date_utc')}.{floor}"
+             + (f" Partial run: {env['partial']}." if env.get("partial") else ""), "",
              "| goal | case | target | measured | median (ms) | met |", "| --- | --- | --- | --- | --- | --- |"]
     for g in goals:
         if g["target"].startswith("relative"):

@@ -150,7 +150,8 @@ def _device_title(folder: Path) -> str:
     env = folder / "env.json"
     if env.exists():
         e = json.loads(env.read_text())
-        return f"{e.get('device_name', folder.name)} · torch {e.get('torch', '?')} · {str(e.get('commit', '?'))[:10]}"
+        return (f"{e.get('device_name', folder.name)} · torch {e.get('torch', '?')} · {str(e.get('commit', '?'))[:10]}"
+                + (" · partial run (cut short)" if e.get("partial") else ""))
     return folder.name
 
 

@@ -162,6 +162,8 @@ def test_bench_cut_short_keeps_the_cases_it_finished(tmp_path, monkeypatch):
     assert rows and {float(r["beta"]) for r in rows} == {0.0}
     assert json.loads((folder / "env.json").read_text())["partial"] == bench.PARTIAL_NOTE
     assert not (folder / "goals.md").exists()
+    plots.plot_all(tmp_path, ours=bench.OURS, peers=bench.PEERS)  # plot writes goals.md from the rows, labelled
+    assert "Partial run: " + bench.PARTIAL_NOTE in (folder / "goals.md").read_text()
 
 
 def test_bench_runs_only_the_suites_asked_for(tmp_path):
