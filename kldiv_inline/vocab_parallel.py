@@ -113,8 +113,8 @@ def divergence_rows(student: Tensor, teacher: Tensor, labels: Tensor | None, ign
 
 
 def topk_rows(student: Tensor, idx: Tensor, lp: Tensor, labels: Tensor | None, ignore_index: int, beta: float,
-               temperature: float, reduction: int, group, offset: int, vocab: int, want_s: bool,
-               scale: Tensor | None = None):
+              temperature: float, reduction: int, group, offset: int, vocab: int, want_s: bool,
+              scale: Tensor | None = None):
     """A top-k teacher (global indices; this rank's slice starts at ``offset`` of ``vocab``): (the reduced loss,
     the student's gradient of this slice or None; that gradient times ``scale``, a device scalar, when given:
     the fused head's batchmean divisor, applied before the gradient is rounded to the logits' dtype).
@@ -163,7 +163,7 @@ def _run(student: Tensor, teacher: Tensor | None, idx: Tensor | None, lp: Tensor
     ignore_index, beta, temperature, reduction, group, offset, vocab = settings
     if idx is not None:
         loss, gs = topk_rows(student, idx, lp, labels, ignore_index, beta, temperature, reduction, group, offset,
-                              vocab, want_s)
+                             vocab, want_s)
         return loss, gs, None
     scale = _grad_scale(labels, ignore_index, student.shape[0], reduction, student.device)
     rows_loss, gs, gt = divergence_rows(student, teacher, labels, ignore_index, beta, temperature, group, scale,
