@@ -48,12 +48,24 @@ def step():
 for _ in range(3):
     step()
 torch.cuda.synchronize()
+# The step's own time (CUDA events around it), to set beside the GPU time of its kernels below: the difference is
+# time the GPU waited on the host between launches.
+times = []
+for _ in range(7):
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    step()
+    t1.record()
+    torch.cuda.synchronize()
+    times.append(t0.elapsed_time(t1))
+step_ms = sorted(times)[len(times) // 2]
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
     step()
     torch.cuda.synchronize()
 events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
 total = sum(e.self_device_time_total for e in events)
-print(f"GPU time of one step: {total / 1e3:.2f} ms over {sum(e.count for e in events)} kernels")
+print(f"GPU time of one step: {total / 1e3:.2f} ms over {sum(e.count for e in events)} kernels; the step takes "
+      f"{step_ms:.2f} ms (median of 7, CUDA events), so {step_ms - total / 1e3:.2f} ms without a kernel running")
 print(f"{'ms':>8} {'share':>6} {'calls':>6}  kernel")
 for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.rows]:
     print(f"{e.self_device_time_total / 1e3:8.3f} {e.self_device_time_total / total:6.1%} {e.count:6d}  {e.key[:110]}")
