@@ -14,6 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kldiv_inline as K  # noqa: E402
+from kldiv_inline.timing import quantiles, time_cuda  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--tokens", type=int, default=4096)
@@ -48,17 +49,18 @@ def step():
 for _ in range(3):
     step()
 torch.cuda.synchronize()
-# The step's own time (CUDA events around it), to set beside the GPU time of its kernels below: the difference is
-# time the GPU waited on the host between launches.
-times = []
-for _ in range(7):
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    step()
-    t1.record()
+
+
+def idle_gpu():
+    """time_cuda's prepare: each timed step starts from an idle GPU, as the profiled one does."""
     torch.cuda.synchronize()
-    times.append(t0.elapsed_time(t1))
-step_ms = sorted(times)[len(times) // 2]
+    return ()
+
+
+# The step's own time (CUDA events around it, through the kit's timing loop), to set beside the GPU time of its
+# kernels below: the difference is time with no kernel running, from the host's path before the first launch and
+# between launches.
+step_ms = quantiles(time_cuda(step, [()], reps=7, warmup=0, prepare=idle_gpu))[0]
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
     step()
     torch.cuda.synchronize()
