@@ -6,11 +6,14 @@ kernels it runs, grouped by name, with their share of the step: where the time b
 The case is the bench's (bf16, student and teacher as hidden states + weight, T = 2, 10% of tokens masked).
 """
 import argparse
+import collections
+import json
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kldiv_inline as K  # noqa: E402
@@ -23,6 +26,8 @@ ap.add_argument("--vocab", type=int, default=128256)
 ap.add_argument("--beta", type=float, default=0.0)
 ap.add_argument("--chunk-size", type=int, default=None)
 ap.add_argument("--rows", type=int, default=25, help="kernels listed")
+ap.add_argument("--trace-json", default=None, help="also write the host + device trace (chrome://tracing) here")
+ap.add_argument("--gap-us", type=float, default=20.0, help="idle intervals listed: those longer than this")
 args = ap.parse_args()
 print(torch.cuda.get_device_name(), torch.__version__, flush=True)
 g = torch.Generator(device="cuda").manual_seed(0)
@@ -71,3 +76,49 @@ print(f"GPU time of one step: {total / 1e3:.2f} ms over {sum(e.count for e in ev
 print(f"{'ms':>8} {'share':>6} {'calls':>6}  kernel")
 for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.rows]:
     print(f"{e.self_device_time_total / 1e3:8.3f} {e.self_device_time_total / total:6.1%} {e.count:6d}  {e.key[:110]}")
+
+
+# Where the idle time sits: one more step under the host's profiler too (CPU activity: the CUDA runtime calls and
+# the aten operators, on the same clock as the kernels). For each interval with no kernel running, what the host
+# was doing meanwhile; then the runtime calls by total time (a synchronising call or an allocation shows here).
+torch.cuda.synchronize()
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with record_function("profiled_step"):
+        step()
+    torch.cuda.synchronize()
+path = args.trace_json or tempfile.mkstemp(suffix=".json")[1]
+prof.export_chrome_trace(path)
+trace = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"]
+step_ev = next(e for e in trace if e.get("name") == "profiled_step" and e.get("cat") == "user_annotation")
+t0 = step_ev["ts"]
+gpu = sorted((e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+host = [e for e in trace if e.get("cat") in ("cuda_runtime", "cuda_driver", "cpu_op")]
+busy = sum(e["dur"] for e in gpu)
+print(f"\nhost + device trace of one step: host path {step_ev['dur'] / 1e3:.2f} ms, device ops {len(gpu)} "
+      f"({busy / 1e3:.2f} ms busy), first device op {(gpu[0]['ts'] - t0) / 1e3:.3f} ms after the step's start, "
+      f"last ends at {(gpu[-1]['ts'] + gpu[-1]['dur'] - t0) / 1e3:.2f} ms")
+gaps, last_end = [], t0
+for e in gpu:
+    if e["ts"] - last_end > args.gap_us:
+        gaps.append((last_end, e["ts"], e["name"]))
+    last_end = max(last_end, e["ts"] + e["dur"])
+print(f"{len(gaps)} idle intervals over {args.gap_us:g} us, {sum(b - a for a, b, _ in gaps) / 1e3:.2f} ms in all "
+      f"(from the step's start; ms since the start, length, the device op that ends it, host work meanwhile):")
+for a, b, nxt in gaps:
+    during = collections.Counter()
+    for h_ev in host:
+        overlap = min(b, h_ev["ts"] + h_ev["dur"]) - max(a, h_ev["ts"])
+        if overlap > 0:
+            during[h_ev["name"]] += overlap
+    what = ", ".join(f"{n[:40]} {us:.0f}" for n, us in during.most_common(6))
+    print(f"  {(a - t0) / 1e3:8.3f} {(b - a):8.1f} us  before {nxt[:40]!r}: {what}")
+calls = collections.defaultdict(lambda: [0, 0.0, 0.0])
+for e in host:
+    if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+        c = calls[e["name"]]
+        c[0] += 1
+        c[1] += e["dur"]
+        c[2] = max(c[2], e["dur"])
+print(f"{'calls':>6} {'total us':>9} {'max us':>8}  CUDA runtime/driver call")
+for name, (count, tot, mx) in sorted(calls.items(), key=lambda kv: -kv[1][1])[:15]:
+    print(f"{count:6d} {tot:9.1f} {mx:8.1f}  {name}")
