@@ -118,6 +118,32 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
     acc_t = _acc_dtype(hidden.dtype)
     mod = _module(hidden.device)
     want = want_hidden or want_weight or want_bias
+    g_hidden = hidden.new_empty(hidden.shape) if want_hidden else None
+    g_weight = weight.new_empty(weight.shape) if want_weight else None
+    w_acc = g_weight if g_weight is None or accum_dtype in (None, weight.dtype) else \
+        weight.new_empty(weight.shape, dtype=accum_dtype)
+    rows = min(chunk_size, n)
+    s_buf = hidden.new_empty((rows, vocab))
+    t_buf = hidden.new_empty((rows, vocab)) if t_hidden is not None else None
+
+    def products(r0: int):
+        """Queues a chunk's logits (student, and teacher from hidden states) and returns the chunk's operands."""
+        r1 = min(n, r0 + chunk_size)
+        h, logits = hidden[r0:r1], s_buf[: r1 - r0]
+        _linear(h, weight, bias, logits)
+        teacher = idx = lp = None
+        if t_hidden is not None:
+            teacher = _linear(t_hidden[r0:r1], t_weight, t_bias, t_buf[: r1 - r0])
+        elif t_logits is not None:
+            teacher = t_logits[r0:r1]
+        else:
+            idx, lp = topk_idx[r0:r1], topk_lp[r0:r1]
+        return r1, h, logits, teacher, idx, lp
+
+    # The first chunk's products go first: the small operations below each cost a launch's host time (tens of
+    # microseconds), and queued ahead of the products on an idle GPU they delayed the step's first large kernel
+    # by ~1 ms (a host + device trace of a step on an H100, tools/profile_fused_head.py); behind them they are free.
+    first = products(0) if n > 0 else None
     # The chunks' kernels reduce by sum; batchmean's divisor, the unmasked tokens of the whole batch, is counted
     # on the device (no synchronisation). The kernel applies it to d logits as it writes them (so the products
     # carry it and no pass over grad weight rescales it: that pass took 8% of a step on an H100), except for
@@ -133,14 +159,7 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
     k_scale = scale if in_kernel else None  # the kernels' scale (None: their sum)
     late = scale.to(acc_t) if scale is not None and not in_kernel else None  # applied at the end
     total = torch.zeros((), dtype=acc_t, device=hidden.device)
-    g_hidden = hidden.new_empty(hidden.shape) if want_hidden else None
-    g_weight = weight.new_empty(weight.shape) if want_weight else None
-    w_acc = g_weight if g_weight is None or accum_dtype in (None, weight.dtype) else \
-        weight.new_empty(weight.shape, dtype=accum_dtype)
     b_acc = torch.zeros(vocab, dtype=acc_t, device=hidden.device) if want_bias else None
-    rows = min(chunk_size, n)
-    s_buf = hidden.new_empty((rows, vocab))
-    t_buf = hidden.new_empty((rows, vocab)) if t_hidden is not None else None
     group = resolve_group(group_name) if group_name is not None else None
     # d logits go over the logits where the kernel allows it (rows that sit on chip), else to their own buffer.
     in_place = mod.distill_in_place_ok(vocab, hidden.element_size(), t_hidden is None and t_logits is None)
@@ -154,16 +173,7 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
         offset, whole = vocab_slice(vocab, hidden.device, group)  # where this rank's rows sit among all ranks'
         sum_code = _REDUCTION_CODE["sum"]
     for r0 in range(0, n, chunk_size):
-        r1 = min(n, r0 + chunk_size)
-        h, logits = hidden[r0:r1], s_buf[: r1 - r0]
-        _linear(h, weight, bias, logits)
-        teacher = idx = lp = None
-        if t_hidden is not None:
-            teacher = _linear(t_hidden[r0:r1], t_weight, t_bias, t_buf[: r1 - r0])
-        elif t_logits is not None:
-            teacher = t_logits[r0:r1]
-        else:
-            idx, lp = topk_idx[r0:r1], topk_lp[r0:r1]
+        r1, h, logits, teacher, idx, lp = first if r0 == 0 else products(r0)
         lab = labels[r0:r1] if labels is not None else None
         if group is not None and idx is not None:
             part, dlogits = topk_rows(logits, idx, lp, lab, ignore_index, beta, temperature, sum_code, group, offset,

@@ -10,6 +10,7 @@ import collections
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -66,6 +67,30 @@ def idle_gpu():
 # kernels below: the difference is time with no kernel running, from the host's path before the first launch and
 # between launches.
 step_ms = quantiles(time_cuda(step, [()], reps=7, warmup=0, prepare=idle_gpu))[0]
+
+
+def busy_gpu():
+    """time_cuda's prepare: tens of ms of GPU sleep queued ahead of the step, so that the host's whole path runs
+    while the GPU is still busy: the step's time bound by the GPU alone."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(60_000_000)  # cycles: ~30 ms at 2 GHz
+    return ()
+
+
+# The same step three ways: from an idle GPU (above), back to back as the bench times it (no synchronisation
+# between steps), and behind queued GPU work (host latency hidden); with the host's own time per step.
+gpu_bound_ms = quantiles(time_cuda(step, [()], reps=7, warmup=0, prepare=busy_gpu))[0]
+b2b_ms = quantiles(time_cuda(step, [()], reps=7, warmup=1))[0]
+host_ms = []
+torch.cuda.synchronize()
+for _ in range(7):
+    t_host = time.perf_counter()
+    step()
+    host_ms.append((time.perf_counter() - t_host) * 1e3)
+torch.cuda.synchronize()
+print(f"step from an idle GPU {step_ms:.2f} ms, back to back {b2b_ms:.2f} ms, behind queued GPU work "
+      f"{gpu_bound_ms:.2f} ms (medians of 7, CUDA events); the host's path per step {quantiles(host_ms)[0]:.2f} ms "
+      f"(back to back, wall clock)")
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
     step()
     torch.cuda.synchronize()
