@@ -117,13 +117,27 @@ DS_HD double f_over_u2(double u) {
   return horner(c, u);
 }
 
+// a b + c: one rounding on the GPU (fma), two on the host (the CPU twin has no fused multiply-add to rely on).
+DS_HD float d_fma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+DS_HD double d_fma(double a, double b, double c) { return a * b + c; }
+
 // The summand q f(u) = p log(p / q) - p + q of KL(p || q), u = log p - log q. p == 0 contributes q (the limit of
-// p log p), q == 0 < p contributes +inf, p == q == 0 contributes 0.
-// Both forms are evaluated and one selected: no divergent branch in the entries' loops.
+// p log p), q == 0 < p contributes +inf, p == q == 0 contributes 0; a NaN p or u gives NaN.
+// Both forms are evaluated and one selected: no divergent branch in the entries' loops. Written for few
+// instructions per entry (the forward KL's kernel is bound by them): the direct form as p u + (q - p), whose
+// q - p is the forward KL's gradient (ps - pt) too, so the compiler forms it once; the region test on u^2, which
+// the series needs anyway (one comparison; NaN and +-inf fail it).
 template <typename A> DS_HD A kl_term(A p, A q, A u) {
-  const A series = q * (u * u) * f_over_u2(u);
-  const A direct = (p > A(0) ? p * u : A(0)) - p + q;
-  return u > A(-kSeriesLimit) && u < A(kSeriesLimit) ? series : direct;
+  const A uu = u * u;
+  const A series = q * uu * f_over_u2(u);
+  const A direct = p <= A(0) ? q : d_fma(p, u, q - p);
+  return uu < A(kSeriesLimit * kSeriesLimit) ? series : direct;
 }
 
 // ------------------------------------------------------------------------------------------ the JSD's series
@@ -313,20 +327,22 @@ template <typename A> DS_HD A log2_prob(A x, A k2, const Norm<A>& n) { return (x
 
 // The point of an entry from its logits xs, xt (not yet scaled; k2 = log2(e) / T) and the rows' normalisers.
 // d = lt - ls two ways (CLOSE is r.close, a row's constant, hoisted out of the entries' loop by the callers):
-// where the rows share an offset, from the logits' difference first, (xt - xs) k2 - (dmx + dlz) (one fused
-// multiply-add; the sum dmx + dlz is the row's constant, so its rounding is a normaliser's error): exact for 16-bit
-// logits and keeping u's digits where the distributions nearly agree; otherwise from each row's shifted logit,
+// where the rows share an offset, from the logits' difference first, ((xt - xs) k2 - (dmx + dlz)) ln 2 (one fused
+// multiply-add with the row's constants k2 ln 2 and (dmx + dlz) ln 2, whose roundings are a normaliser's error):
+// the difference is exact for 16-bit logits, so d keeps its digits where the distributions nearly agree; otherwise
+// from each row's shifted logit,
 // (b - mt) - (a - ms) - dlz: exact near each maximum, where the mass is.
 template <bool CLOSE, typename A> DS_HD Point<A> make_point(A xs, A xt, A k2, const RowNorms<A>& r) {
   Point<A> e;
   const A as = xs * k2 - r.s.mx, at = xt * k2 - r.t.mx;  // shifted scaled logits, base 2
   const A ls2 = as - r.s.lz, lt2 = at - r.t.lz;
-  const A d2 = CLOSE ? (xt - xs) * k2 - r.dd : (at - as) - r.dlz;
   e.ps = d_exp2(ls2);
   e.pt = d_exp2(lt2);
   e.ls = ls2 * A(kLn2);
   e.lt = lt2 * A(kLn2);
-  e.d = d2 * A(kLn2);
+  // CLOSE: natural units straight from the logits' difference, one multiply-add per entry (the scale k2 ln 2 = 1/T
+  // and dd ln 2 are the row's constants, hoisted out of the entries' loop).
+  e.d = CLOSE ? d_fma(xt - xs, k2 * A(kLn2), -(r.dd * A(kLn2))) : ((at - as) - r.dlz) * A(kLn2);
   return e;
 }
 

@@ -8,6 +8,7 @@ The case is the bench's (bf16, student and teacher as hidden states + weight, T 
 import argparse
 import collections
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -88,6 +89,23 @@ for _ in range(7):
     step()
     host_ms.append((time.perf_counter() - t_host) * 1e3)
 torch.cuda.synchronize()
+# The SM clock and power while steps run back to back (nvidia-smi sampled every 50 ms): a step behind idle time
+# may run at a higher clock than steps in a row at the card's power limit.
+try:
+    smi = subprocess.Popen(["nvidia-smi", f"--id={torch.cuda.current_device()}", "--query-gpu=clocks.sm,power.draw",
+                            "--format=csv,noheader,nounits", "-lms", "50"], stdout=subprocess.PIPE, text=True)
+except OSError:
+    smi = None
+time_cuda(step, [()], reps=10, warmup=0)
+if smi is not None:
+    smi.terminate()
+    samples = [tuple(float(x) for x in line.split(",")) for line in smi.communicate()[0].splitlines()
+               if line.count(",") == 1 and "N/A" not in line]
+    if samples:
+        clocks, watts = sorted(c for c, _ in samples), sorted(w for _, w in samples)
+        print(f"back to back: SM clock {clocks[0]:.0f} / {clocks[len(clocks) // 2]:.0f} / {clocks[-1]:.0f} MHz, "
+              f"power {watts[0]:.0f} / {watts[len(watts) // 2]:.0f} / {watts[-1]:.0f} W (min / median / max of "
+              f"{len(samples)} samples)")
 print(f"step from an idle GPU {step_ms:.2f} ms, back to back {b2b_ms:.2f} ms, behind queued GPU work "
       f"{gpu_bound_ms:.2f} ms (medians of 7, CUDA events); the host's path per step {quantiles(host_ms)[0]:.2f} ms "
       f"(back to back, wall clock)")
@@ -111,12 +129,21 @@ with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     with record_function("profiled_step"):
         step()
     torch.cuda.synchronize()
+    # Then three steps back to back (no synchronisation): the middle one's device time, busy and idle, with the
+    # steps before and after it queued (as the bench times them).
+    for i in range(3):
+        with record_function(f"b2b_step_{i}"):
+            step()
+    torch.cuda.synchronize()
 path = args.trace_json or tempfile.mkstemp(suffix=".json")[1]
 prof.export_chrome_trace(path)
 trace = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"]
 step_ev = next(e for e in trace if e.get("name") == "profiled_step" and e.get("cat") == "user_annotation")
 t0 = step_ev["ts"]
-gpu = sorted((e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+gpu_all = sorted((e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+marks = {e["name"]: e for e in trace if e.get("cat") == "user_annotation" and e["name"].startswith("b2b_step_")}
+# The profiled step's device ops: those before the back-to-back steps (a synchronisation lies between).
+gpu = [e for e in gpu_all if "b2b_step_0" not in marks or e["ts"] < marks["b2b_step_0"]["ts"]]
 host = [e for e in trace if e.get("cat") in ("cuda_runtime", "cuda_driver", "cpu_op")]
 busy = sum(e["dur"] for e in gpu)
 print(f"\nhost + device trace of one step: host path {step_ev['dur'] / 1e3:.2f} ms, device ops {len(gpu)} "
@@ -147,3 +174,20 @@ for e in host:
 print(f"{'calls':>6} {'total us':>9} {'max us':>8}  CUDA runtime/driver call")
 for name, (count, tot, mx) in sorted(calls.items(), key=lambda kv: -kv[1][1])[:15]:
     print(f"{count:6d} {tot:9.1f} {mx:8.1f}  {name}")
+
+# The middle back-to-back step: its device ops are those launched inside its host range (matched by the
+# profiler's correlation ids: the host runs ahead, so time alone does not tell the steps apart).
+def ops_of(mark):
+    ids = {e["args"].get("correlation") for e in trace if e.get("cat") in ("cuda_runtime", "cuda_driver")
+           and mark["ts"] <= e["ts"] <= mark["ts"] + mark["dur"]}
+    return [e for e in gpu_all if e.get("args", {}).get("correlation") in ids]
+
+
+mid, after = (ops_of(marks[f"b2b_step_{i}"]) for i in (1, 2)) if len(marks) == 3 else ([], [])
+if mid and after:
+    g0, g1 = mid[0]["ts"], after[0]["ts"]
+    busy_mid = sum(e["dur"] for e in mid)
+    mm = sum(e["dur"] for e in mid if "nvjet" in e["name"] or "gemm" in e["name"].lower())
+    print(f"\nback to back, the middle of three steps: {(g1 - g0) / 1e3:.2f} ms from its first device op to the next "
+          f"step's, {busy_mid / 1e3:.2f} ms busy in {len(mid)} ops ({mm / 1e3:.2f} ms of matrix products), "
+          f"{(g1 - g0 - busy_mid) / 1e3:.2f} ms idle")
