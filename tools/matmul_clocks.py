@@ -1,0 +1,56 @@
+"""The bf16 matrix-product rate two ways, with the SM clock and power beside each: as the fused head's bench
+measures its floor (kldiv_inline.bench_linear.matmul_tflops: a short burst after a pause), and sustained (after
+seconds of back-to-back products, as in a training step of the fused head, which runs ~25 ms of products in a
+row). An H100 at its power limit lowers its clock under sustained products; a floor taken from the burst is then
+one the step cannot reach.
+
+    python tools/matmul_clocks.py [--size 8192] [--seconds 3]
+"""
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kldiv_inline.bench_linear import matmul_tflops  # noqa: E402
+from kldiv_inline.timing import quantiles, time_cuda  # noqa: E402
+
+
+def sampled(fn):
+    """fn() while nvidia-smi samples the SM clock (MHz) and power (W) every 50 ms: (result, clocks, watts)."""
+    smi = subprocess.Popen(["nvidia-smi", f"--id={torch.cuda.current_device()}", "--query-gpu=clocks.sm,power.draw",
+                            "--format=csv,noheader,nounits", "-lms", "50"], stdout=subprocess.PIPE, text=True)
+    time.sleep(0.2)
+    out = fn()
+    torch.cuda.synchronize()
+    smi.terminate()
+    rows = [line.split(",") for line in smi.communicate()[0].splitlines() if line.count(",") == 1]
+    rows = [(float(c), float(w)) for c, w in rows if "N/A" not in c + w]
+    return out, sorted(c for c, _ in rows), sorted(w for _, w in rows)
+
+
+def median(xs):
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--size", type=int, default=8192)
+ap.add_argument("--seconds", type=float, default=3.0, help="back-to-back products before the sustained timing")
+args = ap.parse_args()
+print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+n = args.size
+a = torch.randn(n, n, device="cuda").bfloat16()
+b = torch.randn(n, n, device="cuda").bfloat16()
+flop = 2 * n**3
+time.sleep(1.0)  # a pause, as between the bench's cases
+burst, c1, w1 = sampled(lambda: matmul_tflops("cuda", size=n))
+reps = max(10, int(args.seconds / (flop / (burst * 1e12))))
+sustained_ms, c2, w2 = sampled(lambda: time_cuda(torch.matmul, [(a, b)], reps=50, warmup=reps))
+sustained = flop / (quantiles(sustained_ms)[0] * 1e-3) / 1e12
+print(f"{'':24} {'TFLOP/s':>8} {'SM MHz (median)':>16} {'W (median)':>11}")
+print(f"{'burst (the bench floor)':24} {burst:8.1f} {median(c1):16.0f} {median(w1):11.0f}")
+print(f"{'sustained':24} {sustained:8.1f} {median(c2):16.0f} {median(w2):11.0f}")
+print(f"sustained / burst = {sustained / burst:.3f}")
