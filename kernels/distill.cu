@@ -727,8 +727,13 @@ void launch_fast(const Launch& plan, int mode, bool want_student, int64_t n, Par
     p.out = partial.data_ptr<float>();
     dispatch_mode(mode, [&](auto mode_c) {
       constexpr int MODE = decltype(mode_c)::value;
-      if (want_student) launch_rows(fast_rows_kernel<T, MODE, true>, l, n, &p, stream);
-      else launch_rows(fast_rows_kernel<T, MODE, false>, l, n, &p, stream);
+      if constexpr (sizeof(T) == 2 && MODE != JSD) {  // the register-capped instances (distill_fast.cuh)
+        if (want_student) launch_rows(fast_rows_kernel_16<T, MODE, true>, l, n, &p, stream);
+        else launch_rows(fast_rows_kernel_16<T, MODE, false>, l, n, &p, stream);
+      } else {
+        if (want_student) launch_rows(fast_rows_kernel<T, MODE, true>, l, n, &p, stream);
+        else launch_rows(fast_rows_kernel<T, MODE, false>, l, n, &p, stream);
+      }
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     fast_rows_total_kernel<<<static_cast<unsigned>((n + 7) / 8), 256, 0, stream>>>(

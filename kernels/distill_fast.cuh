@@ -34,7 +34,7 @@ __device__ __forceinline__ void combine_pair(float& m, float& l, float m2, float
 }
 
 template <typename T, int MODE, bool GRAD>
-__global__ void __launch_bounds__(kFastThreads) fast_rows_kernel(const Params<T, float> p) {
+__device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();
 #else
@@ -230,6 +230,21 @@ __global__ void __launch_bounds__(kFastThreads) fast_rows_kernel(const Params<T,
   if (KS) for_each_point(std::true_type{}, [&](const Point<float>& e) { return student_grad<MODE>(e, p.c, ks); });
   cluster_wait();  // no block leaves while another may still read its shared memory
 #endif
+}
+
+// The kernels around fast_rows. For 16-bit logits a block's slices take ~32 KB of shared memory, so 7 blocks fit
+// in an SM, and at more than 32 registers a thread only 6 would: the forward KL's gradient kernel went from 32
+// to 40 registers after a change that removed instructions and lost the time it gained (kernels/NOTES.md,
+// version 9), so 16-bit logits get a cap, except for the JSD (~40 registers of live series and sums: capped at
+// 32 it spills). float32 slices are twice the size (shared memory limits those blocks first) and keep the
+// compiler's own choice: any cap there changed ptxas's strategy and made it spill.
+template <typename T, int MODE, bool GRAD>
+__global__ void __maxnreg__(32) fast_rows_kernel_16(const Params<T, float> p) {
+  fast_rows<T, MODE, GRAD>(p);
+}
+template <typename T, int MODE, bool GRAD>
+__global__ void __launch_bounds__(kFastThreads) fast_rows_kernel(const Params<T, float> p) {
+  fast_rows<T, MODE, GRAD>(p);
 }
 
 // A row's loss from its blocks' warps' partial sums, in a fixed order: one warp per row.
