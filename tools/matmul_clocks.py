@@ -7,7 +7,6 @@ one the step cannot reach.
     python tools/matmul_clocks.py [--size 8192] [--seconds 3]
 """
 import argparse
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,26 +14,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from gpu_clocks import median, sampled  # noqa: E402  (tools/, the script's own folder)
+
 from kldiv_inline.bench_linear import matmul_tflops  # noqa: E402
 from kldiv_inline.timing import quantiles, time_cuda  # noqa: E402
-
-
-def sampled(fn):
-    """fn() while nvidia-smi samples the SM clock (MHz) and power (W) every 50 ms: (result, clocks, watts)."""
-    smi = subprocess.Popen(["nvidia-smi", f"--id={torch.cuda.current_device()}", "--query-gpu=clocks.sm,power.draw",
-                            "--format=csv,noheader,nounits", "-lms", "50"], stdout=subprocess.PIPE, text=True)
-    time.sleep(0.2)
-    out = fn()
-    torch.cuda.synchronize()
-    smi.terminate()
-    rows = [line.split(",") for line in smi.communicate()[0].splitlines() if line.count(",") == 1]
-    rows = [(float(c), float(w)) for c, w in rows if "N/A" not in c + w]
-    return out, sorted(c for c, _ in rows), sorted(w for _, w in rows)
-
-
-def median(xs):
-    return xs[len(xs) // 2] if xs else float("nan")
-
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--size", type=int, default=8192)

@@ -8,7 +8,6 @@ The case is the bench's (bf16, student and teacher as hidden states + weight, T 
 import argparse
 import collections
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -18,6 +17,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from gpu_clocks import median, sampled  # noqa: E402  (tools/, the script's own folder)
+
 import kldiv_inline as K  # noqa: E402
 from kldiv_inline.timing import quantiles, time_cuda  # noqa: E402
 
@@ -91,21 +92,11 @@ for _ in range(7):
 torch.cuda.synchronize()
 # The SM clock and power while steps run back to back (nvidia-smi sampled every 50 ms): a step behind idle time
 # may run at a higher clock than steps in a row at the card's power limit.
-try:
-    smi = subprocess.Popen(["nvidia-smi", f"--id={torch.cuda.current_device()}", "--query-gpu=clocks.sm,power.draw",
-                            "--format=csv,noheader,nounits", "-lms", "50"], stdout=subprocess.PIPE, text=True)
-except OSError:
-    smi = None
-time_cuda(step, [()], reps=10, warmup=0)
-if smi is not None:
-    smi.terminate()
-    samples = [tuple(float(x) for x in line.split(",")) for line in smi.communicate()[0].splitlines()
-               if line.count(",") == 1 and "N/A" not in line]
-    if samples:
-        clocks, watts = sorted(c for c, _ in samples), sorted(w for _, w in samples)
-        print(f"back to back: SM clock {clocks[0]:.0f} / {clocks[len(clocks) // 2]:.0f} / {clocks[-1]:.0f} MHz, "
-              f"power {watts[0]:.0f} / {watts[len(watts) // 2]:.0f} / {watts[-1]:.0f} W (min / median / max of "
-              f"{len(samples)} samples)")
+_, clocks, watts = sampled(lambda: time_cuda(step, [()], reps=10, warmup=0))
+if clocks:
+    print(f"back to back: SM clock {clocks[0]:.0f} / {median(clocks):.0f} / {clocks[-1]:.0f} MHz, "
+          f"power {watts[0]:.0f} / {median(watts):.0f} / {watts[-1]:.0f} W (min / median / max of "
+          f"{len(clocks)} samples)")
 print(f"step from an idle GPU {step_ms:.2f} ms, back to back {b2b_ms:.2f} ms, behind queued GPU work "
       f"{gpu_bound_ms:.2f} ms (medians of 7, CUDA events); the host's path per step {quantiles(host_ms)[0]:.2f} ms "
       f"(back to back, wall clock)")
