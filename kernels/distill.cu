@@ -523,6 +523,7 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
 }
 
 #include "distill_fast.cuh"
+#include "distill_fast_topk.cuh"
 
 // 1 / (rows whose label is not ignore_index), 0 when there are none: the batchmean divisor, on the device.
 __global__ void __launch_bounds__(
@@ -695,18 +696,19 @@ Params<T, A> base_params(const Rows& r, int64_t ignore_index, double beta, doubl
   return p;
 }
 
-// Whether a distill_forward call takes fast_rows_kernel (distill_fast.cuh): a full teacher row, no teacher
-// gradient, slices in shared memory, every row of student, teacher and gradient starting on a 16-byte boundary.
+// Whether a distill_forward call takes a fast kernel: fast_rows_kernel (distill_fast.cuh) for a full teacher row,
+// fast_topk_kernel (distill_fast_topk.cuh) for a top-k teacher; no teacher gradient, 16-bit or float32 logits,
+// slices in shared memory, every row of student, teacher and gradient starting on a 16-byte boundary.
 // KLDIV_DISTILL_FAST=0 (a research knob) sends every call to rows_kernel, to compare the two.
 bool fast_path_ok(const Rows& r, const Launch& l, const at::Tensor& gs, bool want_teacher) {
   if (const char* env = std::getenv("KLDIV_DISTILL_FAST"))
     if (std::atoi(env) == 0) return false;
-  if (r.topk() || want_teacher || !l.use_smem || r.s.scalar_type() == at::kDouble) return false;
+  if (want_teacher || !l.use_smem || r.s.scalar_type() == at::kDouble) return false;
   const int64_t vec = 16 / static_cast<int64_t>(r.s.element_size());
   auto rows_aligned = [&](const at::Tensor& x) {
     return aligned16(x.data_ptr()) && (x.size(0) <= 1 || x.stride(0) % vec == 0);
   };
-  return rows_aligned(r.s) && rows_aligned(r.t) && (!gs.defined() || rows_aligned(gs));
+  return rows_aligned(r.s) && (r.topk() || rows_aligned(r.t)) && (!gs.defined() || rows_aligned(gs));
 }
 
 // fast_rows_kernel, then each row's loss from its warps' partial sums into rows_loss.
@@ -738,6 +740,25 @@ void launch_fast(const Launch& plan, int mode, bool want_student, int64_t n, Par
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     fast_rows_total_kernel<<<static_cast<unsigned>((n + 7) / 8), 256, 0, stream>>>(
         partial.data_ptr<float>(), n, per_row, rows_loss.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+// fast_topk_kernel (distill_fast_topk.cuh): each row's loss straight into rows_loss (its cluster's rank 0 writes it).
+template <typename T, typename A>
+void launch_fast_topk(const Launch& plan, int mode, bool want_student, int64_t n, Params<T, A> p, at::Tensor& rows_loss,
+                      cudaStream_t stream) {
+  if constexpr (std::is_same<A, double>::value) {
+    TORCH_CHECK(false, "distill: no fast path for float64 logits");  // fast_path_ok refuses them first
+  } else {
+    Launch l = plan;
+    l.threads = kFastThreads;
+    p.out = rows_loss.data_ptr<float>();
+    dispatch_mode(mode, [&](auto mode_c) {
+      constexpr int MODE = decltype(mode_c)::value;
+      if (want_student) launch_rows(fast_topk_kernel<T, MODE, true>, l, n, &p, stream);
+      else launch_rows(fast_topk_kernel<T, MODE, false>, l, n, &p, stream);
+    });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
@@ -812,7 +833,8 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
       p.out = rows_loss.data_ptr<A>();
       const int cfg = want_teacher ? CFG_GENERIC : (want_student ? CFG_STUDENT : CFG_INFER);
       if (fast_path_ok(r, l, gs, want_teacher)) {
-        launch_fast(l, mode_of(beta), want_student, r.n, p, rows_loss, stream);
+        if (r.topk()) launch_fast_topk(l, mode_of(beta), want_student, r.n, p, rows_loss, stream);
+        else launch_fast(l, mode_of(beta), want_student, r.n, p, rows_loss, stream);
         return;
       }
       dispatch_mode(mode_of(beta), [&](auto mode_c) {

@@ -327,9 +327,11 @@ def test_topk_matches_float64(device, k, beta, reduction):
 def test_topk_long_rows_cuda(beta):
     s = logits((4, 128256), torch.bfloat16, "cuda", scale=3.0).requires_grad_()
     topk = topk_teacher((4,), 128256, 100, "cuda")
-    out, (gs,) = run(s, None, None, teacher_topk=topk, beta=beta, temperature=2.0, reduction="none")
+    lab = torch.tensor([5, 7, -100, 9], device="cuda")  # a masked row among rows that a cluster of blocks shares
+    out, (gs,) = run(s, None, None, teacher_topk=topk, beta=beta, temperature=2.0, labels=lab, reduction="none")
     ref, (rs,) = reference(s, None, torch.ones(4, dtype=torch.float64, device="cuda"), teacher_topk=topk, beta=beta,
-                           temperature=2.0, reduction="none")
+                           temperature=2.0, labels=lab, reduction="none")
+    assert out[2] == 0 and (gs[2] == 0).all()
     assert_close(out, ref, 2e-6, "loss")
     assert_close(gs, rs, GRAD_TOL[torch.bfloat16], "grad")
 
@@ -391,14 +393,21 @@ def test_topk_mass_is_checked_and_rounding_normalised(device):
             assert_close(gs, rs, 2e-5, "grad")
 
 
-def test_topk_bad_row_is_nan_in_the_kernel(device):
-    # The kernels' own net under the Python check (which torch.compile and graph capture skip).
-    s = logits((3, 12), torch.float32, device)
-    idx, lp = topk_teacher((3,), 12, 4, device)
+@pytest.mark.parametrize("vocab", [12, 20000])  # float32 x 20000: a cluster of blocks on CUDA, a slice each
+def test_topk_bad_row_is_nan_in_the_kernel(device, vocab):
+    # The kernels' own net under the Python check (which torch.compile and graph capture skip): a row with a
+    # repeated token or one outside the vocabulary has a NaN loss and a NaN gradient, the other rows neither.
+    s = logits((4, vocab), torch.float32, device)
+    idx, lp = topk_teacher((4,), vocab, 4, device)
     idx[1, 3] = idx[1, 0]
+    idx[2, 1] = vocab
     mod = K.load(device, extension="distill")
-    out = mod.distill_forward(s, None, idx, lp, None, -100, 0.0, 1.0, 0, False, False)[0]
-    assert torch.isnan(out[1]) and torch.isfinite(out[[0, 2]]).all()
+    for beta in (0.0, 0.5, 1.0):
+        out = mod.distill_forward(s, None, idx, lp, None, -100, beta, 1.0, 0, False, False)[0]
+        assert torch.isnan(out[1:3]).all() and torch.isfinite(out[[0, 3]]).all(), (beta, out)
+        out, gs, _ = mod.distill_forward(s, None, idx, lp, None, -100, beta, 1.0, 0, True, False)
+        assert torch.isnan(out[1:3]).all() and torch.isfinite(out[[0, 3]]).all(), (beta, out)
+        assert torch.isnan(gs[1:3]).all() and torch.isfinite(gs[[0, 3]]).all(), beta
 
 
 # --------------------------------------------------------------------------------------- 5. autograd

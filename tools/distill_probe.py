@@ -130,7 +130,12 @@ def main():
                                       labels=lab[:512]))
     step = train(lambda: K.generalized_jsd(sw, teacher_topk=(idx, lp), temperature=T, labels=lab))
     add("ours topk k=100 fwd+bwd (eager checks)", timed(step, args.reps), floor2, f"rel err {e:.1e}")
-    add("  kernel alone topk", timed(kernel(None, (idx, lp), 0.0), args.reps), floor2)
+    for beta in (0.0, 0.5, 1.0):
+        add(f"  kernel alone topk beta={beta}", timed(kernel(None, (idx, lp), beta), args.reps), floor2)
+        for val in filter(None, args.fast.split(",")):
+            os.environ["KLDIV_DISTILL_FAST"] = val
+            add(f"  kernel topk fast={val} beta={beta}", timed(kernel(None, (idx, lp), beta), args.reps), floor2)
+            os.environ.pop("KLDIV_DISTILL_FAST")
     print("\nSUMMARY", torch.cuda.get_device_name())
     for name, ms, xf, extra in rows:
         print(f"{name:<42}{ms:9.3f}{xf:8.3f}  {extra}")

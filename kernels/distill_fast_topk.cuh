@@ -1,0 +1,242 @@
+// The top-k teacher's hot configuration (included by distill.cu after distill_fast.cuh; not a standalone header).
+// Same math and results as rows_kernel's top-k branch (distill_common.h's functions over k + 1 buckets: the k
+// tokens the teacher gave and the tail holding the rest of each distribution's mass; distill_cpu.cpp's row_topk is
+// the plain statement), for 16-bit and float32 student logits whose slices fit in shared memory.
+//
+// What differs from rows_kernel, and why (kernels/NOTES.md, version 10): rows_kernel read the student's slice in
+// four passes (max, sum, the tail's mass, the gradient) with eight block and three cluster barriers per row, and
+// ran at 2.6 x the floor of reading the logits and writing their gradient on an H100. Here
+//   - the membership bitmap (which entries are top-k tokens) is built while the slice's copy is in flight, so the
+//     tail's mass is summed in the same pass as the normaliser, relative to the same warp maximum: three passes;
+//   - one cluster barrier per row publishes each warp's (max, sum, non-member sum) and a bad-index flag; every
+//     block combines them in the same order (identical normalisers and tail mass everywhere);
+//   - every block then computes all k members' terms itself (the members' logits read from their owners' shared
+//     memory, which lives until the last barrier): the loss and the row sum ks need no second cluster barrier;
+//   - each thread copies and reads its own chunks of the slice (no block barrier after the copy), as fast_rows.
+// A gradient written over the student's own logits (the fused head) is safe: after the copy every logit is read
+// from shared memory, and a block's own slice is all it writes.
+
+template <typename T, int MODE, bool GRAD>
+__device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();
+#else
+  constexpr int N = Vec<T>::N;
+  constexpr int W = kFastWarps;
+  constexpr bool KS = GRAD && student_needs_k<MODE>();  // the gradients need the row sum ks
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ float4 slot_norms[W];  // each warp's (max, sum of 2^(x - max), the same over non-members, 0)
+  __shared__ float2 slot_aux[W];    // each warp's (teacher mass of its members, a bad index seen)
+  __shared__ float2 slot_terms[W];  // each warp's members' (loss, ks)
+  __shared__ float bcast[5];
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int ranks = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t row = blockIdx.x / ranks;
+  const int64_t lo = static_cast<int64_t>(rank) * p.slice;
+  const int count = static_cast<int>(max64(0, min64(p.v - lo, p.slice)));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const T* gsrc = p.s + row * p.s_stride + lo;
+  T* gs = GRAD ? p.gs + row * p.gs_stride + lo : nullptr;
+
+  if (p.labels && p.labels[row] == p.ignore_index) {  // masked: zeros, and no barrier (the cluster agrees)
+    if (GRAD) {
+      const Vec<T> zero{};
+      for (int c = threadIdx.x; c < count / N; c += kFastThreads) store_chunk(gs + c * N, zero, true);
+      for (int j = count / N * N + threadIdx.x; j < count; j += kFastThreads) gs[j] = zero.v[0];
+    }
+    if (rank == 0 && threadIdx.x == 0) p.out[row] = 0.f;
+    return;
+  }
+
+  // The copy: each thread its own chunks, the first three in a commit group each (see fast_rows).
+  T* xs = reinterpret_cast<T*>(smem_raw);
+  unsigned* bits = reinterpret_cast<unsigned*>(smem_raw + static_cast<size_t>(p.slice) * sizeof(T));
+  const int chunks = count / N;
+  const unsigned bs = static_cast<unsigned>(__cvta_generic_to_shared(xs));
+  int c0 = threadIdx.x;
+#pragma unroll
+  for (int i = 0; i < 3; ++i, c0 += kFastThreads) {
+    if (c0 < chunks)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(bs + c0 * 16u), "l"(gsrc + c0 * N));
+    asm volatile("cp.async.commit_group;\n" ::);
+  }
+  for (int c = c0; c < chunks; c += kFastThreads)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(bs + c * 16u), "l"(gsrc + c * N));
+  asm volatile("cp.async.commit_group;\n" ::);
+  // The last block's partial chunk: threads 0 .. N-2 copy one entry each, by plain loads (the members' pass and
+  // the gradient read every logit from shared memory: the gradient may overwrite the logits in device memory).
+  const int tail = chunks * N + static_cast<int>(threadIdx.x);
+  const bool has_tail = tail < count;
+  float x_tail = ninf<float>();
+  if (has_tail) {
+    const T x = gsrc[tail];
+    xs[tail] = x;
+    x_tail = static_cast<float>(x);
+  }
+
+  // ---- membership, while the copy is in flight: a bit per entry of this slice; indices out of the vocabulary
+  // (every block sees them) or repeated (the block holding them sees it) make the row NaN, as on the CPU.
+  const int words = (count + 31) / 32;
+  for (int w = threadIdx.x; w < words; w += kFastThreads) bits[w] = 0u;
+  __syncthreads();
+  const int64_t* idx = p.idx + row * p.k;
+  const float* lp = p.lp + row * p.k;
+  {
+    float q = 0.f;
+    bool bad = false;
+    for (int64_t j = threadIdx.x; j < p.k; j += kFastThreads) {
+      const int64_t x = idx[j];
+      q += d_exp(lp[j]);
+      if (x < 0 || x >= p.v) {
+        bad = true;
+      } else if (x >= lo && x < lo + count) {
+        const unsigned bit = 1u << ((x - lo) & 31);
+        if (atomicOr(&bits[(x - lo) >> 5], bit) & bit) bad = true;
+      }
+    }
+    q = warp_sum(q);
+    bad = __any_sync(0xffffffffu, bad);
+    if (lane == 0) slot_aux[warp] = make_float2(q, bad ? 1.f : 0.f);
+  }
+  const float k2 = p.k2;
+
+  // ---- 1. the normaliser and the tail's mass: each warp's max, then its sums relative to it, one cluster barrier
+  float mx = ninf<float>();
+  {
+    auto take_max = [&](int c) { mx = fmaxf(mx, chunk_max(load_chunk(xs + c * N, true))); };
+    int c1 = threadIdx.x;
+    asm volatile("cp.async.wait_group 3;\n" ::: "memory");
+    if (c1 < chunks) take_max(c1);
+    c1 += kFastThreads;
+    asm volatile("cp.async.wait_group 2;\n" ::: "memory");
+    if (c1 < chunks) take_max(c1);
+    c1 += kFastThreads;
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    if (c1 < chunks) take_max(c1);
+    c1 += kFastThreads;
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    for (int c = c1; c < chunks; c += kFastThreads) take_max(c);
+    mx = fmaxf(mx, x_tail);
+  }
+  mx = warp_max(mx) * k2;  // k2 > 0: the max of the scaled logits
+  const float o = mx == ninf<float>() ? 0.f : mx;
+  __syncthreads();           // the bitmap is complete
+  float sm = 0.f, st = 0.f;  // all entries, non-members
+  for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
+    const Vec<T> v = load_chunk(xs + c * N, true);
+    const unsigned mb = bits[(c * N) >> 5] >> ((c * N) & 31);  // a chunk's N bits share a word
+#pragma unroll
+    for (int q = 0; q < N; ++q) {
+      const float e = d_exp2(static_cast<float>(v.v[q]) * k2 - o);
+      sm += e;
+      st += (mb >> q) & 1u ? 0.f : e;
+    }
+  }
+  if (has_tail) {
+    const float e = d_exp2(x_tail * k2 - o);
+    sm += e;
+    st += (bits[tail >> 5] >> (tail & 31)) & 1u ? 0.f : e;
+  }
+  sm = warp_sum(sm);
+  st = warp_sum(st);
+  if (lane == 0) slot_norms[warp] = make_float4(mx, sm, st, 0.f);
+  cluster_arrive();
+  cluster_wait();
+  if (warp == 0) {  // every block combines all ranks x warps in the same order
+    float m0 = ninf<float>(), l0 = 0.f, m1 = ninf<float>(), l1 = 0.f;
+    bool bad = false;
+    for (int i = lane; i < ranks * W; i += 32) {
+      const float4 v = *cluster.map_shared_rank(slot_norms + i % W, i / W);
+      combine_pair(m0, l0, v.x, v.y);
+      combine_pair(m1, l1, v.x, v.z);  // the same maxima: m1 ends equal to m0
+      bad |= cluster.map_shared_rank(slot_aux + i % W, i / W)->y != 0.f;
+    }
+#pragma unroll
+    for (int s = 16; s > 0; s >>= 1) {
+      combine_pair(m0, l0, __shfl_xor_sync(0xffffffffu, m0, s), __shfl_xor_sync(0xffffffffu, l0, s));
+      combine_pair(m1, l1, __shfl_xor_sync(0xffffffffu, m1, s), __shfl_xor_sync(0xffffffffu, l1, s));
+    }
+    const float q = warp_sum(lane < W ? slot_aux[lane].x : 0.f);  // this block's: the same in every block
+    bad = __any_sync(0xffffffffu, bad);
+    if (lane == 0) {
+      bcast[0] = m0;
+      bcast[1] = d_log2(l0);
+      bcast[2] = l1 / l0;  // the student's tail mass
+      bcast[3] = q;        // the teacher's mass over the k tokens
+      bcast[4] = bad ? 1.f : 0.f;
+    }
+  }
+  __syncthreads();
+  const Norm<float> ns{bcast[0], bcast[1]};
+  const bool bad = bcast[4] != 0.f;
+
+  // ---- 2. every block: all members' terms (their logits from their owners' shared memory), then the tail's
+  auto member_point = [&](float x, int64_t j) {
+    const float ls2 = log2_prob(x, k2, ns);
+    return bucket_point(d_exp2(ls2), ls2 * static_cast<float>(kLn2), d_exp(lp[j]), lp[j]);
+  };
+  {
+    Terms<float> acc{0.f, 0.f, 0.f};
+    for (int64_t j = threadIdx.x; j < p.k; j += kFastThreads) {
+      const int64_t x = idx[j];
+      if (x < 0 || x >= p.v) continue;  // the row is NaN (bad)
+      const int owner = static_cast<int>(x / p.slice);
+      const T xv = *cluster.map_shared_rank(xs + (x - static_cast<int64_t>(owner) * p.slice), owner);
+      point_terms<MODE, KS, false>(member_point(static_cast<float>(xv), j), p.c, acc);
+    }
+    const float l = warp_sum(acc.loss), k = KS ? warp_sum(acc.ks) : 0.f;
+    if (lane == 0) slot_terms[warp] = make_float2(l, k);
+  }
+  cluster_arrive();  // this block reads no other's shared memory any more; wait before leaving
+  __syncthreads();
+  float loss = 0.f, ks = 0.f;
+#pragma unroll
+  for (int w = 0; w < W; ++w) {  // the same order in every thread and block
+    loss += slot_terms[w].x;
+    ks += slot_terms[w].y;
+  }
+  const float p_tail = bcast[2];
+  const float q_tail = fmaxf(1.f - bcast[3], 0.f);
+  const Point<float> tp = bucket_point(p_tail, d_log(p_tail), q_tail, d_log(q_tail));
+  if (p.k < p.v) {  // a tail bucket only where some of the vocabulary is outside the top-k
+    Terms<float> ta{0.f, 0.f, 0.f};
+    point_terms<MODE, KS, false>(tp, p.c, ta);
+    loss += ta.loss;
+    ks += ta.ks;
+  }
+  if (bad) loss = ks = std::numeric_limits<float>::quiet_NaN();
+  if (rank == 0 && threadIdx.x == 0) p.out[row] = loss;
+
+  // ---- 3. the gradient: a tail entry's share of its bucket's (p_v / p_tail), then the members' own over it
+  if constexpr (GRAD) {
+    const float scale = static_cast<float>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(p.inv_t));
+    const float coef = bad ? std::numeric_limits<float>::quiet_NaN()
+                           : (tp.ps > 0.f ? student_grad<MODE>(tp, p.c, ks) / tp.ps : 0.f) * scale;
+    for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
+      const Vec<T> v = load_chunk(xs + c * N, true);
+      Vec<T> g;
+#pragma unroll
+      for (int q = 0; q < N; ++q) g.v[q] = static_cast<T>(d_exp2(log2_prob(static_cast<float>(v.v[q]), k2, ns)) * coef);
+      store_chunk(gs + c * N, g, true);
+    }
+    if (has_tail) gs[tail] = static_cast<T>(d_exp2(log2_prob(x_tail, k2, ns)) * coef);
+    if (!bad) {         // (a bad row stays NaN everywhere; `bad` is the block's common value)
+      __syncthreads();  // the members' gradients overwrite the tail formula written above
+      for (int64_t j = threadIdx.x; j < p.k; j += kFastThreads) {
+        const int64_t x = idx[j];
+        if (x >= lo && x < lo + count)
+          gs[x - lo] =
+              static_cast<T>(student_grad<MODE>(member_point(static_cast<float>(xs[x - lo]), j), p.c, ks) * scale);
+      }
+    }
+  }
+  cluster_wait();  // no block leaves while another may still read its shared memory
+#endif
+}
+
+template <typename T, int MODE, bool GRAD>
+__global__ void __launch_bounds__(kFastThreads) fast_topk_kernel(const Params<T, float> p) {
+  fast_topk_rows<T, MODE, GRAD>(p);
+}
