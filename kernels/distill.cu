@@ -17,6 +17,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -576,6 +578,59 @@ __global__ void __launch_bounds__(
   }
 }
 
+// A top-k teacher's rows made ready, one block per row (see distill_topk_prepare in distill_bindings.cpp): the
+// logsumexp of the log-probabilities, the normalised row, and the checks' flags (set with atomicOr: the same
+// result in any order). Repeated indices by comparing every pair: k <= kDupCheckMax (the caller sorts larger k).
+constexpr int kPrepThreads = 128;
+constexpr int64_t kDupCheckMax = 256;
+template <typename A>
+__global__ void __launch_bounds__(kPrepThreads)
+topk_prepare_kernel(const int64_t* __restrict__ idx, const A* __restrict__ lp, A* __restrict__ out, int64_t k,
+                    int64_t vocab, const int64_t* __restrict__ labels, int64_t ignore_index, double slack_log,
+                    bool check_dup, int* __restrict__ flags) {
+  __shared__ int64_t row_idx[kDupCheckMax];
+  __shared__ A scratch[kWarps];
+  const int64_t row = blockIdx.x;
+  const int64_t* xi = idx + row * k;
+  const A* li = lp + row * k;
+  const bool whole = k == vocab;
+  A m[1] = {ninf<A>()};
+  bool nan = false, range = false;
+  for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
+    const A x = li[j];
+    nan = nan || x != x;
+    m[0] = x > m[0] ? x : m[0];
+    const int64_t v = xi[j];
+    range = range || v < 0 || v >= vocab;
+    if (check_dup) row_idx[j] = v;
+  }
+  nan = __syncthreads_or(nan);
+  range = __syncthreads_or(range);
+  block_max<1>(m, scratch);
+  A lse = m[0];  // -inf (no mass) and +inf stay as they are
+  if (nan) {
+    lse = std::numeric_limits<A>::quiet_NaN();
+  } else if (isfinite(m[0])) {
+    A sum[1] = {A(0)};
+    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) sum[0] += d_exp(li[j] - m[0]);
+    block_sum<1>(sum, scratch);
+    lse = m[0] + d_log(sum[0]);
+  }
+  const A shift = topk_shift(lse, whole);
+  for (int64_t j = threadIdx.x; j < k; j += blockDim.x) out[row * k + j] = li[j] - shift;
+  bool dup = false;
+  if (check_dup)
+    for (int64_t i = threadIdx.x; i < k; i += blockDim.x)
+      for (int64_t j = i + 1; j < k; ++j) dup = dup || row_idx[i] == row_idx[j];
+  dup = __syncthreads_or(dup);
+  if (threadIdx.x == 0) {
+    if (range) atomicOr(flags + FLAG_RANGE, 1);
+    if (dup) atomicOr(flags + FLAG_DUP, 1);
+    if (!(labels && labels[row] == ignore_index) && topk_bad_mass(lse, whole, slack_log))
+      atomicOr(flags + FLAG_MASS, 1);
+  }
+}
+
 // ------------------------------------------------------------------------------------------- launching
 struct Launch {
   int cluster = 1, threads = 128;
@@ -903,6 +958,30 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {out, gs, gt};
+}
+
+std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Tensor& lp, int64_t vocab,
+                                             const c10::optional<at::Tensor>& labels, int64_t ignore_index,
+                                             double slack_log, bool check_dup) {
+  check_device(idx);
+  check_topk_prepare(idx, lp, labels, vocab);
+  TORCH_CHECK(!check_dup || idx.size(1) <= kDupCheckMax, "distill: the kernel checks repeats for k <= ", kDupCheckMax,
+              " only");
+  const c10::cuda::CUDAGuard guard(idx.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor out = at::empty_like(lp);
+  at::Tensor flags = at::zeros({3}, idx.options().dtype(at::kInt));
+  const int64_t n = idx.size(0);
+  if (n == 0) return {out, flags};
+  TORCH_CHECK(n < (int64_t(1) << 31), "distill: too many rows for one launch");
+  AT_DISPATCH_FLOATING_TYPES(lp.scalar_type(), "distill_topk_prepare", [&] {
+    topk_prepare_kernel<scalar_t><<<static_cast<unsigned>(n), kPrepThreads, 0, stream>>>(
+        idx.data_ptr<int64_t>(), lp.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), idx.size(1), vocab,
+        labels.has_value() ? labels->data_ptr<int64_t>() : nullptr, ignore_index, slack_log, check_dup,
+        flags.data_ptr<int>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {out, flags};
 }
 
 bool distill_in_place_ok(int64_t vocab, int64_t element_size, bool topk) {

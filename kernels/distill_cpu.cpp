@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
@@ -362,6 +363,54 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
     });
   });
   return {out, gs, gt};
+}
+
+std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Tensor& lp, int64_t vocab,
+                                             const c10::optional<at::Tensor>& labels, int64_t ignore_index,
+                                             double slack_log, bool check_dup) {
+  check_device(idx);
+  check_topk_prepare(idx, lp, labels, vocab);
+  const int64_t n = idx.size(0), k = idx.size(1);
+  const bool whole = k == vocab;
+  at::Tensor out = at::empty_like(lp);
+  at::Tensor flags = at::zeros({3}, idx.options().dtype(at::kInt));
+  int* f = flags.data_ptr<int>();
+  const int64_t* ix = idx.data_ptr<int64_t>();
+  const int64_t* lab = labels.has_value() ? labels->data_ptr<int64_t>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES(lp.scalar_type(), "distill_topk_prepare", [&] {
+    using A = scalar_t;
+    const A* l = lp.data_ptr<A>();
+    A* o = out.data_ptr<A>();
+    std::vector<int64_t> sorted(static_cast<size_t>(k));
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t* xi = ix + i * k;
+      const A* li = l + i * k;
+      bool nan = false;
+      A m = ninf<A>();
+      for (int64_t j = 0; j < k; ++j) {
+        nan = nan || li[j] != li[j];
+        m = li[j] > m ? li[j] : m;
+        if (xi[j] < 0 || xi[j] >= vocab) f[FLAG_RANGE] = 1;
+      }
+      A lse = m;  // -inf (no mass) and +inf stay as they are
+      if (nan) {
+        lse = std::numeric_limits<A>::quiet_NaN();
+      } else if (std::isfinite(m)) {
+        A sum = A(0);
+        for (int64_t j = 0; j < k; ++j) sum += d_exp(li[j] - m);
+        lse = m + d_log(sum);
+      }
+      const A shift = topk_shift(lse, whole);
+      for (int64_t j = 0; j < k; ++j) o[i * k + j] = li[j] - shift;
+      if (check_dup) {
+        std::copy(xi, xi + k, sorted.begin());
+        std::sort(sorted.begin(), sorted.end());
+        if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) f[FLAG_DUP] = 1;
+      }
+      if (!(lab && lab[i] == ignore_index) && topk_bad_mass(lse, whole, slack_log)) f[FLAG_MASS] = 1;
+    }
+  });
+  return {out, flags};
 }
 
 bool distill_in_place_ok(int64_t, int64_t, bool) { return true; }  // each entry is read before it is written

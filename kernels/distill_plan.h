@@ -145,4 +145,39 @@ inline Rows prepare_forward(const at::Tensor& student, const c10::optional<at::T
   return r;
 }
 
+// distill_topk_prepare's operands: indices int64 [n, k] and log-probabilities (float32 or float64) [n, k], both
+// contiguous, labels contiguous int64 [n] or none, all on one device.
+inline void check_topk_prepare(const at::Tensor& idx, const at::Tensor& lp, const c10::optional<at::Tensor>& labels,
+                               int64_t vocab) {
+  TORCH_CHECK(idx.dim() == 2 && idx.is_contiguous() && idx.scalar_type() == at::kLong,
+              "distill: top-k indices must be contiguous int64 [rows, k]");
+  TORCH_CHECK(lp.sizes() == idx.sizes() && lp.is_contiguous() &&
+                  (lp.scalar_type() == at::kFloat || lp.scalar_type() == at::kDouble) && lp.device() == idx.device(),
+              "distill: top-k log-probabilities must be contiguous float32/float64 [rows, k] beside the indices");
+  TORCH_CHECK(vocab >= 1 && idx.size(1) >= 1 && idx.size(1) <= vocab, "distill: top-k needs 1 <= k <= vocabulary");
+  if (labels.has_value()) {
+    TORCH_CHECK(labels->dim() == 1 && labels->size(0) == idx.size(0) && labels->is_contiguous() &&
+                    labels->scalar_type() == at::kLong && labels->device() == idx.device(),
+                "distill: labels must be contiguous int64 [rows] on the indices' device");
+  }
+}
+
+// distill_topk_prepare's flags (int32 [3]): an index outside the vocabulary, a repeated index, a row's mass not
+// that of a distribution.
+enum TopkFlag : int { FLAG_RANGE = 0, FLAG_DUP = 1, FLAG_MASS = 2 };
+
+// The shift that normalises a top-k row whose log-probabilities have logsumexp lse: mass above 1 is divided out
+// (k < V), or the whole distribution normalised (k = V, `whole`); a row without mass is left as it is; NaN stays.
+template <typename A> DS_HD A topk_shift(A lse, bool whole) {
+  const A s = whole || !(lse < A(0)) ? lse : A(0);
+  return s == ninf<A>() ? A(0) : s;
+}
+
+// Whether an unmasked row's mass is no distribution's: more than 1 (k < V) or away from 1 (k = V) by more than
+// the slack (log1p of it given); a NaN row is no offender here (its loss is NaN).
+template <typename A> DS_HD bool topk_bad_mass(A lse, bool whole, double slack_log) {
+  const A excess = whole ? (lse < A(0) ? -lse : lse) : lse;
+  return excess > static_cast<A>(slack_log);
+}
+
 }  // namespace distill

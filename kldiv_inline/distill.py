@@ -60,13 +60,15 @@ def _empty_if_none(t: Tensor | None, like: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------- custom ops
-@torch.library.custom_op("kldiv_inline::distill_forward", mutates_args=())
-def _forward_op(student: Tensor, teacher: Tensor | None, topk_idx: Tensor | None, topk_lp: Tensor | None,
+def _forward_impl(student: Tensor, teacher: Tensor | None, topk_idx: Tensor | None, topk_lp: Tensor | None,
                 labels: Tensor | None, ignore_index: int, beta: float, temperature: float, reduction: int,
                 want_student: bool, want_teacher: bool) -> tuple[Tensor, Tensor, Tensor]:
     loss, gs, gt = _module(student.device).distill_forward(student, teacher, topk_idx, topk_lp, labels, ignore_index,
                                                            beta, temperature, reduction, want_student, want_teacher)
     return loss, _empty_if_none(gs, student), _empty_if_none(gt, student)
+
+
+_forward_op = torch.library.custom_op("kldiv_inline::distill_forward", mutates_args=())(_forward_impl)
 
 
 @_forward_op.register_fake
@@ -133,6 +135,23 @@ def _backward(ctx, grad_out, _g_student, _g_teacher):
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerForward(torch.autograd.Function):
+    """The custom op's eager twin: the same kernel call, context and backward, without the dispatcher's layers
+    that torch.library's autograd wrapper adds (filling the schema's defaults, redispatching): ~0.25 ms of host
+    time per call on the 2-core development machine, which a training step with a short kernel (a top-k teacher:
+    0.63 ms at 4096 x 128256 on an H200) cannot hide. torch.compile and CUDA-graph capture take the custom op."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _forward_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out, g_student, g_teacher):
+        return _backward(ctx, grad_out, g_student, g_teacher)
+
+
 # ------------------------------------------------------------------------------------------ front end
 def _check_number(name: str, value, low: float, high: float, low_open: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -157,6 +176,8 @@ def _rows(x: Tensor, vocab: int) -> Tensor:
 # Top-k probability mass beyond 1 (or, with k = V, away from 1) accepted as rounding and normalised away: a
 # bfloat16 log-probability is rounded by up to |log p| 2^-9 relative, which over a top-100 stays below 1%.
 TOPK_MASS_SLACK = 0.02
+# Repeated top-k indices are found by the preparation kernel (every pair compared) up to this k, by sorting above.
+TOPK_DUP_CHECK_MAX = 256
 
 
 def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, labels: Tensor | None = None,
@@ -192,17 +213,26 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, 
     # log-probabilities carry rounding (bfloat16 ones can hold a little more than 1 of mass, which would leave a
     # tail of 0 and a reverse KL of inf): mass above 1 is divided out, and with k = V the k buckets are the whole
     # distribution, normalised alike. Beyond TOPK_MASS_SLACK it is no rounding: an error, checked below.
-    lse = torch.logsumexp(lp2, dim=-1, keepdim=True)
-    shift = lse if k == vocab else lse.clamp_min(0)
-    lp2 = (lp2 - torch.where(torch.isneginf(shift), 0.0, shift)).contiguous()  # (NaN stays NaN)
-    check = _no_check
-    if idx2.numel() and not _is_tracing(idx2):
-        # A wrong index or a teacher that is no distribution must be an error, not a wrong number. (Under
-        # torch.compile or CUDA-graph capture it is skipped; the kernels then make a row with a bad index NaN.)
-        check = _topk_check(idx2, lse, vocab, labels, ignore_index)
-        if not defer:
-            check()
-            check = _no_check
+    if not idx2.numel() or _is_tracing(idx2):
+        # Traced (torch.compile, CUDA-graph capture): the same normalisation in PyTorch operations, unchecked
+        # (the kernels then make a row with a bad index NaN).
+        lse = torch.logsumexp(lp2, dim=-1, keepdim=True)
+        shift = lse if k == vocab else lse.clamp_min(0)
+        lp2 = (lp2 - torch.where(torch.isneginf(shift), 0.0, shift)).contiguous()  # (NaN stays NaN)
+        return (idx2, lp2, _no_check) if defer else (idx2, lp2)
+    # Eager: normalised and checked by one kernel (a wrong index or a teacher that is no distribution must be an
+    # error, not a wrong number); the flags are read back by check().
+    lp_given = lp2.contiguous()
+    check_dup = k <= TOPK_DUP_CHECK_MAX
+    lp2, flags = _module(idx2.device).distill_topk_prepare(idx2, lp_given, vocab, labels, ignore_index,
+                                                           math.log1p(TOPK_MASS_SLACK), check_dup)
+    if not check_dup:  # long rows: repeats found by sorting
+        srt = idx2.sort(dim=-1).values
+        flags = flags.clone()
+        flags[1] |= (srt[:, 1:] == srt[:, :-1]).any().int()
+    check = _topk_check(flags, lp_given, vocab, labels, ignore_index)
+    if not defer:
+        check()
     return (idx2, lp2, check) if defer else (idx2, lp2)
 
 
@@ -210,22 +240,14 @@ def _no_check() -> None:
     pass
 
 
-def _topk_check(idx2: Tensor, lse: Tensor, vocab: int, labels: Tensor | None, ignore_index: int):
-    """Queues the top-k teacher's checks on the device and returns ``check()``, which raises their error, if any.
-    On a GPU the four values checked go to pinned host memory behind an event recorded right after them: a
-    caller that queues its kernel before calling ``check()`` waits for these small operations only, not for its
-    kernel (a synchronisation before the launch left the GPU idle for the host's path to the next launch: 0.67 ms
-    of a 1.31-ms training step at 4096 x 128256 on an H200)."""
-    k = idx2.shape[1]
-    bad_range = (idx2.min() < 0) | (idx2.max() >= vocab)
-    srt = idx2.sort(dim=-1).values
-    dup = (srt[:, 1:] == srt[:, :-1]).any() if k > 1 else torch.zeros((), dtype=torch.bool, device=idx2.device)
-    excess = (lse.abs() if k == vocab else lse).flatten()
-    if labels is not None:
-        excess = torch.where(labels != ignore_index, excess, -math.inf)
-    bad_mass = (excess > math.log1p(TOPK_MASS_SLACK)).any()
-    worst = lse.flatten()[excess.nan_to_num(nan=-math.inf).argmax()]  # (a NaN row is no offender)
-    flags = torch.stack([bad_range.double(), dup.double(), bad_mass.double(), worst.double()])
+def _topk_check(flags: Tensor, lp: Tensor, vocab: int, labels: Tensor | None, ignore_index: int):
+    """``check()``, which raises the error that the flags of distill_topk_prepare (range, repeat, mass; on the
+    device) say, if any. On a GPU the flags go to pinned host memory behind an event recorded right after them: a
+    caller that queues its kernel before calling ``check()`` waits for the small preparation kernel only, not for
+    its own (a synchronisation before the launch left the GPU idle for the host's path to the next launch: 0.67 ms
+    of a 1.31-ms training step at 4096 x 128256 on an H200). ``lp``: the log-probabilities as given, [rows, k],
+    for the error's message."""
+    k = lp.shape[1]
     done = None
     if flags.is_cuda:
         host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
@@ -237,12 +259,17 @@ def _topk_check(idx2: Tensor, lse: Tensor, vocab: int, labels: Tensor | None, ig
     def check() -> None:
         if done is not None:
             done.synchronize()
-        bad_range, dup, bad_mass, worst = flags.tolist()
+        bad_range, dup, bad_mass = flags.tolist()
         if bad_range:
             raise ValueError(f"generalized_jsd: top-k indices must lie in [0, {vocab})")
         if dup:
             raise ValueError("generalized_jsd: top-k indices of a token must be distinct")
-        if bad_mass:
+        if bad_mass:  # the worst row for the message (an error path: PyTorch operations, synchronised)
+            lse = torch.logsumexp(lp, dim=-1)
+            excess = lse.abs() if k == vocab else lse
+            if labels is not None:
+                excess = torch.where(labels != ignore_index, excess, -math.inf)
+            worst = float(lse[excess.nan_to_num(nan=-math.inf).argmax()])  # (a NaN row is no offender)
             allowed = "at most 1" if k < vocab else "1 (k = V: the whole vocabulary)"
             raise ValueError(f"generalized_jsd: top-k log-probabilities must be those of a distribution: a token's "
                              f"{k} probabilities sum to {math.exp(worst):.4g}, where they must sum to {allowed}, "
@@ -409,10 +436,12 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     grad_on = torch.is_grad_enabled()
     want_s = bool(grad_on and student.requires_grad)
     want_t = bool(grad_on and teacher is not None and teacher.requires_grad)
-    if not (want_s or want_t) and not _is_tracing(student):
-        loss = _module(student.device).distill_forward(*args, False, False)[0]
-    else:
+    if _is_tracing(student):
         loss = _forward_op(*args, want_s, want_t)[0]
+    elif want_s or want_t:
+        loss = _EagerForward.apply(*args, want_s, want_t)[0]
+    else:
+        loss = _module(student.device).distill_forward(*args, False, False)[0]
     # The top-k teacher's checks, read back now that the kernel is queued (it makes a bad row NaN, and never
     # reads out of range: raising after it is safe, and its results are dropped with the error).
     check()

@@ -336,15 +336,22 @@ def test_topk_long_rows_cuda(beta):
     assert_close(gs, rs, GRAD_TOL[torch.bfloat16], "grad")
 
 
-def test_topk_bad_indices_raise(device):
-    s = logits((2, 10), torch.float32, device)
-    idx, lp = topk_teacher((2,), 10, 3, device)
-    with pytest.raises(ValueError, match=r"in \[0, 10\)"):
-        K.generalized_jsd(s, teacher_topk=(idx + 10, lp))
+@pytest.mark.parametrize("vocab,k", [(10, 3), (400, 300)])  # k > TOPK_DUP_CHECK_MAX: repeats found by sorting
+@pytest.mark.parametrize("grad", [False, True])
+def test_topk_bad_indices_raise(device, vocab, k, grad):
+    s = logits((2, vocab), torch.float32, device).requires_grad_(grad)
+    idx, lp = topk_teacher((2,), vocab, k, device)
+    with pytest.raises(ValueError, match=rf"in \[0, {vocab}\)"):
+        K.generalized_jsd(s, teacher_topk=(idx + vocab, lp))
+    low = idx.clone()
+    low[0, k - 1] = -1
+    with pytest.raises(ValueError, match=rf"in \[0, {vocab}\)"):
+        K.generalized_jsd(s, teacher_topk=(low, lp))
     dup = idx.clone()
-    dup[1, 2] = dup[1, 0]
+    dup[1, k - 1] = dup[1, 0]
     with pytest.raises(ValueError, match="distinct"):
         K.generalized_jsd(s, teacher_topk=(dup, lp))
+    K.generalized_jsd(s, teacher_topk=(idx, lp))  # and the good pair passes
     with pytest.raises(ValueError, match="1 <= k"):
         K.generalized_jsd(s, teacher_topk=(idx[:, :0], lp[:, :0]))
     with pytest.raises(ValueError, match="no gradient flows"):
