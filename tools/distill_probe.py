@@ -137,6 +137,24 @@ def main():
             os.environ["KLDIV_DISTILL_FAST"] = val
             add(f"  kernel topk fast={val} beta={beta}", timed(kernel(None, (idx, lp), beta), args.reps), floor2)
             os.environ.pop("KLDIV_DISTILL_FAST")
+    # The host's path per training step (wall clock, back to back, 8 tokens: the GPU's share is small there): a
+    # step whose kernel is shorter than this is bound by the host.
+    import time
+    small = sw[:8].detach().requires_grad_()
+    host_steps = {"topk": lambda: K.generalized_jsd(small, teacher_topk=(idx[:8], lp[:8]), temperature=T,
+                                                    labels=lab[:8]),
+                  "logits": lambda: K.generalized_jsd(small, t[:8], temperature=T, labels=lab[:8])}
+    for name, f in host_steps.items():
+        for rep in range(2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(200):
+                small.grad = None
+                f().backward()
+            torch.cuda.synchronize()
+            if rep:
+                rows.append((f"host path per step, {name} (8 tokens)", (time.perf_counter() - t0) / 200 * 1e3,
+                             float("nan"), ""))
     print("\nSUMMARY", torch.cuda.get_device_name())
     for name, ms, xf, extra in rows:
         print(f"{name:<42}{ms:9.3f}{xf:8.3f}  {extra}")
