@@ -1,0 +1,88 @@
+"""Where a top-k teacher's training step spends its time on a GPU (the bench's D4 case: bf16 4096 x 128256,
+k = 100, T = 2, 10% masked): timed the bench's way (harness.bench, a fresh student leaf per call) and back to back
+on one leaf, from an idle GPU, the host's wall time per step, and a host + device trace of three steps back to
+back with the idle intervals of the middle one and the host work during them.
+
+    python tools/profile_topk_step.py [--gap-us 10]
+"""
+import argparse
+import collections
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kldiv_inline import bench_distill, harness  # noqa: E402
+from kldiv_inline.timing import quantiles, time_cuda  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--gap-us", type=float, default=10.0, help="idle intervals listed: those longer than this")
+args = ap.parse_args()
+print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+s, _, y, idx, lp = bench_distill.make_inputs(*bench_distill.sizes("cuda"), "cuda", seed=0)
+step_of = bench_distill.topk_providers(0.0)[bench_distill.OURS]  # (s, idx, lp, y) -> (loss, grad)
+leaf = s.detach().requires_grad_()
+
+
+def step():
+    return step_of(leaf, idx, lp, y)
+
+
+for _ in range(3):
+    step()
+torch.cuda.synchronize()
+timed = harness.bench({"ours": step_of}, [harness.Case("topk", (s, idx, lp, y), {})], reference=None,
+                      setup=bench_distill._fresh_student, reps=8, warmup=3, measure_memory=True)
+b2b = quantiles(time_cuda(step, [()], reps=15, warmup=3))[0]
+idle = quantiles(time_cuda(step, [()], reps=7, warmup=0, prepare=lambda: (torch.cuda.synchronize(), ())[1]))[0]
+torch.cuda.synchronize()
+t_host = time.perf_counter()
+for _ in range(20):
+    step()
+host_ms = (time.perf_counter() - t_host) / 20 * 1e3
+torch.cuda.synchronize()
+print(f"bench's way {timed['median_ms'].iloc[0]:.3f} ms; back to back on one leaf {b2b:.3f} ms; from an idle GPU "
+      f"{idle:.3f} ms; host wall time per step (back to back, no synchronisation) {host_ms:.3f} ms")
+
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    for i in range(3):
+        with record_function(f"b2b_step_{i}"):
+            step()
+    torch.cuda.synchronize()
+path = tempfile.mkstemp(suffix=".json")[1]
+prof.export_chrome_trace(path)
+trace = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"]
+marks = {e["name"]: e for e in trace if e.get("cat") == "user_annotation" and e["name"].startswith("b2b_step_")}
+gpu_all = sorted((e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+host = [e for e in trace if e.get("cat") in ("cuda_runtime", "cuda_driver", "cpu_op")]
+
+
+def ops_of(mark):  # device ops launched inside a step's host range (by correlation id: the host runs ahead)
+    ids = {e["args"].get("correlation") for e in trace if e.get("cat") in ("cuda_runtime", "cuda_driver")
+           and mark["ts"] <= e["ts"] <= mark["ts"] + mark["dur"]}
+    return [e for e in gpu_all if e.get("args", {}).get("correlation") in ids]
+
+
+mid, after = ops_of(marks["b2b_step_1"]), ops_of(marks["b2b_step_2"])
+g0, g1 = mid[0]["ts"], after[0]["ts"]
+print(f"middle of three steps: {(g1 - g0) / 1e3:.3f} ms from its first device op to the next step's, "
+      f"{sum(e['dur'] for e in mid) / 1e3:.3f} ms busy in {len(mid)} ops; host range of the step "
+      f"{marks['b2b_step_1']['dur'] / 1e3:.3f} ms")
+for e in mid:
+    print(f"  {(e['ts'] - g0) / 1e3:8.3f} ms  {e['dur']:8.1f} us  {e['name'][:90]}")
+last = g0
+for e in [*mid, after[0]]:
+    if e["ts"] - last > args.gap_us:
+        during = collections.Counter()
+        for h in host:
+            overlap = min(e["ts"], h["ts"] + h["dur"]) - max(last, h["ts"])
+            if overlap > 0:
+                during[h["name"]] += overlap
+        print(f"  idle {(e['ts'] - last):8.1f} us before {e['name'][:40]!r}: "
+              + ", ".join(f"{n[:40]} {us:.0f}" for n, us in during.most_common(8)))
+    last = max(last, e["ts"] + e["dur"])
