@@ -3,7 +3,7 @@ k = 100, T = 2, 10% masked): timed the bench's way (harness.bench, a fresh stude
 on one leaf, from an idle GPU, the host's wall time per step, and a host + device trace of three steps back to
 back with the idle intervals of the middle one and the host work during them.
 
-    python tools/profile_topk_step.py [--gap-us 10]
+    python tools/profile_topk_step.py [--gap-us 10] [--after-suite]
 """
 import argparse
 import collections
@@ -22,6 +22,10 @@ from kldiv_inline.timing import quantiles, time_cuda  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--gap-us", type=float, default=10.0, help="idle intervals listed: those longer than this")
+ap.add_argument("--after-suite", action="store_true",
+                help="first run the distillation suite's reverse-KL cases and the top-k case as the results run "
+                     "does (peers included), then time the step again in that process: as is, with Python's "
+                     "garbage collector off, and after gc.collect() and torch.cuda.empty_cache()")
 args = ap.parse_args()
 print(torch.cuda.get_device_name(), torch.__version__, flush=True)
 s, _, y, idx, lp = bench_distill.make_inputs(*bench_distill.sizes("cuda"), "cuda", seed=0)
@@ -48,6 +52,29 @@ host_ms = (time.perf_counter() - t_host) / 20 * 1e3
 torch.cuda.synchronize()
 print(f"bench's way {timed['median_ms'].iloc[0]:.3f} ms; back to back on one leaf {b2b:.3f} ms; from an idle GPU "
       f"{idle:.3f} ms; host wall time per step (back to back, no synchronisation) {host_ms:.3f} ms")
+
+
+def bench_way():
+    return harness.bench({"ours": step_of}, [harness.Case("topk", (s, idx, lp, y), {})], reference=None,
+                         setup=bench_distill._fresh_student, reps=8, warmup=3)["median_ms"].iloc[0]
+
+
+if args.after_suite:
+    import gc
+
+    from kldiv_inline import floors
+    rows = bench_distill.run("cuda", floors.measure_floor("cuda"), reps=8, betas=(1.0,))
+    in_suite = next(r["median_ms"] for r in rows if r.get("form") == "topk" and r["impl"] == bench_distill.OURS)
+    after = bench_way()
+    gc.disable()
+    no_gc = bench_way()
+    gc.enable()
+    gc.collect()
+    torch.cuda.empty_cache()
+    cleaned = bench_way()
+    print(f"after the suite's reverse-KL cases: its top-k row {in_suite:.3f} ms; then the bench's way {after:.3f} ms, "
+          f"with the garbage collector off {no_gc:.3f} ms, after gc.collect() and empty_cache() {cleaned:.3f} ms; "
+          f"gc counts {gc.get_count()}, objects tracked {len(gc.get_objects())}")
 
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     for i in range(3):
