@@ -59,7 +59,8 @@ DS_HD float d_exp2(float v) {
 }
 DS_HD double d_exp2(double v) { return exp2(v); }
 // The natural log of a normal (not subnormal) number where the per-entry loops need one: lg2.approx on the GPU
-// (absolute error near 2^-22 in log2, one instruction against ~20 for logf), the accurate log on the host.
+// (one instruction against ~20 for logf; CUDA's __log2f bound: an absolute 2^-22.6 in log2 on [0.5, 2], 2 ulp
+// elsewhere, so accurate where the log is small), the accurate log on the host.
 DS_HD float d_log_normal(float v) {
 #if defined(__CUDA_ARCH__)
   float y;
@@ -195,14 +196,13 @@ template <typename A> struct Point { A ls, lt, ps, pt, d; };
 
 // Constants of a row that every entry needs: beta, the logs of the mixture weights and the JSD's series.
 template <typename A> struct RowConst {
-  A beta, log_1mb, log_b;
+  A beta, log_b;
   A us[kJsdTerms], g[kJsdTerms];
 };
 
 template <typename A> inline RowConst<A> row_const(double beta) {
   RowConst<A> c;
   c.beta = static_cast<A>(beta);
-  c.log_1mb = beta < 1.0 ? static_cast<A>(std::log1p(-beta)) : ninf<A>();
   c.log_b = beta > 0.0 ? static_cast<A>(std::log(beta)) : ninf<A>();
   double us[kJsdTerms], g[kJsdTerms];
   jsd_series(beta, us, g);
@@ -213,31 +213,22 @@ template <typename A> inline RowConst<A> row_const(double beta) {
   return c;
 }
 
-// log(exp(x) + exp(y)) without overflow; -inf when both are -inf.
-template <typename A> DS_HD A log_add_exp(A x, A y) {
-  const A hi = x > y ? x : y, lo = x > y ? y : x;
-  if (hi == ninf<A>()) return hi;
-  return hi + d_log(A(1) + d_exp(lo - hi));
-}
-
-// u_s and u_t of the JSD (see above): from the series near d = 0, else from log m, in log space where m is not
-// a normal number (both probabilities underflow while their logs are finite).
-// FAST_LOG: log m by d_log_normal (lg2.approx on the GPU) for the gradients, whose 16-bit rounding dwarfs its
-// ~1e-7 absolute error; the loss keeps the accurate log (with lg2.approx its error grew from 3e-7 to 2e-6 relative
-// on an H100, the tests' whole budget).
-template <bool FAST_LOG = false, typename A>
-DS_HD void mixture_u(const Point<A>& e, const RowConst<A>& c, A& us, A& ut) {
-  if (e.d > A(-kSeriesLimit) && e.d < A(kSeriesLimit)) {
-    us = e.d * horner<jsd_terms<A>()>(&c.us[0], e.d);
-    ut = e.d + us;
-    return;
-  }
-  const A m = (A(1) - c.beta) * e.ps + c.beta * e.pt;
-  A lm;  // a branch, not a select: the other side is rare and costs two accurate functions
-  if (m >= std::numeric_limits<A>::min()) lm = FAST_LOG ? d_log_normal(m) : d_log(m);
-  else lm = log_add_exp(e.ls + c.log_1mb, e.lt + c.log_b);
-  us = e.ls - lm;
-  ut = e.lt - lm;
+// u_s and u_t of the JSD (see above): from the series near d = 0, else from the mixture relative to the student,
+//   z = m / p_s = 1 - beta + beta e^d,  u_s = -log z,  u_t = d - log z,
+// a function of d alone: z lies near [1 - beta, 1 + beta e^d], where lg2.approx on the GPU is accurate to an
+// absolute 2^-22.6 (__log2f's bound on [0.5, 2], 2 ulp elsewhere) and e^d by ex2.approx to 2 ulp, so u_s is good
+// to ~3.5e-7 absolute. (The log of m itself, ~-12 for a typical entry, cost an accurate logf, ~20 instructions,
+// and its rounding at that magnitude, ~5e-7; lg2.approx on m was 2 ulp of ~17 and put the loss's error from 3e-7
+// to 2e-6.) Where e^d would overflow (d >= kJsdLogSpace) the teacher holds the mixture alone: log z = d + log beta
+// (a student probability of 0, d = +inf, included). All three are computed and one selected: no branch.
+constexpr double kJsdLogSpace = 64.0;
+template <typename A> DS_HD void mixture_u(const Point<A>& e, const RowConst<A>& c, A& us, A& ut) {
+  const bool series = e.d > A(-kSeriesLimit) && e.d < A(kSeriesLimit);
+  const A s_us = e.d * horner<jsd_terms<A>()>(&c.us[0], e.d);
+  const A lz = d_log_normal(d_fma(c.beta, d_exp2(e.d * A(kLog2e)), A(1) - c.beta));
+  const bool big = e.d >= A(kJsdLogSpace);  // (false for a NaN d, whose -lz is NaN: NaN propagates)
+  us = series ? s_us : big ? -(e.d + c.log_b) : -lz;
+  ut = series ? e.d + s_us : big ? -c.log_b : e.d - lz;
 }
 
 // Sums over a row (or the part of it held here): the loss, and what the gradients need beside it,
@@ -284,7 +275,7 @@ template <int MODE, typename A> DS_HD A student_grad(const Point<A>& e, const Ro
   if (!(e.ps > A(0))) return e.ps != e.ps ? e.ps : A(0);  // NaN stays NaN; no mass, no gradient
   if (MODE == REVERSE_KL) return e.ps * (-e.d - ks);
   A us, ut;
-  mixture_u<true>(e, c, us, ut);
+  mixture_u(e, c, us, ut);
   return (A(1) - c.beta) * e.ps * (us - ks);
 }
 
@@ -294,7 +285,7 @@ template <int MODE, typename A> DS_HD A teacher_grad(const Point<A>& e, const Ro
   if (!(e.pt > A(0))) return e.pt != e.pt ? e.pt : A(0);
   if (MODE == FORWARD_KL) return e.pt * (e.d - kt);
   A us, ut;
-  mixture_u<true>(e, c, us, ut);
+  mixture_u(e, c, us, ut);
   return c.beta * e.pt * (ut - kt);
 }
 
