@@ -220,15 +220,23 @@ template <typename A> inline RowConst<A> row_const(double beta) {
 // to ~3.5e-7 absolute. (The log of m itself, ~-12 for a typical entry, cost an accurate logf, ~20 instructions,
 // and its rounding at that magnitude, ~5e-7; lg2.approx on m was 2 ulp of ~17 and put the loss's error from 3e-7
 // to 2e-6.) Where e^d would overflow (d >= kJsdLogSpace) the teacher holds the mixture alone: log z = d + log beta
-// (a student probability of 0, d = +inf, included). All three are computed and one selected: no branch.
+// (a student probability of 0, d = +inf, included). Branches, not selects: evaluating all three and selecting
+// one ran 4% slower on an H200 (kernels/NOTES.md, version 11).
 constexpr double kJsdLogSpace = 64.0;
 template <typename A> DS_HD void mixture_u(const Point<A>& e, const RowConst<A>& c, A& us, A& ut) {
-  const bool series = e.d > A(-kSeriesLimit) && e.d < A(kSeriesLimit);
-  const A s_us = e.d * horner<jsd_terms<A>()>(&c.us[0], e.d);
+  if (e.d > A(-kSeriesLimit) && e.d < A(kSeriesLimit)) {
+    us = e.d * horner<jsd_terms<A>()>(&c.us[0], e.d);
+    ut = e.d + us;
+    return;
+  }
+  if (e.d >= A(kJsdLogSpace)) {
+    us = -(e.d + c.log_b);
+    ut = -c.log_b;
+    return;
+  }
   const A lz = d_log_normal(d_fma(c.beta, d_exp2(e.d * A(kLog2e)), A(1) - c.beta));
-  const bool big = e.d >= A(kJsdLogSpace);  // (false for a NaN d, whose -lz is NaN: NaN propagates)
-  us = series ? s_us : big ? -(e.d + c.log_b) : -lz;
-  ut = series ? e.d + s_us : big ? -c.log_b : e.d - lz;
+  us = -lz;
+  ut = e.d - lz;
 }
 
 // Sums over a row (or the part of it held here): the loss, and what the gradients need beside it,
