@@ -408,8 +408,9 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     top-k teacher. Rounding of the log-probabilities (a served bfloat16 top-k can hold a little more than 1 of
     mass) is normalised away: mass above 1 is divided out (the tail is then 0), and with k = V the k buckets are
     normalised; mass off by more than 2% (``TOPK_MASS_SLACK``) is an error. Indices must be distinct and in range.
-    Both are checked with one host synchronisation in eager mode; under torch.compile or CUDA-graph capture the
-    check is skipped and a row with a bad index has a NaN loss.
+    Both are checked in eager mode by one small kernel whose verdict is read back once the divergence kernel is
+    queued (the host waits for the small kernel, not for the divergence); under torch.compile or CUDA-graph
+    capture the check is skipped and a row with a bad index has a NaN loss and gradient.
 
     Gradients flow to the student's logits, and to the teacher's logits when they require grad. Logits of -inf
     (a padded vocabulary) are legal. Double backward is not supported (a clear error); nor are torch.func
