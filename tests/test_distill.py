@@ -400,6 +400,54 @@ def test_topk_mass_is_checked_and_rounding_normalised(device):
             assert_close(gs, rs, 2e-5, "grad")
 
 
+def _traced_normalisation(lp, whole):
+    """The PyTorch formulation the traced path uses (distill._validate_topk), to hold the kernel's against."""
+    lse = torch.logsumexp(lp, dim=-1, keepdim=True)
+    shift = lse if whole else lse.clamp_min(0)
+    return lp - torch.where(torch.isneginf(shift), 0.0, shift)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_topk_prepare_kernel_matches_the_traced_normalisation(device, dtype):
+    # distill_topk_prepare (eager mode's normalisation and checks in one kernel) against the PyTorch operations
+    # that the traced path runs: the same log-probabilities, and flags (range, repeat, mass) as the checks say.
+    mod = K.load(device, extension="distill")
+    slack = math.log1p(K.distill.TOPK_MASS_SLACK)
+    vocab, k = 50, 6
+    idx, lp = topk_teacher((8,), vocab, k, device)
+    lp = lp.to(dtype)
+    lp[1] += 0.005  # a little more than 1 of mass: divided out
+    lp[2] = -math.inf  # no mass: left as it is
+    lp[3, 0] = math.nan  # NaN stays NaN, and is no mass offender
+    lp[4] += 0.5  # mass far above 1: flagged ...
+    lp[5] += 0.5  # ... unless the row is masked
+    lp[6, 2] = math.inf
+    labels = torch.tensor([0, 1, 2, 3, -100, -100, -100, 7], device=device)
+    out, flags = mod.distill_topk_prepare(idx, lp, vocab, labels, -100, slack, True)
+    torch.testing.assert_close(out, _traced_normalisation(lp, False), equal_nan=True, rtol=1e-6, atol=1e-6)
+    assert flags.tolist() == [0, 0, 0]  # row 4's excess is masked too
+    labels[4] = 4
+    out, flags = mod.distill_topk_prepare(idx, lp, vocab, labels, -100, slack, True)
+    assert flags.tolist() == [0, 0, 1]
+    bad = idx.clone()
+    bad[0, 1] = vocab
+    bad[7, 3] = bad[7, 5]
+    out, flags = mod.distill_topk_prepare(bad, lp, vocab, None, -100, slack, True)
+    assert flags.tolist() == [1, 1, 1]  # (unmasked, rows 4 and 5 have too much mass)
+    flags = mod.distill_topk_prepare(bad, lp, vocab, None, -100, slack, False)[1]
+    assert flags.tolist() == [1, 0, 1]  # repeats left to the caller
+    # k = V: the whole distribution normalised, and its mass checked both ways
+    idx_all, lp_all = topk_teacher((3,), 9, 9, device)
+    lp_all = lp_all.to(dtype)
+    lp_all[1] -= 0.01
+    lp_all[2] -= 0.5
+    out, flags = mod.distill_topk_prepare(idx_all, lp_all, 9, None, -100, slack, True)
+    torch.testing.assert_close(out, _traced_normalisation(lp_all, True), rtol=1e-6, atol=1e-6)
+    assert flags.tolist() == [0, 0, 1]
+    with pytest.raises(RuntimeError, match="1 <= k <= vocabulary"):
+        mod.distill_topk_prepare(idx, lp, 3, None, -100, slack, True)
+
+
 @pytest.mark.parametrize("vocab", [12, 20000])  # float32 x 20000: a cluster of blocks on CUDA, a slice each
 def test_topk_bad_row_is_nan_in_the_kernel(device, vocab):
     # The kernels' own net under the Python check (which torch.compile and graph capture skip): a row with a
