@@ -137,3 +137,14 @@ def outer_to_inner(shape: tuple[int, ...], strides: tuple[int, ...]) -> list[int
     goes outside, which reproduces the strides exactly."""
     order = sorted(range(len(shape)), key=lambda d: (-strides[d], -shape[d], d))
     return None if order == list(range(len(shape))) else order
+
+
+def with_strides(out: Tensor, strides: tuple[int, ...]) -> Tensor:
+    """``out`` viewed with ``strides`` where the two differ only along size-1 dimensions (whose strides address
+    nothing): PyTorch copies such a stride from operands that share one dense layout (a size-1 dimension of
+    stride 16 in a tensor of 8 elements, say), which no order of a dense buffer reproduces. Anything else is
+    returned as it is."""
+    have = tuple(out.stride())
+    if have == tuple(strides) or any(n != 1 and a != b for n, a, b in zip(out.shape, have, strides)):
+        return out
+    return out.as_strided(out.shape, strides, out.storage_offset())

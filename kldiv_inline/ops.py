@@ -417,7 +417,8 @@ def _kl(input: Tensor, target: Tensor, reduction: str, log_target: bool, from_pr
         input = input[(None,) * (len(shape) - input.dim())].permute(order)
         target = target[(None,) * (len(shape) - target.dim())].permute(order)
         inverse = sorted(range(len(order)), key=order.__getitem__)
-        return _dispatch(input, target, False, 1.0, log_target, from_probs).permute(inverse)
+        return layout.with_strides(_dispatch(input, target, False, 1.0, log_target, from_probs).permute(inverse),
+                                   strides)
     divisor = _divisor(reduction, input, shape) if reduce else 1.0
     return _dispatch(input, target, reduce, divisor, log_target, from_probs)
 

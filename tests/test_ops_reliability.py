@@ -484,10 +484,13 @@ def _layouts(device):
         ("transposed, lower rank", e(30, 20).t(), e(30)),
         ("sliced", e(40, 30)[::2, 1:], e(40, 30)[::2, 1:]),
         ("expanded t", e(20, 30), e(30, 1).expand(30, 20).t()),
+        # a size-1 dimension whose stride (16) is more than the other dimensions' span (8): PyTorch copies it
+        ("size-1 dim, wide stride", e(32).as_strided((1, 1, 2, 4), (16, 1, 1, 2)),
+         e(32).as_strided((1, 1, 2, 4), (16, 1, 1, 2))),
     ]
 
 
-@pytest.mark.parametrize("case", range(12), ids=lambda i: _layouts("meta")[i][0].replace(" ", "_"))
+@pytest.mark.parametrize("case", range(13), ids=lambda i: _layouts("meta")[i][0].replace(" ", "_"))
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("log_target", [False, True], ids=["t", "logt"])
 def test_none_keeps_pytorchs_layout(device, case, form, log_target):
@@ -561,5 +564,6 @@ def test_layout_rules_match_pytorch_on_random_layouts():
         order = layout.outer_to_inner(full, strides) or list(range(nd))
         made = torch.empty([full[d] for d in order], device="meta").permute(
             [order.index(i) for i in range(nd)])
+        made = layout.with_strides(made, strides)  # a size-1 dimension's stride as PyTorch copies it
         assert made.stride() == native.stride()  # what the op returns: the kernel's output, permuted back
 
