@@ -37,7 +37,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from . import floors, timing
+from . import floors, layout, timing
 from .reference import relative_error
 
 # Relative error allowed per output dtype: a few units of the dtype's rounding, for arrays of values.
@@ -130,8 +130,8 @@ def _leaf(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         return (t.to(dtype, copy=True) if dtype is not None else t.clone()).requires_grad_(grad)
     if t.is_contiguous() or t.numel() == 0:
         out = t.to(dtype, copy=True) if dtype is not None else t.clone(memory_format=torch.contiguous_format)
-        if out.stride() != t.stride() and t.numel() > 0:
-            out = out.as_strided(t.shape, t.stride())  # contiguous either way; only size-1 dims' strides differ
+        if t.numel() > 0:
+            out = layout.with_strides(out, t.stride())  # contiguous either way; only size-1 dims' strides differ
     else:  # copy the span of storage the view reaches, then view it alike
         span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
         flat = t.as_strided((span,), (1,), t.storage_offset())
