@@ -216,9 +216,7 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, 
     if not idx2.numel() or _is_tracing(idx2):
         # Traced (torch.compile, CUDA-graph capture): the same normalisation in PyTorch operations, unchecked
         # (the kernels then make a row with a bad index NaN).
-        lse = torch.logsumexp(lp2, dim=-1, keepdim=True)
-        shift = lse if k == vocab else lse.clamp_min(0)
-        lp2 = (lp2 - torch.where(torch.isneginf(shift), 0.0, shift)).contiguous()  # (NaN stays NaN)
+        lp2 = traced_topk_normalisation(lp2, k == vocab).contiguous()
         return (idx2, lp2, _no_check) if defer else (idx2, lp2)
     # Eager: normalised and checked by one kernel (a wrong index or a teacher that is no distribution must be an
     # error, not a wrong number); the flags are read back by check().
@@ -234,6 +232,15 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, 
     if not defer:
         check()
     return (idx2, lp2, check) if defer else (idx2, lp2)
+
+
+def traced_topk_normalisation(lp: Tensor, whole: bool) -> Tensor:
+    """A top-k teacher's log-probabilities [rows, k] normalised in PyTorch operations (the traced path; eager mode
+    runs distill_topk_prepare, which must agree): mass above 1 divided out, or with k = V (``whole``) the whole
+    distribution normalised; a row without mass left as it is; NaN stays NaN."""
+    lse = torch.logsumexp(lp, dim=-1, keepdim=True)
+    shift = lse if whole else lse.clamp_min(0)
+    return lp - torch.where(torch.isneginf(shift), 0.0, shift)
 
 
 def _no_check() -> None:

@@ -400,13 +400,6 @@ def test_topk_mass_is_checked_and_rounding_normalised(device):
             assert_close(gs, rs, 2e-5, "grad")
 
 
-def _traced_normalisation(lp, whole):
-    """The PyTorch formulation the traced path uses (distill._validate_topk), to hold the kernel's against."""
-    lse = torch.logsumexp(lp, dim=-1, keepdim=True)
-    shift = lse if whole else lse.clamp_min(0)
-    return lp - torch.where(torch.isneginf(shift), 0.0, shift)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_topk_prepare_kernel_matches_the_traced_normalisation(device, dtype):
     # distill_topk_prepare (eager mode's normalisation and checks in one kernel) against the PyTorch operations
@@ -424,7 +417,8 @@ def test_topk_prepare_kernel_matches_the_traced_normalisation(device, dtype):
     lp[6, 2] = math.inf
     labels = torch.tensor([0, 1, 2, 3, -100, -100, -100, 7], device=device)
     out, flags = mod.distill_topk_prepare(idx, lp, vocab, labels, -100, slack, True)
-    torch.testing.assert_close(out, _traced_normalisation(lp, False), equal_nan=True, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, K.distill.traced_topk_normalisation(lp, False), equal_nan=True, rtol=1e-6,
+                               atol=1e-6)
     assert flags.tolist() == [0, 0, 0]  # row 4's excess is masked too
     labels[4] = 4
     out, flags = mod.distill_topk_prepare(idx, lp, vocab, labels, -100, slack, True)
@@ -442,7 +436,7 @@ def test_topk_prepare_kernel_matches_the_traced_normalisation(device, dtype):
     lp_all[1] -= 0.01
     lp_all[2] -= 0.5
     out, flags = mod.distill_topk_prepare(idx_all, lp_all, 9, None, -100, slack, True)
-    torch.testing.assert_close(out, _traced_normalisation(lp_all, True), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, K.distill.traced_topk_normalisation(lp_all, True), rtol=1e-6, atol=1e-6)
     assert flags.tolist() == [0, 0, 1]
     with pytest.raises(RuntimeError, match="1 <= k <= vocabulary"):
         mod.distill_topk_prepare(idx, lp, 3, None, -100, slack, True)

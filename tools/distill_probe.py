@@ -18,6 +18,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -139,7 +140,6 @@ def main():
             os.environ.pop("KLDIV_DISTILL_FAST")
     # The host's path per training step (wall clock, back to back, 8 tokens: the GPU's share is small there): a
     # step whose kernel is shorter than this is bound by the host.
-    import time
     small = sw[:8].detach().requires_grad_()
     host_steps = {"topk": lambda: K.generalized_jsd(small, teacher_topk=(idx[:8], lp[:8]), temperature=T,
                                                     labels=lab[:8]),
