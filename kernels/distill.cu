@@ -85,7 +85,7 @@ template <typename T, typename A> struct Params {
   const A* norms_in;  // [n, 4], phases after PHASE_NORMS
   const A* k_in;      // [n, 2], PHASE_GRAD
   A* out;             // -1: loss per row [n]; PHASE_NORMS: [n, 4]; PHASE_TERMS: [n, 3]
-  bool staged;        // fast_rows_kernel: the copy in four groups, each thread's maximum taken as they land
+  bool staged;        // the fast kernels: the copy in four groups, each thread's maximum taken as they land
 };
 
 // ------------------------------------------------------------------------------------------ reductions
@@ -766,10 +766,12 @@ bool fast_path_ok(const Rows& r, const Launch& l, const at::Tensor& gs, bool wan
   return rows_aligned(r.s) && (r.topk() || rows_aligned(r.t)) && (!gs.defined() || rows_aligned(gs));
 }
 
-// fast_rows_kernel, then each row's loss from its warps' partial sums into rows_loss.
+// A fast kernel: fast_topk_kernel (distill_fast_topk.cuh) for a top-k teacher, whose cluster's rank 0 writes each
+// row's loss into rows_loss; else fast_rows_kernel (distill_fast.cuh), then each row's loss from its warps'
+// partial sums (fast_rows_total_kernel).
 template <typename T, typename A>
-void launch_fast(const Launch& plan, int mode, bool want_student, int64_t n, Params<T, A> p, at::Tensor& rows_loss,
-                 cudaStream_t stream) {
+void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int64_t n, Params<T, A> p,
+                 at::Tensor& rows_loss, cudaStream_t stream) {
   if constexpr (std::is_same<A, double>::value) {
     TORCH_CHECK(false, "distill: no fast path for float64 logits");  // fast_path_ok refuses them first
   } else {
@@ -780,41 +782,25 @@ void launch_fast(const Launch& plan, int mode, bool want_student, int64_t n, Par
     if (const char* env = std::getenv("KLDIV_DISTILL_STAGED"))
       if (std::atoi(env) == 0) p.staged = false;
     const int per_row = l.cluster * kFastWarps;
-    at::Tensor partial = at::empty({n * per_row}, rows_loss.options());
+    at::Tensor partial = topk ? rows_loss : at::empty({n * per_row}, rows_loss.options());
     p.out = partial.data_ptr<float>();
     dispatch_mode(mode, [&](auto mode_c) {
       constexpr int MODE = decltype(mode_c)::value;
-      if constexpr (sizeof(T) == 2 && MODE != JSD) {  // the register-capped instances (distill_fast.cuh)
-        if (want_student) launch_rows(fast_rows_kernel_16<T, MODE, true>, l, n, &p, stream);
-        else launch_rows(fast_rows_kernel_16<T, MODE, false>, l, n, &p, stream);
-      } else {
-        if (want_student) launch_rows(fast_rows_kernel<T, MODE, true>, l, n, &p, stream);
-        else launch_rows(fast_rows_kernel<T, MODE, false>, l, n, &p, stream);
-      }
+      auto launch = [&](auto with_grad, auto without_grad) {
+        if (want_student) launch_rows(with_grad, l, n, &p, stream);
+        else launch_rows(without_grad, l, n, &p, stream);
+      };
+      if (topk) launch(fast_topk_kernel<T, MODE, true>, fast_topk_kernel<T, MODE, false>);
+      else if constexpr (sizeof(T) == 2 && MODE != JSD)  // the register-capped instances (distill_fast.cuh)
+        launch(fast_rows_kernel_16<T, MODE, true>, fast_rows_kernel_16<T, MODE, false>);
+      else launch(fast_rows_kernel<T, MODE, true>, fast_rows_kernel<T, MODE, false>);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    fast_rows_total_kernel<<<static_cast<unsigned>((n + 7) / 8), 256, 0, stream>>>(
-        partial.data_ptr<float>(), n, per_row, rows_loss.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-}
-
-// fast_topk_kernel (distill_fast_topk.cuh): each row's loss straight into rows_loss (its cluster's rank 0 writes it).
-template <typename T, typename A>
-void launch_fast_topk(const Launch& plan, int mode, bool want_student, int64_t n, Params<T, A> p, at::Tensor& rows_loss,
-                      cudaStream_t stream) {
-  if constexpr (std::is_same<A, double>::value) {
-    TORCH_CHECK(false, "distill: no fast path for float64 logits");  // fast_path_ok refuses them first
-  } else {
-    Launch l = plan;
-    l.threads = kFastThreads;
-    p.out = rows_loss.data_ptr<float>();
-    dispatch_mode(mode, [&](auto mode_c) {
-      constexpr int MODE = decltype(mode_c)::value;
-      if (want_student) launch_rows(fast_topk_kernel<T, MODE, true>, l, n, &p, stream);
-      else launch_rows(fast_topk_kernel<T, MODE, false>, l, n, &p, stream);
-    });
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (!topk) {
+      fast_rows_total_kernel<<<static_cast<unsigned>((n + 7) / 8), 256, 0, stream>>>(
+          partial.data_ptr<float>(), n, per_row, rows_loss.data_ptr<float>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
   }
 }
 
@@ -888,8 +874,7 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
       p.out = rows_loss.data_ptr<A>();
       const int cfg = want_teacher ? CFG_GENERIC : (want_student ? CFG_STUDENT : CFG_INFER);
       if (fast_path_ok(r, l, gs, want_teacher)) {
-        if (r.topk()) launch_fast_topk(l, mode_of(beta), want_student, r.n, p, rows_loss, stream);
-        else launch_fast(l, mode_of(beta), want_student, r.n, p, rows_loss, stream);
+        launch_fast(l, mode_of(beta), r.topk(), want_student, r.n, p, rows_loss, stream);
         return;
       }
       dispatch_mode(mode_of(beta), [&](auto mode_c) {
@@ -983,6 +968,8 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
   });
   return {out, flags};
 }
+
+int64_t distill_topk_dup_check_max() { return kDupCheckMax; }
 
 bool distill_in_place_ok(int64_t vocab, int64_t element_size, bool topk) {
   return plan_launch(vocab, static_cast<size_t>(element_size) * (topk ? 1 : 2), topk).use_smem;

@@ -33,6 +33,94 @@ __device__ __forceinline__ void combine_pair(float& m, float& l, float m2, float
   m = g;
 }
 
+// ------------------------------------------------------------- what the fast kernels (rows and top-k) share
+// A block's place in its row: one row per cluster, each block a slice of it.
+struct FastSlice {
+  int ranks, rank;  // blocks in the cluster, this block's rank
+  int64_t row, lo;  // the row, the slice's first entry
+  int count;        // entries in this slice (the last block's may be short or empty)
+  int lane, warp;
+};
+template <typename T>
+__device__ __forceinline__ FastSlice fast_slice(const Params<T, float>& p, const cg::cluster_group& cluster) {
+  FastSlice f;
+  f.ranks = static_cast<int>(cluster.num_blocks());
+  f.rank = static_cast<int>(cluster.block_rank());
+  f.row = blockIdx.x / f.ranks;
+  f.lo = static_cast<int64_t>(f.rank) * p.slice;
+  f.count = static_cast<int>(max64(0, min64(p.v - f.lo, p.slice)));
+  f.lane = threadIdx.x & 31;
+  f.warp = threadIdx.x >> 5;
+  return f;
+}
+
+// A masked row's slice of the gradient: zeros (no barrier: the whole cluster sees the same label).
+template <typename T> __device__ __forceinline__ void zero_slice(T* gs, int count) {
+  constexpr int N = Vec<T>::N;
+  const Vec<T> zero{};
+  for (int c = threadIdx.x; c < count / N; c += kFastThreads) store_chunk(gs + c * N, zero, true);
+  for (int j = count / N * N + threadIdx.x; j < count; j += kFastThreads) gs[j] = zero.v[0];
+}
+
+// One 16-byte asynchronous copy from device to shared memory (dst: a shared-memory address).
+template <typename T> __device__ __forceinline__ void cp_async16(unsigned dst, const T* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+
+// The copy of a slice: each thread issues its own chunks (c = threadIdx.x + i * kFastThreads, `copy(c)` issues
+// chunk c's cp.async) and later reads no other thread's, so no block barrier follows it. Staged: the first three
+// in a commit group each and the rest in a fourth (empty groups included, so every thread has four), so that
+// for_each_landed can take each as it lands while the later ones are in flight; else one group, waited for whole.
+template <typename F> __device__ __forceinline__ void issue_copy(int chunks, bool staged, F copy) {
+  int c0 = threadIdx.x;  // the first chunk not yet in a commit group
+  if (staged) {
+#pragma unroll
+    for (int i = 0; i < 3; ++i, c0 += kFastThreads) {
+      if (c0 < chunks) copy(c0);
+      asm volatile("cp.async.commit_group;\n" ::);
+    }
+  }
+  for (int c = c0; c < chunks; c += kFastThreads) copy(c);
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// take(c) for each of this thread's chunks once its copy (issue_copy) has landed: staged, group by group.
+template <typename F> __device__ __forceinline__ void for_each_landed(int chunks, bool staged, F take) {
+  int c1 = threadIdx.x;
+  if (staged) {  // wait_group takes an immediate: the three single-chunk groups spelled out
+    asm volatile("cp.async.wait_group 3;\n" ::: "memory");
+    if (c1 < chunks) take(c1);
+    c1 += kFastThreads;
+    asm volatile("cp.async.wait_group 2;\n" ::: "memory");
+    if (c1 < chunks) take(c1);
+    c1 += kFastThreads;
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    if (c1 < chunks) take(c1);
+    c1 += kFastThreads;
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  for (int c = c1; c < chunks; c += kFastThreads) take(c);
+}
+
+// Warp 0 of each block, after the cluster barrier that published them: two normalisers' (max, sum) pairs from
+// every rank's warps' slots (slot w of rank r holds (m0, l0, m1, l1)), combined in the same order in every block,
+// so that all blocks hold identical values. The result is in every lane.
+__device__ __forceinline__ void combine_cluster_pairs(const cg::cluster_group& cluster, float4* slots, int ranks,
+                                                      int lane, float& m0, float& l0, float& m1, float& l1) {
+  m0 = m1 = ninf<float>();
+  l0 = l1 = 0.f;
+  for (int i = lane; i < ranks * kFastWarps; i += 32) {
+    const float4 q = *cluster.map_shared_rank(slots + i % kFastWarps, i / kFastWarps);
+    combine_pair(m0, l0, q.x, q.y);
+    combine_pair(m1, l1, q.z, q.w);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    combine_pair(m0, l0, __shfl_xor_sync(0xffffffffu, m0, o), __shfl_xor_sync(0xffffffffu, l0, o));
+    combine_pair(m1, l1, __shfl_xor_sync(0xffffffffu, m1, o), __shfl_xor_sync(0xffffffffu, l1, o));
+  }
+}
+
 template <typename T, int MODE, bool GRAD>
 __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -46,51 +134,30 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   __shared__ float bcast[4];
 
   cg::cluster_group cluster = cg::this_cluster();
-  const int ranks = static_cast<int>(cluster.num_blocks());
-  const int rank = static_cast<int>(cluster.block_rank());
-  const int64_t row = blockIdx.x / ranks;
-  const int64_t lo = static_cast<int64_t>(rank) * p.slice;
-  const int count = static_cast<int>(max64(0, min64(p.v - lo, p.slice)));
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const T* gsrc = p.s + row * p.s_stride + lo;
-  const T* gtsrc = p.t + row * p.t_stride + lo;
-  T* gs = GRAD ? p.gs + row * p.gs_stride + lo : nullptr;
-  float* partial = p.out + (row * ranks + rank) * kFastWarps;  // this block's warps' losses
+  const FastSlice sl = fast_slice(p, cluster);
+  const int ranks = sl.ranks, count = sl.count, lane = sl.lane, warp = sl.warp;
+  const T* gsrc = p.s + sl.row * p.s_stride + sl.lo;
+  const T* gtsrc = p.t + sl.row * p.t_stride + sl.lo;
+  T* gs = GRAD ? p.gs + sl.row * p.gs_stride + sl.lo : nullptr;
+  float* partial = p.out + (sl.row * ranks + sl.rank) * kFastWarps;  // this block's warps' losses
 
-  if (p.labels && p.labels[row] == p.ignore_index) {  // masked: zeros, and no barrier (the cluster agrees)
-    if (GRAD) {
-      const Vec<T> zero{};
-      for (int c = threadIdx.x; c < count / N; c += kFastThreads) store_chunk(gs + c * N, zero, true);
-      for (int j = count / N * N + threadIdx.x; j < count; j += kFastThreads) gs[j] = zero.v[0];
-    }
+  if (p.labels && p.labels[sl.row] == p.ignore_index) {  // masked: zeros, and no barrier (the cluster agrees)
+    if (GRAD) zero_slice(gs, count);
     if (threadIdx.x < kFastWarps) partial[threadIdx.x] = 0.f;
     return;
   }
 
-  // Each thread copies its own chunks (c = threadIdx.x + i * kFastThreads) and reads no other: no block barrier.
-  // Staged (p.staged): a thread's first three chunks go in a commit group each and the rest in a fourth (empty
-  // groups included, so every thread has four), and its maximum is taken from each group as it lands, while the
-  // later ones are still in flight.
+  // The copy (issue_copy): each thread its own chunks of both slices; its maximum is taken from each group as it
+  // lands (p.staged) while the later ones are still in flight.
   T* xs = reinterpret_cast<T*>(smem_raw);
   T* xt = xs + p.slice;
   const int chunks = count / N;
   const unsigned bs = static_cast<unsigned>(__cvta_generic_to_shared(xs));
   const unsigned bt = static_cast<unsigned>(__cvta_generic_to_shared(xt));
-  auto copy_chunk = [&](int c) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(bs + c * 16u), "l"(gsrc + c * N));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(bt + c * 16u), "l"(gtsrc + c * N));
-  };
-  int c0 = threadIdx.x;  // the first chunk not yet in a commit group
-  if (p.staged) {
-#pragma unroll
-    for (int i = 0; i < 3; ++i, c0 += kFastThreads) {
-      if (c0 < chunks) copy_chunk(c0);
-      asm volatile("cp.async.commit_group;\n" ::);
-    }
-  }
-  for (int c = c0; c < chunks; c += kFastThreads) copy_chunk(c);
-  asm volatile("cp.async.commit_group;\n" ::);
-  if (!p.staged) asm volatile("cp.async.wait_all;\n" ::: "memory");
+  issue_copy(chunks, p.staged, [&](int c) {
+    cp_async16(bs + c * 16u, gsrc + c * N);
+    cp_async16(bt + c * 16u, gtsrc + c * N);
+  });
   // The last block's slice may end in a partial chunk: its entries are read from device memory in each pass by
   // threads 0 .. N-2 (no thread writes an entry another reads).
   const int tail = chunks * N + static_cast<int>(threadIdx.x);
@@ -105,20 +172,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
       mx[0] = fmaxf(mx[0], chunk_max(load_chunk(xs + c * N, true)));
       mx[1] = fmaxf(mx[1], chunk_max(load_chunk(xt + c * N, true)));
     };
-    int c1 = threadIdx.x;
-    if (p.staged) {  // wait_group takes an immediate: the three single-chunk groups spelled out
-      asm volatile("cp.async.wait_group 3;\n" ::: "memory");
-      if (c1 < chunks) take_max(c1);
-      c1 += kFastThreads;
-      asm volatile("cp.async.wait_group 2;\n" ::: "memory");
-      if (c1 < chunks) take_max(c1);
-      c1 += kFastThreads;
-      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-      if (c1 < chunks) take_max(c1);
-      c1 += kFastThreads;
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    }
-    for (int c = c1; c < chunks; c += kFastThreads) take_max(c);
+    for_each_landed(chunks, p.staged, take_max);
     if (has_tail) {
       mx[0] = fmaxf(mx[0], static_cast<float>(gsrc[tail]));
       mx[1] = fmaxf(mx[1], static_cast<float>(gtsrc[tail]));
@@ -145,17 +199,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
     cluster_arrive();
     cluster_wait();
     if (warp == 0) {  // every block combines all ranks x warps pairs in the same order
-      float m0 = ninf<float>(), l0 = 0.f, m1 = ninf<float>(), l1 = 0.f;
-      for (int i = lane; i < ranks * kFastWarps; i += 32) {
-        const float4 q = *cluster.map_shared_rank(slot_norms + i % kFastWarps, i / kFastWarps);
-        combine_pair(m0, l0, q.x, q.y);
-        combine_pair(m1, l1, q.z, q.w);
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        combine_pair(m0, l0, __shfl_xor_sync(0xffffffffu, m0, o), __shfl_xor_sync(0xffffffffu, l0, o));
-        combine_pair(m1, l1, __shfl_xor_sync(0xffffffffu, m1, o), __shfl_xor_sync(0xffffffffu, l1, o));
-      }
+      float m0, l0, m1, l1;
+      combine_cluster_pairs(cluster, slot_norms, ranks, lane, m0, l0, m1, l1);
       if (lane == 0) {
         bcast[0] = m0;
         bcast[1] = d_log2(l0);

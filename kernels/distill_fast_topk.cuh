@@ -25,46 +25,30 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   constexpr int W = kFastWarps;
   constexpr bool KS = GRAD && student_needs_k<MODE>();  // the gradients need the row sum ks
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ float4 slot_norms[W];  // each warp's (max, sum of 2^(x - max), the same over non-members, 0)
+  __shared__ float4 slot_norms[W];  // each warp's (max, sum of 2^(x - max), max, the same sum over non-members)
   __shared__ float2 slot_aux[W];    // each warp's (teacher mass of its members, a bad index seen)
   __shared__ float2 slot_terms[W];  // each warp's members' (loss, ks)
   __shared__ float bcast[5];
 
   cg::cluster_group cluster = cg::this_cluster();
-  const int ranks = static_cast<int>(cluster.num_blocks());
-  const int rank = static_cast<int>(cluster.block_rank());
-  const int64_t row = blockIdx.x / ranks;
-  const int64_t lo = static_cast<int64_t>(rank) * p.slice;
-  const int count = static_cast<int>(max64(0, min64(p.v - lo, p.slice)));
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const FastSlice sl = fast_slice(p, cluster);
+  const int ranks = sl.ranks, rank = sl.rank, count = sl.count, lane = sl.lane, warp = sl.warp;
+  const int64_t row = sl.row, lo = sl.lo;
   const T* gsrc = p.s + row * p.s_stride + lo;
   T* gs = GRAD ? p.gs + row * p.gs_stride + lo : nullptr;
 
   if (p.labels && p.labels[row] == p.ignore_index) {  // masked: zeros, and no barrier (the cluster agrees)
-    if (GRAD) {
-      const Vec<T> zero{};
-      for (int c = threadIdx.x; c < count / N; c += kFastThreads) store_chunk(gs + c * N, zero, true);
-      for (int j = count / N * N + threadIdx.x; j < count; j += kFastThreads) gs[j] = zero.v[0];
-    }
+    if (GRAD) zero_slice(gs, count);
     if (rank == 0 && threadIdx.x == 0) p.out[row] = 0.f;
     return;
   }
 
-  // The copy: each thread its own chunks, the first three in a commit group each (see fast_rows).
+  // The copy (issue_copy, as fast_rows): each thread its own chunks.
   T* xs = reinterpret_cast<T*>(smem_raw);
   unsigned* bits = reinterpret_cast<unsigned*>(smem_raw + static_cast<size_t>(p.slice) * sizeof(T));
   const int chunks = count / N;
   const unsigned bs = static_cast<unsigned>(__cvta_generic_to_shared(xs));
-  int c0 = threadIdx.x;
-#pragma unroll
-  for (int i = 0; i < 3; ++i, c0 += kFastThreads) {
-    if (c0 < chunks)
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(bs + c0 * 16u), "l"(gsrc + c0 * N));
-    asm volatile("cp.async.commit_group;\n" ::);
-  }
-  for (int c = c0; c < chunks; c += kFastThreads)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(bs + c * 16u), "l"(gsrc + c * N));
-  asm volatile("cp.async.commit_group;\n" ::);
+  issue_copy(chunks, p.staged, [&](int c) { cp_async16(bs + c * 16u, gsrc + c * N); });
   // The last block's partial chunk: threads 0 .. N-2 copy one entry each, by plain loads (the members' pass and
   // the gradient read every logit from shared memory: the gradient may overwrite the logits in device memory).
   const int tail = chunks * N + static_cast<int>(threadIdx.x);
@@ -105,19 +89,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   // ---- 1. the normaliser and the tail's mass: each warp's max, then its sums relative to it, one cluster barrier
   float mx = ninf<float>();
   {
-    auto take_max = [&](int c) { mx = fmaxf(mx, chunk_max(load_chunk(xs + c * N, true))); };
-    int c1 = threadIdx.x;
-    asm volatile("cp.async.wait_group 3;\n" ::: "memory");
-    if (c1 < chunks) take_max(c1);
-    c1 += kFastThreads;
-    asm volatile("cp.async.wait_group 2;\n" ::: "memory");
-    if (c1 < chunks) take_max(c1);
-    c1 += kFastThreads;
-    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-    if (c1 < chunks) take_max(c1);
-    c1 += kFastThreads;
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    for (int c = c1; c < chunks; c += kFastThreads) take_max(c);
+    for_each_landed(chunks, p.staged, [&](int c) { mx = fmaxf(mx, chunk_max(load_chunk(xs + c * N, true))); });
     mx = fmaxf(mx, x_tail);
   }
   mx = warp_max(mx) * k2;  // k2 > 0: the max of the scaled logits
@@ -141,23 +113,14 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   }
   sm = warp_sum(sm);
   st = warp_sum(st);
-  if (lane == 0) slot_norms[warp] = make_float4(mx, sm, st, 0.f);
+  if (lane == 0) slot_norms[warp] = make_float4(mx, sm, mx, st);  // the same maxima: m1 ends equal to m0
   cluster_arrive();
   cluster_wait();
   if (warp == 0) {  // every block combines all ranks x warps in the same order
-    float m0 = ninf<float>(), l0 = 0.f, m1 = ninf<float>(), l1 = 0.f;
+    float m0, l0, m1, l1;
+    combine_cluster_pairs(cluster, slot_norms, ranks, lane, m0, l0, m1, l1);
     bool bad = false;
-    for (int i = lane; i < ranks * W; i += 32) {
-      const float4 v = *cluster.map_shared_rank(slot_norms + i % W, i / W);
-      combine_pair(m0, l0, v.x, v.y);
-      combine_pair(m1, l1, v.x, v.z);  // the same maxima: m1 ends equal to m0
-      bad |= cluster.map_shared_rank(slot_aux + i % W, i / W)->y != 0.f;
-    }
-#pragma unroll
-    for (int s = 16; s > 0; s >>= 1) {
-      combine_pair(m0, l0, __shfl_xor_sync(0xffffffffu, m0, s), __shfl_xor_sync(0xffffffffu, l0, s));
-      combine_pair(m1, l1, __shfl_xor_sync(0xffffffffu, m1, s), __shfl_xor_sync(0xffffffffu, l1, s));
-    }
+    for (int i = lane; i < ranks * W; i += 32) bad |= cluster.map_shared_rank(slot_aux + i % W, i / W)->y != 0.f;
     const float q = warp_sum(lane < W ? slot_aux[lane].x : 0.f);  // this block's: the same in every block
     bad = __any_sync(0xffffffffu, bad);
     if (lane == 0) {

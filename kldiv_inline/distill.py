@@ -176,8 +176,6 @@ def _rows(x: Tensor, vocab: int) -> Tensor:
 # Top-k probability mass beyond 1 (or, with k = V, away from 1) accepted as rounding and normalised away: a
 # bfloat16 log-probability is rounded by up to |log p| 2^-9 relative, which over a top-100 stays below 1%.
 TOPK_MASS_SLACK = 0.02
-# Repeated top-k indices are found by the preparation kernel (every pair compared) up to this k, by sorting above.
-TOPK_DUP_CHECK_MAX = 256
 
 
 def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, labels: Tensor | None = None,
@@ -221,9 +219,12 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, 
     # Eager: normalised and checked by one kernel (a wrong index or a teacher that is no distribution must be an
     # error, not a wrong number); the flags are read back by check().
     lp_given = lp2.contiguous()
-    check_dup = k <= TOPK_DUP_CHECK_MAX
-    lp2, flags = _module(idx2.device).distill_topk_prepare(idx2, lp_given, vocab, labels, ignore_index,
-                                                           math.log1p(TOPK_MASS_SLACK), check_dup)
+    module = _module(idx2.device)
+    # Repeated indices: found by the preparation kernel up to the k its backend says (the CUDA kernel compares
+    # every pair in shared memory), by sorting here above it.
+    check_dup = k <= module.distill_topk_dup_check_max()
+    lp2, flags = module.distill_topk_prepare(idx2, lp_given, vocab, labels, ignore_index,
+                                           math.log1p(TOPK_MASS_SLACK), check_dup)
     if not check_dup:  # long rows: repeats found by sorting
         srt = idx2.sort(dim=-1).values
         flags = flags.clone()

@@ -336,7 +336,8 @@ def test_topk_long_rows_cuda(beta):
     assert_close(gs, rs, GRAD_TOL[torch.bfloat16], "grad")
 
 
-@pytest.mark.parametrize("vocab,k", [(10, 3), (400, 300)])  # k > TOPK_DUP_CHECK_MAX: repeats found by sorting
+# k = 300: above the CUDA preparation kernel's pair check (distill_topk_dup_check_max), repeats found by sorting
+@pytest.mark.parametrize("vocab,k", [(10, 3), (400, 300)])
 @pytest.mark.parametrize("grad", [False, True])
 def test_topk_bad_indices_raise(device, vocab, k, grad):
     s = logits((2, vocab), torch.float32, device).requires_grad_(grad)
@@ -409,11 +410,12 @@ def test_topk_prepare_kernel_matches_the_traced_normalisation(device, dtype):
     vocab, k = 50, 6
     idx, lp = topk_teacher((8,), vocab, k, device)
     lp = lp.to(dtype)
-    lp[1] += 0.005  # a little more than 1 of mass: divided out
+    # (a row's top-6 mass is random, below 1: the rows with an excess are set relative to their own logsumexp)
+    lp[1] += 0.005 - lp[1].logsumexp(0)  # a little more than 1 of mass: divided out
     lp[2] = -math.inf  # no mass: left as it is
     lp[3, 0] = math.nan  # NaN stays NaN, and is no mass offender
-    lp[4] += 0.5  # mass far above 1: flagged ...
-    lp[5] += 0.5  # ... unless the row is masked
+    lp[4] += 0.5 - lp[4].logsumexp(0)  # mass far above 1: flagged ...
+    lp[5] += 0.5 - lp[5].logsumexp(0)  # ... unless the row is masked
     lp[6, 2] = math.inf
     labels = torch.tensor([0, 1, 2, 3, -100, -100, -100, 7], device=device)
     out, flags = mod.distill_topk_prepare(idx, lp, vocab, labels, -100, slack, True)
@@ -440,6 +442,14 @@ def test_topk_prepare_kernel_matches_the_traced_normalisation(device, dtype):
     assert flags.tolist() == [0, 0, 1]
     with pytest.raises(RuntimeError, match="1 <= k <= vocabulary"):
         mod.distill_topk_prepare(idx, lp, 3, None, -100, slack, True)
+    # Repeats in rows longer than the backend checks itself are the caller's (generalized_jsd sorts them): the
+    # CUDA kernel, which compares pairs in shared memory, refuses to be asked.
+    limit = mod.distill_topk_dup_check_max()
+    assert limit >= 256
+    if device == "cuda":
+        idx_long, lp_long = topk_teacher((2,), limit + 9, limit + 1, device)
+        with pytest.raises(RuntimeError, match="checks repeats for k <="):
+            mod.distill_topk_prepare(idx_long, lp_long.to(dtype), limit + 9, None, -100, slack, True)
 
 
 @pytest.mark.parametrize("vocab", [12, 20000])  # float32 x 20000: a cluster of blocks on CUDA, a slice each
