@@ -223,12 +223,12 @@ template <typename A> inline RowConst<A> row_const(double beta) {
 // (a student probability of 0, d = +inf, included). Branches, not selects: evaluating all three and selecting
 // one ran 4% slower on an H200 (kernels/NOTES.md, version 11).
 constexpr double kJsdLogSpace = 64.0;
-template <typename A> DS_HD void mixture_u(const Point<A>& e, const RowConst<A>& c, A& us, A& ut) {
-  if (e.d > A(-kSeriesLimit) && e.d < A(kSeriesLimit)) {
-    us = e.d * horner<jsd_terms<A>()>(&c.us[0], e.d);
-    ut = e.d + us;
-    return;
-  }
+template <typename A> DS_HD bool jsd_series_region(A d) { return d > A(-kSeriesLimit) && d < A(kSeriesLimit); }
+template <typename A> DS_HD void mixture_u_series(const Point<A>& e, const RowConst<A>& c, A& us, A& ut) {
+  us = e.d * horner<jsd_terms<A>()>(&c.us[0], e.d);
+  ut = e.d + us;
+}
+template <typename A> DS_HD void mixture_u_direct(const Point<A>& e, const RowConst<A>& c, A& us, A& ut) {
   if (e.d >= A(kJsdLogSpace)) {
     us = -(e.d + c.log_b);
     ut = -c.log_b;
@@ -237,6 +237,23 @@ template <typename A> DS_HD void mixture_u(const Point<A>& e, const RowConst<A>&
   const A lz = d_log_normal(d_fma(c.beta, d_exp2(e.d * A(kLog2e)), A(1) - c.beta));
   us = -lz;
   ut = e.d - lz;
+}
+template <typename A> DS_HD void mixture_u(const Point<A>& e, const RowConst<A>& c, A& us, A& ut) {
+  if (jsd_series_region(e.d)) mixture_u_series(e, c, us, ut);
+  else mixture_u_direct(e, c, us, ut);
+}
+
+// u_s alone for a 16-bit gradient (the fast kernel's gradient pass; kernels/NOTES.md, version 12): the z form
+// above is good to ~3.5e-7 absolute, far below a 16-bit gradient's rounding wherever |u_s| ~ beta |d| is more
+// than ~1e-4, so the 10-term series is not needed there; below kJsdShortSeries a 4-term series (truncation
+// ~(d / pi)^4 < 2e-7 relative) keeps u_s's relative digits (an exact d = 0, a row where student and teacher agree,
+// still gives u_s = 0 and a zero gradient). All forms are evaluated and one selected: no divergent branch in the
+// entries' loop, where mixture_u's branches cost a warp both sides whenever its entries straddle |d| = 0.5.
+constexpr double kJsdShortSeries = 1.0 / 16;
+template <typename A> DS_HD A mixture_us_short(const Point<A>& e, const RowConst<A>& c) {
+  const A lz = d_log_normal(d_fma(c.beta, d_exp2(e.d * A(kLog2e)), A(1) - c.beta));
+  const A us = e.d >= A(kJsdLogSpace) ? -(e.d + c.log_b) : -lz;
+  return e.d * e.d < A(kJsdShortSeries * kJsdShortSeries) ? e.d * horner<4>(&c.us[0], e.d) : us;
 }
 
 // Sums over a row (or the part of it held here): the loss, and what the gradients need beside it,
@@ -253,13 +270,13 @@ DS_HD void point_terms(const Point<A>& e, const RowConst<A>& c, Terms<A>& acc) {
   } else if (MODE == REVERSE_KL) {  // KL(ps || pt)
     acc.loss += kl_term(e.ps, e.pt, -e.d);
     if (KS) acc.ks += e.ps > A(0) ? -e.ps * e.d : A(0);
-  } else {
-    A us, ut;
-    mixture_u(e, c, us, ut);
-    A entry;
-    if (e.d > A(-kSeriesLimit) && e.d < A(kSeriesLimit)) {
+  } else {  // one branch for u_s, u_t and the summand (mixture_u's and the summand's regions are the same)
+    A us, ut, entry;
+    if (jsd_series_region(e.d)) {
+      mixture_u_series(e, c, us, ut);
       entry = e.ps * (e.d * e.d) * horner<jsd_terms<A>()>(&c.g[0], e.d);
     } else {  // beta pt u_t + (1 - beta) ps u_s; >= 0 up to rounding
+      mixture_u_direct(e, c, us, ut);
       const A a = e.pt > A(0) ? c.beta * e.pt * ut : A(0);
       const A b = e.ps > A(0) ? (A(1) - c.beta) * e.ps * us : A(0);
       entry = a + b > A(0) ? a + b : A(0);  // (NaN stays NaN)
@@ -278,12 +295,15 @@ template <int MODE> constexpr bool teacher_needs_k() { return MODE != REVERSE_KL
 
 // d loss / d a_v (a = student logits / T) of an entry whose own probability is e.ps, before the 1/T and the
 // reduction's scale: ps - pt (forward), ps (u_s - ks) (reverse), (1 - beta) ps (u_s - ks) (JSD).
-template <int MODE, typename A> DS_HD A student_grad(const Point<A>& e, const RowConst<A>& c, A ks) {
+// SHORT: the JSD's u_s by mixture_us_short (for gradients stored in 16 bits).
+template <int MODE, bool SHORT = false, typename A> DS_HD A student_grad(const Point<A>& e, const RowConst<A>& c,
+                                                                         A ks) {
   if (MODE == FORWARD_KL) return e.ps - e.pt;
   if (!(e.ps > A(0))) return e.ps != e.ps ? e.ps : A(0);  // NaN stays NaN; no mass, no gradient
   if (MODE == REVERSE_KL) return e.ps * (-e.d - ks);
   A us, ut;
-  mixture_u(e, c, us, ut);
+  if (SHORT) us = mixture_us_short(e, c);
+  else mixture_u(e, c, us, ut);
   return (A(1) - c.beta) * e.ps * (us - ks);
 }
 

@@ -272,7 +272,10 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   }
 
   // ---- 3. the gradients that need ks (reverse KL, JSD)
-  if (KS) for_each_point(std::true_type{}, [&](const Point<float>& e) { return student_grad<MODE>(e, p.c, ks); });
+  // (16-bit gradients: the JSD's u_s without the 10-term series, see mixture_us_short)
+  if (KS)
+    for_each_point(std::true_type{},
+                   [&](const Point<float>& e) { return student_grad<MODE, sizeof(T) == 2>(e, p.c, ks); });
   cluster_wait();  // no block leaves while another may still read its shared memory
 #endif
 }
