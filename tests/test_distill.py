@@ -297,6 +297,24 @@ def test_nearly_agreeing_distributions_never_negative(device, dtype, beta):
     assert_close(out, ref, 1e-4, "per token")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
+@pytest.mark.parametrize("beta", [0.3, 0.5, 0.9])
+def test_jsd_gradient_where_distributions_nearly_agree(device, dtype, beta):
+    # The JSD's 16-bit gradient takes u_s in a short form on CUDA (a 4-term series near d = 0, the mixture's log
+    # elsewhere): each row's gradient must still be float64's within 16-bit rounding where student and teacher
+    # nearly agree (u_s and the row sum ks both small), and exactly 0 where a row agrees exactly.
+    t = logits((24, 5000), torch.float64, device, scale=2.0)
+    s = t + torch.randn_like(t) * torch.logspace(-4, 0, 24, dtype=t.dtype, device=device)[:, None]
+    s, t = s.to(dtype), t.to(dtype)
+    s[0] = t[0]
+    s.requires_grad_()
+    _, (gs,) = run(s, t, beta=beta, temperature=1.0, reduction="sum")
+    _, (rs,) = reference(s, t, beta=beta, temperature=1.0, reduction="sum")
+    assert (gs[0] == 0).all() and rs[0].abs().max() < 1e-15  # (float64's autograd rounds to ~1e-17)
+    for row in range(1, 24):
+        assert_grad_close(gs[row], rs[row], dtype, f"row {row}")
+
+
 # ------------------------------------------------------------------------------------------ 4. top-k
 def topk_teacher(lead, vocab, k, device):
     lp_all = torch.log_softmax(torch.randn(*lead, vocab, dtype=torch.float64) * 2.5, dim=-1)
