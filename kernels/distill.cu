@@ -950,8 +950,10 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
                                              double slack_log, bool check_dup) {
   check_device(idx);
   check_topk_prepare(idx, lp, labels, vocab);
-  TORCH_CHECK(!check_dup || idx.size(1) <= kDupCheckMax, "distill: the kernel checks repeats for k <= ", kDupCheckMax,
-              " only");
+  // (the limit by value: a reference to the namespace-scope constexpr, which device code uses too, crashed the
+  // process on an H200 when this check raised)
+  const int64_t dup_max = kDupCheckMax;
+  TORCH_CHECK(!check_dup || idx.size(1) <= dup_max, "distill: the kernel checks repeats for k <= ", dup_max, " only");
   const c10::cuda::CUDAGuard guard(idx.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor out = at::empty_like(lp);

@@ -82,6 +82,7 @@ template <typename F> __device__ __forceinline__ void issue_copy(int chunks, boo
   }
   for (int c = c0; c < chunks; c += kFastThreads) copy(c);
   asm volatile("cp.async.commit_group;\n" ::);
+  if (!staged) asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
 // take(c) for each of this thread's chunks once its copy (issue_copy) has landed: staged, group by group.
@@ -97,8 +98,8 @@ template <typename F> __device__ __forceinline__ void for_each_landed(int chunks
     asm volatile("cp.async.wait_group 1;\n" ::: "memory");
     if (c1 < chunks) take(c1);
     c1 += kFastThreads;
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
   }
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
   for (int c = c1; c < chunks; c += kFastThreads) take(c);
 }
 
