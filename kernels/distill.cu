@@ -580,7 +580,8 @@ __global__ void __launch_bounds__(
 
 // A top-k teacher's rows made ready, one block per row (see distill_topk_prepare in distill_bindings.cpp): the
 // logsumexp of the log-probabilities, the normalised row, and the checks' flags (set with atomicOr: the same
-// result in any order). Repeated indices by comparing every pair: k <= kDupCheckMax (the caller sorts larger k).
+// result in any order). Repeated indices by comparing every pair: k <= kDupCheckMax (distill_topk_prepare sorts
+// longer rows).
 constexpr int kPrepThreads = 128;
 constexpr int64_t kDupCheckMax = 256;
 template <typename A>
@@ -950,28 +951,26 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
                                              double slack_log, bool check_dup) {
   check_device(idx);
   check_topk_prepare(idx, lp, labels, vocab);
-  // (the limit by value: a reference to the namespace-scope constexpr, which device code uses too, crashed the
-  // process on an H200 when this check raised)
-  const int64_t dup_max = kDupCheckMax;
-  TORCH_CHECK(!check_dup || idx.size(1) <= dup_max, "distill: the kernel checks repeats for k <= ", dup_max, " only");
   const c10::cuda::CUDAGuard guard(idx.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor out = at::empty_like(lp);
   at::Tensor flags = at::zeros({3}, idx.options().dtype(at::kInt));
-  const int64_t n = idx.size(0);
+  const int64_t n = idx.size(0), k = idx.size(1);
   if (n == 0) return {out, flags};
   TORCH_CHECK(n < (int64_t(1) << 31), "distill: too many rows for one launch");
   AT_DISPATCH_FLOATING_TYPES(lp.scalar_type(), "distill_topk_prepare", [&] {
     topk_prepare_kernel<scalar_t><<<static_cast<unsigned>(n), kPrepThreads, 0, stream>>>(
-        idx.data_ptr<int64_t>(), lp.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), idx.size(1), vocab,
-        labels.has_value() ? labels->data_ptr<int64_t>() : nullptr, ignore_index, slack_log, check_dup,
-        flags.data_ptr<int>());
+        idx.data_ptr<int64_t>(), lp.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), k, vocab,
+        labels.has_value() ? labels->data_ptr<int64_t>() : nullptr, ignore_index, slack_log,
+        check_dup && k <= kDupCheckMax, flags.data_ptr<int>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+  if (check_dup && k > kDupCheckMax) {  // rows too long to compare every pair in shared memory: sorted
+    const at::Tensor srt = std::get<0>(idx.sort(1));
+    flags.narrow(0, FLAG_DUP, 1).copy_(srt.narrow(1, 1, k - 1).eq(srt.narrow(1, 0, k - 1)).any().reshape({1}));
+  }
   return {out, flags};
 }
-
-int64_t distill_topk_dup_check_max() { return kDupCheckMax; }
 
 bool distill_in_place_ok(int64_t vocab, int64_t element_size, bool topk) {
   return plan_launch(vocab, static_cast<size_t>(element_size) * (topk ? 1 : 2), topk).use_smem;

@@ -413,9 +413,6 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
   return {out, flags};
 }
 
-// Repeats are found by sorting each row: any k.
-int64_t distill_topk_dup_check_max() { return std::numeric_limits<int64_t>::max(); }
-
 bool distill_in_place_ok(int64_t, int64_t, bool) { return true; }  // each entry is read before it is written
 
 void distill_scale_grad_(at::Tensor grad, const at::Tensor& grad_out) {

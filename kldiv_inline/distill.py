@@ -219,16 +219,8 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, 
     # Eager: normalised and checked by one kernel (a wrong index or a teacher that is no distribution must be an
     # error, not a wrong number); the flags are read back by check().
     lp_given = lp2.contiguous()
-    module = _module(idx2.device)
-    # Repeated indices: found by the preparation kernel up to the k its backend says (the CUDA kernel compares
-    # every pair in shared memory), by sorting here above it.
-    check_dup = k <= module.distill_topk_dup_check_max()
-    lp2, flags = module.distill_topk_prepare(idx2, lp_given, vocab, labels, ignore_index,
-                                           math.log1p(TOPK_MASS_SLACK), check_dup)
-    if not check_dup:  # long rows: repeats found by sorting
-        srt = idx2.sort(dim=-1).values
-        flags = flags.clone()
-        flags[1] |= (srt[:, 1:] == srt[:, :-1]).any().int()
+    lp2, flags = _module(idx2.device).distill_topk_prepare(idx2, lp_given, vocab, labels, ignore_index,
+                                                           math.log1p(TOPK_MASS_SLACK), True)
     check = _topk_check(flags, lp_given, vocab, labels, ignore_index)
     if not defer:
         check()

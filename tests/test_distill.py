@@ -354,7 +354,7 @@ def test_topk_long_rows_cuda(beta):
     assert_close(gs, rs, GRAD_TOL[torch.bfloat16], "grad")
 
 
-# k = 300: above the CUDA preparation kernel's pair check (distill_topk_dup_check_max), repeats found by sorting
+# k = 300: above the CUDA preparation kernel's pair check (k <= 256), repeats found by sorting
 @pytest.mark.parametrize("vocab,k", [(10, 3), (400, 300)])
 @pytest.mark.parametrize("grad", [False, True])
 def test_topk_bad_indices_raise(device, vocab, k, grad):
@@ -460,14 +460,13 @@ def test_topk_prepare_kernel_matches_the_traced_normalisation(device, dtype):
     assert flags.tolist() == [0, 0, 1]
     with pytest.raises(RuntimeError, match="1 <= k <= vocabulary"):
         mod.distill_topk_prepare(idx, lp, 3, None, -100, slack, True)
-    # Repeats in rows longer than the backend checks itself are the caller's (generalized_jsd sorts them): the
-    # CUDA kernel, which compares pairs in shared memory, refuses to be asked.
-    limit = mod.distill_topk_dup_check_max()
-    assert limit >= 256
-    if device == "cuda":
-        idx_long, lp_long = topk_teacher((2,), limit + 9, limit + 1, device)
-        with pytest.raises(RuntimeError, match="checks repeats for k <="):
-            mod.distill_topk_prepare(idx_long, lp_long.to(dtype), limit + 9, None, -100, slack, True)
+    # Rows longer than the CUDA kernel compares pair by pair in shared memory (k > 256): sorted instead.
+    idx_long, lp_long = topk_teacher((3,), 309, 300, device)
+    lp_long = lp_long.to(dtype)
+    assert mod.distill_topk_prepare(idx_long, lp_long, 309, None, -100, slack, True)[1].tolist() == [0, 0, 0]
+    idx_long[2, 299] = idx_long[2, 7]
+    assert mod.distill_topk_prepare(idx_long, lp_long, 309, None, -100, slack, True)[1].tolist() == [0, 1, 0]
+    assert mod.distill_topk_prepare(idx_long, lp_long, 309, None, -100, slack, False)[1].tolist() == [0, 0, 0]
 
 
 @pytest.mark.parametrize("vocab", [12, 20000])  # float32 x 20000: a cluster of blocks on CUDA, a slice each
