@@ -792,7 +792,7 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
         else launch_rows(without_grad, l, n, &p, stream);
       };
       if (topk) launch(fast_topk_kernel<T, MODE, true>, fast_topk_kernel<T, MODE, false>);
-      else if constexpr (sizeof(T) == 2 && MODE != JSD)  // the register-capped instances (distill_fast.cuh)
+      else if constexpr (sizeof(T) == 2)  // the register-capped instances (distill_fast.cuh)
         launch(fast_rows_kernel_16<T, MODE, true>, fast_rows_kernel_16<T, MODE, false>);
       else launch(fast_rows_kernel<T, MODE, true>, fast_rows_kernel<T, MODE, false>);
     });

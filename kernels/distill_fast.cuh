@@ -284,8 +284,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
 // The kernels around fast_rows. For 16-bit logits a block's slices take ~32 KB of shared memory, so 7 blocks fit
 // in an SM, and at more than 32 registers a thread only 6 would: the forward KL's gradient kernel went from 32
 // to 40 registers after a change that removed instructions and lost the time it gained (kernels/NOTES.md,
-// version 9), so 16-bit logits get a cap, except for the JSD (capped at 32 it spilled, with version 9's logs; since
-// version 11 ptxas gives its gradient kernel 32 registers unasked and its forward 40: a cap there is untried).
+// version 9), so 16-bit logits get a cap. The JSD too since version 12 (no spill; 40 registers uncapped, and
+// capped its step ran 4% faster on an H200; with version 9's logs a cap had made it spill).
 // float32 slices are twice the size (shared memory limits those blocks first) and keep the
 // compiler's own choice: any cap there changed ptxas's strategy and made it spill.
 template <typename T, int MODE, bool GRAD>
