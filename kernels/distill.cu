@@ -767,6 +767,13 @@ bool fast_path_ok(const Rows& r, const Launch& l, const at::Tensor& gs, bool wan
   return rows_aligned(r.s) && (r.topk() || rows_aligned(r.t)) && (!gs.defined() || rows_aligned(gs));
 }
 
+// KLDIV_DISTILL_STAGED=0 (a research knob): the fast kernels' copy in one group, waited for whole (as before the
+// staged copy).
+bool staged_copy() {
+  const char* env = std::getenv("KLDIV_DISTILL_STAGED");
+  return !(env && std::atoi(env) == 0);
+}
+
 // A fast kernel: fast_topk_kernel (distill_fast_topk.cuh) for a top-k teacher, whose cluster's rank 0 writes each
 // row's loss into rows_loss; else fast_rows_kernel (distill_fast.cuh), then each row's loss from its warps'
 // partial sums (fast_rows_total_kernel).
@@ -778,10 +785,7 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
   } else {
     Launch l = plan;
     l.threads = kFastThreads;
-    // KLDIV_DISTILL_STAGED=0 (a research knob): one copy group, waited for whole (as before the staged copy).
-    p.staged = true;
-    if (const char* env = std::getenv("KLDIV_DISTILL_STAGED"))
-      if (std::atoi(env) == 0) p.staged = false;
+    p.staged = staged_copy();
     const int per_row = l.cluster * kFastWarps;
     at::Tensor partial = topk ? rows_loss : at::empty({n * per_row}, rows_loss.options());
     p.out = partial.data_ptr<float>();
@@ -800,6 +804,57 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
     if (!topk) {
       fast_rows_total_kernel<<<static_cast<unsigned>((n + 7) / 8), 256, 0, stream>>>(
           partial.data_ptr<float>(), n, per_row, rows_loss.data_ptr<float>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  }
+}
+
+// One phase of a vocabulary split across devices by fast_rows_kernel (distill_fast.cuh): the launches whose only
+// gradient is the student's (GRAD: forward KL's in the terms phase, the others' in the gradient phase). A terms
+// phase's warps' (loss, ks, kt) are added per row into `out` [n, 3] by fast_phase_terms_total_kernel.
+template <typename T, typename A>
+void launch_fast_phase(const Launch& plan, int mode, int phase, bool grad, int64_t n, Params<T, A> p, at::Tensor& out,
+                       cudaStream_t stream) {
+  if constexpr (std::is_same<A, double>::value) {
+    TORCH_CHECK(false, "distill: no fast path for float64 logits");  // fast_path_ok refuses them first
+  } else {
+    Launch l = plan;
+    l.threads = kFastThreads;
+    p.staged = staged_copy();
+    const int per_row = l.cluster * kFastWarps;
+    at::Tensor partial;
+    if (phase == PHASE_TERMS) {
+      partial = at::empty({n * per_row * 4}, out.options());
+      p.out = partial.data_ptr<float>();
+    }
+    auto launch = [&](auto capped, auto uncapped) {
+      if constexpr (sizeof(T) == 2) launch_rows(capped, l, n, &p, stream);  // (register caps: see distill_fast.cuh)
+      else launch_rows(uncapped, l, n, &p, stream);
+    };
+    if (phase == PHASE_NORMS) {  // (the normalisers do not depend on the mode)
+      launch(fast_rows_kernel_16<T, FORWARD_KL, false, PHASE_NORMS>,
+             fast_rows_kernel<T, FORWARD_KL, false, PHASE_NORMS>);
+    } else {
+      dispatch_mode(mode, [&](auto mode_c) {
+        constexpr int MODE = decltype(mode_c)::value;
+        if (phase == PHASE_TERMS) {
+          if constexpr (MODE == FORWARD_KL) {
+            if (grad)
+              launch(fast_rows_kernel_16<T, MODE, true, PHASE_TERMS>, fast_rows_kernel<T, MODE, true, PHASE_TERMS>);
+            else
+              launch(fast_rows_kernel_16<T, MODE, false, PHASE_TERMS>, fast_rows_kernel<T, MODE, false, PHASE_TERMS>);
+          } else {
+            launch(fast_rows_kernel_16<T, MODE, false, PHASE_TERMS>, fast_rows_kernel<T, MODE, false, PHASE_TERMS>);
+          }
+        } else if constexpr (MODE != FORWARD_KL) {
+          launch(fast_rows_kernel_16<T, MODE, true, PHASE_GRAD>, fast_rows_kernel<T, MODE, true, PHASE_GRAD>);
+        }
+      });
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (phase == PHASE_TERMS) {
+      fast_phase_terms_total_kernel<<<static_cast<unsigned>((n + 7) / 8), 256, 0, stream>>>(
+          reinterpret_cast<const float4*>(partial.data_ptr<float>()), n, per_row, out.data_ptr<float>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
@@ -939,6 +994,12 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
     p.norms_in = phase != PHASE_NORMS ? norms->data_ptr<A>() : nullptr;
     p.k_in = phase == PHASE_GRAD && (ws || wt) ? ksums->data_ptr<A>() : nullptr;
     p.out = out.defined() ? out.data_ptr<A>() : nullptr;
+    // The fast kernel where it applies: no teacher gradient in this phase (ws: forward KL's gradient in the terms
+    // phase, the others' in the gradient phase, which is not launched without one).
+    if (!wt && fast_path_ok(r, l, gs, false)) {
+      launch_fast_phase(l, mode, static_cast<int>(phase), ws, r.n, p, out, stream);
+      return;
+    }
     dispatch_mode(mode,
                   [&](auto mode_c) { launch_for<T, decltype(mode_c)::value, false>(l, CFG_GENERIC, r.n, p, stream); });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
