@@ -1,0 +1,101 @@
+"""Where the vocabulary-parallel training step (the logits form of tools/bench_vocab_parallel.py: bf16 4096 x
+128256 split across the ranks, T = 2, 10% masked) spends its time, under torchrun:
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
+        torchrun --standalone --nproc-per-node 2 tools/profile_vocab_parallel.py [--beta 0] [--steps 5]
+
+Rank 0 prints, for the one-device op (rank 0 alone, the whole rows) and the split one: the step timed with CUDA
+events back to back, the host's wall time per step (no synchronisation inside), and from a host + device trace
+of --steps steps back to back: the GPU time of each kernel name (summed over the steps, per step), the time with
+no kernel running on rank 0's GPU, and the host's share of it.
+"""
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import kldiv_inline as K  # noqa: E402
+from kldiv_inline.timing import quantiles, time_cuda  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--beta", type=float, default=0.0)
+ap.add_argument("--steps", type=int, default=5)
+ap.add_argument("--tokens", type=int, default=4096)
+ap.add_argument("--vocab", type=int, default=128256)
+args = ap.parse_args()
+
+dist.init_process_group("nccl")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.cuda.set_device(rank)
+gen = torch.Generator(device="cuda").manual_seed(0)
+n, v = args.tokens, args.vocab
+s = (torch.randn(n, v, generator=gen, device="cuda") * 2).bfloat16()
+t = (torch.randn(n, v, generator=gen, device="cuda") * 2).bfloat16()
+labels = torch.randint(0, v, (n,), generator=gen, device="cuda")
+labels = labels.masked_fill(torch.rand(n, generator=gen, device="cuda") < 0.1, -100)
+lo, hi = rank * v // world, (rank + 1) * v // world
+parts = (s[:, lo:hi].contiguous(), t[:, lo:hi].contiguous())
+
+
+def stepper(student, teacher, group):
+    leaf = student.detach().requires_grad_()
+
+    def step():
+        loss = K.generalized_jsd(leaf, teacher, beta=args.beta, temperature=2.0, labels=labels, group=group)
+        return torch.autograd.grad(loss, [leaf])
+    return step
+
+
+def report(name, step, everyone):
+    """Times `step` and traces it; `everyone`: every rank runs it (a collective), else rank 0 alone."""
+    if not everyone and rank != 0:
+        return
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    ms = quantiles(time_cuda(step, [()], reps=15, warmup=3))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        step()
+    host = (time.perf_counter() - t0) / 20 * 1e3
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+    if rank != 0:
+        return
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_name = collections.defaultdict(float)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    for e in kernels:
+        per_name[e.name] += (e.time_range.end - e.time_range.start) / 1e3 / args.steps
+    busy, end = 0.0, None
+    for a, b in spans:  # the union of the kernels' intervals
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    span = (spans[-1][1] - spans[0][0]) if spans else 0.0
+    print(f"\n== {name}: {ms[0]:.3f} ms a step (q20 {ms[1]:.3f}, q80 {ms[2]:.3f}), host wall {host:.3f} ms a step; "
+          f"trace of {args.steps} steps: GPU busy {busy / 1e3 / args.steps:.3f} ms a step, first kernel to last "
+          f"{span / 1e3 / args.steps:.3f} ms a step", flush=True)
+    for k, ms_k in sorted(per_name.items(), key=lambda x: -x[1])[:14]:
+        print(f"   {ms_k:8.3f} ms  {k[:100]}", flush=True)
+
+
+print(torch.cuda.get_device_name(), torch.__version__, f"world {world}, beta {args.beta}", flush=True)
+report("one device (rank 0, whole rows)", stepper(s, t, None), everyone=False)
+dist.barrier()
+report(f"split over {world}", stepper(*parts, dist.group.WORLD), everyone=True)
+dist.barrier()
+dist.destroy_process_group()
