@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpu_clocks import median, sampled  # noqa: E402  (tools/, the script's own folder)
+from trace_steps import host_during, ops_of  # noqa: E402
 
 import kldiv_inline as K  # noqa: E402
 from kldiv_inline.timing import quantiles, time_cuda  # noqa: E402
@@ -148,12 +149,7 @@ for e in gpu:
 print(f"{len(gaps)} idle intervals over {args.gap_us:g} us, {sum(b - a for a, b, _ in gaps) / 1e3:.2f} ms in all "
       f"(from the step's start; ms since the start, length, the device op that ends it, host work meanwhile):")
 for a, b, nxt in gaps:
-    during = collections.Counter()
-    for h_ev in host:
-        overlap = min(b, h_ev["ts"] + h_ev["dur"]) - max(a, h_ev["ts"])
-        if overlap > 0:
-            during[h_ev["name"]] += overlap
-    what = ", ".join(f"{n[:40]} {us:.0f}" for n, us in during.most_common(6))
+    what = ", ".join(f"{n[:40]} {us:.0f}" for n, us in host_during(host, a, b).most_common(6))
     print(f"  {(a - t0) / 1e3:8.3f} {(b - a):8.1f} us  before {nxt[:40]!r}: {what}")
 calls = collections.defaultdict(lambda: [0, 0.0, 0.0])
 for e in host:
@@ -166,15 +162,8 @@ print(f"{'calls':>6} {'total us':>9} {'max us':>8}  CUDA runtime/driver call")
 for name, (count, tot, mx) in sorted(calls.items(), key=lambda kv: -kv[1][1])[:15]:
     print(f"{count:6d} {tot:9.1f} {mx:8.1f}  {name}")
 
-# The middle back-to-back step: its device ops are those launched inside its host range (matched by the
-# profiler's correlation ids: the host runs ahead, so time alone does not tell the steps apart).
-def ops_of(mark):
-    ids = {e["args"].get("correlation") for e in trace if e.get("cat") in ("cuda_runtime", "cuda_driver")
-           and mark["ts"] <= e["ts"] <= mark["ts"] + mark["dur"]}
-    return [e for e in gpu_all if e.get("args", {}).get("correlation") in ids]
-
-
-mid, after = (ops_of(marks[f"b2b_step_{i}"]) for i in (1, 2)) if len(marks) == 3 else ([], [])
+# The middle back-to-back step: its device ops are those launched inside its host range.
+mid, after = (ops_of(trace, gpu_all, marks[f"b2b_step_{i}"]) for i in (1, 2)) if len(marks) == 3 else ([], [])
 if mid and after:
     g0, g1 = mid[0]["ts"], after[0]["ts"]
     busy_mid = sum(e["dur"] for e in mid)

@@ -6,17 +6,17 @@ back with the idle intervals of the middle one and the host work during them.
     python tools/profile_topk_step.py [--gap-us 10] [--after-suite]
 """
 import argparse
-import collections
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from trace_steps import host_during, host_ms_per_step, ops_of  # noqa: E402  (tools/, the script's own folder)
+
 from kldiv_inline import bench_distill, harness  # noqa: E402
 from kldiv_inline.timing import quantiles, time_cuda  # noqa: E402
 
@@ -44,12 +44,7 @@ timed = harness.bench({"ours": step_of}, [harness.Case("topk", (s, idx, lp, y), 
                       setup=bench_distill._fresh_student, reps=8, warmup=3, measure_memory=True)
 b2b = quantiles(time_cuda(step, [()], reps=15, warmup=3))[0]
 idle = quantiles(time_cuda(step, [()], reps=7, warmup=0, prepare=lambda: (torch.cuda.synchronize(), ())[1]))[0]
-torch.cuda.synchronize()
-t_host = time.perf_counter()
-for _ in range(20):
-    step()
-host_ms = (time.perf_counter() - t_host) / 20 * 1e3
-torch.cuda.synchronize()
+host_ms = host_ms_per_step(step)
 print(f"bench's way {timed['median_ms'].iloc[0]:.3f} ms; back to back on one leaf {b2b:.3f} ms; from an idle GPU "
       f"{idle:.3f} ms; host wall time per step (back to back, no synchronisation) {host_ms:.3f} ms")
 
@@ -89,13 +84,7 @@ gpu_all = sorted((e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "
 host = [e for e in trace if e.get("cat") in ("cuda_runtime", "cuda_driver", "cpu_op")]
 
 
-def ops_of(mark):  # device ops launched inside a step's host range (by correlation id: the host runs ahead)
-    ids = {e["args"].get("correlation") for e in trace if e.get("cat") in ("cuda_runtime", "cuda_driver")
-           and mark["ts"] <= e["ts"] <= mark["ts"] + mark["dur"]}
-    return [e for e in gpu_all if e.get("args", {}).get("correlation") in ids]
-
-
-mid, after = ops_of(marks["b2b_step_1"]), ops_of(marks["b2b_step_2"])
+mid, after = ops_of(trace, gpu_all, marks["b2b_step_1"]), ops_of(trace, gpu_all, marks["b2b_step_2"])
 g0, g1 = mid[0]["ts"], after[0]["ts"]
 print(f"middle of three steps: {(g1 - g0) / 1e3:.3f} ms from its first device op to the next step's, "
       f"{sum(e['dur'] for e in mid) / 1e3:.3f} ms busy in {len(mid)} ops; host range of the step "
@@ -105,11 +94,7 @@ for e in mid:
 last = g0
 for e in [*mid, after[0]]:
     if e["ts"] - last > args.gap_us:
-        during = collections.Counter()
-        for h in host:
-            overlap = min(e["ts"], h["ts"] + h["dur"]) - max(last, h["ts"])
-            if overlap > 0:
-                during[h["name"]] += overlap
+        during = host_during(host, last, e["ts"])
         print(f"  idle {(e['ts'] - last):8.1f} us before {e['name'][:40]!r}: "
               + ", ".join(f"{n[:40]} {us:.0f}" for n, us in during.most_common(8)))
     last = max(last, e["ts"] + e["dur"])

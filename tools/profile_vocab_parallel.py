@@ -12,7 +12,6 @@ no kernel running on rank 0's GPU, and the host's share of it.
 import argparse
 import collections
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,6 +19,8 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from trace_steps import busy, host_ms_per_step  # noqa: E402  (tools/, the script's own folder)
+
 import kldiv_inline as K  # noqa: E402
 from kldiv_inline.timing import quantiles, time_cuda  # noqa: E402
 
@@ -60,12 +61,7 @@ def report(name, step, everyone):
         step()
     torch.cuda.synchronize()
     ms = quantiles(time_cuda(step, [()], reps=15, warmup=3))
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        step()
-    host = (time.perf_counter() - t0) / 20 * 1e3
-    torch.cuda.synchronize()
+    host = host_ms_per_step(step)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             step()
@@ -77,17 +73,10 @@ def report(name, step, everyone):
     spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
     for e in kernels:
         per_name[e.name] += (e.time_range.end - e.time_range.start) / 1e3 / args.steps
-    busy, end = 0.0, None
-    for a, b in spans:  # the union of the kernels' intervals
-        if end is None or a > end:
-            busy += b - a
-            end = b
-        elif b > end:
-            busy += b - end
-            end = b
+    gpu_busy = busy(spans)  # the union of the kernels' intervals
     span = (spans[-1][1] - spans[0][0]) if spans else 0.0
     print(f"\n== {name}: {ms[0]:.3f} ms a step (q20 {ms[1]:.3f}, q80 {ms[2]:.3f}), host wall {host:.3f} ms a step; "
-          f"trace of {args.steps} steps: GPU busy {busy / 1e3 / args.steps:.3f} ms a step, first kernel to last "
+          f"trace of {args.steps} steps: GPU busy {gpu_busy / 1e3 / args.steps:.3f} ms a step, first kernel to last "
           f"{span / 1e3 / args.steps:.3f} ms a step", flush=True)
     for k, ms_k in sorted(per_name.items(), key=lambda x: -x[1])[:14]:
         print(f"   {ms_k:8.3f} ms  {k[:100]}", flush=True)
