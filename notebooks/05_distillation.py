@@ -11,7 +11,8 @@
 # 3. checks gradients and a top-k teacher;
 # 4. times it against the peers with the kit's harness (`kldiv_inline.bench_distill`, what
 #    `python -m kldiv_inline bench` runs), and reads the committed results of this device;
-# 5. shows the LM head fused in (`fused_linear_generalized_jsd`), where logits never exist whole.
+# 5. shows the LM head fused in (`fused_linear_generalized_jsd`), where logits never exist whole;
+# 6. splits the vocabulary across processes (`group=`): the phases in one process, then two under torchrun.
 #
 # Without a GPU everything runs on the CPU twin at small sizes: the same code path, not a performance claim.
 
@@ -180,3 +181,72 @@ ref = generalized_jsd_reference(h64 @ w64.T, th.double() @ tw.double().T, beta=0
 ref.backward()
 print(f"loss {loss.item():.6f} (float64 {ref.item():.6f}); grad hidden rel err {relative_error(h.grad, h64.grad):.1e}, "
       f"grad weight {relative_error(w.grad, w64.grad):.1e}")
+
+
+# %% [markdown]
+# ## 6. The vocabulary split across processes
+#
+# With `group=` (a `torch.distributed` process group) each rank holds a contiguous slice of every token's
+# logits, as Megatron-LM's column-parallel head leaves them. Only a few floats per token cross the group: each
+# rank finds its slice's normalisers (phase 0), the ranks gather and combine them, each rank sums its slice's
+# terms (phase 1), the ranks gather those sums, and where the gradient needs the row sums, each rank writes its
+# slice's gradient (phase 2). Here the same kernels run in one process over three slices of each row, combined
+# as the ranks combine them, against the one-device call:
+
+# %%
+from kldiv_inline.vocab_parallel import combine_norms  # noqa: E402
+
+torch.manual_seed(3)
+s = torch.randn(6, 1000, device=DEVICE) * 2
+t = torch.randn(6, 1000, device=DEVICE) * 2
+labels = torch.tensor([1, 2, -100, 4, 5, 6], device=DEVICE)
+beta, T = 0.5, 2.0
+mod = K.load(DEVICE, extension="distill")
+common = (labels, -100, beta, T)
+slices = [(s[:, a:b], t[:, a:b]) for a, b in ((0, 400), (400, 750), (750, 1000))]
+norms = combine_norms(torch.stack([mod.distill_phase(0, a, b, *common, None, None, None, False, False)[0]
+                                   for a, b in slices]))
+scale = torch.ones((), dtype=torch.float64, device=DEVICE)  # reduction "sum": the gradient of the rows' sum
+parts = [mod.distill_phase(1, a, b, *common, norms, None, scale, True, False) for a, b in slices]
+sums = sum(p[0] for p in parts)  # each row's (loss, ks, kt), in slice order as the ranks add them
+grad = torch.cat([mod.distill_phase(2, a, b, *common, norms, sums[:, 1:].contiguous(), scale, True, False)[1]
+                  for a, b in slices], dim=1)
+leaf = s.clone().requires_grad_()
+whole = K.generalized_jsd(leaf, t, beta=beta, temperature=T, labels=labels, reduction="sum")
+whole.backward()
+print(f"split over 3 slices: loss {float(sums[:, 0].sum()):.6f}, one device {whole.item():.6f}; "
+      f"gradient rel err {relative_error(grad, leaf.grad):.1e}")
+assert relative_error(sums[:, 0].sum(), whole.detach()) < 1e-5 and relative_error(grad, leaf.grad) < 1e-4
+
+# %% [markdown]
+# Over real processes: `tools/bench_vocab_parallel.py` under `torchrun` checks each provider (the kit on one
+# device, the kit split over the ranks, a Megatron-style PyTorch peer) against float64 and times it; on the CPU
+# at a toy size with gloo (a smoke run, no performance claim), on a machine with two GPUs at the goals' size
+# (`NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2
+# tools/bench_vocab_parallel.py`, several minutes, results in `results/<device>-x2/`).
+
+# %%
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+
+two_gpus = DEVICE == "cuda" and torch.cuda.device_count() >= 2 and FULL
+size = [] if two_gpus else ["--device", "cpu", "--tokens", "24", "--vocab", "301", "--hidden", "8", "--reps", "2",
+                            "--warmup", "1"]
+out = Path(tempfile.mkdtemp()) / "bench.csv"
+env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo", "NCCL_NVLS_ENABLE": "0",
+       "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                       str(ROOT / "tools" / "bench_vocab_parallel.py"), *size, "--out", str(out)],
+                      env=env, capture_output=True, text=True)
+if proc.returncode:
+    raise RuntimeError(f"bench_vocab_parallel failed:\n{proc.stdout[-2500:]}{proc.stderr[-2500:]}")
+print(proc.stdout[-2500:])
+
+# %% [markdown]
+# The committed two-GPU results of this kind of device, with their goals (V1-V2), if there are any:
+
+# %%
+folder_x2 = ROOT / "results" / f"{device_slug(DEVICE)}-x2"
+print((folder_x2 / "goals.md").read_text() if (folder_x2 / "goals.md").exists()
+      else f"no committed two-GPU results for {DEVICE} ({folder_x2.name})")
+
