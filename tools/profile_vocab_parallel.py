@@ -7,7 +7,8 @@
 Rank 0 prints, for the one-device op (rank 0 alone, the whole rows) and the split one: the step timed with CUDA
 events back to back, the host's wall time per step (no synchronisation inside), and from a host + device trace
 of --steps steps back to back: the GPU time of each kernel name (per step; a collective's includes its waiting
-for the other ranks) and the GPU's busy time outside the collectives.
+for the other ranks), the GPU's busy time outside the collectives, and the host's operators and runtime calls by
+their own CPU time.
 """
 import argparse
 import collections
@@ -83,6 +84,14 @@ def report(name, step, everyone):
           "waiting for the other ranks)", flush=True)
     for k, ms_k in sorted(per_name.items(), key=lambda x: -x[1])[:14]:
         print(f"   {ms_k:8.3f} ms  {k[:100]}", flush=True)
+    # Where the host's time goes: the operators and runtime calls by their own (self) CPU time per step, with
+    # how many calls a step makes (the split call's host path is what its step follows).
+    host_ops = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    print(f"   host: {sum(e.count for e in host_ops) / args.steps:.0f} operator and runtime calls a step; by self "
+          "CPU time a step:", flush=True)
+    for e in sorted(host_ops, key=lambda e: -e.self_cpu_time_total)[:16]:
+        print(f"   {e.self_cpu_time_total / 1e3 / args.steps:8.3f} ms  {e.count / args.steps:5.1f} calls  {e.key[:80]}",
+              flush=True)
 
 
 print(torch.cuda.get_device_name(), torch.__version__, f"world {world}, beta {args.beta}", flush=True)
