@@ -228,13 +228,17 @@ template <typename A> DS_HD void mixture_u_series(const Point<A>& e, const RowCo
   us = e.d * horner<jsd_terms<A>()>(&c.us[0], e.d);
   ut = e.d + us;
 }
+// log z = log(1 - beta + beta e^d), for d below kJsdLogSpace.
+template <typename A> DS_HD A mixture_log_z(A d, const RowConst<A>& c) {
+  return d_log_normal(d_fma(c.beta, d_exp2(d * A(kLog2e)), A(1) - c.beta));
+}
 template <typename A> DS_HD void mixture_u_direct(const Point<A>& e, const RowConst<A>& c, A& us, A& ut) {
   if (e.d >= A(kJsdLogSpace)) {
     us = -(e.d + c.log_b);
     ut = -c.log_b;
     return;
   }
-  const A lz = d_log_normal(d_fma(c.beta, d_exp2(e.d * A(kLog2e)), A(1) - c.beta));
+  const A lz = mixture_log_z(e.d, c);
   us = -lz;
   ut = e.d - lz;
 }
@@ -251,7 +255,7 @@ template <typename A> DS_HD void mixture_u(const Point<A>& e, const RowConst<A>&
 // entries' loop, where mixture_u's branches cost a warp both sides whenever its entries straddle |d| = 0.5.
 constexpr double kJsdShortSeries = 1.0 / 16;
 template <typename A> DS_HD A mixture_us_short(const Point<A>& e, const RowConst<A>& c) {
-  const A lz = d_log_normal(d_fma(c.beta, d_exp2(e.d * A(kLog2e)), A(1) - c.beta));
+  const A lz = mixture_log_z(e.d, c);  // (evaluated outside the select: the compiler then selects, not branches)
   const A us = e.d >= A(kJsdLogSpace) ? -(e.d + c.log_b) : -lz;
   return e.d * e.d < A(kJsdShortSeries * kJsdShortSeries) ? e.d * horner<4>(&c.us[0], e.d) : us;
 }
