@@ -30,6 +30,7 @@ ap.add_argument("--beta", type=float, default=0.0)
 ap.add_argument("--steps", type=int, default=5)
 ap.add_argument("--tokens", type=int, default=4096)
 ap.add_argument("--vocab", type=int, default=128256)
+ap.add_argument("--trace", default=None, help="a folder: each rank's chrome trace of the split step goes there")
 args = ap.parse_args()
 
 dist.init_process_group("nccl")
@@ -67,6 +68,9 @@ def report(name, step, everyone):
         for _ in range(args.steps):
             step()
         torch.cuda.synchronize()
+    if args.trace and everyone:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(Path(args.trace) / f"split_rank{rank}.json"))
     if rank != 0:
         return
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -94,7 +98,20 @@ def report(name, step, everyone):
               flush=True)
 
 
+def bare_gathers():
+    """The host's wall time of one bare all-gather of [tokens, 4] float32 (what the split step does twice)."""
+    x = torch.randn(n, 4, device="cuda")
+    out = x.new_empty(world * n, 4)
+    return lambda: dist.all_gather_into_tensor(out, x)
+
+
 print(torch.cuda.get_device_name(), torch.__version__, f"world {world}, beta {args.beta}", flush=True)
+gather = bare_gathers()
+for _ in range(5):
+    gather()
+gather_host = host_ms_per_step(gather, steps=50)
+if rank == 0:
+    print(f"one bare all-gather of [{n}, 4] float32: host wall {gather_host:.3f} ms", flush=True)
 report("one device (rank 0, whole rows)", stepper(s, t, None), everyone=False)
 dist.barrier()
 report(f"split over {world}", stepper(*parts, dist.group.WORLD), everyone=True)
