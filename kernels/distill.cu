@@ -18,6 +18,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -562,6 +563,28 @@ __global__ void __launch_bounds__(
   }
 }
 
+// distill_combine's kernels, one thread per row (distill_common.h's combine_norm / combine_terms): parts
+// [world, n, 4] -> the rows' normalisers [n, 4]; parts [world, n, 3] -> the rows' losses [n] and (ks, kt) [n, 2].
+template <typename A>
+__global__ void __launch_bounds__(256) combine_norms_kernel(const A* __restrict__ parts, int64_t n, int64_t world,
+                                            A* __restrict__ out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const Norm<A> s = combine_norm(parts + 4 * i, 4 * n, world), t = combine_norm(parts + 4 * i + 2, 4 * n, world);
+  out[4 * i] = s.mx;
+  out[4 * i + 1] = s.lz;
+  out[4 * i + 2] = t.mx;
+  out[4 * i + 3] = t.lz;
+}
+
+template <typename A>
+__global__ void __launch_bounds__(256) combine_terms_kernel(const A* __restrict__ parts, int64_t n, int64_t world,
+                                            A* __restrict__ rows_loss, A* __restrict__ ksums) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  combine_terms(parts + 3 * i, 3 * n, world, rows_loss[i], ksums[2 * i], ksums[2 * i + 1]);
+}
+
 // grad[row] *= grad_out (one value or one per row); a block whose factor is 1 returns at once.
 template <typename T>
 __global__ void __launch_bounds__(
@@ -1005,6 +1028,62 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {out, gs, gt};
+}
+
+std::vector<at::Tensor> distill_combine(const at::Tensor& parts, int64_t reduction,
+                                        const c10::optional<at::Tensor>& scale) {
+  check_device(parts);
+  const int64_t width = check_combine(parts, reduction, scale);
+  const int64_t world = parts.size(0), n = parts.size(1);
+  TORCH_CHECK(n < (int64_t(1) << 39), "distill: too many rows for one launch");  // blocks of 256 below 2^31
+  const unsigned blocks = static_cast<unsigned>((n + 255) / 256);
+  const c10::cuda::CUDAGuard guard(parts.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  std::vector<at::Tensor> result;
+  AT_DISPATCH_FLOATING_TYPES(parts.scalar_type(), "distill_combine", [&] {
+    using A = scalar_t;
+    if (width == 4) {
+      at::Tensor norms = at::empty({n, 4}, parts.options());
+      if (n > 0) {
+        combine_norms_kernel<A><<<blocks, 256, 0, stream>>>(parts.data_ptr<A>(), n, world, norms.data_ptr<A>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+      result = {norms};
+      return;
+    }
+    at::Tensor rows_loss = at::empty({n}, parts.options()), ksums = at::empty({n, 2}, parts.options());
+    if (n > 0) {
+      combine_terms_kernel<A>
+          <<<blocks, 256, 0, stream>>>(parts.data_ptr<A>(), n, world, rows_loss.data_ptr<A>(), ksums.data_ptr<A>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    if (reduction == RED_NONE) {
+      result = {ksums, rows_loss};
+      return;
+    }
+    at::Tensor loss = at::empty({}, parts.options());
+    total_kernel<A>
+        <<<1, 1024, 0, stream>>>(rows_loss.data_ptr<A>(), n, scale->data_ptr<double>(), 1.0, loss.data_ptr<A>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    result = {ksums, loss};
+  });
+  return result;
+}
+
+at::Tensor distill_reduction_scale(const at::Tensor& rows, const c10::optional<at::Tensor>& labels,
+                                   int64_t ignore_index, int64_t reduction) {
+  check_device(rows);
+  check_scale_labels(rows, labels, reduction);
+  const int64_t n = rows.size(0);
+  const auto dopts = rows.options().dtype(at::kDouble);
+  if (reduction != RED_BATCHMEAN) return at::full({}, 1.0, dopts);
+  if (!labels.has_value() || n == 0) return at::full({}, n > 0 ? 1.0 / static_cast<double>(n) : 0.0, dopts);
+  const c10::cuda::CUDAGuard guard(rows.device());
+  at::Tensor inv = at::empty({}, dopts);
+  inv_count_kernel<<<1, 1024, 0, c10::cuda::getCurrentCUDAStream()>>>(labels->data_ptr<int64_t>(), n, ignore_index,
+                                                                      inv.data_ptr<double>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return inv;
 }
 
 std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Tensor& lp, int64_t vocab,

@@ -39,6 +39,21 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
                                       bool want_student, bool want_teacher,
                                       const c10::optional<at::Tensor>& grad_student_out);
 
+// The phases' per-row statistics gathered from every rank of a vocabulary split, parts [world, n, width] of the
+// accumulation dtype (rank r's at index r), combined in rank order (the same bits on every rank):
+//   width 4 (phase 0's normalisers): returns {[n, 4] the rows' normalisers over the whole vocabulary}
+//   width 3 (phase 1's terms): returns {[n, 2] the rows' (ks, kt) for phase 2, the loss: the rows' losses [n] for
+//            reduction none, else 0-d, their sum (in float64) times scale}
+// scale: a 0-d float64 tensor on parts' device (distill_reduction_scale's), for width 3 unless reduction is none.
+std::vector<at::Tensor> distill_combine(const at::Tensor& parts, int64_t reduction,
+                                        const c10::optional<at::Tensor>& scale);
+
+// A reduction's divisor's reciprocal as a 0-d float64 tensor on the device of rows [n, ...]: for batchmean 1 /
+// the rows whose label is not ignore_index (all n without labels; 0 when none is), else 1. Counted on the device:
+// nothing waits for it.
+at::Tensor distill_reduction_scale(const at::Tensor& rows, const c10::optional<at::Tensor>& labels,
+                                   int64_t ignore_index, int64_t reduction);
+
 // Whether distill_forward can write d loss / d student logits over the student logits themselves
 // (grad_student_out aliasing the student) for rows of `vocab` entries of `element_size` bytes (with a teacher's
 // rows beside them, or a top-k teacher): on CUDA only when a cluster holds the rows on chip; always on the CPU.
@@ -70,6 +85,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("student"), py::arg("teacher"), py::arg("labels"), py::arg("ignore_index"), py::arg("beta"),
         py::arg("temperature"), py::arg("norms"), py::arg("ksums"), py::arg("scale"), py::arg("want_student"),
         py::arg("want_teacher"), py::arg("grad_student_out") = py::none());
+  m.def("distill_combine", &distill_combine, "the ranks' gathered per-row statistics combined in rank order",
+        py::arg("parts"), py::arg("reduction"), py::arg("scale") = py::none());
+  m.def("distill_reduction_scale", &distill_reduction_scale, "a reduction's divisor's reciprocal, on the device",
+        py::arg("rows"), py::arg("labels"), py::arg("ignore_index"), py::arg("reduction"));
   m.def("distill_in_place_ok", &distill_in_place_ok, "whether d logits may be written over the logits",
         py::arg("vocab"), py::arg("element_size"), py::arg("topk"));
   m.def("distill_topk_prepare", &distill_topk_prepare, "a top-k teacher normalised, with its checks' flags",

@@ -369,6 +369,42 @@ template <bool CLOSE, typename A> DS_HD Point<A> make_point(A xs, A xt, A k2, co
   return e;
 }
 
+// A vocabulary split across ranks: each rank's statistics of its slice of every row, gathered as parts
+// [world, n, width] (rank r's at index r), are combined by every rank alike, in rank order, so all ranks get the
+// same bits (distill_combine; a reduction kernel could pair the ranks otherwise).
+
+// One distribution's normaliser over the whole row from its slices' (part[r * stride], part[r * stride + 1]) =
+// (mx_r, lz_r), r < world: the largest max, and log2 sum_r 2^(lz_r + mx_r - max), in float64. A row without mass
+// anywhere (every max -inf, a masked row) keeps (-inf, -inf); a NaN anywhere makes both NaN.
+template <typename A> DS_HD Norm<A> combine_norm(const A* part, int64_t stride, int64_t world) {
+  double top = ninf<double>();
+  bool nan = false;
+  for (int64_t r = 0; r < world; ++r) {
+    const double m = static_cast<double>(part[r * stride]);
+    nan = nan || m != m;
+    top = m > top ? m : top;
+  }
+  if (nan) top = std::numeric_limits<double>::quiet_NaN();
+  const double shift = top == ninf<double>() ? 0.0 : top;  // -inf - -inf would be NaN
+  double total = 0.0;
+  for (int64_t r = 0; r < world; ++r)
+    total += d_exp2((static_cast<double>(part[r * stride + 1]) + static_cast<double>(part[r * stride])) - shift);
+  return Norm<A>{static_cast<A>(top), static_cast<A>(d_log2(total))};
+}
+
+// A row's (loss, ks, kt) from its slices' partial sums (part[r * stride + 0..2], r < world), added in rank order in
+// the accumulation type.
+template <typename A> DS_HD void combine_terms(const A* part, int64_t stride, int64_t world, A& loss, A& ks, A& kt) {
+  loss = part[0];
+  ks = part[1];
+  kt = part[2];
+  for (int64_t r = 1; r < world; ++r) {
+    loss = loss + part[r * stride];
+    ks = ks + part[r * stride + 1];
+    kt = kt + part[r * stride + 2];
+  }
+}
+
 // A bucket of a top-k row from probabilities and their logs (the teacher's log-probabilities are given).
 template <typename A> DS_HD Point<A> bucket_point(A ps, A ls, A pt, A lt) {
   Point<A> e;

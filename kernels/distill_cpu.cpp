@@ -8,6 +8,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
@@ -363,6 +364,62 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
     });
   });
   return {out, gs, gt};
+}
+
+std::vector<at::Tensor> distill_combine(const at::Tensor& parts, int64_t reduction,
+                                        const c10::optional<at::Tensor>& scale) {
+  check_device(parts);
+  const int64_t width = check_combine(parts, reduction, scale);
+  const int64_t world = parts.size(0), n = parts.size(1);
+  std::vector<at::Tensor> result;
+  AT_DISPATCH_FLOATING_TYPES(parts.scalar_type(), "distill_combine", [&] {
+    using A = scalar_t;
+    const A* p = parts.data_ptr<A>();
+    if (width == 4) {
+      at::Tensor norms = at::empty({n, 4}, parts.options());
+      A* o = norms.data_ptr<A>();
+      for (int64_t i = 0; i < n; ++i) {
+        const Norm<A> s = combine_norm(p + 4 * i, 4 * n, world), t = combine_norm(p + 4 * i + 2, 4 * n, world);
+        o[4 * i] = s.mx;
+        o[4 * i + 1] = s.lz;
+        o[4 * i + 2] = t.mx;
+        o[4 * i + 3] = t.lz;
+      }
+      result = {norms};
+      return;
+    }
+    at::Tensor rows_loss = at::empty({n}, parts.options()), ksums = at::empty({n, 2}, parts.options());
+    A* l = rows_loss.data_ptr<A>();
+    A* k = ksums.data_ptr<A>();
+    double total = 0.0;  // in row order, in double, as distill_forward's
+    for (int64_t i = 0; i < n; ++i) {
+      combine_terms(p + 3 * i, 3 * n, world, l[i], k[2 * i], k[2 * i + 1]);
+      total += static_cast<double>(l[i]);
+    }
+    if (reduction == RED_NONE) {
+      result = {ksums, rows_loss};
+      return;
+    }
+    at::Tensor loss = at::empty({}, parts.options());
+    *loss.data_ptr<A>() = static_cast<A>(total * scale->item<double>());
+    result = {ksums, loss};
+  });
+  return result;
+}
+
+at::Tensor distill_reduction_scale(const at::Tensor& rows, const c10::optional<at::Tensor>& labels,
+                                   int64_t ignore_index, int64_t reduction) {
+  check_device(rows);
+  check_scale_labels(rows, labels, reduction);
+  const int64_t n = rows.size(0);
+  int64_t count = n;
+  if (labels.has_value()) {
+    const int64_t* lab = labels->data_ptr<int64_t>();
+    count = 0;
+    for (int64_t i = 0; i < n; ++i) count += lab[i] != ignore_index;
+  }
+  const double inv = reduction != RED_BATCHMEAN ? 1.0 : count > 0 ? 1.0 / static_cast<double>(count) : 0.0;
+  return at::full({}, inv, rows.options().dtype(at::kDouble));
 }
 
 std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Tensor& lp, int64_t vocab,

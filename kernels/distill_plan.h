@@ -80,6 +80,32 @@ inline void check_row_stats(const at::Tensor& x, const Rows& r, int64_t width, c
               "device");
 }
 
+// distill_combine's operands: parts [world >= 1, n, 4 (normalisers) or 3 (terms)], contiguous, float32 or
+// float64; with terms and a reduction other than none, a 0-d float64 scale on parts' device. Returns the width.
+inline int64_t check_combine(const at::Tensor& parts, int64_t reduction, const c10::optional<at::Tensor>& scale) {
+  TORCH_CHECK(parts.dim() == 3 && parts.size(0) >= 1 && (parts.size(2) == 4 || parts.size(2) == 3) &&
+                  parts.is_contiguous() && (parts.scalar_type() == at::kFloat || parts.scalar_type() == at::kDouble),
+              "distill: the gathered statistics must be contiguous [ranks, rows, 4 or 3], float32 or float64, got ",
+              parts.sizes(), " ", parts.scalar_type());
+  TORCH_CHECK(reduction >= RED_NONE && reduction <= RED_BATCHMEAN, "distill: unknown reduction code ", reduction);
+  const int64_t width = parts.size(2);
+  if (width == 3 && reduction != RED_NONE)
+    TORCH_CHECK(scale.has_value() && scale->numel() == 1 && scale->scalar_type() == at::kDouble &&
+                    scale->device() == parts.device(),
+                "distill: the loss's scale must be one float64 value on the statistics' device");
+  return width;
+}
+
+// distill_reduction_scale's labels: none, or contiguous int64 [n] on the rows' device.
+inline void check_scale_labels(const at::Tensor& rows, const c10::optional<at::Tensor>& labels, int64_t reduction) {
+  TORCH_CHECK(rows.dim() >= 1, "distill: the rows must have a leading dimension");
+  TORCH_CHECK(reduction >= RED_NONE && reduction <= RED_BATCHMEAN, "distill: unknown reduction code ", reduction);
+  TORCH_CHECK(
+      !labels.has_value() || (labels->dim() == 1 && labels->size(0) == rows.size(0) && labels->is_contiguous() &&
+                              labels->scalar_type() == at::kLong && labels->device() == rows.device()),
+      "distill: labels must be contiguous int64 [rows] on the rows' device");
+}
+
 // A scale computed on the device (a reduction's divisor): one float64 value on the logits' device; its address.
 inline const double* device_scale(const c10::optional<at::Tensor>& scale, const Rows& r) {
   TORCH_CHECK(scale.has_value() && scale->numel() == 1 && scale->scalar_type() == at::kDouble &&

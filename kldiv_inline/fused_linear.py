@@ -169,9 +169,9 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
         # ranks, and a retry after a refusal would desynchronise the collectives.
         g_buf = torch.empty_like(s_buf)
     ones = torch.ones((), dtype=torch.float64, device=hidden.device) if group is not None else None
+    sum_code = _REDUCTION_CODE["sum"]
     if group is not None and topk_idx is not None:
         offset, whole = vocab_slice(vocab, hidden.device, group)  # where this rank's rows sit among all ranks'
-        sum_code = _REDUCTION_CODE["sum"]
     for r0 in range(0, n, chunk_size):
         r1, h, logits, teacher, idx, lp = first if r0 == 0 else products(r0)
         lab = labels[r0:r1] if labels is not None else None
@@ -182,11 +182,10 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
             if not want:
                 continue
         elif group is not None:
-            rows_loss, dlogits, _ = divergence_rows(logits, teacher, lab, ignore_index, beta, temperature, group,
-                                                    ones if k_scale is None else k_scale, want, False,
-                                                    g_buf[: r1 - r0] if want else None)
-            rows_sum = rows_loss.sum(dtype=torch.float64)
-            total += (rows_sum if k_scale is None else rows_sum * k_scale).to(acc_t)
+            part, dlogits, _ = divergence_rows(logits, teacher, lab, ignore_index, beta, temperature, group,
+                                               ones if k_scale is None else k_scale, sum_code, want, False,
+                                               g_buf[: r1 - r0] if want else None)
+            total += part.to(acc_t)  # the rows' sum times k_scale
             if not want:
                 continue
         else:

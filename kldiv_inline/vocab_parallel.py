@@ -6,10 +6,10 @@ width), student and teacher sliced alike; labels are global. Every rank returns 
 one, and gets the gradients of its own slice. Per call, only a few floats per token cross the group:
 
     phase 0 (kernel): each rank's normalisers of its slice, (max, log2 sum 2^(x - max)) of student and teacher
-    all_gather [n, 4] -> the rows' global normalisers, combined in rank order (combine_norms)
+    all_gather [n, 4] -> the rows' global normalisers, combined in rank order (the module's distill_combine)
     phase 1 (kernel): each rank's partial (loss, ks, kt) of its slice, and the gradients that need no row sum
                       (the student's for forward KL, the teacher's for reverse KL)
-    all_gather [n, 3] -> the rows' losses and K sums, summed in rank order
+    all_gather [n, 3] -> the rows' losses and K sums, summed in rank order (distill_combine), and the loss
     phase 2 (kernel, only where needed): the remaining gradients, which need the rows' K sums
 
 All-gathers rather than all-reduces: every rank then adds the same numbers in the same order, so the loss and
@@ -34,8 +34,8 @@ from torch import Tensor
 
 from . import distill
 
-__all__ = ["generalized_jsd_vocab_parallel", "divergence_rows", "topk_rows", "vocab_slice", "combine_norms",
-           "group_name", "resolve_group"]
+__all__ = ["generalized_jsd_vocab_parallel", "divergence_rows", "topk_rows", "vocab_slice", "group_name",
+           "resolve_group"]
 
 
 _LOG2E, _LN2 = 1 / math.log(2), math.log(2)
@@ -60,31 +60,6 @@ def _sum_in_rank_order(parts: Tensor) -> Tensor:
     return total
 
 
-def combine_norms(parts: Tensor) -> Tensor:
-    """The rows' normalisers over the whole vocabulary from each slice's, ``parts`` [world, n, 4] of
-    (max, log2 sum 2^(x - max)) of student then teacher (base 2, distill_common.h's Norm): the largest max, and
-    log2 sum_r 2^(lz_r + mx_r - max). Computed in float64, added in rank order, returned in ``parts``' dtype.
-    A row without mass anywhere (masked: every slice's max is -inf) keeps (-inf, -inf); NaN propagates."""
-    p = parts.double()
-    mx, lz = p[..., 0::2], p[..., 1::2]  # [world, n, 2]: student, teacher
-    top = mx.amax(dim=0)
-    shift = torch.where(top == float("-inf"), torch.zeros_like(top), top)  # -inf - -inf would be NaN
-    total = _sum_in_rank_order(torch.exp2(lz + mx - shift))
-    out = torch.stack([top[:, 0], torch.log2(total[:, 0]), top[:, 1], torch.log2(total[:, 1])], dim=1)
-    return out.to(parts.dtype)
-
-
-def _grad_scale(labels: Tensor | None, ignore_index: int, n: int, reduction: int, device) -> Tensor:
-    """The reduction's divisor's reciprocal as a 0-d float64 tensor on the device: 1 / unmasked tokens for
-    batchmean (0 when none is), else 1. Counted on the device: no host synchronisation."""
-    if reduction != distill._REDUCTION_CODE["batchmean"]:
-        return torch.ones((), dtype=torch.float64, device=device)
-    if labels is None:
-        return torch.full((), 1.0 / n if n else 0.0, dtype=torch.float64, device=device)
-    count = (labels != ignore_index).sum().double()
-    return torch.where(count > 0, count.reciprocal(), torch.zeros_like(count))
-
-
 def _needs_phase2(beta: float, want_s: bool, want_t: bool) -> bool:
     """Whether some wanted gradient needs the rows' K sums (the student's unless forward KL, the teacher's unless
     reverse KL)."""
@@ -92,24 +67,26 @@ def _needs_phase2(beta: float, want_s: bool, want_t: bool) -> bool:
 
 
 def divergence_rows(student: Tensor, teacher: Tensor, labels: Tensor | None, ignore_index: int, beta: float,
-                    temperature: float, group, scale: Tensor, want_s: bool, want_t: bool,
+                    temperature: float, group, scale: Tensor, reduction: int, want_s: bool, want_t: bool,
                     grad_student_out: Tensor | None = None):
-    """The phases and their collectives over rows [n, v_local]: (each row's global loss [n], the student's and the
-    teacher's gradients of this slice or None), the gradients of the rows' sum times ``scale`` (0-d float64 on
-    the device), the student's written into ``grad_student_out`` when given."""
+    """The phases and their collectives over rows [n, v_local]: (the loss: the rows' [n] for reduction none, else
+    their sum times ``scale``; the student's and the teacher's gradients of this slice or None), the gradients
+    of the rows' sum times ``scale`` (0-d float64 on the device), the student's written into
+    ``grad_student_out`` when given. Every statistic is combined by the module (distill_combine), so a step makes
+    few calls from Python: the split step is short enough for the host's time per call to show."""
     mod = distill._module(student.device)
     common = (labels, ignore_index, beta, temperature)
     local_norms = mod.distill_phase(0, student, teacher, *common, None, None, None, False, False)[0]
-    norms = combine_norms(_all_gather(local_norms, group))
+    norms = mod.distill_combine(_all_gather(local_norms, group), 0)[0]
     terms, gs, gt = mod.distill_phase(1, student, teacher, *common, norms, None, scale, want_s, want_t,
                                       grad_student_out)
-    sums = _sum_in_rank_order(_all_gather(terms, group))  # [n, 3]: the rows' loss, ks, kt
+    ksums, loss = mod.distill_combine(_all_gather(terms, group), reduction, scale)
     if _needs_phase2(beta, want_s, want_t):
-        _, gs2, gt2 = mod.distill_phase(2, student, teacher, *common, norms, sums[:, 1:].contiguous(), scale,
-                                        want_s, want_t, grad_student_out)
+        _, gs2, gt2 = mod.distill_phase(2, student, teacher, *common, norms, ksums, scale, want_s, want_t,
+                                        grad_student_out)
         gs = gs if gs is not None else gs2
         gt = gt if gt is not None else gt2
-    return sums[:, 0], gs, gt
+    return loss, gs, gt
 
 
 def topk_rows(student: Tensor, idx: Tensor, lp: Tensor, labels: Tensor | None, ignore_index: int, beta: float,
@@ -131,7 +108,7 @@ def topk_rows(student: Tensor, idx: Tensor, lp: Tensor, labels: Tensor | None, i
     common = (labels, ignore_index, beta, temperature)
     # The student's normaliser over the whole row (phase 0 gives the teacher's too: the student stands in).
     local_norms = mod.distill_phase(0, student, student, *common, None, None, None, False, False)[0]
-    norms = combine_norms(_all_gather(local_norms, group))
+    norms = mod.distill_combine(_all_gather(local_norms, group), 0)[0]
     log2_p = (student.to(acc) * (_LOG2E / temperature) - norms[:, :1]) - norms[:, 1:2]  # as the kernels' log2_prob
     p = torch.exp2(log2_p)
     here = (idx >= offset) & (idx < offset + v)
@@ -165,13 +142,9 @@ def _run(student: Tensor, teacher: Tensor | None, idx: Tensor | None, lp: Tensor
         loss, gs = topk_rows(student, idx, lp, labels, ignore_index, beta, temperature, reduction, group, offset,
                              vocab, want_s)
         return loss, gs, None
-    scale = _grad_scale(labels, ignore_index, student.shape[0], reduction, student.device)
-    rows_loss, gs, gt = divergence_rows(student, teacher, labels, ignore_index, beta, temperature, group, scale,
-                                        want_s, want_t)
-    if reduction == distill._REDUCTION_CODE["none"]:
-        return rows_loss, gs, gt
-    # Summed in float64 like the one-device kernels, times the divisor's reciprocal (1 for sum).
-    return (rows_loss.sum(dtype=torch.float64) * scale).to(rows_loss.dtype), gs, gt
+    scale = distill._module(student.device).distill_reduction_scale(student, labels, ignore_index, reduction)
+    return divergence_rows(student, teacher, labels, ignore_index, beta, temperature, group, scale, reduction,
+                           want_s, want_t)
 
 
 class _VocabParallelDivergence(torch.autograd.Function):

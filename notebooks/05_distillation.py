@@ -194,8 +194,6 @@ print(f"loss {loss.item():.6f} (float64 {ref.item():.6f}); grad hidden rel err {
 # as the ranks combine them, against the one-device call:
 
 # %%
-from kldiv_inline.vocab_parallel import combine_norms  # noqa: E402
-
 torch.manual_seed(3)
 s = torch.randn(6, 1000, device=DEVICE) * 2
 t = torch.randn(6, 1000, device=DEVICE) * 2
@@ -204,19 +202,20 @@ beta, T = 0.5, 2.0
 mod = K.load(DEVICE, extension="distill")
 common = (labels, -100, beta, T)
 slices = [(s[:, a:b], t[:, a:b]) for a, b in ((0, 400), (400, 750), (750, 1000))]
-norms = combine_norms(torch.stack([mod.distill_phase(0, a, b, *common, None, None, None, False, False)[0]
-                                   for a, b in slices]))
+# each slice's normalisers, gathered ([ranks, rows, 4]) and combined in slice order as every rank combines them
+norms = mod.distill_combine(torch.stack([mod.distill_phase(0, a, b, *common, None, None, None, False, False)[0]
+                                         for a, b in slices]), 0)[0]
 scale = torch.ones((), dtype=torch.float64, device=DEVICE)  # reduction "sum": the gradient of the rows' sum
 parts = [mod.distill_phase(1, a, b, *common, norms, None, scale, True, False) for a, b in slices]
-sums = sum(p[0] for p in parts)  # each row's (loss, ks, kt), in slice order as the ranks add them
-grad = torch.cat([mod.distill_phase(2, a, b, *common, norms, sums[:, 1:].contiguous(), scale, True, False)[1]
-                  for a, b in slices], dim=1)
+# each slice's (loss, ks, kt) per row, gathered and added in slice order: the rows' K sums and the summed loss
+ksums, loss = mod.distill_combine(torch.stack([p[0] for p in parts]), 1, scale)
+grad = torch.cat([mod.distill_phase(2, a, b, *common, norms, ksums, scale, True, False)[1] for a, b in slices], dim=1)
 leaf = s.clone().requires_grad_()
 whole = K.generalized_jsd(leaf, t, beta=beta, temperature=T, labels=labels, reduction="sum")
 whole.backward()
-print(f"split over 3 slices: loss {float(sums[:, 0].sum()):.6f}, one device {whole.item():.6f}; "
+print(f"split over 3 slices: loss {loss.item():.6f}, one device {whole.item():.6f}; "
       f"gradient rel err {relative_error(grad, leaf.grad):.1e}")
-assert relative_error(sums[:, 0].sum(), whole.detach()) < 1e-5 and relative_error(grad, leaf.grad) < 1e-4
+assert relative_error(loss, whole.detach()) < 1e-5 and relative_error(grad, leaf.grad) < 1e-4
 
 # %% [markdown]
 # Over real processes: `tools/bench_vocab_parallel.py` under `torchrun` checks each provider (the kit on one

@@ -187,10 +187,9 @@ def test_fast_kernel_matches_general_kernel_and_float64(monkeypatch, dtype, beta
 @pytest.mark.parametrize("widths", [(20000, 12008), (4097, 3001, 9)], ids=["aligned", "odd"])
 def test_phases_over_slices_match_float64(device, dtype, beta, widths):
     # The vocabulary-parallel kernels (distill_phase: normalisers, terms, gradients) run in one process on slices
-    # of each row, their statistics combined as the ranks combine them (combine_norms; sums in slice order): the
+    # of each row, their statistics combined as the ranks combine them (distill_combine, in slice order): the
     # loss and the student's gradient are float64's per token, masked rows 0, for training and for inference. On
     # CUDA the aligned slices (clusters of several blocks) take the fast kernel's phases, the odd ones rows_kernel.
-    from kldiv_inline.vocab_parallel import combine_norms
     mod = K.load(device, extension="distill")
     n, temp = 7, 1.7
     s = logits((n, sum(widths)), dtype, device, scale=3.0)
@@ -200,8 +199,8 @@ def test_phases_over_slices_match_float64(device, dtype, beta, widths):
     cuts = torch.tensor((0,) + widths).cumsum(0).tolist()
     parts = [(s[:, a:b], t[:, a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
     poison_allocator(device)
-    norms = combine_norms(torch.stack([mod.distill_phase(0, a, b, *common, None, None, None, False, False)[0]
-                                       for a, b in parts]))
+    norms = mod.distill_combine(torch.stack([mod.distill_phase(0, a, b, *common, None, None, None, False, False)[0]
+                                             for a, b in parts]), 0)[0]
     scale = torch.ones((), dtype=torch.float64, device=device)
     ref, (rs,) = reference(s.requires_grad_(), t, torch.ones(n, dtype=torch.float64, device=device), beta=beta,
                            temperature=temp, labels=lab, reduction="none")
@@ -209,18 +208,15 @@ def test_phases_over_slices_match_float64(device, dtype, beta, widths):
     for training in (True, False):
         poison_allocator(device)
         outs = [mod.distill_phase(1, a, b, *common, norms, None, scale, training, False) for a, b in parts]
-        sums = outs[0][0]
-        for o in outs[1:]:
-            sums = sums + o[0]
+        ksums, rows_loss = mod.distill_combine(torch.stack([o[0] for o in outs]), 0)  # reduction none
         what = "training" if training else "inference"
-        assert_close(sums[:, 0], ref, 2e-6, f"loss ({what})")
-        assert (sums[lab == -100] == 0).all()
+        assert_close(rows_loss, ref, 2e-6, f"loss ({what})")
+        assert (rows_loss[lab == -100] == 0).all() and (ksums[lab == -100] == 0).all()
         if not training:
             continue
         grads = [o[1] for o in outs]
         if beta != 0.0:  # the student's gradient needs the rows' ks: the third phase
-            grads = [mod.distill_phase(2, a, b, *common, norms, sums[:, 1:].contiguous(), scale, True, False)[1]
-                     for a, b in parts]
+            grads = [mod.distill_phase(2, a, b, *common, norms, ksums, scale, True, False)[1] for a, b in parts]
         g = torch.cat(grads, dim=1)
         assert_grad_close(g, rs, dtype, "grad")
         assert (g[lab == -100] == 0).all()

@@ -25,7 +25,6 @@ import torch.multiprocessing as mp
 import kldiv_inline as K
 from kldiv_inline.peers import megatron_style_generalized_jsd
 from kldiv_inline.reference import relative_error
-from kldiv_inline.vocab_parallel import combine_norms
 
 REPO = Path(__file__).resolve().parent.parent
 SPAWN_TIMEOUT_S = 240  # the whole spawn: start-up (torch import, cached kernels), every case, shut-down
@@ -435,24 +434,71 @@ def _gpu_body(rank, world, device, seed):
         _topk_case(rank, device, group, gen, widths=(64128, 64128), k=64, lead=(40,), dtype=torch.bfloat16, beta=beta)
 
 
-def test_combine_norms_is_the_logsumexp_of_the_whole_row():
-    # Slices' (max, log2 sum) pairs combine into the whole row's, -inf slices and masked rows included.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_combine_norms_is_the_logsumexp_of_the_whole_row(device, dtype):
+    # Slices' (max, log2 sum) pairs combine into the whole row's, -inf slices and masked rows included (the
+    # module's distill_combine, which every rank runs on the gathered pairs).
+    mod = K.load(device, extension="distill")
     x = torch.randn(6, 50, dtype=torch.float64) * 3
     x[1, :20] = float("-inf")  # the first slice of row 1 holds no mass
     x[2] = float("-inf")  # a row with no mass at all
+    x[3, 7] = 40.0  # one slice's max far above the others'
     cuts = [(0, 20), (20, 21), (21, 50)]
     parts = []
     for lo, hi in cuts:
         sl = x[:, lo:hi] * math.log2(math.e)
         mx = sl.amax(dim=1)
         lz = torch.log2(torch.exp2(sl - torch.where(mx.isinf(), 0.0, mx)[:, None]).sum(dim=1))
-        parts.append(torch.stack([mx, lz, mx, lz], dim=1))
-    out = combine_norms(torch.stack(parts))
+        parts.append(torch.stack([mx, lz, 2 * mx, lz], dim=1))  # the teacher's max twice the student's
+    parts = torch.stack(parts).to(device=device, dtype=dtype)
+    out = mod.distill_combine(torch.full_like(parts, float("nan")).copy_(parts), 0)[0].double().cpu()
     whole = torch.logsumexp(x, dim=1) * math.log2(math.e)  # base-2 logsumexp
     got = out[:, 0] + torch.where(out[:, 0].isinf(), 0.0, out[:, 1])
-    torch.testing.assert_close(got, whole, rtol=1e-14, atol=0)
+    tol = 1e-14 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(got, whole, rtol=tol, atol=0)
+    top_t = (2 * (x * math.log2(math.e)).amax(dim=1)).to(dtype).double()  # the largest of the slices' maxima
+    assert torch.equal(out[:, 2], top_t)
     assert out[2].tolist() == [float("-inf")] * 4
-    assert torch.isnan(combine_norms(torch.stack([p.clone().fill_(float("nan")) for p in parts]))).all()
+    nan_one = parts.clone()
+    nan_one[1, 4, 0] = float("nan")  # one rank's student max is NaN in row 4: that row's student is NaN
+    got_nan = mod.distill_combine(nan_one, 0)[0].cpu()
+    assert torch.isnan(got_nan[4, :2]).all() and not torch.isnan(got_nan[4, 2:]).any()
+    assert not torch.isnan(got_nan[torch.arange(6) != 4]).any()
+
+
+def test_combine_terms_adds_the_slices_in_rank_order(device):
+    # Phase 1's (loss, ks, kt) per row from each rank: added in rank order (float32), the rows' (ks, kt) for phase
+    # 2, and the loss per reduction (none: per row; else the float64 sum times the scale).
+    mod = K.load(device, extension="distill")
+    parts = torch.randn(3, 1000, 3, device=device) * torch.tensor([1.0, 1e4, 1e-4], device=device)
+    want = (parts[0] + parts[1]) + parts[2]
+    ksums, rows = mod.distill_combine(parts, 0)
+    assert torch.equal(rows, want[:, 0]) and torch.equal(ksums, want[:, 1:])
+    scale = torch.tensor(0.37, dtype=torch.float64, device=device)
+    for code in (1, 2):
+        ksums, loss = mod.distill_combine(parts, code, scale)
+        assert loss.shape == () and loss.dtype == torch.float32 and torch.equal(ksums, want[:, 1:])
+        torch.testing.assert_close(loss.double(), want[:, 0].double().sum() * 0.37, rtol=1e-7, atol=0)
+    with pytest.raises(RuntimeError, match="scale"):
+        mod.distill_combine(parts, 2, None)
+    with pytest.raises(RuntimeError, match=r"\[ranks, rows, 4 or 3\]"):
+        mod.distill_combine(parts[..., :2].contiguous(), 0)
+    with pytest.raises(RuntimeError, match=r"\[ranks, rows, 4 or 3\]"):
+        mod.distill_combine(parts.transpose(0, 1), 0)
+
+
+def test_reduction_scale_counts_on_the_device(device):
+    mod = K.load(device, extension="distill")
+    rows = torch.randn(5, 3, device=device)
+    lab = torch.tensor([1, -100, 3, -100, 7], device=device)
+    cases = [(lab, 2, 1 / 3), (None, 2, 1 / 5), (torch.full_like(lab, -100), 2, 0.0), (lab, 1, 1.0), (lab, 0, 1.0)]
+    for labels, code, want in cases:
+        got = mod.distill_reduction_scale(rows, labels, -100, code)
+        assert got.shape == () and got.dtype == torch.float64 and got.device == rows.device
+        assert got.item() == want, (labels, code)
+    assert mod.distill_reduction_scale(rows[:0], lab[:0], -100, 2).item() == 0.0
+    with pytest.raises(RuntimeError, match="labels"):
+        mod.distill_reduction_scale(rows, lab[:4], -100, 2)
 
 
 def test_benchmark_runs_under_torchrun(tmp_path):
