@@ -855,8 +855,8 @@ void launch_fast_phase(const Launch& plan, int mode, int phase, bool grad, int64
       else launch_rows(uncapped, l, n, &p, stream);
     };
     if (phase == PHASE_NORMS) {  // (the normalisers do not depend on the mode)
-      launch(fast_rows_kernel_16<T, FORWARD_KL, false, PHASE_NORMS>,
-             fast_rows_kernel<T, FORWARD_KL, false, PHASE_NORMS>);
+      TORCH_CHECK(n < (int64_t(1) << 31), "distill: too many rows for one launch");
+      phase_norms_kernel<T><<<static_cast<unsigned>(n), kNormThreads, 0, stream>>>(p);
     } else {
       dispatch_mode(mode, [&](auto mode_c) {
         constexpr int MODE = decltype(mode_c)::value;

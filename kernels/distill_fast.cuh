@@ -123,8 +123,8 @@ __device__ __forceinline__ void combine_cluster_pairs(const cg::cluster_group& c
 }
 
 // PHASE: -1, the whole row on one device; else one phase of a vocabulary split across devices (distill_phase;
-// the caller combines the rows' statistics between them), each a part of the same code:
-//   PHASE_NORMS: the copy and the normalisers (pass 1), written to p.out [n, 4];
+// the caller combines the rows' statistics between them), each a part of the same code (the normalisers,
+// PHASE_NORMS, are phase_norms_kernel's, below):
 //   PHASE_TERMS: the copy and the terms (pass 2) under the normalisers given (p.norms_in), each warp's (loss, ks,
 //                kt) to p.out as float4 partials [n, ranks x warps] (fast_phase_terms_total_kernel adds them), and
 //                forward KL's gradient (GRAD); no cluster barrier;
@@ -135,8 +135,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   __trap();
 #else
   constexpr int N = Vec<T>::N;
-  constexpr bool ALL = PHASE == -1, NORMS = PHASE == PHASE_NORMS, TERMS = PHASE == PHASE_TERMS;
-  constexpr bool STATS = ALL || NORMS;  // this launch finds the normalisers itself
+  constexpr bool ALL = PHASE == -1, TERMS = PHASE == PHASE_TERMS;
+  static_assert(PHASE != PHASE_NORMS, "a split's normalisers are phase_norms_kernel's");
   // One device: the gradient needs the row sum ks first (reverse KL, JSD); a phase: ks and kt for the caller.
   constexpr bool KS = ALL ? GRAD && student_needs_k<MODE>() : TERMS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -157,7 +157,6 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
     if (ALL && threadIdx.x < kFastWarps) partial[threadIdx.x] = 0.f;
     if (TERMS && threadIdx.x < kFastWarps)
       reinterpret_cast<float4*>(p.out)[(sl.row * ranks + sl.rank) * kFastWarps + threadIdx.x] = float4{};
-    if (NORMS && sl.rank == 0 && threadIdx.x < 4) p.out[4 * sl.row + threadIdx.x] = ninf<float>();
     return;
   }
 
@@ -168,7 +167,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   const int chunks = count / N;
   const unsigned bs = static_cast<unsigned>(__cvta_generic_to_shared(xs));
   const unsigned bt = static_cast<unsigned>(__cvta_generic_to_shared(xt));
-  const bool staged = STATS && p.staged;  // (a later phase takes no maximum from the landing chunks)
+  const bool staged = ALL && p.staged;  // (a later phase takes no maximum from the landing chunks)
   issue_copy(chunks, staged, [&](int c) {
     cp_async16(bs + c * 16u, gsrc + c * N);
     cp_async16(bt + c * 16u, gtsrc + c * N);
@@ -181,7 +180,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
 
   // ---- 1. normalisers: the warp's max, the warp's sums relative to it, then one cluster barrier
   Norm<float> norm[2];
-  if constexpr (!STATS) {
+  if constexpr (!ALL) {
     const float* nr = p.norms_in + 4 * sl.row;
     norm[0] = Norm<float>{nr[0], nr[1]};
     norm[1] = Norm<float>{nr[2], nr[3]};
@@ -230,12 +229,6 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
     __syncthreads();
     norm[0] = Norm<float>{bcast[0], bcast[1]};
     norm[1] = Norm<float>{bcast[2], bcast[3]};
-    if constexpr (NORMS) {
-      if (sl.rank == 0 && threadIdx.x < 4) p.out[4 * sl.row + threadIdx.x] = bcast[threadIdx.x];
-      cluster_arrive();  // no block leaves while another may still read its slots
-      cluster_wait();
-      return;
-    }
   }
   if (ALL && !KS) cluster_arrive();  // this block reads no other's shared memory any more; wait before leaving
   const float scale = static_cast<float>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(p.inv_t));
@@ -359,4 +352,89 @@ __global__ void __launch_bounds__(
 #pragma unroll
   for (int j = 0; j < 3; ++j) v[j] = warp_sum(v[j]);
   if (lane < 3) out[3 * row + lane] = v[lane];
+}
+
+// Phase 0 of a split vocabulary (PHASE_NORMS) where the fast kernel runs (aligned 16-bit or float32 rows): each
+// row's two normalisers (max of x k2, log2 of the sum of 2^(x k2 - max)) straight from device memory, one block
+// per row, each thread a running (max, sum) over its 16-byte chunks, kNormUnroll of each tensor loaded before
+// any is used. fast_rows' normalisers copy the slices into shared memory and meet at a cluster barrier between
+// the maximum and the sums; a phase that keeps nothing needs neither (kernels/NOTES.md, version 13).
+constexpr int kNormThreads = 256, kNormUnroll = 4;
+
+// A thread's running normaliser after `valid` more chunks: mr is the largest raw logit so far, l the sum of
+// 2^(x k2 - mr k2) (rescaled when mr grows; a pair with no mass, l = 0, stays 0).
+template <typename T, int U>
+__device__ __forceinline__ void running_norm(const Vec<T> (&v)[U], int valid, float k2, float& mr, float& l) {
+  float g = ninf<float>();
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (u < valid) g = fmaxf(g, chunk_max(v[u]));
+  if (g > mr) {
+    l = l == 0.f ? 0.f : l * d_exp2((mr - g) * k2);
+    mr = g;
+  }
+  const float o = mr == ninf<float>() ? 0.f : mr * k2;
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (u < valid)
+#pragma unroll
+      for (int q = 0; q < Vec<T>::N; ++q) l += d_exp2(static_cast<float>(v[u].v[q]) * k2 - o);
+}
+
+template <typename T> __global__ void __launch_bounds__(kNormThreads) phase_norms_kernel(const Params<T, float> p) {
+  constexpr int N = Vec<T>::N, U = kNormUnroll;
+  __shared__ float4 slots[kNormThreads / 32];
+  const int64_t row = blockIdx.x;
+  if (p.labels && p.labels[row] == p.ignore_index) {  // masked: no mass, as the other kernels write it
+    if (threadIdx.x < 4) p.out[4 * row + threadIdx.x] = ninf<float>();
+    return;
+  }
+  const T* s = p.s + row * p.s_stride;
+  const T* t = p.t + row * p.t_stride;
+  const float k2 = p.k2;
+  const int chunks = static_cast<int>(p.v / N);
+  float ms = ninf<float>(), ls = 0.f, mt = ninf<float>(), lt = 0.f;
+  for (int c0 = threadIdx.x; c0 < chunks; c0 += kNormThreads * U) {
+    Vec<T> vs[U], vt[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * kNormThreads;
+      if (c < chunks) {
+        vs[u] = load_chunk(s + static_cast<int64_t>(c) * N, true);
+        vt[u] = load_chunk(t + static_cast<int64_t>(c) * N, true);
+      }
+    }
+    const int valid = min(U, (chunks - c0 + kNormThreads - 1) / kNormThreads);
+    running_norm(vs, valid, k2, ms, ls);
+    running_norm(vt, valid, k2, mt, lt);
+  }
+  if (threadIdx.x == 0 && p.v % N != 0) {  // the row's last entries, short of a chunk: padded with -inf
+    Vec<T> vs[1], vt[1];
+#pragma unroll
+    for (int q = 0; q < N; ++q) {
+      const int64_t j = static_cast<int64_t>(chunks) * N + q;
+      vs[0].v[q] = j < p.v ? s[j] : static_cast<T>(ninf<float>());
+      vt[0].v[q] = j < p.v ? t[j] : static_cast<T>(ninf<float>());
+    }
+    running_norm(vs, 1, k2, ms, ls);
+    running_norm(vt, 1, k2, mt, lt);
+  }
+  // (max x k2, sum) pairs combined over the warp, then the block's warps in a fixed order (deterministic).
+  ms *= k2;  // k2 > 0: the max of the scaled logits
+  mt *= k2;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    combine_pair(ms, ls, __shfl_xor_sync(0xffffffffu, ms, o), __shfl_xor_sync(0xffffffffu, ls, o));
+    combine_pair(mt, lt, __shfl_xor_sync(0xffffffffu, mt, o), __shfl_xor_sync(0xffffffffu, lt, o));
+  }
+  if ((threadIdx.x & 31) == 0) slots[threadIdx.x >> 5] = make_float4(ms, ls, mt, lt);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float4 a = slots[0];
+    for (int w = 1; w < kNormThreads / 32; ++w) {
+      combine_pair(a.x, a.y, slots[w].x, slots[w].y);
+      combine_pair(a.z, a.w, slots[w].z, slots[w].w);
+    }
+    reinterpret_cast<float4*>(p.out)[row] = make_float4(a.x, d_log2(a.y), a.z, d_log2(a.w));
+  }
 }
