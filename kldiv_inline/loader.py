@@ -20,7 +20,10 @@ This module adds, around it:
   or ``functions=[...]`` without ``<torch/extension.h>``;
 * an OS file lock, taken only to build (released by the kernel if a builder dies), so concurrent builders
   don't collide and a killed build never blocks the next one;
-* one line on stderr when a build starts and ends (the ``kldiv_inline`` logger), silent on cache hits.
+* one line on stderr when a build starts and ends (the ``kldiv_inline`` logger), silent on cache hits;
+* a compiler named by ``CC`` / ``CXX`` that links no shared libstdc++ is left out of the build, with a warning,
+  where the default compiler links one (``_compiler_env``): its extensions crashed the process whenever they
+  raised an error with a formatted message.
 """
 from __future__ import annotations
 
@@ -194,6 +197,72 @@ def _nvcc_version(cuda_home: str) -> tuple[int, int]:
     if not m:
         raise ToolchainError(f"could not read the CUDA version from `{cuda_home}/bin/nvcc --version`:\n{out}")
     return int(m.group(1)), int(m.group(2))
+
+
+def _finds_shared_libstdcxx(compiler: str) -> bool:
+    """Whether a compiler driver (a command line, as CC / CXX hold one) finds a shared libstdc++ to link
+    against: its ``-print-file-name=libstdc++.so`` names a file that exists (a driver that finds none prints
+    the bare name back). True when it cannot be told (the command fails or does not know the flag)."""
+    try:
+        out = subprocess.run([*shlex.split(compiler), "-print-file-name=libstdc++.so"], capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return True
+    path = out.stdout.strip()
+    return out.returncode != 0 or (os.path.isabs(path) and os.path.exists(path))
+
+
+# What each variable falls back to when it is left out: torch builds and links with `c++` without CXX, and nvcc
+# picks its own host compiler (gcc on the PATH) without CC (torch passes CC to nvcc as -ccbin).
+_COMPILER_DEFAULTS = {"CXX": "c++", "CC": "gcc"}
+
+
+@functools.cache
+def _compilers_left_out(cc: str | None, cxx: str | None, keep: bool = False) -> tuple[str, ...]:
+    """The variables among CC / CXX (their values given) to leave out of builds: those naming a compiler that
+    finds no shared libstdc++ where the default one does. Such a driver (the lent GPU machines' CC/CXX, wrappers
+    around a relocated GCC 13 with -B folders that hold no libstdc++.so) built extensions that crashed the process
+    with a segmentation fault whenever they raised an error with a formatted message (TORCH_CHECK(cond, "...",
+    value)); plain messages raised, and the same sources built by the system's g++ 13 raised every error.
+    ``keep`` (KLDIV_INLINE_KEEP_COMPILER=1) keeps them."""
+    if keep:
+        return ()
+    dropped = []
+    for var, value in (("CC", cc), ("CXX", cxx)):
+        if value and not _finds_shared_libstdcxx(value) and _finds_shared_libstdcxx(_COMPILER_DEFAULTS[var]):
+            dropped.append(var)
+            _log.warning("%s=%s finds no shared libstdc++ to link against (its -print-file-name=libstdc++.so "
+                         "names no file); building with the default compiler instead (%s), whose extensions "
+                         "link the libstdc++ this process runs. KLDIV_INLINE_KEEP_COMPILER=1 keeps it.",
+                         var, value, _COMPILER_DEFAULTS[var])
+    return tuple(dropped)
+
+
+def _compiler_env() -> dict[str, str | None]:
+    """CC and CXX as builds use them: the environment's, less those _compilers_left_out drops (None: unset)."""
+    env = {var: os.environ.get(var) for var in ("CC", "CXX")}
+    for var in _compilers_left_out(env["CC"], env["CXX"], os.environ.get("KLDIV_INLINE_KEEP_COMPILER") == "1"):
+        env[var] = None
+    return env
+
+
+@contextlib.contextmanager
+def _build_environment(env: dict[str, str | None]):
+    """os.environ with these variables set (None: removed) for the duration of a build, then as it was."""
+    saved = {var: os.environ.get(var) for var in env}
+    try:
+        for var, value in env.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+        yield
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
 
 
 def _check_toolchain(with_cuda: bool) -> str | None:
@@ -556,7 +625,8 @@ def load_sources(
     for p in sorted(texts):
         key.update(str(p).encode() + b"\0" + texts[p].encode("utf-8", "surrogateescape") + b"\0")
     fn_key = sorted(functions.items()) if isinstance(functions, Mapping) else functions
-    for part in (repr(list(fn_key) if fn_key is not None else None),
+    compilers = _compiler_env()
+    for part in (repr(list(fn_key) if fn_key is not None else None), repr(sorted(compilers.items())),
                  repr(cflags), repr(cuda_cflags), repr(list(extra_ldflags)), repr(include_flags),
                  torch.__version__, str(torch.version.cuda), sys.version, repr(archs), _CACHE_LAYOUT,
                  _cpu_fingerprint() if any("native" in f for f in cflags) else ""):
@@ -576,9 +646,10 @@ def load_sources(
         with _build_lock(ext_name):
             module = _import_cached(ext_name, build_dir)  # another process may have built it while we waited
             if module is None:
-                module = _build(ext_name, build_dir, cpp_srcs, cuda_srcs, texts, functions,
-                                cflags + include_flags, cuda_cflags + include_flags, list(extra_ldflags),
-                                with_cuda, verbose, _expected_build_s(base, with_cuda, texts))
+                with _build_environment(compilers):
+                    module = _build(ext_name, build_dir, cpp_srcs, cuda_srcs, texts, functions,
+                                    cflags + include_flags, cuda_cflags + include_flags, list(extra_ldflags),
+                                    with_cuda, verbose, _expected_build_s(base, with_cuda, texts))
     _MODULES[ext_name] = module
     return module
 

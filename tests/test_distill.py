@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -810,3 +811,14 @@ def test_cpu_kernel_under_vmap_raises_instead_of_aborting():
             "    print('raised', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "raised" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_module_errors_reach_python_in_a_process_of_their_own():
+    # tools/check_module_errors.py: the distill module's formatted and plain errors each raise a RuntimeError in a
+    # child process (the CUDA module's too where a GPU is visible). Extensions built by a compiler that links no
+    # shared libstdc++ died on the formatted ones (the loader now leaves such a compiler out).
+    tool = Path(__file__).resolve().parent.parent / "tools" / "check_module_errors.py"
+    proc = subprocess.run([sys.executable, str(tool)], capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert len(lines) >= 2 and all(": raised: distill" in ln for ln in lines), lines

@@ -248,6 +248,45 @@ def test_compile_error_in_header_names_the_header(tmp_path, cache):
     _assert_maps_to(info.value, f"{tmp_path / 'bad.h'}:3:")
 
 
+# A compiler driver that finds no shared libstdc++ (prints the bare name for -print-file-name, as the lent GPU
+# machines' CC/CXX wrappers did) and fails every real compile or link, so a build that uses it fails.
+_NO_LIBSTDCXX_DRIVER = """#!/bin/sh
+case "$1" in -print-file-name=*) echo "${1#-print-file-name=}"; exit 0;; esac
+echo "this compiler should have been left out" >&2
+exit 1
+"""
+
+
+def test_a_compiler_that_finds_no_shared_libstdcxx_is_left_out(tmp_path, cache, monkeypatch, caplog):
+    # Its extensions crashed the process when they raised a formatted error: the default compiler builds instead,
+    # with a warning, the environment is as it was afterwards, and KLDIV_INLINE_KEEP_COMPILER=1 keeps it.
+    driver = tmp_path / "bad-g++"
+    driver.write_text(_NO_LIBSTDCXX_DRIVER)
+    driver.chmod(0o755)
+    assert not loader._finds_shared_libstdcxx(str(driver))
+    assert loader._finds_shared_libstdcxx("c++")  # the default here finds its library
+    monkeypatch.setenv("CXX", str(driver))
+    src = tmp_path / "m.cpp"
+    src.write_text(capi_module("41 + 1"))
+    with caplog.at_level("WARNING", logger="kldiv_inline"):
+        assert kldiv_inline.load_sources([src]).value() == 42
+    assert os.environ["CXX"] == str(driver)
+    assert any("finds no shared libstdc++" in r.getMessage() and str(driver) in r.getMessage()
+               for r in caplog.records)
+    monkeypatch.setenv("KLDIV_INLINE_KEEP_COMPILER", "1")
+    src.write_text(capi_module("41 + 2"))
+    with pytest.raises(kldiv_inline.KernelBuildError):
+        kldiv_inline.load_sources([src])
+
+
+def test_build_environment_restores_the_variables(monkeypatch):
+    monkeypatch.setenv("CC", "cc-before")
+    monkeypatch.delenv("CXX", raising=False)
+    with loader._build_environment({"CC": None, "CXX": "c++-during"}):
+        assert "CC" not in os.environ and os.environ["CXX"] == "c++-during"
+    assert os.environ["CC"] == "cc-before" and "CXX" not in os.environ
+
+
 # ------------------------------------------------------------------- 3. rebuild after a failed build
 def test_rebuild_after_failed_build_in_same_process(tmp_path, cache):
     src = tmp_path / "flaky.cpp"
