@@ -183,48 +183,76 @@ def test_fast_kernel_matches_general_kernel_and_float64(monkeypatch, dtype, beta
             assert_close(K.generalized_jsd(s, t, **kw), ref, 2e-6, f"inference loss {what}")
 
 
+def split_phases(s, t, lab, beta, temp, widths, training):
+    """The vocabulary-parallel kernels (distill_phase: normalisers, terms, gradients) in one process over slices
+    of each row (``widths``), their statistics combined as the ranks combine them (distill_combine, in slice
+    order): (the rows' losses, the rows' (ks, kt), the student's gradient of the rows' sum or None)."""
+    mod = K.load(s.device.type, extension="distill")
+    common = (lab, -100, beta, temp)
+    cuts = torch.tensor((0,) + tuple(widths)).cumsum(0).tolist()
+    parts = [(s[:, a:b], t[:, a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+    poison_allocator(s.device.type)
+    norms = mod.distill_combine(torch.stack([mod.distill_phase(0, a, b, *common, None, None, None, False, False)[0]
+                                             for a, b in parts]), 0)[0]
+    scale = torch.ones((), dtype=torch.float64, device=s.device)
+    outs = [mod.distill_phase(1, a, b, *common, norms, None, scale, training, False) for a, b in parts]
+    ksums, rows_loss = mod.distill_combine(torch.stack([o[0] for o in outs]), 0)  # reduction none
+    if not training:
+        return rows_loss, ksums, None
+    grads = [o[1] for o in outs]
+    if beta != 0.0:  # the student's gradient needs the rows' ks: the third phase
+        grads = [mod.distill_phase(2, a, b, *common, norms, ksums, scale, True, False)[1] for a, b in parts]
+    return rows_loss, ksums, torch.cat(grads, dim=1)
+
+
+def padded_rows(n, width, dtype, device):
+    """Random logits [n, width] whose rows start 16 bytes apart (a padded allocation, viewed narrower)."""
+    return logits((n, -(-width // 8) * 8), dtype, device, scale=3.0)[:, :width]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=_id)
 @pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("widths", [(20000, 12008), (4097, 3001, 9)], ids=["aligned", "odd"])
 def test_phases_over_slices_match_float64(device, dtype, beta, widths):
-    # The vocabulary-parallel kernels (distill_phase: normalisers, terms, gradients) run in one process on slices
-    # of each row, their statistics combined as the ranks combine them (distill_combine, in slice order): the
-    # loss and the student's gradient are float64's per token, masked rows 0, for training and for inference. On
-    # CUDA the aligned slices (clusters of several blocks) take the fast kernel's phases, the others rows_kernel;
-    # the rows are padded to 16 bytes, so the odd case's first slice (4097 wide) takes the fast kernels with a
-    # row that ends short of a chunk.
-    mod = K.load(device, extension="distill")
+    # split_phases' loss and student gradient are float64's per token, masked rows 0, for training and for
+    # inference. On CUDA the aligned slices (clusters of several blocks) take the fast kernel's phases, the others
+    # rows_kernel; the rows are padded to 16 bytes, so the odd case's first slice (4097 wide) takes the fast
+    # kernels with a row that ends short of a chunk.
     n, temp = 7, 1.7
-    width = sum(widths)
-    padded = -(-width // 8) * 8
-    s = logits((n, padded), dtype, device, scale=3.0)[:, :width]
-    t = logits((n, padded), dtype, device, scale=3.0)[:, :width]
+    s, t = padded_rows(n, sum(widths), dtype, device), padded_rows(n, sum(widths), dtype, device)
     lab = labels_for((n,), device)
-    common = (lab, -100, beta, temp)
-    cuts = torch.tensor((0,) + widths).cumsum(0).tolist()
-    parts = [(s[:, a:b], t[:, a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
-    poison_allocator(device)
-    norms = mod.distill_combine(torch.stack([mod.distill_phase(0, a, b, *common, None, None, None, False, False)[0]
-                                             for a, b in parts]), 0)[0]
-    scale = torch.ones((), dtype=torch.float64, device=device)
     ref, (rs,) = reference(s.requires_grad_(), t, torch.ones(n, dtype=torch.float64, device=device), beta=beta,
                            temperature=temp, labels=lab, reduction="none")
     s = s.detach()
     for training in (True, False):
-        poison_allocator(device)
-        outs = [mod.distill_phase(1, a, b, *common, norms, None, scale, training, False) for a, b in parts]
-        ksums, rows_loss = mod.distill_combine(torch.stack([o[0] for o in outs]), 0)  # reduction none
+        rows_loss, ksums, g = split_phases(s, t, lab, beta, temp, widths, training)
         what = "training" if training else "inference"
         assert_close(rows_loss, ref, 2e-6, f"loss ({what})")
         assert (rows_loss[lab == -100] == 0).all() and (ksums[lab == -100] == 0).all()
-        if not training:
-            continue
-        grads = [o[1] for o in outs]
-        if beta != 0.0:  # the student's gradient needs the rows' ks: the third phase
-            grads = [mod.distill_phase(2, a, b, *common, norms, ksums, scale, True, False)[1] for a, b in parts]
-        g = torch.cat(grads, dim=1)
-        assert_grad_close(g, rs, dtype, "grad")
-        assert (g[lab == -100] == 0).all()
+        if training:
+            assert_grad_close(g, rs, dtype, "grad")
+            assert (g[lab == -100] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_id)
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_phases_with_a_padded_vocabulary(device, dtype, beta):
+    # A padded vocabulary split across ranks: the last slice is -inf in both (a rank holding only padding: its
+    # normalisers have no mass) and so is the end of the one before. The loss and gradient are those of the
+    # unpadded rows, the padding's gradient 0.
+    n, temp, widths, real = 5, 2.0, (20000, 4000, 800), 23900
+    s, t = padded_rows(n, sum(widths), dtype, device), padded_rows(n, sum(widths), dtype, device)
+    s[:, real:] = float("-inf")
+    t[:, real:] = float("-inf")
+    lab = labels_for((n,), device)
+    ref, (rs,) = reference(s[:, :real].clone().requires_grad_(), t[:, :real],
+                           torch.ones(n, dtype=torch.float64, device=device), beta=beta, temperature=temp,
+                           labels=lab, reduction="none")
+    rows_loss, _, g = split_phases(s, t, lab, beta, temp, widths, True)
+    assert torch.isfinite(rows_loss).all() and torch.isfinite(g).all()
+    assert_close(rows_loss, ref, 2e-6, "loss")
+    assert_grad_close(g[:, :real], rs, dtype, "grad")
+    assert (g[:, real:] == 0).all()
 
 
 def test_strided_and_3d_inputs(device):
