@@ -790,6 +790,13 @@ bool fast_path_ok(const Rows& r, const Launch& l, const at::Tensor& gs, bool wan
   return rows_aligned(r.s) && (r.topk() || rows_aligned(r.t)) && (!gs.defined() || rows_aligned(gs));
 }
 
+// KLDIV_DISTILL_STREAM=1 (a research knob): a split vocabulary's terms and gradient phases by
+// phase_stream_kernel instead of fast_rows (distill_fast.cuh says how they differ).
+bool stream_phases() {
+  const char* env = std::getenv("KLDIV_DISTILL_STREAM");
+  return env && std::atoi(env) == 1;
+}
+
 // KLDIV_DISTILL_STAGED=0 (a research knob): the fast kernels' copy in one group, waited for whole (as before the
 // staged copy).
 bool staged_copy() {
@@ -832,9 +839,10 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
   }
 }
 
-// One phase of a vocabulary split across devices by fast_rows_kernel (distill_fast.cuh): the launches whose only
-// gradient is the student's (GRAD: forward KL's in the terms phase, the others' in the gradient phase). A terms
-// phase's warps' (loss, ks, kt) are added per row into `out` [n, 3] by fast_phase_terms_total_kernel.
+// One phase of a vocabulary split across devices (distill_fast.cuh): the normalisers by phase_norms_kernel; the
+// launches whose only gradient is the student's (GRAD: forward KL's in the terms phase, the others' in the
+// gradient phase) by fast_rows_kernel, a terms phase's warps' (loss, ks, kt) added per row into `out` [n, 3] by
+// fast_phase_terms_total_kernel, or with KLDIV_DISTILL_STREAM=1 by phase_stream_kernel.
 template <typename T, typename A>
 void launch_fast_phase(const Launch& plan, int mode, int phase, bool grad, int64_t n, Params<T, A> p, at::Tensor& out,
                        cudaStream_t stream) {
@@ -844,6 +852,25 @@ void launch_fast_phase(const Launch& plan, int mode, int phase, bool grad, int64
     Launch l = plan;
     l.threads = kFastThreads;
     p.staged = staged_copy();
+    TORCH_CHECK(n < (int64_t(1) << 31), "distill: too many rows for one launch");
+    if (phase != PHASE_NORMS && stream_phases()) {  // the research knob: no shared memory, no cluster
+      const unsigned blocks = static_cast<unsigned>(n);
+      dispatch_mode(mode, [&](auto mode_c) {
+        constexpr int MODE = decltype(mode_c)::value;
+        if (phase == PHASE_TERMS) {
+          if constexpr (MODE == FORWARD_KL) {
+            if (grad) phase_stream_kernel<T, MODE, true, PHASE_TERMS><<<blocks, kStreamThreads, 0, stream>>>(p);
+            else phase_stream_kernel<T, MODE, false, PHASE_TERMS><<<blocks, kStreamThreads, 0, stream>>>(p);
+          } else {
+            phase_stream_kernel<T, MODE, false, PHASE_TERMS><<<blocks, kStreamThreads, 0, stream>>>(p);
+          }
+        } else if constexpr (MODE != FORWARD_KL) {
+          phase_stream_kernel<T, MODE, true, PHASE_GRAD><<<blocks, kStreamThreads, 0, stream>>>(p);
+        }
+      });
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;  // (p.out is out itself: the terms phase writes each row's sums)
+    }
     const int per_row = l.cluster * kFastWarps;
     at::Tensor partial;
     if (phase == PHASE_TERMS) {
@@ -855,7 +882,6 @@ void launch_fast_phase(const Launch& plan, int mode, int phase, bool grad, int64
       else launch_rows(uncapped, l, n, &p, stream);
     };
     if (phase == PHASE_NORMS) {  // (the normalisers do not depend on the mode)
-      TORCH_CHECK(n < (int64_t(1) << 31), "distill: too many rows for one launch");
       phase_norms_kernel<T><<<static_cast<unsigned>(n), kNormThreads, 0, stream>>>(p);
     } else {
       dispatch_mode(mode, [&](auto mode_c) {

@@ -438,3 +438,99 @@ template <typename T> __global__ void __launch_bounds__(kNormThreads) phase_norm
     reinterpret_cast<float4*>(p.out)[row] = make_float4(a.x, d_log2(a.y), a.z, d_log2(a.w));
   }
 }
+
+// Phases 1 and 2 of a split vocabulary streamed (KLDIV_DISTILL_STREAM=1, a research knob until it is measured
+// against fast_rows' phases; kernels/NOTES.md, after version 13): with the rows' normalisers given, no entry needs
+// another, so each row's slice goes straight from device memory through registers, one block per row, with no
+// shared-memory copy and no cluster (fast_rows' phases copy the slice into shared memory first, which bounds the
+// blocks an SM holds). The same point functions as every other kernel (make_point, point_terms, student_grad).
+//   PHASE_TERMS: the row's (loss, ks, kt) into p.out [n, 3] (its warps' sums added in a fixed order), and forward
+//                KL's gradient (GRAD);
+//   PHASE_GRAD:  the student's gradient that needs ks (p.k_in).
+// A thread writes only entries it has read, so the gradient may be written over the student's logits.
+constexpr int kStreamThreads = 256, kStreamUnroll = 2;
+
+template <typename T, int MODE, bool GRAD, int PHASE>
+__global__ void __launch_bounds__(kStreamThreads, 4) phase_stream_kernel(const Params<T, float> p) {
+  constexpr int N = Vec<T>::N, U = kStreamUnroll;
+  constexpr bool TERMS = PHASE == PHASE_TERMS;
+  static_assert(TERMS || PHASE == PHASE_GRAD, "the normalisers are phase_norms_kernel's");
+  static_assert(kStreamThreads == kFastThreads, "zero_slice strides by kFastThreads");
+  __shared__ float4 slots[kStreamThreads / 32];
+  const int64_t row = blockIdx.x;
+  const int count = static_cast<int>(p.v);
+  T* gs = GRAD ? p.gs + row * p.gs_stride : nullptr;
+  if (p.labels && p.labels[row] == p.ignore_index) {  // masked: zeros
+    if (GRAD) zero_slice(gs, count);
+    if (TERMS && threadIdx.x < 3) p.out[3 * row + threadIdx.x] = 0.f;
+    return;
+  }
+  const T* s = p.s + row * p.s_stride;
+  const T* t = p.t + row * p.t_stride;
+  const float* nr = p.norms_in + 4 * row;
+  const RowNorms<float> rn = row_norms(Norm<float>{nr[0], nr[1]}, Norm<float>{nr[2], nr[3]});
+  const float k2 = p.k2;
+  const float scale = static_cast<float>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(p.inv_t));
+  const float ks = TERMS ? 0.f : p.k_in[2 * row];
+  const int chunks = count / Vec<T>::N;
+  Terms<float> acc{0.f, 0.f, 0.f};
+  auto pass = [&](auto close_c) {
+    constexpr bool CLOSE = decltype(close_c)::value;
+    // An entry's gradient before the scale (0 where this launch writes none), its terms added to acc.
+    auto entry = [&](float xs, float xt) {
+      const Point<float> e = make_point<CLOSE>(xs, xt, k2, rn);
+      if constexpr (TERMS) {
+        point_terms<MODE, true, true>(e, p.c, acc);
+        if constexpr (GRAD) return student_grad<MODE>(e, p.c, 0.f);
+        else return 0.f;
+      } else {
+        return student_grad<MODE, sizeof(T) == 2>(e, p.c, ks);
+      }
+    };
+    for (int c0 = threadIdx.x; c0 < chunks; c0 += kStreamThreads * U) {
+      Vec<T> vs[U], vt[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + u * kStreamThreads;
+        if (c < chunks) {
+          vs[u] = load_chunk(s + static_cast<int64_t>(c) * N, true);
+          vt[u] = load_chunk(t + static_cast<int64_t>(c) * N, true);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + u * kStreamThreads;
+        if (c >= chunks) break;
+        Vec<T> g;
+#pragma unroll
+        for (int q = 0; q < N; ++q) {
+          const float d = entry(static_cast<float>(vs[u].v[q]), static_cast<float>(vt[u].v[q]));
+          if (GRAD) g.v[q] = static_cast<T>(d * scale);
+        }
+        if (GRAD) store_chunk(gs + static_cast<int64_t>(c) * N, g, true);
+      }
+    }
+    for (int j = chunks * N + static_cast<int>(threadIdx.x); j < count; j += kStreamThreads) {  // short of a chunk
+      const float d = entry(static_cast<float>(s[j]), static_cast<float>(t[j]));
+      if (GRAD) gs[j] = static_cast<T>(d * scale);
+    }
+  };
+  if (rn.close) pass(std::true_type{});
+  else pass(std::false_type{});
+  if constexpr (TERMS) {  // the row's sums: each warp's, then the warps' in order
+    const float l = warp_sum(acc.loss), a = warp_sum(acc.ks), b = warp_sum(acc.kt);
+    if ((threadIdx.x & 31) == 0) slots[threadIdx.x >> 5] = make_float4(l, a, b, 0.f);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float4 r = slots[0];
+      for (int w = 1; w < kStreamThreads / 32; ++w) {
+        r.x += slots[w].x;
+        r.y += slots[w].y;
+        r.z += slots[w].z;
+      }
+      p.out[3 * row] = r.x;
+      p.out[3 * row + 1] = r.y;
+      p.out[3 * row + 2] = r.z;
+    }
+  }
+}
