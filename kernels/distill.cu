@@ -1114,7 +1114,7 @@ at::Tensor distill_reduction_scale(const at::Tensor& rows, const c10::optional<a
 
 std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Tensor& lp, int64_t vocab,
                                              const c10::optional<at::Tensor>& labels, int64_t ignore_index,
-                                             double slack_log, bool check_dup) {
+                                             double slack_log) {
   check_device(idx);
   check_topk_prepare(idx, lp, labels, vocab);
   const c10::cuda::CUDAGuard guard(idx.device());
@@ -1127,11 +1127,11 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
   AT_DISPATCH_FLOATING_TYPES(lp.scalar_type(), "distill_topk_prepare", [&] {
     topk_prepare_kernel<scalar_t><<<static_cast<unsigned>(n), kPrepThreads, 0, stream>>>(
         idx.data_ptr<int64_t>(), lp.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), k, vocab,
-        labels.has_value() ? labels->data_ptr<int64_t>() : nullptr, ignore_index, slack_log,
-        check_dup && k <= kDupCheckMax, flags.data_ptr<int>());
+        labels.has_value() ? labels->data_ptr<int64_t>() : nullptr, ignore_index, slack_log, k <= kDupCheckMax,
+        flags.data_ptr<int>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  if (check_dup && k > kDupCheckMax) {  // rows too long to compare every pair in shared memory: sorted
+  if (k > kDupCheckMax) {  // rows too long to compare every pair in shared memory: sorted
     const at::Tensor srt = std::get<0>(idx.sort(1));
     flags.narrow(0, FLAG_DUP, 1).copy_(srt.narrow(1, 1, k - 1).eq(srt.narrow(1, 0, k - 1)).any().reshape({1}));
   }

@@ -65,11 +65,11 @@ bool distill_in_place_ok(int64_t vocab, int64_t element_size, bool topk);
 // the same pass: idx int64 [n, k], lp float32/float64 [n, k] (contiguous), labels int64 [n] or None (masked rows
 // are exempt from the mass check). Returns {lp normalised (each row's mass above 1 divided out; with k = vocab
 // the whole distribution normalised), int32 [3] flags: an index outside [0, vocab), a repeated index within a
-// row (checked where check_dup), an unmasked row whose mass is more than
-// 1 (k < vocab) or away from 1 (k = vocab) by more than slack_log (a log1p)}. Nothing waits for the device.
+// row (any k: rows longer than the CUDA kernel compares pairwise are sorted), an unmasked row whose mass is more
+// than 1 (k < vocab) or away from 1 (k = vocab) by more than slack_log (a log1p)}. Nothing waits for the device.
 std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Tensor& lp, int64_t vocab,
                                              const c10::optional<at::Tensor>& labels, int64_t ignore_index,
-                                             double slack_log, bool check_dup);
+                                             double slack_log);
 
 // grad [n, v] *= grad_out (one value, or one per row), skipped (on the device) for rows whose factor is 1.
 void distill_scale_grad_(at::Tensor grad, const at::Tensor& grad_out);
@@ -93,7 +93,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("vocab"), py::arg("element_size"), py::arg("topk"));
   m.def("distill_topk_prepare", &distill_topk_prepare, "a top-k teacher normalised, with its checks' flags",
         py::arg("idx"), py::arg("lp"), py::arg("vocab"), py::arg("labels"), py::arg("ignore_index"),
-        py::arg("slack_log"), py::arg("check_dup"));
+        py::arg("slack_log"));
   m.def("distill_scale_grad_", &distill_scale_grad_, "grad *= grad_out per row, skipping factors of 1", py::arg("grad"),
         py::arg("grad_out"));
 }

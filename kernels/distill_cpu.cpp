@@ -424,7 +424,7 @@ at::Tensor distill_reduction_scale(const at::Tensor& rows, const c10::optional<a
 
 std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Tensor& lp, int64_t vocab,
                                              const c10::optional<at::Tensor>& labels, int64_t ignore_index,
-                                             double slack_log, bool check_dup) {
+                                             double slack_log) {
   check_device(idx);
   check_topk_prepare(idx, lp, labels, vocab);
   const int64_t n = idx.size(0), k = idx.size(1);
@@ -459,11 +459,9 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
       }
       const A shift = topk_shift(lse, whole);
       for (int64_t j = 0; j < k; ++j) o[i * k + j] = li[j] - shift;
-      if (check_dup) {
-        std::copy(xi, xi + k, sorted.begin());
-        std::sort(sorted.begin(), sorted.end());
-        if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) f[FLAG_DUP] = 1;
-      }
+      std::copy(xi, xi + k, sorted.begin());  // repeated indices
+      std::sort(sorted.begin(), sorted.end());
+      if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) f[FLAG_DUP] = 1;
       if (!(lab && lab[i] == ignore_index) && topk_bad_mass(lse, whole, slack_log)) f[FLAG_MASS] = 1;
     }
   });

@@ -220,7 +220,7 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, 
     # error, not a wrong number); the flags are read back by check().
     lp_given = lp2.contiguous()
     lp2, flags = _module(idx2.device).distill_topk_prepare(idx2, lp_given, vocab, labels, ignore_index,
-                                                           math.log1p(TOPK_MASS_SLACK), True)
+                                                           math.log1p(TOPK_MASS_SLACK))
     check = _topk_check(flags, lp_given, vocab, labels, ignore_index)
     if not defer:
         check()

@@ -520,37 +520,34 @@ def test_topk_prepare_kernel_matches_the_traced_normalisation(device, dtype):
     lp[5] += 0.5 - lp[5].logsumexp(0)  # ... unless the row is masked
     lp[6, 2] = math.inf
     labels = torch.tensor([0, 1, 2, 3, -100, -100, -100, 7], device=device)
-    out, flags = mod.distill_topk_prepare(idx, lp, vocab, labels, -100, slack, True)
+    out, flags = mod.distill_topk_prepare(idx, lp, vocab, labels, -100, slack)
     torch.testing.assert_close(out, K.distill.traced_topk_normalisation(lp, False), equal_nan=True, rtol=1e-6,
                                atol=1e-6)
     assert flags.tolist() == [0, 0, 0]  # row 4's excess is masked too
     labels[4] = 4
-    out, flags = mod.distill_topk_prepare(idx, lp, vocab, labels, -100, slack, True)
+    out, flags = mod.distill_topk_prepare(idx, lp, vocab, labels, -100, slack)
     assert flags.tolist() == [0, 0, 1]
     bad = idx.clone()
     bad[0, 1] = vocab
     bad[7, 3] = bad[7, 5]
-    out, flags = mod.distill_topk_prepare(bad, lp, vocab, None, -100, slack, True)
+    out, flags = mod.distill_topk_prepare(bad, lp, vocab, None, -100, slack)
     assert flags.tolist() == [1, 1, 1]  # (unmasked, rows 4 and 5 have too much mass)
-    flags = mod.distill_topk_prepare(bad, lp, vocab, None, -100, slack, False)[1]
-    assert flags.tolist() == [1, 0, 1]  # repeats left to the caller
     # k = V: the whole distribution normalised, and its mass checked both ways
     idx_all, lp_all = topk_teacher((3,), 9, 9, device)
     lp_all = lp_all.to(dtype)
     lp_all[1] -= 0.01
     lp_all[2] -= 0.5
-    out, flags = mod.distill_topk_prepare(idx_all, lp_all, 9, None, -100, slack, True)
+    out, flags = mod.distill_topk_prepare(idx_all, lp_all, 9, None, -100, slack)
     torch.testing.assert_close(out, K.distill.traced_topk_normalisation(lp_all, True), rtol=1e-6, atol=1e-6)
     assert flags.tolist() == [0, 0, 1]
     with pytest.raises(RuntimeError, match="1 <= k <= vocabulary"):
-        mod.distill_topk_prepare(idx, lp, 3, None, -100, slack, True)
+        mod.distill_topk_prepare(idx, lp, 3, None, -100, slack)
     # Rows longer than the CUDA kernel compares pair by pair in shared memory (k > 256): sorted instead.
     idx_long, lp_long = topk_teacher((3,), 309, 300, device)
     lp_long = lp_long.to(dtype)
-    assert mod.distill_topk_prepare(idx_long, lp_long, 309, None, -100, slack, True)[1].tolist() == [0, 0, 0]
+    assert mod.distill_topk_prepare(idx_long, lp_long, 309, None, -100, slack)[1].tolist() == [0, 0, 0]
     idx_long[2, 299] = idx_long[2, 7]
-    assert mod.distill_topk_prepare(idx_long, lp_long, 309, None, -100, slack, True)[1].tolist() == [0, 1, 0]
-    assert mod.distill_topk_prepare(idx_long, lp_long, 309, None, -100, slack, False)[1].tolist() == [0, 0, 0]
+    assert mod.distill_topk_prepare(idx_long, lp_long, 309, None, -100, slack)[1].tolist() == [0, 1, 0]
 
 
 @pytest.mark.parametrize("vocab", [12, 20000])  # float32 x 20000: a cluster of blocks on CUDA, a slice each
