@@ -8,10 +8,13 @@
 #   tools/gpu_session.sh results   # PYTHON=python3 make results: check, bench, plot into results/
 #   tools/gpu_session.sh notebooks # execute every notebook at full size, executed copies to $OUT (or /tmp)
 #   tools/gpu_session.sh sweep     # the fused LM head at 1k-16k tokens -> ${RESULTS:-results}/linear-sweep/<card>/
+#   tools/gpu_session.sh errors    # the kit's modules raise their errors (each call in a process of its own)
+#   tools/gpu_session.sh split     # two GPUs: the split step profiled with fast_rows' phases and the streamed
+#                                  # ones (KLDIV_DISTILL_STREAM=0 / 1), forward KL and the JSD
 # Two GPUs: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2 \
 #   tools/bench_vocab_parallel.py    # the vocabulary split across GPUs -> results/<card>-x2/
 set -euo pipefail
-mode=${1:?test|results|notebooks|sweep}
+mode=${1:?test|results|notebooks|sweep|errors|split}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -22,6 +25,15 @@ case $mode in
   test) PYTHON=python3 make test PYTEST_ARGS="${PYTEST_ARGS:--q -x}" ;;
   results) PYTHON=python3 make results ;;
   sweep) python3 -m kldiv_inline bench --suites linear --linear-sweep --reps 5 --results "${RESULTS:-results}/linear-sweep" ;;
+  errors) python3 tools/check_module_errors.py ;;
+  split)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    for knob in 0 1; do
+      for beta in 0 0.5; do
+        echo "== KLDIV_DISTILL_STREAM=$knob, beta $beta"
+        KLDIV_DISTILL_STREAM=$knob torchrun --standalone --nproc-per-node 2 tools/profile_vocab_parallel.py --beta "$beta"
+      done
+    done ;;
   notebooks)
     for nb in notebooks/0*.ipynb; do
       python3 - "$nb" <<'PY'
