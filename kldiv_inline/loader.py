@@ -227,15 +227,8 @@ def _compilers_left_out(cc: str | None, cxx: str | None, keep: bool = False) -> 
     ``keep`` (KLDIV_INLINE_KEEP_COMPILER=1) keeps them."""
     if keep:
         return ()
-    dropped = []
-    for var, value in (("CC", cc), ("CXX", cxx)):
-        if value and not _finds_shared_libstdcxx(value) and _finds_shared_libstdcxx(_COMPILER_DEFAULTS[var]):
-            dropped.append(var)
-            _log.warning("%s=%s finds no shared libstdc++ to link against (its -print-file-name=libstdc++.so "
-                         "names no file); building with the default compiler instead (%s), whose extensions "
-                         "link the libstdc++ this process runs. KLDIV_INLINE_KEEP_COMPILER=1 keeps it.",
-                         var, value, _COMPILER_DEFAULTS[var])
-    return tuple(dropped)
+    return tuple(var for var, value in (("CC", cc), ("CXX", cxx))
+                 if value and not _finds_shared_libstdcxx(value) and _finds_shared_libstdcxx(_COMPILER_DEFAULTS[var]))
 
 
 def _compiler_env() -> dict[str, str | None]:
@@ -248,8 +241,15 @@ def _compiler_env() -> dict[str, str | None]:
 
 @contextlib.contextmanager
 def _build_environment(env: dict[str, str | None]):
-    """os.environ with these variables set (None: removed) for the duration of a build, then as it was."""
+    """os.environ with these variables set (None: removed) for the duration of a build, then as it was; a
+    warning for each compiler the build leaves out (_compilers_left_out)."""
     saved = {var: os.environ.get(var) for var in env}
+    for var, value in env.items():
+        if value is None and saved[var]:
+            _log.warning("%s=%s finds no shared libstdc++ to link against (its -print-file-name=libstdc++.so "
+                         "names no file): this build uses the default compiler (%s), whose extensions link the "
+                         "libstdc++ this process runs. KLDIV_INLINE_KEEP_COMPILER=1 keeps it.",
+                         var, saved[var], _COMPILER_DEFAULTS.get(var, "the default"))
     try:
         for var, value in env.items():
             if value is None:
