@@ -72,8 +72,9 @@ def divergence_rows(student: Tensor, teacher: Tensor, labels: Tensor | None, ign
     """The phases and their collectives over rows [n, v_local]: (the loss: the rows' [n] for reduction none, else
     their sum times ``scale``; the student's and the teacher's gradients of this slice or None), the gradients
     of the rows' sum times ``scale`` (0-d float64 on the device), the student's written into
-    ``grad_student_out`` when given. Every statistic is combined by the module (distill_combine), so a step makes
-    few calls from Python: the split step is short enough for the host's time per call to show."""
+    ``grad_student_out`` when given. The module combines the gathered statistics (distill_combine): with the
+    combination in PyTorch operations (~60 small calls a step) the step waited on the host, 1.5 ms of host time
+    against 0.8 ms of kernels on two H200s."""
     mod = distill._module(student.device)
     common = (labels, ignore_index, beta, temperature)
     local_norms = mod.distill_phase(0, student, teacher, *common, None, None, None, False, False)[0]
