@@ -15,6 +15,9 @@
 //     the last remote read, wait just before the block exits, with the whole gradient pass in between.
 // Forward KL and inference need one full cluster barrier per row; reverse KL and the JSD (whose gradients need
 // the row sum ks) two.
+//
+// At the end, the split vocabulary's kernels that keep nothing on chip: phase_norms_kernel (phase 0, the rows'
+// normalisers) and phase_stream_kernel (phases 1 and 2 streamed, behind KLDIV_DISTILL_STREAM=1 until measured).
 
 constexpr int kFastThreads = 256;
 constexpr int kFastWarps = kFastThreads / 32;
