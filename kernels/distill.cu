@@ -569,12 +569,7 @@ template <typename A>
 __global__ void __launch_bounds__(256) combine_norms_kernel(const A* __restrict__ parts, int64_t n, int64_t world,
                                             A* __restrict__ out) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= n) return;
-  const Norm<A> s = combine_norm(parts + 4 * i, 4 * n, world), t = combine_norm(parts + 4 * i + 2, 4 * n, world);
-  out[4 * i] = s.mx;
-  out[4 * i + 1] = s.lz;
-  out[4 * i + 2] = t.mx;
-  out[4 * i + 3] = t.lz;
+  if (i < n) combine_row_norms(parts, i, n, world, out);
 }
 
 template <typename A>
@@ -790,6 +785,26 @@ bool fast_path_ok(const Rows& r, const Launch& l, const at::Tensor& gs, bool wan
   return rows_aligned(r.s) && (r.topk() || rows_aligned(r.t)) && (!gs.defined() || rows_aligned(gs));
 }
 
+// Calls f(mode, grad, phase), each a std::integral_constant, for the kernel instance a split's terms or gradient
+// phase launches: its only gradient is the student's, forward KL's in the terms phase (when `grad`), the others'
+// in the gradient phase (forward KL launches nothing there).
+template <typename F> void dispatch_phase(int mode, int phase, bool grad, F&& f) {
+  dispatch_mode(mode, [&](auto mode_c) {
+    constexpr int MODE = decltype(mode_c)::value;
+    const std::integral_constant<int, PHASE_TERMS> terms_c;
+    if (phase == PHASE_TERMS) {
+      if constexpr (MODE == FORWARD_KL) {
+        if (grad) f(mode_c, std::true_type{}, terms_c);
+        else f(mode_c, std::false_type{}, terms_c);
+      } else {
+        f(mode_c, std::false_type{}, terms_c);
+      }
+    } else if constexpr (MODE != FORWARD_KL) {
+      f(mode_c, std::true_type{}, std::integral_constant<int, PHASE_GRAD>{});
+    }
+  });
+}
+
 // KLDIV_DISTILL_STREAM=1 (a research knob): a split vocabulary's terms and gradient phases by
 // phase_stream_kernel instead of fast_rows (distill_fast.cuh says how they differ).
 bool stream_phases() {
@@ -854,19 +869,9 @@ void launch_fast_phase(const Launch& plan, int mode, int phase, bool grad, int64
     p.staged = staged_copy();
     TORCH_CHECK(n < (int64_t(1) << 31), "distill: too many rows for one launch");
     if (phase != PHASE_NORMS && stream_phases()) {  // the research knob: no shared memory, no cluster
-      const unsigned blocks = static_cast<unsigned>(n);
-      dispatch_mode(mode, [&](auto mode_c) {
-        constexpr int MODE = decltype(mode_c)::value;
-        if (phase == PHASE_TERMS) {
-          if constexpr (MODE == FORWARD_KL) {
-            if (grad) phase_stream_kernel<T, MODE, true, PHASE_TERMS><<<blocks, kStreamThreads, 0, stream>>>(p);
-            else phase_stream_kernel<T, MODE, false, PHASE_TERMS><<<blocks, kStreamThreads, 0, stream>>>(p);
-          } else {
-            phase_stream_kernel<T, MODE, false, PHASE_TERMS><<<blocks, kStreamThreads, 0, stream>>>(p);
-          }
-        } else if constexpr (MODE != FORWARD_KL) {
-          phase_stream_kernel<T, MODE, true, PHASE_GRAD><<<blocks, kStreamThreads, 0, stream>>>(p);
-        }
+      dispatch_phase(mode, phase, grad, [&](auto m, auto g, auto ph) {
+        phase_stream_kernel<T, decltype(m)::value, decltype(g)::value, decltype(ph)::value>
+            <<<static_cast<unsigned>(n), kStreamThreads, 0, stream>>>(p);
       });
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return;  // (p.out is out itself: the terms phase writes each row's sums)
@@ -884,20 +889,10 @@ void launch_fast_phase(const Launch& plan, int mode, int phase, bool grad, int64
     if (phase == PHASE_NORMS) {  // (the normalisers do not depend on the mode)
       phase_norms_kernel<T><<<static_cast<unsigned>(n), kNormThreads, 0, stream>>>(p);
     } else {
-      dispatch_mode(mode, [&](auto mode_c) {
-        constexpr int MODE = decltype(mode_c)::value;
-        if (phase == PHASE_TERMS) {
-          if constexpr (MODE == FORWARD_KL) {
-            if (grad)
-              launch(fast_rows_kernel_16<T, MODE, true, PHASE_TERMS>, fast_rows_kernel<T, MODE, true, PHASE_TERMS>);
-            else
-              launch(fast_rows_kernel_16<T, MODE, false, PHASE_TERMS>, fast_rows_kernel<T, MODE, false, PHASE_TERMS>);
-          } else {
-            launch(fast_rows_kernel_16<T, MODE, false, PHASE_TERMS>, fast_rows_kernel<T, MODE, false, PHASE_TERMS>);
-          }
-        } else if constexpr (MODE != FORWARD_KL) {
-          launch(fast_rows_kernel_16<T, MODE, true, PHASE_GRAD>, fast_rows_kernel<T, MODE, true, PHASE_GRAD>);
-        }
+      dispatch_phase(mode, phase, grad, [&](auto m, auto g, auto ph) {
+        constexpr int MODE = decltype(m)::value, PHASE = decltype(ph)::value;
+        constexpr bool GRAD = decltype(g)::value;
+        launch(fast_rows_kernel_16<T, MODE, GRAD, PHASE>, fast_rows_kernel<T, MODE, GRAD, PHASE>);
       });
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();

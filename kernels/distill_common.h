@@ -392,6 +392,15 @@ template <typename A> DS_HD Norm<A> combine_norm(const A* part, int64_t stride, 
   return Norm<A>{static_cast<A>(top), static_cast<A>(d_log2(total))};
 }
 
+// Row i's two normalisers (student's, teacher's) from parts [world, n, 4], written to out[4 i .. 4 i + 3].
+template <typename A> DS_HD void combine_row_norms(const A* parts, int64_t i, int64_t n, int64_t world, A* out) {
+  const Norm<A> s = combine_norm(parts + 4 * i, 4 * n, world), t = combine_norm(parts + 4 * i + 2, 4 * n, world);
+  out[4 * i] = s.mx;
+  out[4 * i + 1] = s.lz;
+  out[4 * i + 2] = t.mx;
+  out[4 * i + 3] = t.lz;
+}
+
 // A row's (loss, ks, kt) from its slices' partial sums (part[r * stride + 0..2], r < world), added in rank order in
 // the accumulation type.
 template <typename A> DS_HD void combine_terms(const A* part, int64_t stride, int64_t world, A& loss, A& ks, A& kt) {

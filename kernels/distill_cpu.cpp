@@ -274,12 +274,17 @@ void check_device(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu(), "distill (cpu backend): expected CPU tensors, got ", x.device());
 }
 
-int64_t unmasked_rows(const Args& a) {
-  if (!a.r.labels.defined()) return a.r.n;
-  const int64_t* lab = a.r.labels.data_ptr<int64_t>();
-  int64_t count = 0;
-  for (int64_t i = 0; i < a.r.n; ++i) count += lab[i] != a.ignore_index;
-  return count;
+// The reduction's divisor's reciprocal: for batchmean 1 / the rows whose label is not ignore_index (all n
+// without labels; 0 when none is), else 1 (none: per row, scaled in backward by grad_output).
+double reduction_inv(const at::Tensor& labels, int64_t n, int64_t ignore_index, int64_t reduction) {
+  if (reduction != RED_BATCHMEAN) return 1.0;
+  int64_t count = n;
+  if (labels.defined()) {
+    const int64_t* lab = labels.data_ptr<int64_t>();
+    count = 0;
+    for (int64_t i = 0; i < n; ++i) count += lab[i] != ignore_index;
+  }
+  return count > 0 ? 1.0 / static_cast<double>(count) : 0.0;
 }
 
 }  // namespace
@@ -305,12 +310,8 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
   at::Tensor rows_loss = at::empty({r.n}, r.s.options().dtype(acc));
   at::Tensor gs = want_student ? grad_buffer(grad_student_out, r) : at::Tensor();
   at::Tensor gt = want_teacher ? at::empty({r.n, r.v}, r.s.options()) : at::Tensor();
-  const int64_t count = unmasked_rows(a);
-  // The gradients are those of the reduced loss: batchmean divides by the unmasked rows (none: per row, scaled
-  // in backward by grad_output).
-  const double inv_div = scale_given                  ? *scale_given
-                         : reduction == RED_BATCHMEAN ? (count > 0 ? 1.0 / static_cast<double>(count) : 0.0)
-                                                      : 1.0;
+  // The gradients are those of the reduced loss.
+  const double inv_div = scale_given ? *scale_given : reduction_inv(r.labels, r.n, ignore_index, reduction);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.s.scalar_type(), "distill_forward", [&] {
     dispatch_mode(mode_of(beta),
                   [&](auto mode_c) { forward_rows<scalar_t, decltype(mode_c)::value>(a, inv_div, rows_loss, gs, gt); });
@@ -378,13 +379,7 @@ std::vector<at::Tensor> distill_combine(const at::Tensor& parts, int64_t reducti
     if (width == 4) {
       at::Tensor norms = at::empty({n, 4}, parts.options());
       A* o = norms.data_ptr<A>();
-      for (int64_t i = 0; i < n; ++i) {
-        const Norm<A> s = combine_norm(p + 4 * i, 4 * n, world), t = combine_norm(p + 4 * i + 2, 4 * n, world);
-        o[4 * i] = s.mx;
-        o[4 * i + 1] = s.lz;
-        o[4 * i + 2] = t.mx;
-        o[4 * i + 3] = t.lz;
-      }
+      for (int64_t i = 0; i < n; ++i) combine_row_norms(p, i, n, world, o);
       result = {norms};
       return;
     }
@@ -411,15 +406,8 @@ at::Tensor distill_reduction_scale(const at::Tensor& rows, const c10::optional<a
                                    int64_t ignore_index, int64_t reduction) {
   check_device(rows);
   check_scale_labels(rows, labels, reduction);
-  const int64_t n = rows.size(0);
-  int64_t count = n;
-  if (labels.has_value()) {
-    const int64_t* lab = labels->data_ptr<int64_t>();
-    count = 0;
-    for (int64_t i = 0; i < n; ++i) count += lab[i] != ignore_index;
-  }
-  const double inv = reduction != RED_BATCHMEAN ? 1.0 : count > 0 ? 1.0 / static_cast<double>(count) : 0.0;
-  return at::full({}, inv, rows.options().dtype(at::kDouble));
+  return at::full({}, reduction_inv(opt(labels), rows.size(0), ignore_index, reduction),
+                  rows.options().dtype(at::kDouble));
 }
 
 std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Tensor& lp, int64_t vocab,
