@@ -150,11 +150,8 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
     # float16, whose range would flush the scaled d logits to zero: there it is applied to each chunk's product
     # for grad weight in float32 (grad weight sums every token's contribution, so its unscaled sum can pass
     # float16's 65504 where the gradient itself does not), and at the end to the loss, grad hidden and grad bias.
-    scale = None
-    if batchmean and labels is not None:
-        scale = 1.0 / (labels != ignore_index).sum().clamp_min(1).to(torch.float64)
-    elif batchmean:
-        scale = torch.full((), 1.0 / max(n, 1), dtype=torch.float64, device=hidden.device)
+    scale = mod.distill_reduction_scale(hidden, labels, ignore_index, _REDUCTION_CODE["batchmean"]) \
+        if batchmean else None
     in_kernel = scale is not None and hidden.dtype != torch.float16
     k_scale = scale if in_kernel else None  # the kernels' scale (None: their sum)
     late = scale.to(acc_t) if scale is not None and not in_kernel else None  # applied at the end
