@@ -251,18 +251,19 @@ def _build_environment(env: dict[str, str | None]):
                          "libstdc++ this process runs. KLDIV_INLINE_KEEP_COMPILER=1 keeps it.",
                          var, saved[var], _COMPILER_DEFAULTS.get(var, "the default"))
     try:
-        for var, value in env.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
+        _set_environ(env)
         yield
     finally:
-        for var, value in saved.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
+        _set_environ(saved)
+
+
+def _set_environ(values: dict[str, str | None]) -> None:
+    """Each variable set in os.environ, or removed where its value is None."""
+    for var, value in values.items():
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
 
 
 def _check_toolchain(with_cuda: bool) -> str | None:
