@@ -186,7 +186,7 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
             if not want:
                 continue
         else:
-            args = (teacher, idx, lp, lab, ignore_index, beta, temperature, 1)
+            args = (teacher, idx, lp, lab, ignore_index, beta, temperature, sum_code)
             if not want:
                 total += mod.distill_forward(logits, *args, False, False, None, k_scale)[0]
                 continue
