@@ -805,13 +805,6 @@ template <typename F> void dispatch_phase(int mode, int phase, bool grad, F&& f)
   });
 }
 
-// KLDIV_DISTILL_STREAM=1 (a research knob): a split vocabulary's terms and gradient phases by
-// phase_stream_kernel instead of fast_rows (distill_fast.cuh says how they differ).
-bool stream_phases() {
-  const char* env = std::getenv("KLDIV_DISTILL_STREAM");
-  return env && std::atoi(env) == 1;
-}
-
 // KLDIV_DISTILL_STAGED=0 (a research knob): the fast kernels' copy in one group, waited for whole (as before the
 // staged copy).
 bool staged_copy() {
@@ -854,53 +847,24 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
   }
 }
 
-// One phase of a vocabulary split across devices (distill_fast.cuh): the normalisers by phase_norms_kernel; the
-// launches whose only gradient is the student's (GRAD: forward KL's in the terms phase, the others' in the
-// gradient phase) by fast_rows_kernel, a terms phase's warps' (loss, ks, kt) added per row into `out` [n, 3] by
-// fast_phase_terms_total_kernel, or with KLDIV_DISTILL_STREAM=1 by phase_stream_kernel.
+// One phase of a vocabulary split across devices (distill_fast.cuh): the normalisers by phase_norms_kernel, the
+// terms and gradient phases by phase_stream_kernel (GRAD: the launches whose only gradient is the student's,
+// forward KL's in the terms phase, the others' in the gradient phase), each writing its rows' results to `out`.
 template <typename T, typename A>
-void launch_fast_phase(const Launch& plan, int mode, int phase, bool grad, int64_t n, Params<T, A> p, at::Tensor& out,
-                       cudaStream_t stream) {
+void launch_fast_phase(int mode, int phase, bool grad, int64_t n, const Params<T, A>& p, cudaStream_t stream) {
   if constexpr (std::is_same<A, double>::value) {
     TORCH_CHECK(false, "distill: no fast path for float64 logits");  // fast_path_ok refuses them first
   } else {
-    Launch l = plan;
-    l.threads = kFastThreads;
-    p.staged = staged_copy();
     TORCH_CHECK(n < (int64_t(1) << 31), "distill: too many rows for one launch");
-    if (phase != PHASE_NORMS && stream_phases()) {  // the research knob: no shared memory, no cluster
-      dispatch_phase(mode, phase, grad, [&](auto m, auto g, auto ph) {
-        phase_stream_kernel<T, decltype(m)::value, decltype(g)::value, decltype(ph)::value>
-            <<<static_cast<unsigned>(n), kStreamThreads, 0, stream>>>(p);
-      });
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      return;  // (p.out is out itself: the terms phase writes each row's sums)
-    }
-    const int per_row = l.cluster * kFastWarps;
-    at::Tensor partial;
-    if (phase == PHASE_TERMS) {
-      partial = at::empty({n * per_row * 4}, out.options());
-      p.out = partial.data_ptr<float>();
-    }
-    auto launch = [&](auto capped, auto uncapped) {
-      if constexpr (sizeof(T) == 2) launch_rows(capped, l, n, &p, stream);  // (register caps: see distill_fast.cuh)
-      else launch_rows(uncapped, l, n, &p, stream);
-    };
     if (phase == PHASE_NORMS) {  // (the normalisers do not depend on the mode)
       phase_norms_kernel<T><<<static_cast<unsigned>(n), kNormThreads, 0, stream>>>(p);
     } else {
       dispatch_phase(mode, phase, grad, [&](auto m, auto g, auto ph) {
-        constexpr int MODE = decltype(m)::value, PHASE = decltype(ph)::value;
-        constexpr bool GRAD = decltype(g)::value;
-        launch(fast_rows_kernel_16<T, MODE, GRAD, PHASE>, fast_rows_kernel<T, MODE, GRAD, PHASE>);
+        phase_stream_kernel<T, decltype(m)::value, decltype(g)::value, decltype(ph)::value>
+            <<<static_cast<unsigned>(n), kStreamThreads, 0, stream>>>(p);
       });
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (phase == PHASE_TERMS) {
-      fast_phase_terms_total_kernel<<<static_cast<unsigned>((n + 7) / 8), 256, 0, stream>>>(
-          reinterpret_cast<const float4*>(partial.data_ptr<float>()), n, per_row, out.data_ptr<float>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
   }
 }
 
@@ -1041,7 +1005,7 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
     // The fast kernel where it applies: no teacher gradient in this phase (ws: forward KL's gradient in the terms
     // phase, the others' in the gradient phase, which is not launched without one).
     if (!wt && fast_path_ok(r, l, gs, false)) {
-      launch_fast_phase(l, mode, static_cast<int>(phase), ws, r.n, p, out, stream);
+      launch_fast_phase(mode, static_cast<int>(phase), ws, r.n, p, stream);
       return;
     }
     dispatch_mode(mode,

@@ -16,8 +16,8 @@
 // Forward KL and inference need one full cluster barrier per row; reverse KL and the JSD (whose gradients need
 // the row sum ks) two.
 //
-// At the end, the split vocabulary's kernels that keep nothing on chip: phase_norms_kernel (phase 0, the rows'
-// normalisers) and phase_stream_kernel (phases 1 and 2 streamed, behind KLDIV_DISTILL_STREAM=1 until measured).
+// At the end, the split vocabulary's kernels, which keep nothing on chip: phase_norms_kernel (phase 0, the rows'
+// normalisers) and phase_stream_kernel (phases 1 and 2).
 
 constexpr int kFastThreads = 256;
 constexpr int kFastWarps = kFastThreads / 32;
@@ -125,23 +125,17 @@ __device__ __forceinline__ void combine_cluster_pairs(const cg::cluster_group& c
   }
 }
 
-// PHASE: -1, the whole row on one device; else one phase of a vocabulary split across devices (distill_phase;
-// the caller combines the rows' statistics between them), each a part of the same code (the normalisers,
-// PHASE_NORMS, are phase_norms_kernel's, below):
-//   PHASE_TERMS: the copy and the terms (pass 2) under the normalisers given (p.norms_in), each warp's (loss, ks,
-//                kt) to p.out as float4 partials [n, ranks x warps] (fast_phase_terms_total_kernel adds them), and
-//                forward KL's gradient (GRAD); no cluster barrier;
-//   PHASE_GRAD:  the copy and the gradient that needs ks (pass 3), with ks given (p.k_in); no cluster barrier.
-template <typename T, int MODE, bool GRAD, int PHASE = -1>
+// The whole row on one device. (A vocabulary split across devices runs phase_norms_kernel and
+// phase_stream_kernel, below: fast_rows' phases, which copied the slices into shared memory too, were slower;
+// kernels/NOTES.md, version 14.)
+template <typename T, int MODE, bool GRAD>
 __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();
 #else
   constexpr int N = Vec<T>::N;
-  constexpr bool ALL = PHASE == -1, TERMS = PHASE == PHASE_TERMS;
-  static_assert(PHASE != PHASE_NORMS, "a split's normalisers are phase_norms_kernel's");
-  // One device: the gradient needs the row sum ks first (reverse KL, JSD); a phase: ks and kt for the caller.
-  constexpr bool KS = ALL ? GRAD && student_needs_k<MODE>() : TERMS;
+  // The gradient needs the row sum ks first (reverse KL, JSD).
+  constexpr bool KS = GRAD && student_needs_k<MODE>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ float4 slot_norms[kFastWarps];
   __shared__ float slot_ks[kFastWarps];
@@ -157,9 +151,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
 
   if (p.labels && p.labels[sl.row] == p.ignore_index) {  // masked: zeros, and no barrier (the cluster agrees)
     if (GRAD) zero_slice(gs, count);
-    if (ALL && threadIdx.x < kFastWarps) partial[threadIdx.x] = 0.f;
-    if (TERMS && threadIdx.x < kFastWarps)
-      reinterpret_cast<float4*>(p.out)[(sl.row * ranks + sl.rank) * kFastWarps + threadIdx.x] = float4{};
+    if (threadIdx.x < kFastWarps) partial[threadIdx.x] = 0.f;
     return;
   }
 
@@ -170,7 +162,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   const int chunks = count / N;
   const unsigned bs = static_cast<unsigned>(__cvta_generic_to_shared(xs));
   const unsigned bt = static_cast<unsigned>(__cvta_generic_to_shared(xt));
-  const bool staged = ALL && p.staged;  // (a later phase takes no maximum from the landing chunks)
+  const bool staged = p.staged;
   issue_copy(chunks, staged, [&](int c) {
     cp_async16(bs + c * 16u, gsrc + c * N);
     cp_async16(bt + c * 16u, gtsrc + c * N);
@@ -183,11 +175,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
 
   // ---- 1. normalisers: the warp's max, the warp's sums relative to it, then one cluster barrier
   Norm<float> norm[2];
-  if constexpr (!ALL) {
-    const float* nr = p.norms_in + 4 * sl.row;
-    norm[0] = Norm<float>{nr[0], nr[1]};
-    norm[1] = Norm<float>{nr[2], nr[3]};
-  } else {
+  {
     float mx[2] = {ninf<float>(), ninf<float>()};
     auto take_max = [&](int c) {
       mx[0] = fmaxf(mx[0], chunk_max(load_chunk(xs + c * N, true)));
@@ -233,7 +221,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
     norm[0] = Norm<float>{bcast[0], bcast[1]};
     norm[1] = Norm<float>{bcast[2], bcast[3]};
   }
-  if (ALL && !KS) cluster_arrive();  // this block reads no other's shared memory any more; wait before leaving
+  if (!KS) cluster_arrive();  // this block reads no other's shared memory any more; wait before leaving
   const float scale = static_cast<float>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(p.inv_t));
   const RowNorms<float> rn = row_norms(norm[0], norm[1]);
   // Visits this thread's entries with their points: its chunks from shared memory, then its tail entry from device
@@ -264,24 +252,15 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
 
   // ---- 2. terms (and forward KL's gradient, which needs no row sum)
   float ks = 0.f;
-  if constexpr (PHASE == PHASE_GRAD) {
-    ks = p.k_in[2 * sl.row];
-  } else {
+  {
     Terms<float> acc{0.f, 0.f, 0.f};
-    constexpr bool G = GRAD && (TERMS || !KS);  // (a terms phase is launched with GRAD for forward KL only)
+    constexpr bool G = GRAD && !KS;
     for_each_point(std::bool_constant<G>{}, [&](const Point<float>& e) {
-      point_terms<MODE, KS, TERMS>(e, p.c, acc);
+      point_terms<MODE, KS, false>(e, p.c, acc);
       if constexpr (G) return student_grad<MODE>(e, p.c, 0.f);
       else return 0.f;
     });
     const float loss = warp_sum(acc.loss);
-    if constexpr (TERMS) {
-      const float k = warp_sum(acc.ks), kt = warp_sum(acc.kt);
-      if (lane == 0)
-        reinterpret_cast<float4*>(p.out)[(sl.row * ranks + sl.rank) * kFastWarps + warp] =
-            make_float4(loss, k, kt, 0.f);
-      return;
-    }
     if (lane == 0) partial[warp] = loss;
     if (KS) {
       const float k = warp_sum(acc.ks);
@@ -303,10 +282,10 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
 
   // ---- 3. the gradients that need ks (reverse KL, JSD)
   // (16-bit gradients: the JSD's u_s without the 10-term series, see mixture_us_short)
-  if (KS || PHASE == PHASE_GRAD)
+  if (KS)
     for_each_point(std::true_type{},
                    [&](const Point<float>& e) { return student_grad<MODE, sizeof(T) == 2>(e, p.c, ks); });
-  if (ALL) cluster_wait();  // no block leaves while another may still read its shared memory
+  cluster_wait();  // no block leaves while another may still read its shared memory
 #endif
 }
 
@@ -317,13 +296,13 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
 // capped its step ran 4% faster on an H200; with version 9's logs a cap had made it spill).
 // float32 slices are twice the size (shared memory limits those blocks first) and keep the
 // compiler's own choice: any cap there changed ptxas's strategy and made it spill.
-template <typename T, int MODE, bool GRAD, int PHASE = -1>
+template <typename T, int MODE, bool GRAD>
 __global__ void __maxnreg__(32) fast_rows_kernel_16(const Params<T, float> p) {
-  fast_rows<T, MODE, GRAD, PHASE>(p);
+  fast_rows<T, MODE, GRAD>(p);
 }
-template <typename T, int MODE, bool GRAD, int PHASE = -1>
+template <typename T, int MODE, bool GRAD>
 __global__ void __launch_bounds__(kFastThreads) fast_rows_kernel(const Params<T, float> p) {
-  fast_rows<T, MODE, GRAD, PHASE>(p);
+  fast_rows<T, MODE, GRAD>(p);
 }
 
 // A row's loss from its blocks' warps' partial sums, in a fixed order: one warp per row.
@@ -336,25 +315,6 @@ __global__ void __launch_bounds__(256) fast_rows_total_kernel(const float* __res
   for (int i = lane; i < per_row; i += 32) s += partial[row * per_row + i];
   s = warp_sum(s);
   if (lane == 0) rows[row] = s;
-}
-
-// A terms phase's rows: (loss, ks, kt) from its blocks' warps' float4 partials, in a fixed order; one warp per row.
-__global__ void __launch_bounds__(
-    256) fast_phase_terms_total_kernel(const float4* __restrict__ partial, int64_t n, int per_row,
-                                                      float* __restrict__ out) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
-  if (row >= n) return;
-  const int lane = threadIdx.x & 31;
-  float v[3] = {0.f, 0.f, 0.f};
-  for (int i = lane; i < per_row; i += 32) {
-    const float4 q = partial[row * per_row + i];
-    v[0] += q.x;
-    v[1] += q.y;
-    v[2] += q.z;
-  }
-#pragma unroll
-  for (int j = 0; j < 3; ++j) v[j] = warp_sum(v[j]);
-  if (lane < 3) out[3 * row + lane] = v[lane];
 }
 
 // Phase 0 of a split vocabulary (PHASE_NORMS) where the fast kernel runs (aligned 16-bit or float32 rows): each
@@ -442,11 +402,11 @@ template <typename T> __global__ void __launch_bounds__(kNormThreads) phase_norm
   }
 }
 
-// Phases 1 and 2 of a split vocabulary streamed (KLDIV_DISTILL_STREAM=1, a research knob until it is measured
-// against fast_rows' phases; kernels/NOTES.md, after version 13): with the rows' normalisers given, no entry needs
-// another, so each row's slice goes straight from device memory through registers, one block per row, with no
-// shared-memory copy and no cluster (fast_rows' phases copy the slice into shared memory first, which bounds the
-// blocks an SM holds). The same point functions as every other kernel (make_point, point_terms, student_grad).
+// Phases 1 and 2 of a split vocabulary where the fast kernels run (kernels/NOTES.md, version 14): with the rows'
+// normalisers given, no entry needs another, so each row's slice goes straight from device memory through
+// registers, one block per row, with no shared-memory copy and no cluster (fast_rows' phases copied the slice
+// into shared memory first, which bounds the blocks an SM holds: their terms phase took 12-15% longer on H200s). The
+// same point functions as every other kernel (make_point, point_terms, student_grad).
 //   PHASE_TERMS: the row's (loss, ks, kt) into p.out [n, 3] (its warps' sums added in a fixed order), and forward
 //                KL's gradient (GRAD);
 //   PHASE_GRAD:  the student's gradient that needs ks (p.k_in).

@@ -210,23 +210,14 @@ def padded_rows(n, width, dtype, device):
     return logits((n, -(-width // 8) * 8), dtype, device, scale=3.0)[:, :width]
 
 
-def stream_knob(device, stream, monkeypatch):
-    """KLDIV_DISTILL_STREAM (the split's terms and gradient phases streamed, CUDA only) on or off."""
-    if stream and device != "cuda":
-        pytest.skip("the streamed phases are CUDA kernels")
-    monkeypatch.setenv("KLDIV_DISTILL_STREAM", "1" if stream else "0")
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=_id)
 @pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("widths", [(20000, 12008), (4097, 3001, 9)], ids=["aligned", "odd"])
-@pytest.mark.parametrize("stream", [False, True], ids=["cluster", "streamed"])
-def test_phases_over_slices_match_float64(device, dtype, beta, widths, stream, monkeypatch):
+def test_phases_over_slices_match_float64(device, dtype, beta, widths):
     # split_phases' loss and student gradient are float64's per token, masked rows 0, for training and for
-    # inference. On CUDA the aligned slices (clusters of several blocks) take the fast kernel's phases (or the
-    # streamed ones), the others rows_kernel; the rows are padded to 16 bytes, so the odd case's first slice (4097
-    # wide) takes the fast kernels with a row that ends short of a chunk.
-    stream_knob(device, stream, monkeypatch)
+    # inference. On CUDA the aligned slices take the fast kernels' phases (phase_norms_kernel,
+    # phase_stream_kernel), the others rows_kernel; the rows are padded to 16 bytes, so the odd case's first slice
+    # (4097 wide) takes the fast kernels with a row that ends short of a chunk.
     n, temp = 7, 1.7
     s, t = padded_rows(n, sum(widths), dtype, device), padded_rows(n, sum(widths), dtype, device)
     lab = labels_for((n,), device)
@@ -245,12 +236,10 @@ def test_phases_over_slices_match_float64(device, dtype, beta, widths, stream, m
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_id)
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
-@pytest.mark.parametrize("stream", [False, True], ids=["cluster", "streamed"])
-def test_phases_with_a_padded_vocabulary(device, dtype, beta, stream, monkeypatch):
+def test_phases_with_a_padded_vocabulary(device, dtype, beta):
     # A padded vocabulary split across ranks: the last slice is -inf in both (a rank holding only padding: its
     # normalisers have no mass) and so is the end of the one before. The loss and gradient are those of the
     # unpadded rows, the padding's gradient 0.
-    stream_knob(device, stream, monkeypatch)
     n, temp, widths, real = 5, 2.0, (20000, 4000, 800), 23900
     s, t = padded_rows(n, sum(widths), dtype, device), padded_rows(n, sum(widths), dtype, device)
     s[:, real:] = float("-inf")

@@ -9,8 +9,7 @@
 #   tools/gpu_session.sh notebooks # execute every notebook at full size, executed copies to $OUT (or /tmp)
 #   tools/gpu_session.sh sweep     # the fused LM head at 1k-16k tokens -> ${RESULTS:-results}/linear-sweep/<card>/
 #   tools/gpu_session.sh errors    # the kit's modules raise their errors (each call in a process of its own)
-#   tools/gpu_session.sh split     # two GPUs: the split step profiled with fast_rows' phases and the streamed
-#                                  # ones (KLDIV_DISTILL_STREAM=0 / 1), forward KL and the JSD
+#   tools/gpu_session.sh split     # two GPUs: the split step profiled against one GPU, forward KL and the JSD
 # Two GPUs: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2 \
 #   tools/bench_vocab_parallel.py    # the vocabulary split across GPUs -> results/<card>-x2/
 set -euo pipefail
@@ -29,7 +28,7 @@ case $mode in
   split)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     for beta in 0 0.5; do
-      torchrun --standalone --nproc-per-node 2 tools/profile_vocab_parallel.py --beta "$beta" --compare-stream
+      torchrun --standalone --nproc-per-node 2 tools/profile_vocab_parallel.py --beta "$beta"
     done ;;
   notebooks)
     for nb in notebooks/0*.ipynb; do

@@ -3,7 +3,7 @@
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
         torchrun --standalone --nproc-per-node 2 tools/profile_vocab_parallel.py [--beta 0] [--steps 5] \\
-        [--compare-stream] [--trace DIR]
+        [--trace DIR]
 
 Rank 0 prints, for the one-device op (rank 0 alone, the whole rows) and the split one: the step timed with CUDA
 events back to back, the host's wall time per step (no synchronisation inside), and from a host + device trace
@@ -13,7 +13,6 @@ their own CPU time.
 """
 import argparse
 import collections
-import os
 import sys
 from pathlib import Path
 
@@ -33,8 +32,6 @@ ap.add_argument("--steps", type=int, default=5)
 ap.add_argument("--tokens", type=int, default=4096)
 ap.add_argument("--vocab", type=int, default=128256)
 ap.add_argument("--trace", default=None, help="a folder: each rank's chrome trace of the split step goes there")
-ap.add_argument("--compare-stream", action="store_true",
-                help="the split step twice, with fast_rows' phases and the streamed ones (KLDIV_DISTILL_STREAM=0, 1)")
 args = ap.parse_args()
 
 dist.init_process_group("nccl")
@@ -74,8 +71,7 @@ def report(name, step, everyone):
         torch.cuda.synchronize()
     if args.trace and everyone:
         Path(args.trace).mkdir(parents=True, exist_ok=True)
-        knob = os.environ.get("KLDIV_DISTILL_STREAM")
-        prof.export_chrome_trace(str(Path(args.trace) / f"split{'_stream' + knob if knob else ''}_rank{rank}.json"))
+        prof.export_chrome_trace(str(Path(args.trace) / f"split_rank{rank}.json"))
     if rank != 0:
         return
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -119,10 +115,6 @@ if rank == 0:
     print(f"one bare all-gather of [{n}, 4] float32: host wall {gather_host:.3f} ms", flush=True)
 report("one device (rank 0, whole rows)", stepper(s, t, None), everyone=False)
 dist.barrier()
-for knob in ("0", "1") if args.compare_stream else (None,):
-    if knob is not None:  # read by the module at each launch: the same processes time both
-        os.environ["KLDIV_DISTILL_STREAM"] = knob
-    report(f"split over {world}" + (f", KLDIV_DISTILL_STREAM={knob}" if knob else ""),
-           stepper(*parts, dist.group.WORLD), everyone=True)
-    dist.barrier()
+report(f"split over {world}", stepper(*parts, dist.group.WORLD), everyone=True)
+dist.barrier()
 dist.destroy_process_group()
