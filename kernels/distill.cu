@@ -37,6 +37,7 @@
 #include <utility>
 #include <vector>
 
+#include "distill_api.h"
 #include "distill_common.h"
 #include "distill_plan.h"
 

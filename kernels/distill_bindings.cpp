@@ -1,83 +1,13 @@
-// Python bindings of the distillation kernels. Both backends (distill.cu for CUDA, distill_cpu.cpp for the CPU
-// twin) implement these functions with the same semantics; the loader builds this file with one of them.
-// The caller is kldiv_inline/distill.py, which validates arguments and lays the logits out as rows first.
+// Python bindings of the distillation kernels (distill_api.h declares and describes the functions). The loader
+// builds this file with one backend (distill.cu for CUDA, distill_cpu.cpp for the CPU twin) and distill_split.cpp.
 #include <torch/extension.h>
 
-#include <vector>
-
-// "cuda" or "cpu": which backend this module was built with.
-const char* distill_backend();
-
-// The divergence of student and teacher over rows of logits (distill_common.h has the math), all on this device.
-// student [n, v]; exactly one of teacher [n, v] (same dtype) and a top-k teacher (topk_idx int64 [n, k],
-// topk_lp [n, k] log-probabilities, float32 or float64 for float64 logits); labels int64 [n] or None
-// (rows whose label is ignore_index are masked). reduction: 0 none, 1 sum, 2 batchmean (over unmasked rows).
-// Returns {loss ([n] for none, else 0-d; float32, float64 for float64 logits), d loss / d student logits if
-// want_student (written into grad_student_out when given, which may alias the student logits), d loss / d teacher
-// logits if want_teacher}. The gradients are those of the reduced loss (for none: of the sum of the rows' losses).
-// scale: with reduction sum only, a 0-d float64 tensor on the logits' device that multiplies the loss and the
-// gradients (the fused LM head's batchmean divisor, counted over the whole batch on the device).
-std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::optional<at::Tensor>& teacher,
-                                        const c10::optional<at::Tensor>& topk_idx,
-                                        const c10::optional<at::Tensor>& topk_lp,
-                                        const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
-                                        double temperature, int64_t reduction, bool want_student, bool want_teacher,
-                                        const c10::optional<at::Tensor>& grad_student_out,
-                                        const c10::optional<at::Tensor>& scale);
-
-// One phase of a call whose vocabulary is split across processes (each holds a slice of every row):
-//   0 (norms): returns {[n, 4] the normalisers of student and teacher logits / T over this slice: (max, log of
-//              the sum of exp(x / T - max)) of each, see distill_common.h's Norm}
-//   1 (terms): given the rows' global normalisers [n, 4], returns {[n, 3] this slice's (loss, ks, kt) sums, and the
-//              gradients that need no row sums: the student's for forward KL, the teacher's for reverse KL}
-//   2 (grad):  given the normalisers and the global (ks, kt) [n, 2], returns {undefined, the remaining gradients}
-// scale: a 0-d float64 tensor (the reduction's divisor, 1 / unmasked rows for batchmean), multiplied with 1/T.
-std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, const at::Tensor& teacher,
-                                      const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
-                                      double temperature, const c10::optional<at::Tensor>& norms,
-                                      const c10::optional<at::Tensor>& ksums, const c10::optional<at::Tensor>& scale,
-                                      bool want_student, bool want_teacher,
-                                      const c10::optional<at::Tensor>& grad_student_out);
-
-// The phases' per-row statistics gathered from every rank of a vocabulary split, parts [world, n, width] of the
-// accumulation dtype (rank r's at index r), combined in rank order (the same bits on every rank):
-//   width 4 (phase 0's normalisers): returns {[n, 4] the rows' normalisers over the whole vocabulary}
-//   width 3 (phase 1's terms): returns {[n, 2] the rows' (ks, kt) for phase 2, the loss: the rows' losses [n] for
-//            reduction none, else 0-d, their sum (in float64) times scale}
-// scale: a 0-d float64 tensor on parts' device (distill_reduction_scale's), for width 3 unless reduction is none.
-std::vector<at::Tensor> distill_combine(const at::Tensor& parts, int64_t reduction,
-                                        const c10::optional<at::Tensor>& scale);
-
-// A reduction's divisor's reciprocal as a 0-d float64 tensor on the device of rows [n, ...]: for batchmean 1 /
-// the rows whose label is not ignore_index (all n without labels; 0 when none is), else 1. Counted on the device:
-// nothing waits for it.
-at::Tensor distill_reduction_scale(const at::Tensor& rows, const c10::optional<at::Tensor>& labels,
-                                   int64_t ignore_index, int64_t reduction);
-
-// Whether distill_forward can write d loss / d student logits over the student logits themselves
-// (grad_student_out aliasing the student) for rows of `vocab` entries of `element_size` bytes (with a teacher's
-// rows beside them, or a top-k teacher): on CUDA only when a cluster holds the rows on chip; always on the CPU.
-// Asking beats catching the refusal: an error raised inside an extension can take the process down on some
-// set-ups (seen on the lent H200s).
-bool distill_in_place_ok(int64_t vocab, int64_t element_size, bool topk);
-
-// A top-k teacher's log-probabilities made ready for distill_forward, with the checks of its indices and mass in
-// the same pass: idx int64 [n, k], lp float32/float64 [n, k] (contiguous), labels int64 [n] or None (masked rows
-// are exempt from the mass check). Returns {lp normalised (each row's mass above 1 divided out; with k = vocab
-// the whole distribution normalised), int32 [3] flags: an index outside [0, vocab), a repeated index within a
-// row (any k: rows longer than the CUDA kernel compares pairwise are sorted), an unmasked row whose mass is more
-// than 1 (k < vocab) or away from 1 (k = vocab) by more than slack_log (a log1p)}. Nothing waits for the device.
-std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Tensor& lp, int64_t vocab,
-                                             const c10::optional<at::Tensor>& labels, int64_t ignore_index,
-                                             double slack_log);
-
-// grad [n, v] *= grad_out (one value, or one per row), skipped (on the device) for rows whose factor is 1.
-void distill_scale_grad_(at::Tensor grad, const at::Tensor& grad_out);
+#include "distill_api.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kldiv_inline distillation kernels";
   m.def("backend", &distill_backend, "which backend this module holds: 'cuda' or 'cpu'");
-  m.def("distill_forward", &distill_forward, "divergence of student and teacher logits (see distill_bindings.cpp)",
+  m.def("distill_forward", &distill_forward, "divergence of student and teacher logits (see distill_api.h)",
         py::arg("student"), py::arg("teacher"), py::arg("topk_idx"), py::arg("topk_lp"), py::arg("labels"),
         py::arg("ignore_index"), py::arg("beta"), py::arg("temperature"), py::arg("reduction"), py::arg("want_student"),
         py::arg("want_teacher"), py::arg("grad_student_out") = py::none(), py::arg("scale") = py::none());
@@ -96,4 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slack_log"));
   m.def("distill_scale_grad_", &distill_scale_grad_, "grad *= grad_out per row, skipping factors of 1", py::arg("grad"),
         py::arg("grad_out"));
+  m.def("distill_split", &distill_split, "a vocabulary split's step: its phases and collectives", py::arg("student"),
+        py::arg("teacher"), py::arg("labels"), py::arg("ignore_index"), py::arg("beta"), py::arg("temperature"),
+        py::arg("scale"), py::arg("reduction"), py::arg("want_student"), py::arg("want_teacher"),
+        py::arg("grad_student_out"), py::arg("world"), py::arg("group_name"));
 }

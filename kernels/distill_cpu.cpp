@@ -15,6 +15,7 @@
 #include <cmath>
 #include <vector>
 
+#include "distill_api.h"
 #include "distill_common.h"
 #include "distill_plan.h"
 
