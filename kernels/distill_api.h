@@ -1,14 +1,13 @@
 // The distillation module's functions: both backends (distill.cu for CUDA, distill_cpu.cpp for the CPU twin)
-// implement those above distill_split with the same semantics; distill_split.cpp runs a vocabulary split's step
-// from them. distill_bindings.cpp binds them all for Python (kldiv_inline/distill.py and vocab_parallel.py, which
-// validate the arguments and lay the logits out as rows first).
+// implement them with the same semantics (each includes this header, so a signature that drifts fails to compile)
+// and distill_bindings.cpp binds them for Python (kldiv_inline/distill.py and vocab_parallel.py, which validate
+// the arguments and lay the logits out as rows first).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
 #include <cstdint>
-#include <string>
 #include <vector>
 
 // "cuda" or "cpu": which backend this module was built with.
@@ -79,17 +78,3 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
 
 // grad [n, v] *= grad_out (one value, or one per row), skipped (on the device) for rows whose factor is 1.
 void distill_scale_grad_(at::Tensor grad, const at::Tensor& grad_out);
-
-// A vocabulary split's whole step (the phases above and their collectives, vocab_parallel.py's docstring has the
-// scheme), this process holding rows [n, v_local] of a slice of the vocabulary, `world` processes in the
-// torch.distributed group named `group_name` (all of them call it alike): {the loss (the rows' [n] for reduction
-// none, else their sum times scale), the student's and the teacher's gradients of this slice if wanted (of the
-// rows' sum times scale; the student's written into grad_student_out when given)}. scale: a 0-d float64 tensor
-// on the logits' device, or None for distill_reduction_scale's (of `reduction`). The two all-gathers are
-// PyTorch's functional collectives (the process group's backend, on the current stream), called from here.
-std::vector<at::Tensor> distill_split(const at::Tensor& student, const at::Tensor& teacher,
-                                      const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
-                                      double temperature, const c10::optional<at::Tensor>& scale, int64_t reduction,
-                                      bool want_student, bool want_teacher,
-                                      const c10::optional<at::Tensor>& grad_student_out, int64_t world,
-                                      const std::string& group_name);

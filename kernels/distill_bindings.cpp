@@ -1,5 +1,5 @@
 // Python bindings of the distillation kernels (distill_api.h declares and describes the functions). The loader
-// builds this file with one backend (distill.cu for CUDA, distill_cpu.cpp for the CPU twin) and distill_split.cpp.
+// builds this file with one backend (distill.cu for CUDA, distill_cpu.cpp for the CPU twin).
 #include <torch/extension.h>
 
 #include "distill_api.h"
@@ -26,8 +26,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slack_log"));
   m.def("distill_scale_grad_", &distill_scale_grad_, "grad *= grad_out per row, skipping factors of 1", py::arg("grad"),
         py::arg("grad_out"));
-  m.def("distill_split", &distill_split, "a vocabulary split's step: its phases and collectives", py::arg("student"),
-        py::arg("teacher"), py::arg("labels"), py::arg("ignore_index"), py::arg("beta"), py::arg("temperature"),
-        py::arg("scale"), py::arg("reduction"), py::arg("want_student"), py::arg("want_teacher"),
-        py::arg("grad_student_out"), py::arg("world"), py::arg("group_name"));
 }

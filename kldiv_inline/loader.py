@@ -731,9 +731,7 @@ KIT_EXTENSIONS: dict[str, dict[str, tuple[str, ...]]] = {
     # the KL-divergence op (kldiv_inline.ops)
     "kldiv": {"cuda": ("kldiv.cu", "kldiv_bindings.cpp"), "cpu": ("kldiv_cpu.cpp", "kldiv_bindings.cpp")},
     # divergences of logits for distillation (kldiv_inline.distill)
-    # (distill_split.cpp: a vocabulary split's step, from either backend's functions)
-    "distill": {"cuda": ("distill.cu", "distill_bindings.cpp", "distill_split.cpp"),
-                "cpu": ("distill_cpu.cpp", "distill_bindings.cpp", "distill_split.cpp")},
+    "distill": {"cuda": ("distill.cu", "distill_bindings.cpp"), "cpu": ("distill_cpu.cpp", "distill_bindings.cpp")},
 }
 
 
