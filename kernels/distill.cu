@@ -528,6 +528,7 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
 
 #include "distill_fast.cuh"
 #include "distill_fast_topk.cuh"
+#include "distill_split_topk.cuh"
 
 // 1 / (rows whose label is not ignore_index), 0 when there are none: the batchmean divisor, on the device.
 __global__ void __launch_bounds__(
@@ -1096,6 +1097,71 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
     flags.narrow(0, FLAG_DUP, 1).copy_(srt.narrow(1, 1, k - 1).eq(srt.narrow(1, 0, k - 1)).any().reshape({1}));
   }
   return {out, flags};
+}
+
+// The dynamic shared memory of a top-k slice kernel (its members' bitmap), raised above the default 48 KB where a
+// slice is that long (over 393,216 entries).
+template <typename K> size_t topk_slice_smem(K kernel, int64_t v, const at::Tensor& x) {
+  const size_t bytes = static_cast<size_t>((v + 31) / 32) * sizeof(unsigned);
+  if (bytes > 48 * 1024) {
+    int most = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, x.get_device()));
+    TORCH_CHECK(bytes <= static_cast<size_t>(most), "distill: a top-k teacher's vocabulary slice of ", v,
+                " entries is longer than one block's bitmap holds on this GPU (", static_cast<int64_t>(most) * 8,
+                " entries)");
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  }
+  return bytes;
+}
+
+at::Tensor distill_topk_slice(const at::Tensor& student, const at::Tensor& norms, const at::Tensor& idx, int64_t offset,
+                              double temperature) {
+  check_device(student);
+  check_topk_slice(student, norms, idx, offset, temperature);
+  const int64_t n = student.size(0), v = student.size(1), k = idx.size(1);
+  TORCH_CHECK(n < (int64_t(1) << 31) && k < (int64_t(1) << 31), "distill: too many rows or indices for one launch");
+  at::Tensor part = at::empty({n, k + 1}, student.options().dtype(at::kDouble));
+  if (n == 0) return part;
+  const c10::cuda::CUDAGuard guard(student.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, student.scalar_type(), "distill_topk_slice", [&] {
+    using A = typename AccOf<scalar_t>::type;
+    auto kernel = topk_slice_kernel<scalar_t, A>;
+    const size_t smem = topk_slice_smem(kernel, v, student);
+    kernel<<<static_cast<unsigned>(n), kTopkSliceThreads, smem, stream>>>(
+        student.data_ptr<scalar_t>(), student.stride(0), v, norms.data_ptr<A>(), idx.data_ptr<int64_t>(),
+        static_cast<int>(k), offset, static_cast<A>(kLog2e / temperature), part.data_ptr<double>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return part;
+}
+
+at::Tensor distill_topk_slice_grad(const at::Tensor& student, const at::Tensor& norms, const at::Tensor& idx,
+                                   int64_t offset, double temperature, const at::Tensor& g_buckets,
+                                   const at::Tensor& whole, bool has_tail, const c10::optional<at::Tensor>& labels,
+                                   int64_t ignore_index, const c10::optional<at::Tensor>& scale) {
+  check_device(student);
+  const auto acc = check_topk_slice(student, norms, idx, offset, temperature);
+  check_topk_slice_grad(student, idx, g_buckets, whole, has_tail, labels, scale, acc);
+  const int64_t n = student.size(0), v = student.size(1), k = idx.size(1);
+  TORCH_CHECK(n < (int64_t(1) << 31) && k < (int64_t(1) << 31), "distill: too many rows or indices for one launch");
+  at::Tensor grad = at::empty({n, v}, student.options());
+  if (n == 0) return grad;
+  const c10::cuda::CUDAGuard guard(student.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, student.scalar_type(), "distill_topk_slice_grad", [&] {
+    using A = typename AccOf<scalar_t>::type;
+    auto kernel = topk_slice_grad_kernel<scalar_t, A>;
+    const size_t smem = topk_slice_smem(kernel, v, student);
+    kernel<<<static_cast<unsigned>(n), kTopkSliceThreads, smem, stream>>>(
+        student.data_ptr<scalar_t>(), student.stride(0), v, norms.data_ptr<A>(), idx.data_ptr<int64_t>(),
+        static_cast<int>(k), offset, static_cast<A>(kLog2e / temperature), g_buckets.data_ptr<A>(),
+        static_cast<int>(g_buckets.size(1)), whole.data_ptr<double>(), has_tail,
+        labels.has_value() ? labels->data_ptr<int64_t>() : nullptr, ignore_index,
+        scale.has_value() ? scale->data_ptr<double>() : nullptr, grad.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return grad;
 }
 
 bool distill_in_place_ok(int64_t vocab, int64_t element_size, bool topk) {

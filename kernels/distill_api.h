@@ -76,5 +76,24 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
                                              const c10::optional<at::Tensor>& labels, int64_t ignore_index,
                                              double slack_log);
 
+// A top-k teacher over a vocabulary split across processes (vocab_parallel.py's topk_rows): this process holds
+// the student's rows [n, v] of the slice that starts at `offset` of the vocabulary; norms [n, 4] are the rows'
+// global normalisers (distill_combine's; the student's in columns 0-1); idx int64 [n, k] the teacher's global
+// indices (each row's distinct). Returns [n, k + 1] float64: column j < k the log2 of the student's probability of
+// idx[:, j] where this slice holds it, else 0; column k this slice's share of the tail's mass (the sum of the
+// student's probabilities over the entries of the slice that are not among the row's indices).
+at::Tensor distill_topk_slice(const at::Tensor& student, const at::Tensor& norms, const at::Tensor& idx, int64_t offset,
+                              double temperature);
+
+// The student's gradient [n, v] (its dtype) over the same slice, from the k + 1 buckets' gradients g_buckets
+// [n, k + has_tail] (the accumulation dtype; distill_forward's over the buckets) and the gathered sums whole
+// [n, k + 1] (float64; column k the tail's mass): an entry among the indices gets its bucket's gradient, any other
+// p_v g_tail / p_tail (its share of the tail's; 0 without a tail or mass), each times scale (a 0-d float64 on the
+// device, or none for 1) before rounding; rows whose label is ignore_index get zeros.
+at::Tensor distill_topk_slice_grad(const at::Tensor& student, const at::Tensor& norms, const at::Tensor& idx,
+                                   int64_t offset, double temperature, const at::Tensor& g_buckets,
+                                   const at::Tensor& whole, bool has_tail, const c10::optional<at::Tensor>& labels,
+                                   int64_t ignore_index, const c10::optional<at::Tensor>& scale);
+
 // grad [n, v] *= grad_out (one value, or one per row), skipped (on the device) for rows whose factor is 1.
 void distill_scale_grad_(at::Tensor grad, const at::Tensor& grad_out);

@@ -24,6 +24,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("distill_topk_prepare", &distill_topk_prepare, "a top-k teacher normalised, with its checks' flags",
         py::arg("idx"), py::arg("lp"), py::arg("vocab"), py::arg("labels"), py::arg("ignore_index"),
         py::arg("slack_log"));
+  m.def("distill_topk_slice", &distill_topk_slice, "a split top-k teacher: this slice's members and tail mass",
+        py::arg("student"), py::arg("norms"), py::arg("idx"), py::arg("offset"), py::arg("temperature"));
+  m.def("distill_topk_slice_grad", &distill_topk_slice_grad, "a split top-k teacher: this slice's gradient",
+        py::arg("student"), py::arg("norms"), py::arg("idx"), py::arg("offset"), py::arg("temperature"),
+        py::arg("g_buckets"), py::arg("whole"), py::arg("has_tail"), py::arg("labels"), py::arg("ignore_index"),
+        py::arg("scale"));
   m.def("distill_scale_grad_", &distill_scale_grad_, "grad *= grad_out per row, skipping factors of 1", py::arg("grad"),
         py::arg("grad_out"));
 }

@@ -457,6 +457,104 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
   return {out, flags};
 }
 
+namespace distill {
+namespace {
+
+// distill_topk_slice's rows (see distill_api.h): members' log2 probabilities, the other entries' mass in double.
+template <typename T>
+void topk_slice_rows(const at::Tensor& student, const at::Tensor& norms, const at::Tensor& idx, int64_t offset,
+                     double temperature, at::Tensor& part) {
+  using A = typename AccOf<T>::type;
+  const int64_t n = student.size(0), v = student.size(1), k = idx.size(1), stride = student.stride(0);
+  const T* const s_base = student.data_ptr<T>();  // before the parallel region (see RowPtrs)
+  const A* const nr_base = norms.data_ptr<A>();
+  const int64_t* const idx_base = idx.data_ptr<int64_t>();
+  double* const out = part.data_ptr<double>();
+  const A k2 = static_cast<A>(kLog2e / temperature);
+#pragma omp parallel for schedule(static) if (n * v >= kParallelMin)
+  for (int64_t i = 0; i < n; ++i) {
+    const T* x = s_base + i * stride;
+    const Norm<A> nm{nr_base[4 * i], nr_base[4 * i + 1]};
+    std::vector<char> member(static_cast<size_t>(v), 0);
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = idx_base[i * k + j] - offset;
+      const bool here = e >= 0 && e < v;
+      if (here) member[static_cast<size_t>(e)] = 1;
+      out[i * (k + 1) + j] = here ? static_cast<double>(log2_prob(static_cast<A>(x[e]), k2, nm)) : 0.0;
+    }
+    double tail = 0.0;  // in order, in double
+    for (int64_t e = 0; e < v; ++e)
+      if (!member[static_cast<size_t>(e)]) tail += static_cast<double>(d_exp2(log2_prob(static_cast<A>(x[e]), k2, nm)));
+    out[i * (k + 1) + k] = tail;
+  }
+}
+
+// distill_topk_slice_grad's rows: the other entries' share of the tail's gradient, then the members' buckets'.
+template <typename T>
+void topk_slice_grad_rows(const at::Tensor& student, const at::Tensor& norms, const at::Tensor& idx, int64_t offset,
+                          double temperature, const at::Tensor& g_buckets, const at::Tensor& whole, bool has_tail,
+                          const int64_t* lab, int64_t ignore_index, double scale, at::Tensor& grad) {
+  using A = typename AccOf<T>::type;
+  const int64_t n = student.size(0), v = student.size(1), k = idx.size(1), stride = student.stride(0);
+  const int64_t gw = g_buckets.size(1);
+  const T* const s_base = student.data_ptr<T>();  // before the parallel region (see RowPtrs)
+  T* const g_base = grad.data_ptr<T>();
+  const A* const nr_base = norms.data_ptr<A>();
+  const int64_t* const idx_base = idx.data_ptr<int64_t>();
+  const A* const gb = g_buckets.data_ptr<A>();
+  const double* const wh = whole.data_ptr<double>();
+  const A sc = static_cast<A>(scale);
+  const A k2 = static_cast<A>(kLog2e / temperature);
+#pragma omp parallel for schedule(static) if (n * v >= kParallelMin)
+  for (int64_t i = 0; i < n; ++i) {
+    const T* x = s_base + i * stride;
+    T* g = g_base + i * v;
+    if (lab && lab[i] == ignore_index) {
+      std::fill(g, g + v, static_cast<T>(0));
+      continue;
+    }
+    const Norm<A> nm{nr_base[4 * i], nr_base[4 * i + 1]};
+    const double p_tail = wh[i * (k + 1) + k];
+    // An entry's share of the tail's gradient: p_v g_tail / p_tail (the ratio in double).
+    const A coef = has_tail && p_tail > 0.0 ? static_cast<A>(static_cast<double>(gb[i * gw + k]) / p_tail) : A(0);
+    for (int64_t e = 0; e < v; ++e) g[e] = static_cast<T>(d_exp2(log2_prob(static_cast<A>(x[e]), k2, nm)) * coef * sc);
+    for (int64_t j = 0; j < k; ++j) {  // the members: their buckets' gradients
+      const int64_t e = idx_base[i * k + j] - offset;
+      if (e >= 0 && e < v) g[e] = static_cast<T>(gb[i * gw + j] * sc);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace distill
+
+at::Tensor distill_topk_slice(const at::Tensor& student, const at::Tensor& norms, const at::Tensor& idx, int64_t offset,
+                              double temperature) {
+  check_device(student);
+  check_topk_slice(student, norms, idx, offset, temperature);
+  at::Tensor part = at::empty({student.size(0), idx.size(1) + 1}, student.options().dtype(at::kDouble));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, student.scalar_type(), "distill_topk_slice",
+                                  [&] { topk_slice_rows<scalar_t>(student, norms, idx, offset, temperature, part); });
+  return part;
+}
+
+at::Tensor distill_topk_slice_grad(const at::Tensor& student, const at::Tensor& norms, const at::Tensor& idx,
+                                   int64_t offset, double temperature, const at::Tensor& g_buckets,
+                                   const at::Tensor& whole, bool has_tail, const c10::optional<at::Tensor>& labels,
+                                   int64_t ignore_index, const c10::optional<at::Tensor>& scale) {
+  check_device(student);
+  const auto acc = check_topk_slice(student, norms, idx, offset, temperature);
+  check_topk_slice_grad(student, idx, g_buckets, whole, has_tail, labels, scale, acc);
+  at::Tensor grad = at::empty({student.size(0), student.size(1)}, student.options());
+  const int64_t* lab = labels.has_value() ? labels->data_ptr<int64_t>() : nullptr;
+  const double sc = scale.has_value() ? scale->item<double>() : 1.0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, student.scalar_type(), "distill_topk_slice_grad", [&] {
+    topk_slice_grad_rows<scalar_t>(student, norms, idx, offset, temperature, g_buckets, whole, has_tail, lab,
+                                   ignore_index, sc, grad);
+  });
+  return grad;
+}
+
 bool distill_in_place_ok(int64_t, int64_t, bool) { return true; }  // each entry is read before it is written
 
 void distill_scale_grad_(at::Tensor grad, const at::Tensor& grad_out) {

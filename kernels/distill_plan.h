@@ -188,6 +188,50 @@ inline void check_topk_prepare(const at::Tensor& idx, const at::Tensor& lp, cons
   }
 }
 
+// A top-k teacher's split-vocabulary kernels (distill_topk_slice, distill_topk_slice_grad): student rows
+// [n, v] (this rank's slice, starting at `offset` of the vocabulary), their global normalisers [n, 4] of the
+// accumulation dtype (the student's in columns 0-1), the teacher's global indices int64 [n, k], contiguous, all on
+// one device; a positive temperature. Returns the accumulation dtype.
+inline at::ScalarType check_topk_slice(const at::Tensor& student, const at::Tensor& norms, const at::Tensor& idx,
+                                       int64_t offset, double temperature) {
+  TORCH_CHECK(student.dim() == 2 && student.stride(1) == 1 &&
+                  (student.scalar_type() == at::kHalf || student.scalar_type() == at::kBFloat16 ||
+                   student.scalar_type() == at::kFloat || student.scalar_type() == at::kDouble),
+              "distill: the student's rows must be floating-point [rows, vocabulary slice] with unit stride along it");
+  const auto acc = acc_type(student.scalar_type());
+  TORCH_CHECK(norms.dim() == 2 && norms.size(0) == student.size(0) && norms.size(1) == 4 && norms.is_contiguous() &&
+                  norms.scalar_type() == acc && norms.device() == student.device(),
+              "distill: the rows' normalisers must be contiguous [rows, 4] of the accumulation dtype beside the rows");
+  TORCH_CHECK(idx.dim() == 2 && idx.size(0) == student.size(0) && idx.size(1) >= 1 && idx.is_contiguous() &&
+                  idx.scalar_type() == at::kLong && idx.device() == student.device(),
+              "distill: top-k indices must be contiguous int64 [rows, k >= 1] beside the rows");
+  TORCH_CHECK(offset >= 0, "distill: the slice's offset must be >= 0");
+  TORCH_CHECK(temperature > 0.0 && std::isfinite(temperature), "distill: temperature must be positive and finite");
+  return acc;
+}
+
+// distill_topk_slice_grad's further operands: the buckets' gradients [n, k + has_tail] of the accumulation dtype,
+// the gathered sums [n, k + 1] float64, labels (contiguous int64 [n] or none) and the scale (a 0-d float64 or
+// none), all beside the rows.
+inline void check_topk_slice_grad(const at::Tensor& student, const at::Tensor& idx, const at::Tensor& g_buckets,
+                                  const at::Tensor& whole, bool has_tail, const c10::optional<at::Tensor>& labels,
+                                  const c10::optional<at::Tensor>& scale, at::ScalarType acc) {
+  const int64_t n = student.size(0), k = idx.size(1);
+  TORCH_CHECK(g_buckets.dim() == 2 && g_buckets.size(0) == n && g_buckets.size(1) == k + (has_tail ? 1 : 0) &&
+                  g_buckets.is_contiguous() && g_buckets.scalar_type() == acc && g_buckets.device() == student.device(),
+              "distill: the buckets' gradients must be contiguous [rows, k + 1 with a tail, else k] of the "
+              "accumulation dtype beside the rows");
+  TORCH_CHECK(whole.dim() == 2 && whole.size(0) == n && whole.size(1) == k + 1 && whole.is_contiguous() &&
+                  whole.scalar_type() == at::kDouble && whole.device() == student.device(),
+              "distill: the gathered bucket sums must be contiguous float64 [rows, k + 1] beside the rows");
+  TORCH_CHECK(!labels.has_value() || (labels->dim() == 1 && labels->size(0) == n && labels->is_contiguous() &&
+                                      labels->scalar_type() == at::kLong && labels->device() == student.device()),
+              "distill: labels must be contiguous int64 [rows] on the logits' device");
+  TORCH_CHECK(!scale.has_value() ||
+                  (scale->numel() == 1 && scale->scalar_type() == at::kDouble && scale->device() == student.device()),
+              "distill: the gradient's scale must be one float64 value on the logits' device");
+}
+
 // distill_topk_prepare's flags (int32 [3]): an index outside the vocabulary, a repeated index, a row's mass not
 // that of a distribution.
 enum TopkFlag : int { FLAG_RANGE = 0, FLAG_DUP = 1, FLAG_MASS = 2 };

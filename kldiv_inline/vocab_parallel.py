@@ -38,7 +38,7 @@ __all__ = ["generalized_jsd_vocab_parallel", "divergence_rows", "topk_rows", "vo
            "resolve_group"]
 
 
-_LOG2E, _LN2 = 1 / math.log(2), math.log(2)
+_LN2 = math.log(2)
 
 # One collective into one tensor: all_gather_single where torch has it (it deprecates all_gather_into_tensor).
 _GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -98,40 +98,31 @@ def topk_rows(student: Tensor, idx: Tensor, lp: Tensor, labels: Tensor | None, i
     the fused head's batchmean divisor, applied before the gradient is rounded to the logits' dtype).
 
     The divergence runs over k + 1 buckets (the k tokens, the tail) whose student probabilities need the whole
-    row: each rank gives the log-probabilities of the members it holds and its part of the tail's mass (one
-    all-gather), then every rank runs the one-device kernel on the same k + 1 "logits" per token (T times the
-    buckets' log-probabilities, the members at 0..k-1): the same loss, and the gradients of the buckets. A member's
-    gradient is its bucket's; a tail entry's is its share of the tail's (p_v / p_tail), as in the kernel."""
+    row: each rank gives the log-probabilities of the members it holds and its part of the tail's mass (the
+    module's distill_topk_slice; one all-gather), then every rank runs the one-device kernel on the same k + 1
+    "logits" per token (T times the buckets' log-probabilities, the members at 0..k-1): the same loss, and the
+    gradients of the buckets. A member's gradient is its bucket's; a tail entry's is its share of the tail's
+    (p_v / p_tail), as in the kernel (distill_topk_slice_grad)."""
     mod = distill._module(student.device)
-    n, v = student.shape
+    n = student.shape[0]
     k = idx.shape[1]
     acc = distill._acc_dtype(student.dtype)
     common = (labels, ignore_index, beta, temperature)
     # The student's normaliser over the whole row (phase 0 gives the teacher's too: the student stands in).
     local_norms = mod.distill_phase(0, student, student, *common, None, None, None, False, False)[0]
     norms = mod.distill_combine(_all_gather(local_norms, group), 0)[0]
-    log2_p = (student.to(acc) * (_LOG2E / temperature) - norms[:, :1]) - norms[:, 1:2]  # as the kernels' log2_prob
-    p = torch.exp2(log2_p)
-    here = (idx >= offset) & (idx < offset + v)
-    col = torch.where(here, idx - offset, v)  # members held elsewhere go to a spare column
-    member = torch.zeros((n, v + 1), dtype=torch.bool, device=student.device).scatter_(1, col, True)[:, :v]
-    part = torch.cat([torch.where(here, log2_p.gather(1, col.clamp_max(v - 1)), 0.0).double(),
-                      (p * ~member).sum(dim=1, dtype=torch.float64, keepdim=True)], dim=1)
+    part = mod.distill_topk_slice(student, norms, idx, offset, temperature)
     whole = _sum_in_rank_order(_all_gather(part, group))  # each member held by one rank; the tails summed
-    p_tail = whole[:, k]
     buckets = whole[:, :k] * _LN2
     if k < vocab:  # a tail bucket only where some of the vocabulary is outside the top-k
-        buckets = torch.cat([buckets, p_tail.log()[:, None]], dim=1)
+        buckets = torch.cat([buckets, whole[:, k:].log()], dim=1)
     arange = torch.arange(k, device=student.device).expand(n, k).contiguous()
     loss, g_buckets, _ = mod.distill_forward((buckets * temperature).to(acc), None, arange, lp, labels, ignore_index,
                                              beta, temperature, reduction, want_s, False)
     if not want_s:
         return loss, None
-    coef = torch.zeros_like(p_tail) if k == vocab else torch.where(p_tail > 0, g_buckets[:, k].double() / p_tail, 0.0)
-    grad = torch.cat([p * coef[:, None].to(acc), p.new_zeros((n, 1))], dim=1).scatter_(1, col, g_buckets[:, :k])
-    keep = labels != ignore_index if labels is not None else torch.ones(n, dtype=torch.bool, device=student.device)
-    grad = torch.where(keep[:, None], grad[:, :v], 0.0)
-    return loss, (grad if scale is None else grad * scale.to(grad.dtype)).to(student.dtype)
+    return loss, mod.distill_topk_slice_grad(student, norms, idx, offset, temperature, g_buckets, whole, k < vocab,
+                                             labels, ignore_index, scale)
 
 
 def _run(student: Tensor, teacher: Tensor | None, idx: Tensor | None, lp: Tensor | None, labels: Tensor | None,

@@ -524,3 +524,75 @@ def test_group_must_be_a_process_group():
     s = torch.randn(3, 8)
     with pytest.raises(TypeError, match="ProcessGroup"):
         K.generalized_jsd(s, torch.randn(3, 8), group="world")
+
+
+def _log2_norms(x64, k2):
+    """Base-2 (max, log2 sum 2^(x k2 - max)) of each row of float64 logits."""
+    y = x64 * k2
+    mx = y.amax(dim=1)
+    return mx, torch.log2(torch.exp2(y - mx[:, None]).sum(dim=1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_topk_slices_match_float64(device, dtype):
+    # A split top-k teacher's two module kernels, slice by slice (the last slice empty): the members' log2
+    # probabilities where a slice holds them (0 elsewhere) and each slice's tail mass, then the gradient (members:
+    # their buckets'; others: p_v g_tail / p_tail; masked rows 0; times the scale), against float64 per element.
+    # Outputs come from poisoned memory, so an entry a kernel skips reads NaN.
+    from kldiv_inline.harness import poisoned
+
+    mod = K.load(device, extension="distill")
+    n, v, k, temp = 6, 301, 7, 1.7
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    x = (torch.randn(n, v, dtype=torch.float64) * 3).to(dtype)
+    x[2, 250:] = float("-inf")  # a padded row: its last slice's entries have no mass
+    x64 = x.double()
+    idx = torch.stack([torch.randperm(v)[:k] for _ in range(n)])
+    idx[2, 0] = 260  # a member with no mass
+    k2 = math.log2(math.e) / temp
+    mx, lz = _log2_norms(x64, k2)
+    norms = torch.stack([mx, lz, mx, lz], dim=1).to(acc)
+    lp2 = x64 * k2 - mx[:, None] - lz[:, None]
+    member = torch.zeros(n, v, dtype=torch.bool).scatter_(1, idx, True)
+    want_tail = torch.where(member, 0.0, torch.exp2(lp2)).sum(dim=1)
+    cuts = [(0, 123), (123, 301), (301, 301)]
+    tol = 1e-12 if dtype == torch.float64 else 4e-6
+    dev = dict(device=device)
+    with poisoned(device):
+        parts = [mod.distill_topk_slice(x[:, lo:hi].to(**dev), norms.to(**dev), idx.to(**dev), lo, temp).cpu()
+                 for lo, hi in cuts]
+    for (lo, hi), part in zip(cuts, parts):
+        here = (idx >= lo) & (idx < hi)
+        assert part.shape == (n, k + 1) and part.dtype == torch.float64
+        assert torch.equal(part[:, :k][~here], torch.zeros(int((~here).sum()), dtype=torch.float64))
+        got, want = part[:, :k][here], lp2.gather(1, idx)[here]
+        assert torch.equal(got.isinf(), want.isinf()) and (got[want.isinf()] == want[want.isinf()]).all()
+        torch.testing.assert_close(got[~want.isinf()], want[~want.isinf()], rtol=tol, atol=tol)
+    whole = parts[0] + parts[1] + parts[2]
+    torch.testing.assert_close(whole[:, k], want_tail, rtol=tol, atol=0)
+
+    labels = torch.tensor([3, -100, 5, 7, -100, 1])
+    scale = torch.tensor(0.3, dtype=torch.float64)
+    for has_tail in (True, False):
+        gb = torch.randn(n, k + has_tail, dtype=acc)
+        with poisoned(device):
+            grads = [mod.distill_topk_slice_grad(x[:, lo:hi].to(**dev), norms.to(**dev), idx.to(**dev), lo, temp,
+                                                 gb.to(**dev), whole.to(**dev), has_tail, labels.to(**dev), -100,
+                                                 scale.to(**dev)).cpu() for lo, hi in cuts]
+        grad = torch.cat(grads, dim=1)
+        assert grad.dtype == dtype and grad.shape == (n, v)
+        coef = gb[:, -1].double() / whole[:, k] if has_tail else torch.zeros(n, dtype=torch.float64)
+        want = torch.exp2(lp2) * coef[:, None]
+        want = want.scatter(1, idx, gb[:, :k].double()) * 0.3
+        want[labels == -100] = 0.0
+        assert (grad[labels == -100] == 0).all()
+        rtol = {torch.bfloat16: 8e-3, torch.float32: 4e-6, torch.float64: 1e-12}[dtype]
+        torch.testing.assert_close(grad.double(), want, rtol=rtol, atol=rtol * want.abs().max().item())
+
+    with pytest.raises(RuntimeError, match="normalisers"):
+        mod.distill_topk_slice(x.to(**dev), norms[:, :2].contiguous().to(**dev), idx.to(**dev), 0, temp)
+    with pytest.raises(RuntimeError, match="int64"):
+        mod.distill_topk_slice(x.to(**dev), norms.to(**dev), idx.int().to(**dev), 0, temp)
+    with pytest.raises(RuntimeError, match="bucket sums"):
+        mod.distill_topk_slice_grad(x.to(**dev), norms.to(**dev), idx.to(**dev), 0, temp, gb.to(**dev),
+                                    whole[:, :k].contiguous().to(**dev), False, None, -100, None)
