@@ -3,8 +3,9 @@
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
         torchrun --standalone --nproc-per-node 2 tools/profile_vocab_parallel.py [--beta 0] [--steps 5] \\
-        [--trace DIR]
+        [--topk K] [--trace DIR]
 
+--topk K: the teacher as its top K log-probabilities (global indices) instead of logits.
 Rank 0 prints, for the one-device op (rank 0 alone, the whole rows) and the split one: the step timed with CUDA
 events back to back, the host's wall time per step (no synchronisation inside), and from a host + device trace
 of --steps steps back to back: the GPU time of each kernel name (per step; a collective's includes its waiting
@@ -31,6 +32,7 @@ ap.add_argument("--beta", type=float, default=0.0)
 ap.add_argument("--steps", type=int, default=5)
 ap.add_argument("--tokens", type=int, default=4096)
 ap.add_argument("--vocab", type=int, default=128256)
+ap.add_argument("--topk", type=int, default=0, help="the teacher's top K log-probabilities instead of its logits")
 ap.add_argument("--trace", default=None, help="a folder: each rank's chrome trace of the split step goes there")
 args = ap.parse_args()
 
@@ -45,13 +47,19 @@ labels = torch.randint(0, v, (n,), generator=gen, device="cuda")
 labels = labels.masked_fill(torch.rand(n, generator=gen, device="cuda") < 0.1, -100)
 lo, hi = rank * v // world, (rank + 1) * v // world
 parts = (s[:, lo:hi].contiguous(), t[:, lo:hi].contiguous())
+topk = None
+if args.topk:  # a served teacher's top-k: global indices and log-probabilities, the same on every rank
+    lp, idx = torch.log_softmax(t.float() / 2.0, dim=-1).topk(args.topk, dim=-1)
+    topk = (idx, lp)
+    t, parts = None, (parts[0], None)  # (the logits' memory freed)
 
 
 def stepper(student, teacher, group):
     leaf = student.detach().requires_grad_()
+    given = {"teacher_topk": topk} if topk is not None else {"teacher_logits": teacher}
 
     def step():
-        loss = K.generalized_jsd(leaf, teacher, beta=args.beta, temperature=2.0, labels=labels, group=group)
+        loss = K.generalized_jsd(leaf, beta=args.beta, temperature=2.0, labels=labels, group=group, **given)
         return torch.autograd.grad(loss, [leaf])
     return step
 
@@ -64,6 +72,12 @@ def report(name, step, everyone):
         step()
     torch.cuda.synchronize()
     ms = quantiles(time_cuda(step, [()], reps=15, warmup=3))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
     host = host_ms_per_step(step)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
@@ -83,7 +97,8 @@ def report(name, step, everyone):
     # so the GPU's own work is counted without it.
     work = busy((e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower())
     span = (spans[-1][1] - spans[0][0]) if spans else 0.0
-    print(f"\n== {name}: {ms[0]:.3f} ms a step (q20 {ms[1]:.3f}, q80 {ms[2]:.3f}), host wall {host:.3f} ms a step; "
+    print(f"\n== {name}: {ms[0]:.3f} ms a step (q20 {ms[1]:.3f}, q80 {ms[2]:.3f}), host wall {host:.3f} ms a step, "
+          f"peak {peak_mib:.0f} MiB above the inputs; "
           f"trace of {args.steps} steps: GPU busy outside collectives {work / 1e3 / args.steps:.3f} ms a step, "
           f"first kernel to last {span / 1e3 / args.steps:.3f} ms a step (collective kernels include their "
           "waiting for the other ranks)", flush=True)
