@@ -419,7 +419,6 @@ __global__ void __launch_bounds__(kStreamThreads, 4) phase_stream_kernel(const P
   constexpr bool TERMS = PHASE == PHASE_TERMS;
   static_assert(TERMS || PHASE == PHASE_GRAD, "the normalisers are phase_norms_kernel's");
   static_assert(kStreamThreads == kFastThreads, "zero_slice strides by kFastThreads");
-  __shared__ float4 slots[kStreamThreads / 32];
   const int64_t row = blockIdx.x;
   const int count = static_cast<int>(p.v);
   T* gs = GRAD ? p.gs + row * p.gs_stride : nullptr;
@@ -436,7 +435,22 @@ __global__ void __launch_bounds__(kStreamThreads, 4) phase_stream_kernel(const P
   const float scale = static_cast<float>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(p.inv_t));
   const float ks = TERMS ? 0.f : p.k_in[2 * row];
   const int chunks = count / Vec<T>::N;
+  // A thread's sums. ks and kt are plain sums whose terms change sign, and the gradients subtract them from
+  // per-entry values close to them (the JSD's u_s - ks): summed in float over a thread's ~250 entries of a 64k
+  // slice they moved a float32 JSD gradient by ~1e-5 relative (an emulation of this order against float64; 3.5e-6
+  // in fast_rows' cluster order). So each iteration's (U chunks') ks and kt are moved into double sums (1.2e-6 in
+  // the emulation; kernels/NOTES.md, version 17). Forward KL keeps its kt (used only for a teacher's gradient) in
+  // float: the doubles cost its hot instance (bf16, the student's gradient) 24 bytes of spill.
+  constexpr bool DOUBLE_K = TERMS && MODE != FORWARD_KL;
   Terms<float> acc{0.f, 0.f, 0.f};
+  double ks_sum = 0.0, kt_sum = 0.0;
+  auto flush = [&]() {
+    if constexpr (DOUBLE_K) {
+      ks_sum += static_cast<double>(acc.ks);
+      kt_sum += static_cast<double>(acc.kt);
+      acc.ks = acc.kt = 0.f;
+    }
+  };
   auto pass = [&](auto close_c) {
     constexpr bool CLOSE = decltype(close_c)::value;
     // An entry's gradient before the scale (0 where this launch writes none), its terms added to acc.
@@ -472,15 +486,18 @@ __global__ void __launch_bounds__(kStreamThreads, 4) phase_stream_kernel(const P
         }
         if (GRAD) store_chunk(gs + static_cast<int64_t>(c) * N, g, true);
       }
+      if constexpr (TERMS) flush();
     }
     for (int j = chunks * N + static_cast<int>(threadIdx.x); j < count; j += kStreamThreads) {  // short of a chunk
       const float d = entry(static_cast<float>(s[j]), static_cast<float>(t[j]));
       if (GRAD) gs[j] = static_cast<T>(d * scale);
+      if constexpr (TERMS) flush();
     }
   };
   if (rn.close) pass(std::true_type{});
   else pass(std::false_type{});
-  if constexpr (TERMS) {  // the row's sums: each warp's, then the warps' in order
+  if constexpr (TERMS && !DOUBLE_K) {  // the row's sums: each warp's, then the warps' in order
+    __shared__ float4 slots[kStreamThreads / 32];
     const float l = warp_sum(acc.loss), a = warp_sum(acc.ks), b = warp_sum(acc.kt);
     if ((threadIdx.x & 31) == 0) slots[threadIdx.x >> 5] = make_float4(l, a, b, 0.f);
     __syncthreads();
@@ -494,6 +511,28 @@ __global__ void __launch_bounds__(kStreamThreads, 4) phase_stream_kernel(const P
       p.out[3 * row] = r.x;
       p.out[3 * row + 1] = r.y;
       p.out[3 * row + 2] = r.z;
+    }
+  } else if constexpr (DOUBLE_K) {  // the same, ks and kt in double
+    __shared__ float slot_loss[kStreamThreads / 32];
+    __shared__ double2 slot_k[kStreamThreads / 32];
+    const float l = warp_sum(acc.loss);
+    const double a = warp_sum(ks_sum), b = warp_sum(kt_sum);
+    if ((threadIdx.x & 31) == 0) {
+      slot_loss[threadIdx.x >> 5] = l;
+      slot_k[threadIdx.x >> 5] = make_double2(a, b);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float rl = slot_loss[0];
+      double2 rk = slot_k[0];
+      for (int w = 1; w < kStreamThreads / 32; ++w) {
+        rl += slot_loss[w];
+        rk.x += slot_k[w].x;
+        rk.y += slot_k[w].y;
+      }
+      p.out[3 * row] = rl;
+      p.out[3 * row + 1] = static_cast<float>(rk.x);
+      p.out[3 * row + 2] = static_cast<float>(rk.y);
     }
   }
 }
