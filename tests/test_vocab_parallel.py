@@ -548,7 +548,8 @@ def test_topk_slices_match_float64(device, dtype):
     x[2, 250:] = float("-inf")  # a padded row: its last slice's entries have no mass
     x64 = x.double()
     idx = torch.stack([torch.randperm(v)[:k] for _ in range(n)])
-    idx[2, 0] = 260  # a member with no mass
+    others = torch.randperm(v)
+    idx[2] = torch.cat([torch.tensor([260]), others[others != 260][:k - 1]])  # a member with no mass (distinct)
     k2 = math.log2(math.e) / temp
     mx, lz = _log2_norms(x64, k2)
     norms = torch.stack([mx, lz, mx, lz], dim=1).to(acc)
