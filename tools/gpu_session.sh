@@ -10,10 +10,11 @@
 #   tools/gpu_session.sh sweep     # the fused LM head at 1k-16k tokens -> ${RESULTS:-results}/linear-sweep/<card>/
 #   tools/gpu_session.sh errors    # the kit's modules raise their errors (each call in a process of its own)
 #   tools/gpu_session.sh split     # two GPUs: the split step profiled against one GPU, forward KL and the JSD
+#   tools/gpu_session.sh topk      # two GPUs: the same with the teacher's top 100 log-probabilities (time, memory)
 # Two GPUs: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2 \
 #   tools/bench_vocab_parallel.py    # the vocabulary split across GPUs -> results/<card>-x2/
 set -euo pipefail
-mode=${1:?test|results|notebooks|sweep|errors|split}
+mode=${1:?test|results|notebooks|sweep|errors|split|topk}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -30,6 +31,9 @@ case $mode in
     for beta in 0 0.5; do
       torchrun --standalone --nproc-per-node 2 tools/profile_vocab_parallel.py --beta "$beta"
     done ;;
+  topk)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    torchrun --standalone --nproc-per-node 2 tools/profile_vocab_parallel.py --topk 100 ;;
   notebooks)
     for nb in notebooks/0*.ipynb; do
       python3 - "$nb" <<'PY'
