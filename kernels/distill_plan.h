@@ -28,6 +28,14 @@ inline at::Tensor opt(const c10::optional<at::Tensor>& o) { return o.has_value()
 
 inline at::ScalarType acc_type(at::ScalarType st) { return st == at::kDouble ? at::kDouble : at::kFloat; }
 
+// Labels (undefined: none) for n rows: contiguous int64 [n] on `device`, named in the error as the `where` device
+// ("logits'", "rows'", "indices'").
+inline void check_labels(const at::Tensor& labels, int64_t n, const at::Device& device, const char* where) {
+  TORCH_CHECK(!labels.defined() || (labels.dim() == 1 && labels.size(0) == n && labels.is_contiguous() &&
+                                    labels.scalar_type() == at::kLong && labels.device() == device),
+              "distill: labels must be contiguous int64 [rows] on the ", where, " device");
+}
+
 inline Rows prepare_rows(const at::Tensor& student, const c10::optional<at::Tensor>& teacher,
                          const c10::optional<at::Tensor>& topk_idx, const c10::optional<at::Tensor>& topk_lp,
                          const c10::optional<at::Tensor>& labels) {
@@ -62,11 +70,7 @@ inline Rows prepare_rows(const at::Tensor& student, const c10::optional<at::Tens
                 "logits), beside the indices");
     r.k = r.idx.size(1);
   }
-  if (r.labels.defined()) {
-    TORCH_CHECK(r.labels.dim() == 1 && r.labels.size(0) == r.n && r.labels.is_contiguous() &&
-                    r.labels.scalar_type() == at::kLong && r.labels.device() == r.s.device(),
-                "distill: labels must be contiguous int64 [rows] on the logits' device");
-  }
+  check_labels(r.labels, r.n, r.s.device(), "logits'");
   return r;
 }
 
@@ -100,10 +104,7 @@ inline int64_t check_combine(const at::Tensor& parts, int64_t reduction, const c
 inline void check_scale_labels(const at::Tensor& rows, const c10::optional<at::Tensor>& labels, int64_t reduction) {
   TORCH_CHECK(rows.dim() >= 1, "distill: the rows must have a leading dimension");
   TORCH_CHECK(reduction >= RED_NONE && reduction <= RED_BATCHMEAN, "distill: unknown reduction code ", reduction);
-  TORCH_CHECK(
-      !labels.has_value() || (labels->dim() == 1 && labels->size(0) == rows.size(0) && labels->is_contiguous() &&
-                              labels->scalar_type() == at::kLong && labels->device() == rows.device()),
-      "distill: labels must be contiguous int64 [rows] on the rows' device");
+  check_labels(opt(labels), rows.size(0), rows.device(), "rows'");
 }
 
 // A scale computed on the device (a reduction's divisor): one float64 value on the logits' device; its address.
@@ -181,11 +182,7 @@ inline void check_topk_prepare(const at::Tensor& idx, const at::Tensor& lp, cons
                   (lp.scalar_type() == at::kFloat || lp.scalar_type() == at::kDouble) && lp.device() == idx.device(),
               "distill: top-k log-probabilities must be contiguous float32/float64 [rows, k] beside the indices");
   TORCH_CHECK(vocab >= 1 && idx.size(1) >= 1 && idx.size(1) <= vocab, "distill: top-k needs 1 <= k <= vocabulary");
-  if (labels.has_value()) {
-    TORCH_CHECK(labels->dim() == 1 && labels->size(0) == idx.size(0) && labels->is_contiguous() &&
-                    labels->scalar_type() == at::kLong && labels->device() == idx.device(),
-                "distill: labels must be contiguous int64 [rows] on the indices' device");
-  }
+  check_labels(opt(labels), idx.size(0), idx.device(), "indices'");
 }
 
 // A top-k teacher's split-vocabulary kernels (distill_topk_slice, distill_topk_slice_grad): student rows
@@ -224,9 +221,7 @@ inline void check_topk_slice_grad(const at::Tensor& student, const at::Tensor& i
   TORCH_CHECK(whole.dim() == 2 && whole.size(0) == n && whole.size(1) == k + 1 && whole.is_contiguous() &&
                   whole.scalar_type() == at::kDouble && whole.device() == student.device(),
               "distill: the gathered bucket sums must be contiguous float64 [rows, k + 1] beside the rows");
-  TORCH_CHECK(!labels.has_value() || (labels->dim() == 1 && labels->size(0) == n && labels->is_contiguous() &&
-                                      labels->scalar_type() == at::kLong && labels->device() == student.device()),
-              "distill: labels must be contiguous int64 [rows] on the logits' device");
+  check_labels(opt(labels), n, student.device(), "logits'");
   TORCH_CHECK(!scale.has_value() ||
                   (scale->numel() == 1 && scale->scalar_type() == at::kDouble && scale->device() == student.device()),
               "distill: the gradient's scale must be one float64 value on the logits' device");
