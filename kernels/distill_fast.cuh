@@ -317,6 +317,21 @@ __global__ void __launch_bounds__(256) fast_rows_total_kernel(const float* __res
   if (lane == 0) rows[row] = s;
 }
 
+// A thread's next U 16-byte chunks of two rows (c0, c0 + STRIDE, ..., those below `chunks`; the rest are left
+// unset), every load issued before any is used: the split's streaming kernels' loads.
+template <int STRIDE, typename T, int U>
+__device__ __forceinline__ void load_chunk_pairs(const T* s, const T* t, int c0, int chunks, Vec<T> (&vs)[U],
+                                                 Vec<T> (&vt)[U]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int c = c0 + u * STRIDE;
+    if (c < chunks) {
+      vs[u] = load_chunk(s + static_cast<int64_t>(c) * Vec<T>::N, true);
+      vt[u] = load_chunk(t + static_cast<int64_t>(c) * Vec<T>::N, true);
+    }
+  }
+}
+
 // Phase 0 of a split vocabulary (PHASE_NORMS) where the fast kernel runs (aligned 16-bit or float32 rows): each
 // row's two normalisers (max of x k2, log2 of the sum of 2^(x k2 - max)) straight from device memory, one block
 // per row, each thread a running (max, sum) over its 16-byte chunks, kNormUnroll of each tensor loaded before
@@ -359,14 +374,7 @@ template <typename T> __global__ void __launch_bounds__(kNormThreads) phase_norm
   float ms = ninf<float>(), ls = 0.f, mt = ninf<float>(), lt = 0.f;
   for (int c0 = threadIdx.x; c0 < chunks; c0 += kNormThreads * U) {
     Vec<T> vs[U], vt[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + u * kNormThreads;
-      if (c < chunks) {
-        vs[u] = load_chunk(s + static_cast<int64_t>(c) * N, true);
-        vt[u] = load_chunk(t + static_cast<int64_t>(c) * N, true);
-      }
-    }
+    load_chunk_pairs<kNormThreads>(s, t, c0, chunks, vs, vt);
     const int valid = min(U, (chunks - c0 + kNormThreads - 1) / kNormThreads);
     running_norm(vs, valid, k2, ms, ls);
     running_norm(vt, valid, k2, mt, lt);
@@ -466,14 +474,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4) phase_stream_kernel(const P
     };
     for (int c0 = threadIdx.x; c0 < chunks; c0 += kStreamThreads * U) {
       Vec<T> vs[U], vt[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int c = c0 + u * kStreamThreads;
-        if (c < chunks) {
-          vs[u] = load_chunk(s + static_cast<int64_t>(c) * N, true);
-          vt[u] = load_chunk(t + static_cast<int64_t>(c) * N, true);
-        }
-      }
+      load_chunk_pairs<kStreamThreads>(s, t, c0, chunks, vs, vt);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int c = c0 + u * kStreamThreads;
