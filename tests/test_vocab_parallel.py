@@ -434,6 +434,13 @@ def _gpu_body(rank, world, device, seed):
         _topk_case(rank, device, group, gen, widths=(64128, 64128), k=64, lead=(40,), dtype=torch.bfloat16, beta=beta)
 
 
+def _log2_norms(x64, k2):
+    """Base-2 (max, log2 sum 2^(x k2 - max)) of each row of float64 logits (a row of -inf: (-inf, -inf))."""
+    y = x64 * k2
+    mx = y.amax(dim=1)
+    return mx, torch.log2(torch.exp2(y - torch.where(mx.isinf(), 0.0, mx)[:, None]).sum(dim=1))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_combine_norms_is_the_logsumexp_of_the_whole_row(device, dtype):
     # Slices' (max, log2 sum) pairs combine into the whole row's, -inf slices and masked rows included (the
@@ -446,9 +453,7 @@ def test_combine_norms_is_the_logsumexp_of_the_whole_row(device, dtype):
     cuts = [(0, 20), (20, 21), (21, 50)]
     parts = []
     for lo, hi in cuts:
-        sl = x[:, lo:hi] * math.log2(math.e)
-        mx = sl.amax(dim=1)
-        lz = torch.log2(torch.exp2(sl - torch.where(mx.isinf(), 0.0, mx)[:, None]).sum(dim=1))
+        mx, lz = _log2_norms(x[:, lo:hi], math.log2(math.e))
         parts.append(torch.stack([mx, lz, 2 * mx, lz], dim=1))  # the teacher's max twice the student's
     parts = torch.stack(parts).to(device=device, dtype=dtype)
     out = mod.distill_combine(torch.full_like(parts, float("nan")).copy_(parts), 0)[0].double().cpu()
@@ -524,13 +529,6 @@ def test_group_must_be_a_process_group():
     s = torch.randn(3, 8)
     with pytest.raises(TypeError, match="ProcessGroup"):
         K.generalized_jsd(s, torch.randn(3, 8), group="world")
-
-
-def _log2_norms(x64, k2):
-    """Base-2 (max, log2 sum 2^(x k2 - max)) of each row of float64 logits."""
-    y = x64 * k2
-    mx = y.amax(dim=1)
-    return mx, torch.log2(torch.exp2(y - mx[:, None]).sum(dim=1))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
