@@ -1099,7 +1099,7 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
   return {out, flags};
 }
 
-// The dynamic shared memory of a top-k slice kernel (its members' bitmap), raised above the default 48 KB where a
+// The dynamic shared memory of topk_slice_kernel (its members' bitmap), raised above the default 48 KB where a
 // slice is that long (over 393,216 entries).
 template <typename K> size_t topk_slice_smem(K kernel, int64_t v, const at::Tensor& x) {
   const size_t bytes = static_cast<size_t>((v + 31) / 32) * sizeof(unsigned);
@@ -1151,9 +1151,7 @@ at::Tensor distill_topk_slice_grad(const at::Tensor& student, const at::Tensor& 
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, student.scalar_type(), "distill_topk_slice_grad", [&] {
     using A = typename AccOf<scalar_t>::type;
-    auto kernel = topk_slice_grad_kernel<scalar_t, A>;
-    const size_t smem = topk_slice_smem(kernel, v, student);
-    kernel<<<static_cast<unsigned>(n), kTopkSliceThreads, smem, stream>>>(
+    topk_slice_grad_kernel<scalar_t, A><<<static_cast<unsigned>(n), kTopkSliceThreads, 0, stream>>>(
         student.data_ptr<scalar_t>(), student.stride(0), v, norms.data_ptr<A>(), idx.data_ptr<int64_t>(),
         static_cast<int>(k), offset, static_cast<A>(kLog2e / temperature), g_buckets.data_ptr<A>(),
         static_cast<int>(g_buckets.size(1)), whole.data_ptr<double>(), has_tail,

@@ -308,6 +308,11 @@ def _topk_body(rank, world, device, seed, widths):
         _topk_case(rank, device, group, gen, widths=widths, k=vocab, beta=beta)  # no tail bucket
         _topk_case(rank, device, group, gen, widths=widths, k=vocab - 1, beta=beta, dtype=torch.float64)
         _topk_case(rank, device, group, gen, widths=widths, k=4, beta=beta, mask=1.1)  # every token masked
+    # The slices change (the first rank's widens, so the others' offsets move): every rank sees that the layout it
+    # learnt is stale and runs the step again with the new one, which the next call then uses.
+    wider = (widths[0] + 4,) + tuple(widths[1:])
+    for beta in (0.0, 0.5):
+        _topk_case(rank, device, group, gen, widths=wider, k=5, beta=beta)
 
 
 # ------------------------------------------------------------------------------------------- fused head
@@ -536,25 +541,28 @@ def test_topk_slices_match_float64(device, dtype):
     # A split top-k teacher's two module kernels, slice by slice (the last slice empty): the members' log2
     # probabilities where a slice holds them (0 elsewhere) and each slice's tail mass, then the gradient (members:
     # their buckets'; others: p_v g_tail / p_tail; masked rows 0; times the scale), against float64 per element.
-    # Outputs come from poisoned memory, so an entry a kernel skips reads NaN.
+    # Outputs come from poisoned memory, so an entry a kernel skips reads NaN. The first slice's rows are 16-byte
+    # aligned (2560 entries: the kernels' 16-byte chunks, several a thread), the second's are not (entry by entry).
     from kldiv_inline.harness import poisoned
 
     mod = K.load(device, extension="distill")
-    n, v, k, temp = 6, 301, 7, 1.7
+    n, v, k, temp = 6, 4397, 7, 1.7
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     x = (torch.randn(n, v, dtype=torch.float64) * 3).to(dtype)
-    x[2, 250:] = float("-inf")  # a padded row: its last slice's entries have no mass
+    x[2, 2000:] = float("-inf")  # a padded row: no mass from inside the aligned slice on
     x64 = x.double()
     idx = torch.stack([torch.randperm(v)[:k] for _ in range(n)])
+    idx[0, :3] = torch.tensor([5, 2049, 3000])  # members in both slices, whatever the draw
+    idx[0, 3:] = torch.tensor([i for i in torch.randperm(v).tolist() if i not in (5, 2049, 3000)][:k - 3])
     others = torch.randperm(v)
-    idx[2] = torch.cat([torch.tensor([260]), others[others != 260][:k - 1]])  # a member with no mass (distinct)
+    idx[2] = torch.cat([torch.tensor([2100]), others[others != 2100][:k - 1]])  # a member with no mass (distinct)
     k2 = math.log2(math.e) / temp
     mx, lz = _log2_norms(x64, k2)
     norms = torch.stack([mx, lz, mx, lz], dim=1).to(acc)
     lp2 = x64 * k2 - mx[:, None] - lz[:, None]
     member = torch.zeros(n, v, dtype=torch.bool).scatter_(1, idx, True)
     want_tail = torch.where(member, 0.0, torch.exp2(lp2)).sum(dim=1)
-    cuts = [(0, 123), (123, 301), (301, 301)]
+    cuts = [(0, 2560), (2560, v), (v, v)]
     tol = 1e-12 if dtype == torch.float64 else 4e-6
     dev = dict(device=device)
     with poisoned(device):
