@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -240,6 +240,24 @@ def _no_check() -> None:
     pass
 
 
+def read_back_later(flags: Tensor) -> Callable[[], list]:
+    """``read()``, which returns the values of ``flags`` (a small tensor) as a list. On a GPU they go to pinned
+    host memory behind an event recorded now, so ``read()`` waits for the kernels queued so far only, not for
+    those its caller queues in between."""
+    if not flags.is_cuda:
+        return flags.tolist
+    host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+    host.copy_(flags, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def read() -> list:
+        done.synchronize()
+        return host.tolist()
+
+    return read
+
+
 def _topk_check(flags: Tensor, lp: Tensor, vocab: int, labels: Tensor | None, ignore_index: int):
     """``check()``, which raises the error that the flags of distill_topk_prepare (range, repeat, mass; on the
     device) say, if any. On a GPU the flags go to pinned host memory behind an event recorded right after them: a
@@ -248,18 +266,10 @@ def _topk_check(flags: Tensor, lp: Tensor, vocab: int, labels: Tensor | None, ig
     of a 1.31-ms training step at 4096 x 128256 on an H200). ``lp``: the log-probabilities as given, [rows, k],
     for the error's message."""
     k = lp.shape[1]
-    done = None
-    if flags.is_cuda:
-        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-        host.copy_(flags, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        flags = host
+    read = read_back_later(flags)
 
     def check() -> None:
-        if done is not None:
-            done.synchronize()
-        bad_range, dup, bad_mass = flags.tolist()
+        bad_range, dup, bad_mass = read()
         if bad_range:
             raise ValueError(f"generalized_jsd: top-k indices must lie in [0, {vocab})")
         if dup:

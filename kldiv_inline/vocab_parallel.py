@@ -20,13 +20,15 @@ gradients (of the reduced loss) and backward only rescales them by grad_output, 
 
 A top-k teacher (global indices) takes another route (topk_rows): the student's normalisers (phase 0), one
 all-gather of each token's k + 1 bucket values, and the one-device kernel over the buckets on every rank; its
-indices are checked against the whole vocabulary, which costs one small all-gather and a host synchronisation.
+indices are checked against the whole vocabulary, whose layout (the ranks' slice widths, one small all-gather a
+call) the host waits for on the first call only; the checks' verdicts are read back once the kernels are queued.
 fused_linear_generalized_jsd(..., group=group) runs each chunk of tokens through divergence_rows (topk_rows
 for a top-k teacher).
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -169,12 +171,50 @@ class _VocabParallelDivergence(torch.autograd.Function):
         return (out_s, out_t) + (None,) * 6
 
 
+def _gathered_widths(width: int, device, group) -> Tensor:
+    """Every rank's slice width, [world] int64 on the device (one small all-gather; made by a fill, not copied
+    from the host: a copy from pageable memory waits for the stream)."""
+    return _all_gather(torch.full((1, 1), width, dtype=torch.int64, device=device), group).flatten()
+
+
+def _placed(widths: list[int], group) -> tuple[int, int]:
+    rank = dist.get_rank(group)
+    return sum(widths[:rank]), sum(widths)
+
+
 def vocab_slice(width: int, device, group) -> tuple[int, int]:
     """This rank's offset in the vocabulary and the vocabulary's size, from every rank's slice width (one small
     all-gather and one host synchronisation: only top-k indices need them)."""
-    widths = _all_gather(torch.tensor([[width]], dtype=torch.int64, device=device), group).flatten().tolist()
-    rank = dist.get_rank(group)
-    return sum(widths[:rank]), sum(widths)
+    return _placed(_gathered_widths(width, device, group).tolist(), group)
+
+
+# The ranks' slice widths (a list, and on the device) by (group, device), as learnt_vocab_slice last saw them.
+_LAYOUTS: dict[tuple, tuple[list[int], Tensor]] = {}
+
+
+def learnt_vocab_slice(width: int, device, group) -> tuple[int, int, Callable[[], bool]]:
+    """vocab_slice without waiting for the widths once they have been seen: the layout learnt from an earlier call
+    (the host waits on the first call only), and ``settled()``, True when the widths gathered now are that layout.
+    False means the layout changed: it is learnt now, and the caller must run its step again (call ``settled()``
+    once the step's kernels are queued: it waits for the gather only). Every rank gathers the same widths and has
+    learnt the same layout (the calls are collective), so every rank sees the same answer and runs again alike."""
+    widths = _gathered_widths(width, device, group)
+    key = (group_name(group, "generalized_jsd"), str(widths.device))
+    known = _LAYOUTS.get(key)
+    if known is None or known[1].shape != widths.shape:
+        listed = widths.tolist()
+        _LAYOUTS[key] = (listed, widths)
+        return (*_placed(listed, group), lambda: True)
+    listed, learnt = known
+    read = distill.read_back_later((widths != learnt).any())
+
+    def settled() -> bool:
+        if not read():
+            return True
+        _LAYOUTS[key] = (widths.tolist(), widths)
+        return False
+
+    return (*_placed(listed, group), settled)
 
 
 def _check_group(group, who: str = "generalized_jsd") -> None:
@@ -200,11 +240,13 @@ def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tenso
     are checked as there, the logits being this rank's slice. Every rank must call it with the same rows, labels
     and settings (a collective)."""
     _check_group(group)
-    offset, vocab = 0, None
+    offset, vocab, settled = 0, None, None
     if teacher_topk is not None and isinstance(student_logits, Tensor) and student_logits.dim() >= 1:
-        offset, vocab = vocab_slice(student_logits.shape[-1], student_logits.device, group)
-    args, lead = distill._prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, labels,
-                                  ignore_index, reduction, topk_vocab=vocab)
+        offset, vocab, settled = learnt_vocab_slice(student_logits.shape[-1], student_logits.device, group)
+    # The top-k teacher's checks are read back once the step's kernels are queued (as on one device), and after
+    # every collective: a rank that raised before one would leave the others waiting in it.
+    args, lead, check = distill._prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, labels,
+                                         ignore_index, reduction, topk_vocab=vocab, defer_check=True)
     student, teacher, idx, lp, lab, ignore_index, beta, temperature, code = args
     settings = (ignore_index, beta, temperature, code, group, offset, vocab)
     grad_on = torch.is_grad_enabled()
@@ -214,4 +256,9 @@ def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tenso
         loss = _VocabParallelDivergence.apply(student, teacher, idx, lp, lab, settings, want_s, want_t)
     else:
         loss = _run(student, teacher, idx, lp, lab, settings, False, False)[0]
+    if settled is not None and not settled():  # the slices' widths changed: again, with the new layout (all ranks)
+        return generalized_jsd_vocab_parallel(student_logits, teacher_logits, teacher_topk=teacher_topk, beta=beta,
+                                              temperature=temperature, labels=labels, ignore_index=ignore_index,
+                                              reduction=reduction, group=group)
+    check()
     return loss.reshape(lead) if code == distill._REDUCTION_CODE["none"] else loss
