@@ -192,16 +192,19 @@ def vocab_slice(width: int, device, group) -> tuple[int, int]:
 _LAYOUTS: dict[tuple, tuple[list[int], Tensor]] = {}
 
 
-def learnt_vocab_slice(width: int, device, group) -> tuple[int, int, Callable[[], bool]]:
+def learnt_vocab_slice(width: int, device, group, least: int = 0) -> tuple[int, int, Callable[[], bool]]:
     """vocab_slice without waiting for the widths once they have been seen: the layout learnt from an earlier call
     (the host waits on the first call only), and ``settled()``, True when the widths gathered now are that layout.
     False means the layout changed: it is learnt now, and the caller must run its step again (call ``settled()``
     once the step's kernels are queued: it waits for the gather only). Every rank gathers the same widths and has
-    learnt the same layout (the calls are collective), so every rank sees the same answer and runs again alike."""
+    learnt the same layout (the calls are collective), so every rank sees the same answer and runs again alike.
+    ``least``: a learnt vocabulary smaller than this is not used (the host waits for the widths instead): a top-k
+    teacher's k, which its eager checks compare with the vocabulary before any kernel runs. It must be the same
+    on every rank (k is), so that every rank decides alike."""
     widths = _gathered_widths(width, device, group)
     key = (group_name(group, "generalized_jsd"), str(widths.device))
     known = _LAYOUTS.get(key)
-    if known is None or known[1].shape != widths.shape:
+    if known is None or known[1].shape != widths.shape or sum(known[0]) < least:
         listed = widths.tolist()
         _LAYOUTS[key] = (listed, widths)
         return (*_placed(listed, group), lambda: True)
@@ -220,6 +223,10 @@ def learnt_vocab_slice(width: int, device, group) -> tuple[int, int, Callable[[]
 def _check_group(group, who: str = "generalized_jsd") -> None:
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{who}: group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+
+
+def _is_pair_of_tensors(x) -> bool:
+    return isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(t, Tensor) for t in x)
 
 
 def group_name(group, who: str) -> str:
@@ -242,7 +249,8 @@ def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tenso
     _check_group(group)
     offset, vocab, settled = 0, None, None
     if teacher_topk is not None and isinstance(student_logits, Tensor) and student_logits.dim() >= 1:
-        offset, vocab, settled = learnt_vocab_slice(student_logits.shape[-1], student_logits.device, group)
+        k = teacher_topk[0].shape[-1] if _is_pair_of_tensors(teacher_topk) and teacher_topk[0].dim() else 0
+        offset, vocab, settled = learnt_vocab_slice(student_logits.shape[-1], student_logits.device, group, least=k)
     # The top-k teacher's checks are read back once the step's kernels are queued (as on one device), and after
     # every collective: a rank that raised before one would leave the others waiting in it.
     args, lead, check = distill._prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, labels,

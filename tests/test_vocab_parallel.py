@@ -313,6 +313,9 @@ def _topk_body(rank, world, device, seed, widths):
     wider = (widths[0] + 4,) + tuple(widths[1:])
     for beta in (0.0, 0.5):
         _topk_case(rank, device, group, gen, widths=wider, k=5, beta=beta)
+    # A k above the vocabulary learnt so far (the eager checks must not see the stale one).
+    widest = tuple(w + 3 for w in wider)
+    _topk_case(rank, device, group, gen, widths=widest, k=sum(widest), beta=0.5)
 
 
 # ------------------------------------------------------------------------------------------- fused head
