@@ -69,17 +69,19 @@ def _needs_phase2(beta: float, want_s: bool, want_t: bool) -> bool:
 
 
 def divergence_rows(student: Tensor, teacher: Tensor, labels: Tensor | None, ignore_index: int, beta: float,
-                    temperature: float, group, scale: Tensor, reduction: int, want_s: bool, want_t: bool,
+                    temperature: float, group, scale: Tensor | None, reduction: int, want_s: bool, want_t: bool,
                     grad_student_out: Tensor | None = None):
     """The phases and their collectives over rows [n, v_local]: (the loss: the rows' [n] for reduction none, else
     their sum times ``scale``; the student's and the teacher's gradients of this slice or None), the gradients
-    of the rows' sum times ``scale`` (0-d float64 on the device), the student's written into
-    ``grad_student_out`` when given. The module combines the gathered statistics (distill_combine): with the
-    combination in PyTorch operations (~60 small calls a step) the step waited on the host, 1.5 ms of host time
-    against 0.8 ms of kernels on two H200s."""
+    of the rows' sum times ``scale`` (0-d float64 on the device; None: the reduction's own, batchmean's divisor
+    counted from the labels), the student's written into ``grad_student_out`` when given. The module combines the
+    gathered statistics (distill_combine): with the combination in PyTorch operations (~60 small calls a step)
+    the step waited on the host, 1.5 ms of host time against 0.8 ms of kernels on two H200s."""
     mod = distill._module(student.device)
     common = (labels, ignore_index, beta, temperature)
     local_norms = mod.distill_phase(0, student, teacher, *common, None, None, None, False, False)[0]
+    if scale is None:  # after phase 0's launch: the host's time before the first kernel is the step's latency
+        scale = mod.distill_reduction_scale(student, labels, ignore_index, reduction)
     norms = mod.distill_combine(_all_gather(local_norms, group), 0)[0]
     terms, gs, gt = mod.distill_phase(1, student, teacher, *common, norms, None, scale, want_s, want_t,
                                       grad_student_out)
@@ -136,8 +138,7 @@ def _run(student: Tensor, teacher: Tensor | None, idx: Tensor | None, lp: Tensor
         loss, gs = topk_rows(student, idx, lp, labels, ignore_index, beta, temperature, reduction, group, offset,
                              vocab, want_s)
         return loss, gs, None
-    scale = distill._module(student.device).distill_reduction_scale(student, labels, ignore_index, reduction)
-    return divergence_rows(student, teacher, labels, ignore_index, beta, temperature, group, scale, reduction,
+    return divergence_rows(student, teacher, labels, ignore_index, beta, temperature, group, None, reduction,
                            want_s, want_t)
 
 
