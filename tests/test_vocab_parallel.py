@@ -440,6 +440,49 @@ def _gpu_body(rank, world, device, seed):
     _topk_body(rank, world, device, seed, (11, 19))
     for beta in (0.0, 0.5, 1.0):  # a served teacher's top 64 over a real vocabulary
         _topk_case(rank, device, group, gen, widths=(64128, 64128), k=64, lead=(40,), dtype=torch.bfloat16, beta=beta)
+    _graph_case(rank, device, group, gen, widths=(3001, 77))
+
+
+def _graph_case(rank, device, group, gen, *, widths, lead=(33,)):
+    """The split training step (logits form) captured in a CUDA graph and replayed on new inputs copied into its
+    static ones: the loss and this rank's gradient equal eager's on the same inputs, bit for bit; and eager, the
+    step makes no host synchronisation."""
+    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
+    vocab = sum(widths)
+    s = torch.empty(lead + (hi - lo,), dtype=torch.bfloat16, device=device).requires_grad_()
+    t = torch.empty(lead + (hi - lo,), dtype=torch.bfloat16, device=device)
+    lab = torch.randint(0, vocab, lead, generator=gen).to(device).masked_fill_(
+        torch.rand(lead, generator=gen).to(device) < 0.3, -100)
+
+    def fill():  # the same whole rows on every rank (one generator), this rank's slice kept
+        with torch.no_grad():
+            s.copy_(_logits(lead + (vocab,), torch.bfloat16, device, gen)[..., lo:hi])
+            t.copy_(_logits(lead + (vocab,), torch.bfloat16, device, gen)[..., lo:hi])
+
+    for beta in (0.0, 0.5):
+        def step(beta=beta):
+            loss = K.generalized_jsd(s, t, beta=beta, temperature=1.5, labels=lab, group=group)
+            return (loss, *torch.autograd.grad(loss, [s]))
+
+        fill()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on a side stream before the capture, as torch.cuda.graph asks
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        fill()
+        graph.replay()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            want = step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert all(torch.equal(a, b) for a, b in zip(out, want)), f"graph replay != eager (beta {beta})"
+        del graph
 
 
 def _log2_norms(x64, k2):
