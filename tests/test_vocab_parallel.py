@@ -440,7 +440,8 @@ def _gpu_body(rank, world, device, seed):
     _topk_body(rank, world, device, seed, (11, 19))
     for beta in (0.0, 0.5, 1.0):  # a served teacher's top 64 over a real vocabulary
         _topk_case(rank, device, group, gen, widths=(64128, 64128), k=64, lead=(40,), dtype=torch.bfloat16, beta=beta)
-    _graph_case(rank, device, group, gen, widths=(3001, 77))
+    _graph_case(rank, device, group, gen, widths=(3001, 77))  # rows off the 16-byte grid: rows_kernel's phases
+    _graph_case(rank, device, group, gen, widths=(4096, 4096))  # aligned: phase_norms_kernel, phase_stream_kernel
 
 
 def _graph_case(rank, device, group, gen, *, widths, lead=(33,)):
