@@ -22,6 +22,8 @@ A top-k teacher (global indices) takes another route (topk_rows): the student's 
 all-gather of each token's k + 1 bucket values, and the one-device kernel over the buckets on every rank; its
 indices are checked against the whole vocabulary, whose layout (the ranks' slice widths, one small all-gather a
 call) the host waits for on the first call only; the checks' verdicts are read back once the kernels are queued.
+So this route reads from the device on every call and cannot be captured in a CUDA graph; the logits route makes
+no host synchronisation and can (tests/test_vocab_parallel.py captures it on two GPUs).
 fused_linear_generalized_jsd(..., group=group) runs each chunk of tokens through divergence_rows (topk_rows
 for a top-k teacher).
 """
