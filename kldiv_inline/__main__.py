@@ -63,8 +63,10 @@ def cmd_plot(args) -> int:
     from . import plots
     from .bench import OURS, PEERS
 
-    written = plots.plot_all(Path(args.results), Path(args.out) if args.out else None, ours=OURS, peers=PEERS)
-    for p in written:
+    out = Path(args.out) if args.out else None
+    written = plots.plot_all(Path(args.results), out, ours=OURS, peers=PEERS)
+    status = plots.write_status(Path(args.results), OURS, out)  # each goal's latest run, over every folder
+    for p in written + ([status] if status else []):
         print(p)
     return 0
 

@@ -224,3 +224,50 @@ def goals_markdown(goals: list[dict], env: dict) -> str:
         lines.append(f"| {g['goal']} | {g['case']} | {g['target']} | {val} | {g['ours_ms']:.4f} | "
                      f"{'yes' if g['met'] else 'NO'} |")
     return "\n".join(lines) + "\n"
+
+
+def _goal_order(name: str) -> tuple:
+    """P1..P5, D1.., L1.., V1.., then the floor goal."""
+    head, digits = name.rstrip("0123456789"), name[len(name.rstrip("0123456789")):]
+    return ("PDLV".find(head) if head in ("P", "D", "L", "V") else 4, int(digits) if digits else 0)
+
+
+def status_markdown(runs: list[tuple[str, list[dict], dict]]) -> str:
+    """The table of status.md: for each (goal, case, target, card), the row of the latest run (by its env.json's
+    date) that measured it; the floor goal (no row may beat the floor) as the lowest over all of the card's runs.
+    ``runs``: (folder, its goal rows, its env.json) per run."""
+    latest: dict[tuple, tuple] = {}
+    for folder, goals, env in runs:
+        card = str(env.get("device_name") or folder)
+        if (env.get("world") or 1) > 1:
+            card += f" x {env['world']}"
+        date = str(env.get("date_utc") or "")
+        for g in goals:
+            if g["goal"] == "floor":  # a check of each run, not of the code: the lowest over every run of the card
+                key = ("floor", "", g["target"], card)
+                if key not in latest or g["value"] < latest[key][3]["value"]:
+                    latest[key] = (date, folder, env, g)
+                continue
+            key = (g["goal"], g["case"], g["target"], card)
+            if key not in latest or date >= latest[key][0]:
+                latest[key] = (date, folder, env, g)
+    lines = ["Each goal on each card as the latest committed run measured it (its folder, commit and date; a partial "
+             "run's rows are marked). Written by `python -m kldiv_inline plot` (and `make results`) from every "
+             "bench.csv under results/: runs of some suites only live in folders of their own, so no one folder's "
+             "goals.md holds every goal. The latest run is not always at the newest commit: the run column says "
+             "which code was measured. The floor row is the lowest time / floor of all the card's runs.", "",
+             "| goal | case | target | card | measured | met | run |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for key in sorted(latest, key=lambda k: (_goal_order(k[0]), k[1], k[2], k[3])):
+        date, folder, env, g = latest[key]
+        card = key[3]
+        if g["target"].startswith("relative") or "rel_err" in g["target"]:
+            val = f"{g['value']:.2e}"
+        elif g["target"].startswith("%"):
+            val = f"{g['value']:.1f}%"
+        else:
+            val = f"{g['value']:.3f}"
+        run = f"{folder} ({str(env.get('commit') or '?')[:7]}, {date[:10] or '?'}" + (
+            ", partial)" if env.get("partial") else ")")
+        lines.append(f"| {g['goal']} | {g['case']} | {g['target']} | {card} | {val} | "
+                     f"{'yes' if g['met'] else 'NO'} | {run} |")
+    return "\n".join(lines) + "\n"

@@ -313,17 +313,43 @@ def plot_correctness(path: Path, ax=None, title: str = ""):
     return ax
 
 
-def write_goals(folder: Path, ours: str, out: Path | None = None) -> Path:
-    """goals.md (in ``out``, default ``folder``) from folder/bench.csv and env.json (the verdicts on the goals for
-    that run)."""
-    from .goals import goal_rows, goals_markdown
+def _folder_goals(folder: Path, ours: str) -> tuple[list[dict], dict]:
+    """The goals measured by the run in folder/bench.csv, and its env.json ({} if none)."""
+    from .goals import goal_rows
 
     df = pd.read_csv(folder / "bench.csv")
     rows = df.astype(object).where(df.notna(), None).to_dict("records")
     env = json.loads((folder / "env.json").read_text()) if (folder / "env.json").exists() else {}
     device = env.get("device") or ("cuda" if (df["device"] == "cuda").any() else "cpu")
+    return goal_rows(rows, device, ours), env
+
+
+def write_goals(folder: Path, ours: str, out: Path | None = None) -> Path:
+    """goals.md (in ``out``, default ``folder``) from folder/bench.csv and env.json (the verdicts on the goals for
+    that run)."""
+    from .goals import goals_markdown
+
     path = (out or folder) / "goals.md"
-    path.write_text(goals_markdown(goal_rows(rows, device, ours), env))
+    path.write_text(goals_markdown(*_folder_goals(folder, ours)))
+    return path
+
+
+def write_status(results: Path, ours: str, out: Path | None = None) -> Path | None:
+    """status.md (in ``out``, default ``results``): each goal on each card as the latest run under ``results``
+    measured it (runs of some suites only, on other days and commits, sit in folders of their own, so no single
+    folder's goals.md says where every goal stands). None if no run measured a goal."""
+    from .goals import status_markdown
+
+    runs = []
+    for bench in sorted(results.rglob("bench.csv")):
+        goals, env = _folder_goals(bench.parent, ours)
+        if goals:
+            runs.append((bench.parent.relative_to(results).as_posix(), goals, env))
+    if not runs:
+        return None
+    path = (out or results) / "status.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(status_markdown(runs))
     return path
 
 

@@ -78,6 +78,34 @@ def test_plot_cli_draws_pngs_without_gpu(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["bench.csv", "env.json"]  # --out leaves the source alone
 
 
+def test_status_takes_each_goal_from_the_latest_run_of_its_card(tmp_path, capsys):
+    # Three runs: card A on two days (the later one slower, partial, and without the peers), card B once. Each goal
+    # of card A comes from the latest run that measured it; the floor row is the lowest of the card's runs.
+    def run(folder, rows, **env):
+        bench.write_csv(rows, tmp_path / folder / "bench.csv")
+        (tmp_path / folder / "env.json").write_text(json.dumps({"commit": "c" * 40, **env}))
+
+    slower = [dict(r, median_ms=r["median_ms"] * 1.2, x_floor=r["x_floor"] * 1.2) for r in _fake_rows()
+              if r["impl"] == "kldiv_inline"]
+    run("a-day1", _fake_rows(), device_name="Card A", date_utc="2026-01-01T00:00:00Z")
+    run("later/a-day2", slower, device_name="Card A", date_utc="2026-01-02T00:00:00Z", partial="cut short")
+    run("b", _fake_rows(), device_name="Card B", date_utc="2026-01-01T00:00:00Z")
+    from kldiv_inline.__main__ import main
+
+    assert main(["plot", "--results", str(tmp_path)]) == 0
+    assert str(tmp_path / "status.md") in capsys.readouterr().out
+    rows = [line.split(" | ") for line in (tmp_path / "status.md").read_text().splitlines()
+            if line.startswith("| P") or line.startswith("| floor")]
+    got = {(r[0].strip("| "), r[2], r[3]): (r[4], r[5], r[6].rstrip(" |")) for r in rows}
+    later = "later/a-day2 (ccccccc, 2026-01-02, partial)"
+    assert got[("P1", "time / floor <= 1.05", "Card A")] == ("1.224", "NO", later)
+    assert got[("P1", "time / floor <= 1.05", "Card B")] == ("1.020", "yes", "b (ccccccc, 2026-01-01)")
+    # the later run timed no peer: the speed-up comes from the day before
+    assert got[("P1", "torch_eager time / ours >= 5.0", "Card A")] == ("5.500", "yes", "a-day1 (ccccccc, 2026-01-01)")
+    assert got[("floor", "time / floor >= 1.0", "Card A")][2] == "a-day1 (ccccccc, 2026-01-01)"
+    assert sum(1 for r in rows if r[0] == "| floor") == 2  # one a card
+
+
 def test_old_csvs_still_plot(tmp_path):
     """A bench.csv from before the floor's columns (no bytes, floor_gbps, pct_of_peak) still draws."""
     folder = tmp_path / "old-gpu"
