@@ -106,6 +106,14 @@ def test_status_takes_each_goal_from_the_latest_run_of_its_card(tmp_path, capsys
     assert sum(1 for r in rows if r[0] == "| floor") == 2  # one a card
 
 
+def test_committed_status_is_up_to_date(tmp_path):
+    # results/status.md is derived from the committed runs: a run committed without `python -m kldiv_inline plot`
+    # would leave it saying where the goals stood before.
+    written = plots.write_status(ROOT / "results", bench.OURS, tmp_path)
+    assert written.read_text() == (ROOT / "results" / "status.md").read_text(), \
+        "results/status.md is stale: run `python -m kldiv_inline plot`"
+
+
 def test_old_csvs_still_plot(tmp_path):
     """A bench.csv from before the floor's columns (no bytes, floor_gbps, pct_of_peak) still draws."""
     folder = tmp_path / "old-gpu"
