@@ -11,10 +11,12 @@
 #   tools/gpu_session.sh errors    # the kit's modules raise their errors (each call in a process of its own)
 #   tools/gpu_session.sh split     # two GPUs: the split step profiled against one GPU, forward KL and the JSD
 #   tools/gpu_session.sh topk      # two GPUs: the same with the teacher's top 100 log-probabilities (time, memory)
+#   tools/gpu_session.sh graph     # two GPUs: the two-GPU tests (a captured split step among them), then the split
+#                                  #   step captured in a CUDA graph at full size, timed against eager
 # Two GPUs: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2 \
 #   tools/bench_vocab_parallel.py    # the vocabulary split across GPUs -> results/<card>-x2/
 set -euo pipefail
-mode=${1:?test|results|notebooks|sweep|errors|split|topk}
+mode=${1:?test|results|notebooks|sweep|errors|split|topk|graph}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -34,6 +36,10 @@ case $mode in
   topk)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     torchrun --standalone --nproc-per-node 2 tools/profile_vocab_parallel.py --topk 100 ;;
+  graph)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    python3 -m pytest -q tests/test_vocab_parallel.py -k gpus
+    torchrun --standalone --nproc-per-node 2 tools/probe_split_graph.py ;;
   notebooks)
     for nb in notebooks/0*.ipynb; do
       python3 - "$nb" <<'PY'
