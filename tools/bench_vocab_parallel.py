@@ -14,7 +14,9 @@ each timed as
   kldiv_inline   world 1: the kit's op on one device (group=None), on rank 0 while the others wait;
   kldiv_inline   world N: the kit's op with group=WORLD, each rank a contiguous 1/N of the vocabulary (of the
                  logits, or of the weights' rows);
-  megatron_style world N: kldiv_inline.peers' Megatron-style PyTorch peer of the form, the same split.
+  megatron_style world N: kldiv_inline.peers' Megatron-style PyTorch peer of the form, the same split;
+  with --graph (GPUs, logits form), kldiv_inline_graph world 1 and N: the same training steps captured in a CUDA
+                 graph and replayed (no host work in the step: what a training loop that captures its step gets).
 Each provider is checked first and a wrong one is not timed: its loss against float64 PyTorch (logits) or the
 one-device op's (fused_linear, whose logits are rounded to bfloat16 by the matrix product), its gradients (this
 rank's slice) against the one-device op's. Times follow kldiv_inline.timing: CUDA events around each call after
@@ -70,6 +72,8 @@ def parse(argv=None):
     ap.add_argument("--results", default=str(envinfo.REPO_ROOT / "results"),
                     help="the results folder: the CSV goes to <results>/<device>-x<world>/bench.csv")
     ap.add_argument("--out", default=None, help="the CSV's path instead (env.json beside it)")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time the logits form's steps captured in a CUDA graph (kldiv_inline_graph; GPUs only)")
     args = ap.parse_args(argv)
     args.forms = args.forms.split(",")
     if not set(args.forms) <= set(FORMS):
@@ -141,6 +145,29 @@ def providers(prob: Problem, beta: float, temperature: float, group, world: int)
     return out
 
 
+def captured(step, prob: Problem, inputs):
+    """``step`` (a training step) captured in a CUDA graph on static leaves of ``inputs``, run by replaying it: it
+    ignores the inputs it is given (the static ones hold the same values) and returns the graph's outputs. The
+    leaves are first used in the warm-up on a side stream: PyTorch keeps a leaf's gradient-accumulation node with
+    the stream it was made on, and one made on the default stream breaks the capture of the backward."""
+    static = prob.prepare(*inputs)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(*static)
+
+    def replay(*_):
+        graph.replay()
+        return out
+    replay.graph = graph  # (the graph lives as long as its runner)
+    return replay
+
+
 def training_step(fn, prob: Problem):
     """The loss and the gradients of the inputs that take one."""
     def run(*inputs):
@@ -190,15 +217,21 @@ def _part(prob: Problem, grads: tuple, split_by_me: bool) -> list[torch.Tensor]:
 
 def run_beta(args, prob: Problem, beta: float, device: str, rank: int, world: int) -> list[dict]:
     group = dist.group.WORLD
-    provs = providers(prob, beta, args.temperature, group, world)
+    provs = [(*p, False) for p in providers(prob, beta, args.temperature, group, world)]
+    if args.graph and device == "cuda" and prob.form == "logits":
+        provs += [("kldiv_inline_graph", w, fn, everyone, True) for impl, w, fn, everyone, _ in provs
+                  if impl == "kldiv_inline"]
     # The one-device op's loss and gradients: every rank computes them (once) to check its slices of the others.
     one = training_step(provs[0][2], prob)(*prob.prepare(*prob.whole))
     ref = reference_loss(prob, beta, args.temperature) if prob.form == "logits" else float(one[0])
     ref_grads = _part(prob, one[1:], False)
     rows = []
-    for impl, w, fn, everyone in provs:
+    for impl, w, fn, everyone, graph in provs:
         inputs = prob.parts if everyone else prob.whole
-        got = training_step(fn, prob)(*prob.prepare(*inputs))
+        step = training_step(fn, prob)
+        if graph:
+            step = captured(step, prob, inputs)
+        got = step(*prob.prepare(*inputs))
         grad_err = max(relative_error(g, r) for g, r in zip(_part(prob, got[1:], everyone), ref_grads))
         errs = torch.tensor([abs(float(got[0]) - ref) / abs(ref), grad_err], device=device)
         dist.all_reduce(errs, op=dist.ReduceOp.MAX)  # the worst rank's: every rank decides alike
@@ -206,7 +239,6 @@ def run_beta(args, prob: Problem, beta: float, device: str, rank: int, world: in
         ok = rel_err <= LOSS_TOL[prob.form] and grad_err <= GRAD_TOL[prob.whole[0].dtype]
         status = "ok" if ok else f"wrong: loss rel err {rel_err:.2e}, grad rel err {grad_err:.2e}"
         times = []
-        step = training_step(fn, prob)
         if ok and (everyone or rank == 0):
             times = time_it(step, prob, inputs, args, device, aligned=everyone)
         if everyone and ok:
@@ -229,22 +261,25 @@ def run_beta(args, prob: Problem, beta: float, device: str, rank: int, world: in
 
 
 def table(rows: list[dict]) -> str:
-    """The rows, each time also over the one-device op's and the peer's over it (same form and beta)."""
+    """The rows, each time also over the one-device op's (a captured step's over the captured one-device step's)
+    and the peer's over it (same form and beta)."""
     df = pd.DataFrame(rows)
 
     def num(v, fmt, width):
         return f"{v:>{width}{fmt}}" if pd.notna(v) else f"{'-':>{width}}"
 
-    lines = [f"{'form':<13}{'impl':<16}{'world':>6}{'beta':>6}{'median ms':>11}{'q20':>9}{'q80':>9}{'/ world 1':>11}"
+    lines = [f"{'form':<13}{'impl':<19}{'world':>6}{'beta':>6}{'median ms':>11}{'q20':>9}{'q80':>9}{'/ world 1':>11}"
              f"{'peer / this':>13}  status"]
     for r in rows:
         same = df[(df.form == r["form"]) & (df.beta == r["beta"])]
-        base = same[(same.impl == "kldiv_inline") & (same.world == 1)].median_ms
+        base = same[(same.impl == r["impl"]) & (same.world == 1)].median_ms  # a graph's over the graph's
+        if not len(base):
+            base = same[(same.impl == "kldiv_inline") & (same.world == 1)].median_ms
         peer = same[same.impl == "megatron_style"].median_ms
         med = r.get("median_ms")
         over_base = med / base.iloc[0] if len(base) and pd.notna(med) else None
         peer_over = peer.iloc[0] / med if len(peer) and pd.notna(med) else None
-        lines.append(f"{r['form']:<13}{r['impl']:<16}{r['world']:>6}{r['beta']:>6}" + num(med, ".3f", 11)
+        lines.append(f"{r['form']:<13}{r['impl']:<19}{r['world']:>6}{r['beta']:>6}" + num(med, ".3f", 11)
                      + num(r.get("q20_ms"), ".3f", 9) + num(r.get("q80_ms"), ".3f", 9) + num(over_base, ".3f", 11)
                      + num(peer_over, ".2f", 13) + f"  {r['status'][:50]}")
     return "\n".join(lines)
