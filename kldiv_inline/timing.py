@@ -90,3 +90,21 @@ def time_wall(fn: Callable, args_sets: Sequence[tuple], reps: int, warmup: int, 
         sync()
         out.append((time.perf_counter() - t0) * 1e3 / inner)
     return out
+
+
+def capture(step: Callable, *args):
+    """(graph, outputs): ``step(*args)`` captured in a CUDA graph (``graph.replay()`` runs it again and
+    overwrites the outputs). It runs three times first on a side stream, as torch.cuda.graph asks; a training
+    step's leaves should be made for it and first used there: PyTorch keeps a leaf's gradient-accumulation node
+    with the stream it was made on, and one made on the default stream breaks the capture of the backward
+    (cudaErrorStreamCaptureImplicit)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(*args)
+    return graph, out

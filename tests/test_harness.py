@@ -480,3 +480,21 @@ def test_a_check_frame_pickles_and_serialises(tmp_path):
     assert timed["status"].tolist() == ["ok"]
     with pytest.raises(ValueError, match="check it again"):  # in memory, the record still guards
         harness.bench({"m": lambda x: 3 * x}, cases, checked=df, reps=1, warmup=0, timer="wall")
+
+
+@pytest.mark.gpu
+def test_capture_replays_a_training_step():
+    # timing.capture: the step (here a backward) runs from the graph on whatever its static leaf holds.
+    from kldiv_inline import timing
+
+    x = torch.randn(64, 1000, device="cuda").requires_grad_()  # made for the step: first used in the warm-up
+
+    def step():
+        return torch.autograd.grad((x.square() * 0.5).sum(), [x])[0]
+
+    graph, g = timing.capture(step)
+    with torch.no_grad():
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g, x.detach())

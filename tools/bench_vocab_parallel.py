@@ -146,20 +146,10 @@ def providers(prob: Problem, beta: float, temperature: float, group, world: int)
 
 
 def captured(step, prob: Problem, inputs):
-    """``step`` (a training step) captured in a CUDA graph on static leaves of ``inputs``, run by replaying it: it
-    ignores the inputs it is given (the static ones hold the same values) and returns the graph's outputs. The
-    leaves are first used in the warm-up on a side stream: PyTorch keeps a leaf's gradient-accumulation node with
-    the stream it was made on, and one made on the default stream breaks the capture of the backward."""
-    static = prob.prepare(*inputs)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step(*static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(*static)
+    """``step`` (a training step) captured in a CUDA graph on fresh static leaves of ``inputs``
+    (kldiv_inline.timing.capture), run by replaying it: it ignores the inputs it is given (the static ones hold
+    the same values) and returns the graph's outputs."""
+    graph, out = timing.capture(step, *prob.prepare(*inputs))
 
     def replay(*_):
         graph.replay()

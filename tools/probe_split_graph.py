@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kldiv_inline as K  # noqa: E402
-from kldiv_inline.timing import L2Flush, quantiles, time_cuda  # noqa: E402
+from kldiv_inline.timing import L2Flush, capture, quantiles, time_cuda  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--betas", default="0,0.5")
@@ -81,15 +81,7 @@ for beta in (float(b) for b in args.betas.split(",")):
     # size failed in autograd.grad with cudaErrorStreamCaptureImplicit, "operation would make the legacy stream
     # depend on a capturing blocking stream", where the test's small unaligned one passed; kernels/NOTES.md).
     step = stepper(s_part, t_part, beta, group)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on a side stream before the capture, as torch.cuda.graph asks
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        loss, g = step()
+    graph, (loss, g) = capture(step)
     graph.replay()
     eager_loss, eager_g = step()
     torch.cuda.synchronize()
