@@ -94,10 +94,8 @@ def time_wall(fn: Callable, args_sets: Sequence[tuple], reps: int, warmup: int, 
 
 def capture(step: Callable, *args):
     """(graph, outputs): ``step(*args)`` captured in a CUDA graph (``graph.replay()`` runs it again and
-    overwrites the outputs). It runs three times first on a side stream, as torch.cuda.graph asks; a training
-    step's leaves should be made for it and first used there: PyTorch keeps a leaf's gradient-accumulation node
-    with the stream it was made on, and one made on the default stream breaks the capture of the backward
-    (cudaErrorStreamCaptureImplicit)."""
+    overwrites the outputs), after three runs on a side stream, as PyTorch's CUDA-graph documentation asks (lazy
+    set-up, allocator state). Replays read whatever the step's static inputs hold then."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

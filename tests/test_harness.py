@@ -487,7 +487,7 @@ def test_capture_replays_a_training_step():
     # timing.capture: the step (here a backward) runs from the graph on whatever its static leaf holds.
     from kldiv_inline import timing
 
-    x = torch.randn(64, 1000, device="cuda").requires_grad_()  # made for the step: first used in the warm-up
+    x = torch.randn(64, 1000, device="cuda").requires_grad_()
 
     def step():
         return torch.autograd.grad((x.square() * 0.5).sum(), [x])[0]

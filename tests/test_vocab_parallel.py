@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kldiv_inline as K
+from kldiv_inline import timing
 from kldiv_inline.peers import megatron_style_generalized_jsd
 from kldiv_inline.reference import relative_error
 
@@ -466,15 +467,7 @@ def _graph_case(rank, device, group, gen, *, widths, lead=(33,)):
             return (loss, *torch.autograd.grad(loss, [s]))
 
         fill()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up on a side stream before the capture, as torch.cuda.graph asks
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
+        graph, out = timing.capture(step)
         fill()
         graph.replay()
         torch.cuda.set_sync_debug_mode("error")

@@ -147,8 +147,8 @@ def providers(prob: Problem, beta: float, temperature: float, group, world: int)
 
 def captured(step, prob: Problem, inputs):
     """``step`` (a training step) captured in a CUDA graph on fresh static leaves of ``inputs``
-    (kldiv_inline.timing.capture), run by replaying it: it ignores the inputs it is given (the static ones hold
-    the same values) and returns the graph's outputs."""
+    (kldiv_inline.timing.capture, as the two-GPU test captures it), run by replaying it: it ignores the inputs it
+    is given (the static ones hold the same values) and returns the graph's outputs."""
     graph, out = timing.capture(step, *prob.prepare(*inputs))
 
     def replay(*_):

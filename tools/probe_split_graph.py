@@ -77,9 +77,10 @@ if rank == 0:
 rows = []
 for beta in (float(b) for b in args.betas.split(",")):
     # As the two-GPU test (tests/test_vocab_parallel.py, _graph_case) does it: no eager step on the default stream
-    # and no barrier before the capture (at 71d788 this tool ran one of each there, and the capture of the full
-    # size failed in autograd.grad with cudaErrorStreamCaptureImplicit, "operation would make the legacy stream
-    # depend on a capturing blocking stream", where the test's small unaligned one passed; kernels/NOTES.md).
+    # and no barrier just before the capture. At 71d7888 this tool ran one of each there, and the capture of the
+    # full size failed in autograd.grad with cudaErrorStreamCaptureImplicit ("operation would make the legacy
+    # stream depend on a capturing blocking stream") where the test's small unaligned one passed: which difference
+    # mattered (those two, or the size's fast phase kernels) is not known yet (kernels/NOTES.md).
     step = stepper(s_part, t_part, beta, group)
     graph, (loss, g) = capture(step)
     graph.replay()
