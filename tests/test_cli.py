@@ -114,6 +114,23 @@ def test_committed_status_is_up_to_date(tmp_path):
         "results/status.md is stale: run `python -m kldiv_inline plot`"
 
 
+def test_committed_goals_are_what_their_runs_give(tmp_path):
+    # Every committed goals.md is what plot writes from its folder's bench.csv and env.json, and every goal row in
+    # the README is a committed goals.md's row, verbatim: a number edited by hand anywhere fails here.
+    committed_rows = set()
+    for csv_path in sorted((ROOT / "results").rglob("bench.csv")):
+        folder = csv_path.parent
+        out = tmp_path / folder.relative_to(ROOT)
+        out.mkdir(parents=True)
+        assert plots.write_goals(folder, bench.OURS, out).read_text() == (folder / "goals.md").read_text(), \
+            f"{folder.relative_to(ROOT)}/goals.md is not what `python -m kldiv_inline plot` writes from its run"
+        committed_rows |= set((folder / "goals.md").read_text().splitlines())
+    readme_rows = [line for line in (ROOT / "README.md").read_text().splitlines()
+                   if line.split(" | ")[0] in {"| floor"} | {f"| {c}{i}" for c in "PDLV" for i in range(1, 10)}]
+    assert readme_rows, "the README's goal tables were not found"
+    assert [r for r in readme_rows if r not in committed_rows] == []
+
+
 def test_old_csvs_still_plot(tmp_path):
     """A bench.csv from before the floor's columns (no bytes, floor_gbps, pct_of_peak) still draws."""
     folder = tmp_path / "old-gpu"
