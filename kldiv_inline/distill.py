@@ -236,6 +236,12 @@ def traced_topk_normalisation(lp: Tensor, whole: bool) -> Tensor:
     return lp - torch.where(torch.isneginf(shift), 0.0, shift)
 
 
+def is_topk_pair(x) -> bool:
+    """Whether ``x`` has the top-k teacher's form, (indices, logprobs) as two tensors (_validate_topk says what is
+    wrong otherwise)."""
+    return isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(t, Tensor) for t in x)
+
+
 def _no_check() -> None:
     pass
 

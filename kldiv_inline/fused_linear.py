@@ -45,6 +45,7 @@ from .distill import (
     _rows,
     _scaled,
     _validate_topk,
+    is_topk_pair,
     refuse_transforms,
 )
 from .vocab_parallel import divergence_rows, group_name, resolve_group, topk_rows, vocab_slice
@@ -412,7 +413,7 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
         t_logits = _rows(teacher_logits.detach(), vocab)
     else:
         pair = teacher_topk
-        if isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(t, Tensor) for t in pair):
+        if is_topk_pair(pair):
             pair = (pair[0], pair[1].detach())
         # With a group the indices are global: checked against the whole vocabulary (every rank's rows).
         whole = vocab if group is None else vocab_slice(vocab, device, group)[1]

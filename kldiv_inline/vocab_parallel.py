@@ -228,10 +228,6 @@ def _check_group(group, who: str = "generalized_jsd") -> None:
         raise TypeError(f"{who}: group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
 
 
-def _is_pair_of_tensors(x) -> bool:
-    return isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(t, Tensor) for t in x)
-
-
 def group_name(group, who: str) -> str:
     """The name a custom op carries a process group by (as PyTorch's functional collectives do)."""
     _check_group(group, who)
@@ -252,7 +248,7 @@ def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tenso
     _check_group(group)
     offset, vocab, settled = 0, None, None
     if teacher_topk is not None and isinstance(student_logits, Tensor) and student_logits.dim() >= 1:
-        k = teacher_topk[0].shape[-1] if _is_pair_of_tensors(teacher_topk) and teacher_topk[0].dim() else 0
+        k = teacher_topk[0].shape[-1] if distill.is_topk_pair(teacher_topk) and teacher_topk[0].dim() else 0
         offset, vocab, settled = learnt_vocab_slice(student_logits.shape[-1], student_logits.device, group, least=k)
     # The top-k teacher's checks are read back once the step's kernels are queued (as on one device), and after
     # every collective: a rank that raised before one would leave the others waiting in it.
