@@ -203,6 +203,15 @@ def distill_goal_rows(rows: list[dict], ours: str) -> list[dict]:
     return out
 
 
+def format_value(goal: dict) -> str:
+    """A goal's measured value as goals.md, status.md and the README's tables print it."""
+    if goal["target"].startswith("relative"):
+        return f"{goal['value']:.2e}"
+    if goal["target"].startswith("%"):
+        return f"{goal['value']:.1f}%"
+    return f"{goal['value']:.3f}"
+
+
 def goals_markdown(goals: list[dict], env: dict) -> str:
     floor = ""
     if env.get("floor_gbps"):
@@ -215,13 +224,7 @@ def goals_markdown(goals: list[dict], env: dict) -> str:
              + (f" Partial run: {env['partial']}." if env.get("partial") else ""), "",
              "| goal | case | target | measured | median (ms) | met |", "| --- | --- | --- | --- | --- | --- |"]
     for g in goals:
-        if g["target"].startswith("relative"):
-            val = f"{g['value']:.2e}"
-        elif g["target"].startswith("%"):
-            val = f"{g['value']:.1f}%"
-        else:
-            val = f"{g['value']:.3f}"
-        lines.append(f"| {g['goal']} | {g['case']} | {g['target']} | {val} | {g['ours_ms']:.4f} | "
+        lines.append(f"| {g['goal']} | {g['case']} | {g['target']} | {format_value(g)} | {g['ours_ms']:.4f} | "
                      f"{'yes' if g['met'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
@@ -260,14 +263,8 @@ def status_markdown(runs: list[tuple[str, list[dict], dict]]) -> str:
     for key in sorted(latest, key=lambda k: (_goal_order(k[0]), k[1], k[2], k[3])):
         date, folder, env, g = latest[key]
         card = key[3]
-        if g["target"].startswith("relative") or "rel_err" in g["target"]:
-            val = f"{g['value']:.2e}"
-        elif g["target"].startswith("%"):
-            val = f"{g['value']:.1f}%"
-        else:
-            val = f"{g['value']:.3f}"
         run = f"{folder} ({str(env.get('commit') or '?')[:7]}, {date[:10] or '?'}" + (
             ", partial)" if env.get("partial") else ")")
-        lines.append(f"| {g['goal']} | {g['case']} | {g['target']} | {card} | {val} | "
+        lines.append(f"| {g['goal']} | {g['case']} | {g['target']} | {card} | {format_value(g)} | "
                      f"{'yes' if g['met'] else 'NO'} | {run} |")
     return "\n".join(lines) + "\n"
