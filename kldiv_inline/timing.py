@@ -95,7 +95,14 @@ def time_wall(fn: Callable, args_sets: Sequence[tuple], reps: int, warmup: int, 
 def capture(step: Callable, *args):
     """(graph, outputs): ``step(*args)`` captured in a CUDA graph (``graph.replay()`` runs it again and
     overwrites the outputs), after three runs on a side stream, as PyTorch's CUDA-graph documentation asks (lazy
-    set-up, allocator state). Replays read whatever the step's static inputs hold then."""
+    set-up, allocator state). Replays read whatever the step's static inputs hold then.
+
+    A step that runs autograd must not find its leaves still tied to an eager step's graph: autograd keeps a leaf's
+    gradient-accumulation node, with the stream it was made on, for as long as any graph that uses the leaf is
+    alive, and a capture whose backward hands a gradient to a node made on the default stream fails
+    (cudaErrorStreamCaptureImplicit: "operation would make the legacy stream depend on a capturing blocking
+    stream"). So drop an eager step's outputs (its loss holds its graph) before capturing, or capture on fresh
+    leaves. (Seen with the split step: an eager step's loss, kept to compare with the replay, failed the capture.)"""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -76,11 +76,10 @@ if rank == 0:
     print(torch.cuda.get_device_name(), torch.__version__, f"world {world}", flush=True)
 rows = []
 for beta in (float(b) for b in args.betas.split(",")):
-    # As the two-GPU test (tests/test_vocab_parallel.py, _graph_case) does it: no eager step on the default stream
-    # and no barrier just before the capture. At 71d7888 this tool ran one of each there, and the capture of the
-    # full size failed in autograd.grad with cudaErrorStreamCaptureImplicit ("operation would make the legacy
-    # stream depend on a capturing blocking stream") where the test's small unaligned one passed: which difference
-    # mattered (those two, or the size's fast phase kernels) is not known yet (kernels/NOTES.md).
+    # Captured before any eager step: at 71d7888 this tool kept an eager step's loss (made on the default stream)
+    # alive through the capture, whose autograd.grad then handed the leaf's gradient to that step's
+    # gradient-accumulation node, made on the default stream: cudaErrorStreamCaptureImplicit (timing.capture says
+    # more). The eager step below comes after the capture.
     step = stepper(s_part, t_part, beta, group)
     graph, (loss, g) = capture(step)
     graph.replay()
