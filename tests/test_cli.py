@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from kldiv_inline import bench, plots
+from kldiv_inline import goals as goals_mod
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,6 +64,25 @@ def test_goals_are_evaluated_from_rows():
     # "ours" is a parameter: the same rows under another name meet the same goals.
     renamed = {(g["goal"], g["target"]): g["met"] for g in bench.goal_rows(_fake_rows("mine"), "cuda", "mine")}
     assert renamed == {k: g["met"] for k, g in goals.items()}
+
+
+def test_vocab_goals_are_evaluated_from_rows():
+    # The split's goals from the two-GPU bench's rows: eager and captured steps each over their own one-GPU time,
+    # the peer over ours; a form or beta without its rows gives no goal row rather than a made-up one.
+    def row(impl, world, ms, beta=0.0, form="logits"):
+        return {"impl": impl, "world": world, "median_ms": ms, "beta": beta, "form": form, "dtype": "bfloat16",
+                "batch": 4096, "features": 128256, "status": "ok"}
+    rows = [row("kldiv_inline", 1, 1.13), row("kldiv_inline", 2, 0.81), row("megatron_style", 2, 14.0),
+            row("kldiv_inline_graph", 1, 1.12), row("kldiv_inline_graph", 2, 0.65)]
+    goals = {g["target"]: g for g in goals_mod.vocab_goal_rows(rows, "kldiv_inline")}
+    scaling, captured = "time on 2 GPUs / on 1 <= 0.6", "steps captured in a CUDA graph: time on 2 GPUs / on 1 <= 0.6"
+    assert set(goals) == {scaling, captured, "megatron_style time / ours on 2 GPUs >= 4.0"}
+    eager, graph = goals[scaling], goals[captured]
+    assert eager["value"] == pytest.approx(0.81 / 1.13) and not eager["met"]
+    assert graph["value"] == pytest.approx(0.65 / 1.12) and graph["met"] and graph["ours_ms"] == 0.65
+    assert goals["megatron_style time / ours on 2 GPUs >= 4.0"]["value"] == pytest.approx(14.0 / 0.81)
+    # Without a captured one-GPU row the captured split has nothing to be a ratio of.
+    assert len(goals_mod.vocab_goal_rows(rows[:3] + rows[4:], "kldiv_inline")) == 2
 
 
 def test_plot_cli_draws_pngs_without_gpu(tmp_path):
