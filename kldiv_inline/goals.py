@@ -211,7 +211,7 @@ def distill_goal_rows(rows: list[dict], ours: str) -> list[dict]:
 
 def format_value(goal: dict) -> str:
     """A goal's measured value as goals.md, status.md and the README's tables print it."""
-    if goal["target"].startswith("relative"):
+    if goal["target"].startswith("relative") or "rel_err" in goal["target"]:  # 0.000 would hide a 2e-5
         return f"{goal['value']:.2e}"
     if goal["target"].startswith("%"):
         return f"{goal['value']:.1f}%"

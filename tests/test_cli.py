@@ -64,6 +64,9 @@ def test_goals_are_evaluated_from_rows():
     # "ours" is a parameter: the same rows under another name meet the same goals.
     renamed = {(g["goal"], g["target"]): g["met"] for g in bench.goal_rows(_fake_rows("mine"), "cuda", "mine")}
     assert renamed == {k: g["met"] for k, g in goals.items()}
+    # Errors print with their exponent (a 1e-5 error against a 1e-3 bound as "0.000" would say nothing).
+    assert goals_mod.format_value({"target": "loss_rel_err <= 0.001", "value": 1.05e-5}) == "1.05e-05"
+    assert goals_mod.format_value({"target": "time / floor <= 1.3", "value": 1.2594}) == "1.259"
 
 
 def test_vocab_goals_are_evaluated_from_rows():
