@@ -68,6 +68,18 @@ def driver_version() -> str | None:
         return None
 
 
+# Environment variables that change how the collectives, the allocator or the launches behave, and so the times:
+# recorded with every run (PyTorch's NCCL flight recorder, for one, gathers the Python stack at every collective).
+TIMING_VARIABLES = ("TORCH_NCCL_", "TORCH_FR_", "NCCL_", "TORCH_SYMM_MEM_", "PYTORCH_CUDA_ALLOC_CONF",
+                    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING",
+                    "CUDA_LAUNCH_BLOCKING", "OMP_NUM_THREADS")
+
+
+def timing_variables() -> dict:
+    """The TIMING_VARIABLES set in this process (name -> value)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(TIMING_VARIABLES)}
+
+
 def environment(device: str) -> dict:
     env = {
         "device": device,
@@ -81,6 +93,7 @@ def environment(device: str) -> dict:
         "commit": commit(),
         "command": " ".join(["python -m kldiv_inline", *sys.argv[1:]]) if sys.argv else "",
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "variables": timing_variables(),
     }
     if device == "cuda":
         props = torch.cuda.get_device_properties(torch.cuda.current_device())

@@ -69,6 +69,17 @@ def test_goals_are_evaluated_from_rows():
     assert goals_mod.format_value({"target": "time / floor <= 1.3", "value": 1.2594}) == "1.259"
 
 
+def test_environment_records_the_variables_that_change_timings(monkeypatch):
+    from kldiv_inline import envinfo
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    monkeypatch.setenv("KLDIV_UNRELATED", "1")
+    recorded = envinfo.environment("cpu")["variables"]
+    assert recorded["TORCH_FR_BUFFER_SIZE"] == "0" and recorded["NCCL_NVLS_ENABLE"] == "0"
+    assert "KLDIV_UNRELATED" not in recorded
+
+
 def test_vocab_goals_are_evaluated_from_rows():
     # The split's goals from the two-GPU bench's rows: eager and captured steps each over their own one-GPU time,
     # the peer over ours; a form or beta without its rows gives no goal row rather than a made-up one.

@@ -4,7 +4,9 @@
         tools/probe_split_host.py [--step-only]
 
 (1) three ways to all-gather [4096, 4] float32 over NCCL: the host's time per call back to back, and behind a
-25 ms kernel (a call that waited for the device would take ~1.25 ms a call there); (2) the split's forward (bf16
+25 ms kernel (a call that waited for the device would take ~1.25 ms a call there); and one of them 30 Python frames
+deep (PyTorch's NCCL flight recorder gathers the Python stack at every collective unless TORCH_FR_BUFFER_SIZE=0:
+run this with and without it); (2) the split's forward (bf16
 4096 x 128256 split across the ranks, forward KL, T = 2, 10% masked, the student's gradient), its phases called
 from Python as kldiv_inline.vocab_parallel calls them: host time per step, the step back to back (CUDA events),
 and behind the long kernel. Rank 0 prints. (At 8a7fe75 it also timed distill_split, the same sequence in C++
@@ -61,8 +63,13 @@ if not STEP_ONLY:
     # (1) the all-gathers
     x = torch.randn(4096, 4, device="cuda")
     out = x.new_empty(world * 4096, 4)
+    def nested(depth, f):
+        return f() if depth == 0 else nested(depth - 1, f)
+
     gathers = {
         "dist.all_gather_into_tensor": lambda: dist.all_gather_into_tensor(out, x),
+        "the same, 30 Python frames deep": lambda: nested(30, lambda: dist.all_gather_into_tensor(out, x)),
+        "30 Python frames, no gather": lambda: nested(30, lambda: None),
         "functional + wait_tensor": lambda: F.wait_tensor(F.all_gather_into_tensor(x, world, group.group_name)),
         "group._allgather_base().wait()": lambda: group._allgather_base(out, x).wait(),
     }
