@@ -9,8 +9,8 @@ frames deep (PyTorch's NCCL flight recorder gathers the Python stack at every co
 TORCH_FR_BUFFER_SIZE=0; run with and without it, two H200s: ~5-10 us a gather, kernels/NOTES.md); (2) the split's
 forward (bf16 4096 x 128256 split across the ranks, forward KL, T = 2, 10% masked, the student's gradient), its
 phases called from Python as kldiv_inline.vocab_parallel calls them: host time per step, the step back to back
-(CUDA events), and behind the long kernel. Rank 0 prints. (At 8a7fe75 it also timed distill_split, the same sequence in C++
-through PyTorch's functional all-gathers, since removed: kernels/NOTES.md, version 15.)
+(CUDA events), and behind the long kernel. Rank 0 prints. (At 8a7fe75 it also timed distill_split, the same
+sequence in C++ through PyTorch's functional all-gathers, since removed: kernels/NOTES.md, version 15.)
 """
 import collections
 import sys
