@@ -110,6 +110,13 @@ def capture(step: Callable, *args):
             step(*args)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(*args)
+    try:
+        with torch.cuda.graph(graph):
+            out = step(*args)
+    except RuntimeError as e:  # CUDA's words for it name neither autograd nor the leaf: say what to do
+        if not any(w in str(e) for w in ("capturing", "StreamCapture", "stream capture")):
+            raise
+        raise RuntimeError(f"capture: the step could not be captured ({e}). If it runs autograd on leaves that an "
+                           "eager step used, drop that step's outputs (its loss holds its graph, and with it each "
+                           "leaf's gradient node and the stream it was made on) or capture on fresh leaves") from e
     return graph, out

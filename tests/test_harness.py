@@ -482,6 +482,45 @@ def test_a_check_frame_pickles_and_serialises(tmp_path):
         harness.bench({"m": lambda x: 3 * x}, cases, checked=df, reps=1, warmup=0, timer="wall")
 
 
+def test_capture_failure_says_what_to_do(monkeypatch):
+    # A capture that CUDA refuses (an eager step's leaf still tied to the default stream) raises an error that
+    # says what to do, with CUDA's own beneath it; other errors of the step pass through unchanged. The CUDA
+    # pieces are stand-ins here (no GPU needed): only the error's handling is under test.
+    import contextlib
+
+    from kldiv_inline import timing
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    capturing = []
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext(capturing.append(g)))
+    cuda_says = "CUDA error: operation would make the legacy stream depend on a capturing blocking stream"
+
+    def step():
+        if capturing:
+            raise RuntimeError(cuda_says)
+        return 1
+
+    with pytest.raises(RuntimeError, match="drop that step's outputs") as info:
+        timing.capture(step)
+    assert cuda_says in str(info.value) and str(info.value.__cause__) == cuda_says
+    capturing.clear()
+
+    def wrong():
+        if capturing:
+            raise RuntimeError("shapes do not match")
+        return 1
+
+    with pytest.raises(RuntimeError, match="^shapes do not match$"):
+        timing.capture(wrong)
+
+
 @pytest.mark.gpu
 def test_capture_replays_a_training_step():
     # timing.capture: the step (here a backward) runs from the graph on whatever its static leaf holds.
