@@ -123,12 +123,18 @@ def topk_rows(student: Tensor, idx: Tensor, lp: Tensor, labels: Tensor | None, i
     if k < vocab:  # a tail bucket only where some of the vocabulary is outside the top-k
         buckets = torch.cat([buckets, whole[:, k:].log()], dim=1)
     arange = torch.arange(k, device=student.device).expand(n, k).contiguous()
-    loss, g_buckets, _ = mod.distill_forward((buckets * temperature).to(acc), None, arange, lp, labels, ignore_index,
+    # The buckets' divergence in float64 whatever the logits' dtype (k + 1 values a row: nothing to the step's
+    # time): rounded to float32, each bucket's log-probability carried an error of ~6e-8 of its size, and where
+    # one bucket holds nearly all the mass the gradient's factor (u - K) cancels down to it (reverse KL, k = 1:
+    # 3.7e-5 relative to float64, where the one-device kernel, which forms the members' log-probabilities from
+    # the logits, kept 2.4e-6).
+    loss, g_buckets, _ = mod.distill_forward(buckets * temperature, None, arange, lp.double(), labels, ignore_index,
                                              beta, temperature, reduction, want_s, False)
+    loss = loss.to(acc)
     if not want_s:
         return loss, None
-    return loss, mod.distill_topk_slice_grad(student, norms, idx, offset, temperature, g_buckets, whole, k < vocab,
-                                             labels, ignore_index, scale)
+    return loss, mod.distill_topk_slice_grad(student, norms, idx, offset, temperature, g_buckets.to(acc), whole,
+                                             k < vocab, labels, ignore_index, scale)
 
 
 def _run(student: Tensor, teacher: Tensor | None, idx: Tensor | None, lp: Tensor | None, labels: Tensor | None,
