@@ -21,6 +21,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_vocab_parallel import slowest  # noqa: E402  (tools/, the script's own folder)
+from trace_steps import split_logits  # noqa: E402
+
 import kldiv_inline as K  # noqa: E402
 from kldiv_inline.timing import L2Flush, capture, quantiles, time_cuda  # noqa: E402
 
@@ -35,13 +38,7 @@ dist.init_process_group("nccl")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.cuda.set_device(rank)
 group = dist.group.WORLD
-gen = torch.Generator(device="cuda").manual_seed(0)
-n, v = args.tokens, args.vocab
-s = (torch.randn(n, v, generator=gen, device="cuda") * 2).bfloat16()
-t = (torch.randn(n, v, generator=gen, device="cuda") * 2).bfloat16()
-labels = torch.randint(0, v, (n,), generator=gen, device="cuda")
-labels = labels.masked_fill(torch.rand(n, generator=gen, device="cuda") < 0.1, -100)
-lo, hi = rank * v // world, (rank + 1) * v // world
+s, t, labels, lo, hi = split_logits(args.tokens, args.vocab, rank, world)
 s_part, t_part = s[:, lo:hi].contiguous(), t[:, lo:hi].contiguous()
 flush = L2Flush("cuda")
 
@@ -56,20 +53,14 @@ def stepper(student, teacher, beta, grp):
     return step
 
 
-def slowest(times):
-    x = torch.tensor(times, dtype=torch.float64, device="cuda")
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x)
-    return torch.stack(parts).amax(dim=0).tolist()
-
-
 def timed(fn, aligned):
     """Per-call ms (the slower rank's): back to back, or each after a barrier and an L2 flush."""
     def prepare():
         if aligned:
             dist.barrier()
         return ()
-    return quantiles(slowest(time_cuda(fn, [()], args.reps, 3, flush=flush if aligned else None, prepare=prepare)))
+    times = time_cuda(fn, [()], args.reps, 3, flush=flush if aligned else None, prepare=prepare)
+    return quantiles(slowest(times, "cuda"))
 
 
 if rank == 0:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from trace_steps import busy, host_ms_per_step  # noqa: E402  (tools/, the script's own folder)
+from trace_steps import busy, host_ms_per_step, split_logits  # noqa: E402  (tools/, the script's own folder)
 
 import kldiv_inline as K  # noqa: E402
 from kldiv_inline.timing import quantiles, time_cuda  # noqa: E402
@@ -39,13 +39,8 @@ args = ap.parse_args()
 dist.init_process_group("nccl")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.cuda.set_device(rank)
-gen = torch.Generator(device="cuda").manual_seed(0)
-n, v = args.tokens, args.vocab
-s = (torch.randn(n, v, generator=gen, device="cuda") * 2).bfloat16()
-t = (torch.randn(n, v, generator=gen, device="cuda") * 2).bfloat16()
-labels = torch.randint(0, v, (n,), generator=gen, device="cuda")
-labels = labels.masked_fill(torch.rand(n, generator=gen, device="cuda") < 0.1, -100)
-lo, hi = rank * v // world, (rank + 1) * v // world
+n = args.tokens
+s, t, labels, lo, hi = split_logits(args.tokens, args.vocab, rank, world)
 parts = (s[:, lo:hi].contiguous(), t[:, lo:hi].contiguous())
 topk = None
 if args.topk:  # a served teacher's top-k: global indices and log-probabilities, the same on every rank

@@ -1,6 +1,6 @@
-"""What the profiling tools (profile_topk_step.py, profile_fused_head.py, profile_vocab_parallel.py) share: the
-host's wall time per step, and the reading of a host + device trace (torch.profiler's chrome-trace events, the
-"X" ones, or its events for kernels)."""
+"""What the profiling tools (profile_topk_step.py, profile_fused_head.py, profile_vocab_parallel.py,
+probe_split_graph.py) share: the host's wall time per step, the reading of a host + device trace (torch.profiler's
+chrome-trace events, the "X" ones, or its events for kernels), and the split tools' problem."""
 import collections
 import time
 
@@ -48,3 +48,15 @@ def busy(intervals) -> float:
             total += b - last
             last = b
     return total
+
+
+def split_logits(tokens: int, vocab: int, rank: int, world: int, device: str = "cuda"):
+    """The vocabulary-split tools' problem: bf16 student and teacher logits [tokens, vocab] (N(0, 4); the same on
+    every rank: one seed), labels with 10% of the tokens masked, and this rank's slice [lo, hi) of the vocabulary
+    (even, in rank order): (s, t, labels, lo, hi)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    s = (torch.randn(tokens, vocab, generator=gen, device=device) * 2).bfloat16()
+    t = (torch.randn(tokens, vocab, generator=gen, device=device) * 2).bfloat16()
+    labels = torch.randint(0, vocab, (tokens,), generator=gen, device=device)
+    labels = labels.masked_fill(torch.rand(tokens, generator=gen, device=device) < 0.1, -100)
+    return s, t, labels, rank * vocab // world, (rank + 1) * vocab // world
