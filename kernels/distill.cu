@@ -330,8 +330,8 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
       if (TWO) mx[1] = fmax(mx[1], static_cast<A>(xt[j]));
     }
     block_max<2>(mx, scratch);
-    mx[0] *= k2;  // k2 > 0: the max of the scaled logits
-    mx[1] *= k2;
+    mx[0] = scaled_max(mx[0], k2);  // k2 > 0: the max of the scaled logits
+    mx[1] = scaled_max(mx[1], k2);
     A sm[2] = {A(0), A(0)};
     const A m0 = mx[0] == ninf<A>() ? A(0) : mx[0], m1 = mx[1] == ninf<A>() ? A(0) : mx[1];
     for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
@@ -349,6 +349,8 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
       if (TWO) sm[1] += d_exp2(static_cast<A>(xt[j]) * k2 - m1);
     }
     block_sum<2>(sm, scratch);
+    sm[0] = part_sum(sm[0], m0);  // (a block of padding beyond the lanes' range: a stand-in)
+    sm[1] = part_sum(sm[1], m1);
     cluster_norms(cluster, mx, sm, slot_norms, bcast, norm);
     if (p.phase == PHASE_NORMS) {
       if (writes_out && threadIdx.x == 0) {
@@ -365,6 +367,8 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
     norm[0] = Norm<A>{nr[0], nr[1]};
     norm[1] = Norm<A>{nr[2], nr[3]};
   }
+  norm[0] = usable(norm[0]);  // the whole row's: NaN beyond the lanes' range
+  norm[1] = usable(norm[1]);
   const A scale = static_cast<A>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(p.inv_t));
 
   if constexpr (TOPK) {

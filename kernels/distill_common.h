@@ -326,6 +326,38 @@ template <int MODE, typename A> DS_HD A teacher_grad(const Point<A>& e, const Ro
 // offset (one combined logsumexp would be rounded at the offset: 1e-3 at logits of 1e4 in float32).
 template <typename A> struct Norm { A mx, lz; };
 
+// Logits beyond what the lanes resolve. Entries are shifted as x k2 - mx, mx = max(x) k2 rounded, in one fused
+// multiply-add: the product is exact, so every entry of a row is off by the same rounding e of mx, which cancels
+// in the normalisation while 2^e stays in range. From a scaled maximum of 2^24 on (2^53 in double lanes; beyond
+// |x / T| ~ 1.2e7 in float lanes) that rounding is >= 1, and at ~1e10 2^e leaves the float range: a NaN or, worse,
+// a wrong finite loss (a whole row at -1e12 gave a JSD of log(2) / 2) where PyTorch, which subtracts the maximum
+// first, is exact. So:
+//   - a row whose scaled maximum lies beyond the limit (or overflowed to -inf from a finite logit) is NaN, its loss
+//     and its gradient (usable(), applied where a row's whole normaliser is formed: by the kernel that holds the
+//     row, or by combine_row_norms for a split one; not in row_norms, which the split's terms kernel calls per
+//     row: there it made ptxas spill);
+//   - a part of a row (a thread's, warp's, block's or rank's entries) whose own maximum lies beyond the limit (a
+//     stretch of padding at -1e10 or at the dtype's lowest value) adds a finite stand-in to the row's sum
+//     (part_sum): such a part holds no mass unless the row's maximum is beyond the limit too, and then the row
+//     is NaN anyway. Padding at -inf is exact as before.
+template <typename A> DS_HD A offset_limit() { return sizeof(A) == 4 ? A(16777216.0) : A(9007199254740992.0); }
+template <typename A> DS_HD bool offset_ok(A m) { return m < offset_limit<A>() && m > -offset_limit<A>(); }
+// The scaled maximum of raw logits (k2 > 0); a finite raw maximum whose product overflows to -inf is the lowest
+// finite value (beyond the limit), not -inf (which says: no mass).
+template <typename A> DS_HD A scaled_max(A raw, A k2) {
+  const A m = raw * k2;
+  return m == ninf<A>() && raw != ninf<A>() ? std::numeric_limits<A>::lowest() : m;
+}
+// A part's sum of 2^(x k2 - o) taken at its own scaled maximum o (0 for a part without mass): a stand-in of 1 where
+// o lies beyond the limit (NaN stays NaN).
+template <typename A> DS_HD A part_sum(A l, A o) { return offset_ok(o) || l != l ? l : A(1); }
+// A row's normaliser as its entries may use it: NaN where its maximum lies beyond the limit (-inf, a row without
+// mass, is legal).
+template <typename A> DS_HD Norm<A> usable(Norm<A> n) {
+  if (offset_ok(n.mx) || n.mx == ninf<A>()) return n;
+  return Norm<A>{std::numeric_limits<A>::quiet_NaN(), std::numeric_limits<A>::quiet_NaN()};
+}
+
 // Both rows' normalisers, with the differences every entry needs.
 template <typename A> struct RowNorms {
   Norm<A> s, t;
@@ -394,7 +426,8 @@ template <typename A> DS_HD Norm<A> combine_norm(const A* part, int64_t stride, 
 
 // Row i's two normalisers (student's, teacher's) from parts [world, n, 4], written to out[4 i .. 4 i + 3].
 template <typename A> DS_HD void combine_row_norms(const A* parts, int64_t i, int64_t n, int64_t world, A* out) {
-  const Norm<A> s = combine_norm(parts + 4 * i, 4 * n, world), t = combine_norm(parts + 4 * i + 2, 4 * n, world);
+  const Norm<A> s = usable(combine_norm(parts + 4 * i, 4 * n, world));  // the whole row's (see usable)
+  const Norm<A> t = usable(combine_norm(parts + 4 * i + 2, 4 * n, world));
   out[4 * i] = s.mx;
   out[4 * i + 1] = s.lz;
   out[4 * i + 2] = t.mx;

@@ -69,19 +69,21 @@ template <typename T, typename A> inline bool row_masked(const Args& a, const Ro
   return p.labels && p.labels[i] == a.ignore_index;
 }
 
-// The normaliser of a row (distill_common.h's Norm; k2 = log2(e) / T). NaN anywhere gives NaN (as PyTorch's
-// log_softmax); a row of -inf has no mass (lz = -inf).
+// The normaliser of a row or of a slice of one (distill_common.h's Norm; k2 = log2(e) / T). NaN anywhere gives NaN
+// (as PyTorch's log_softmax); a row of -inf has no mass (lz = -inf); a maximum beyond the lanes' range gives a
+// stand-in sum (part_sum: a slice of padding; a whole row is made NaN where its entries use it, usable()).
 template <typename T, typename A> Norm<A> row_norm(const T* x, int64_t v, A k2) {
-  A mx = ninf<A>();
+  A raw = ninf<A>();
   for (int64_t j = 0; j < v; ++j) {
-    const A a = static_cast<A>(x[j]) * k2;
-    if (a > mx || a != a) mx = a;
-    if (mx != mx) return {mx, mx};
+    const A a = static_cast<A>(x[j]);
+    if (a > raw || a != a) raw = a;
+    if (raw != raw) return {raw, raw};
   }
+  const A mx = scaled_max(raw, k2);
   const A shift = mx == ninf<A>() ? A(0) : mx;  // a +inf maximum turns the sum into NaN below
   double sum = 0.0;
   for (int64_t j = 0; j < v; ++j) sum += static_cast<double>(d_exp2(static_cast<A>(x[j]) * k2 - shift));
-  return {mx, d_log2(static_cast<A>(sum))};
+  return {mx, d_log2(part_sum(static_cast<A>(sum), shift))};
 }
 
 // An entry's point (the row's `close` chooses make_point's form; the CPU needs no hoisting).
@@ -120,7 +122,7 @@ void row_grad(const T* s, const T* t, int64_t v, A k2, const RowNorms<A>& rn, co
 template <typename T, int MODE, typename A>
 A row_topk(const T* s, int64_t v, const int64_t* idx, const A* lp, int64_t k, A k2, const RowConst<A>& c, A scale,
            T* gs, std::vector<unsigned char>& mark) {
-  const Norm<A> ns = row_norm<T, A>(s, v, k2);
+  const Norm<A> ns = usable(row_norm<T, A>(s, v, k2));
   auto log2_p = [&](int64_t j) { return log2_prob(static_cast<A>(s[j]), k2, ns); };
   mark.assign(v, 0);
   bool bad = false;
@@ -197,7 +199,7 @@ void forward_rows(const Args& a, double inv_div, at::Tensor& rows_loss, at::Tens
         continue;
       }
       const T* t = p.t + i * p.t_stride;
-      const RowNorms<A> rn = row_norms(row_norm<T, A>(s, r.v, k2), row_norm<T, A>(t, r.v, k2));
+      const RowNorms<A> rn = row_norms(usable(row_norm<T, A>(s, r.v, k2)), usable(row_norm<T, A>(t, r.v, k2)));
       const Terms<double> sums = row_terms<T, MODE, A>(s, t, r.v, k2, rn, c);
       out[i] = static_cast<A>(sums.loss);
       if (gsi || gti)
@@ -474,7 +476,7 @@ void topk_slice_rows(const at::Tensor& student, const at::Tensor& norms, const a
 #pragma omp parallel for schedule(static) if (n * v >= kParallelMin)
   for (int64_t i = 0; i < n; ++i) {
     const T* x = s_base + i * stride;
-    const Norm<A> nm{nr_base[4 * i], nr_base[4 * i + 1]};
+    const Norm<A> nm = usable(Norm<A>{nr_base[4 * i], nr_base[4 * i + 1]});
     std::vector<char> member(static_cast<size_t>(v), 0);
     for (int64_t j = 0; j < k; ++j) {
       const int64_t e = idx_base[i * k + j] - offset;
@@ -513,7 +515,7 @@ void topk_slice_grad_rows(const at::Tensor& student, const at::Tensor& norms, co
       std::fill(g, g + v, static_cast<T>(0));
       continue;
     }
-    const Norm<A> nm{nr_base[4 * i], nr_base[4 * i + 1]};
+    const Norm<A> nm = usable(Norm<A>{nr_base[4 * i], nr_base[4 * i + 1]});
     const double p_tail = wh[i * (k + 1) + k];
     // An entry's share of the tail's gradient: p_v g_tail / p_tail (the ratio in double).
     const A coef = has_tail && p_tail > 0.0 ? static_cast<A>(static_cast<double>(gb[i * gw + k]) / p_tail) : A(0);

@@ -186,8 +186,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
       mx[0] = fmaxf(mx[0], static_cast<float>(gsrc[tail]));
       mx[1] = fmaxf(mx[1], static_cast<float>(gtsrc[tail]));
     }
-    mx[0] = warp_max(mx[0]) * k2;  // k2 > 0: the max of the scaled logits
-    mx[1] = warp_max(mx[1]) * k2;
+    mx[0] = scaled_max(warp_max(mx[0]), k2);  // k2 > 0: the max of the scaled logits
+    mx[1] = scaled_max(warp_max(mx[1]), k2);
     const float o0 = mx[0] == ninf<float>() ? 0.f : mx[0], o1 = mx[1] == ninf<float>() ? 0.f : mx[1];
     float sm[2] = {0.f, 0.f};
     for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
@@ -202,8 +202,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
       sm[0] += d_exp2(static_cast<float>(gsrc[tail]) * k2 - o0);
       sm[1] += d_exp2(static_cast<float>(gtsrc[tail]) * k2 - o1);
     }
-    sm[0] = warp_sum(sm[0]);
-    sm[1] = warp_sum(sm[1]);
+    sm[0] = part_sum(warp_sum(sm[0]), o0);  // (a warp of padding beyond the lanes' range: a stand-in)
+    sm[1] = part_sum(warp_sum(sm[1]), o1);
     if (lane == 0) slot_norms[warp] = make_float4(mx[0], sm[0], mx[1], sm[1]);
     cluster_arrive();
     cluster_wait();
@@ -218,8 +218,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
       }
     }
     __syncthreads();
-    norm[0] = Norm<float>{bcast[0], bcast[1]};
-    norm[1] = Norm<float>{bcast[2], bcast[3]};
+    norm[0] = usable(Norm<float>{bcast[0], bcast[1]});
+    norm[1] = usable(Norm<float>{bcast[2], bcast[3]});
   }
   if (!KS) cluster_arrive();  // this block reads no other's shared memory any more; wait before leaving
   const float scale = static_cast<float>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(p.inv_t));
@@ -351,12 +351,13 @@ __device__ __forceinline__ void running_norm(const Vec<T> (&v)[U], int valid, fl
     l = l == 0.f ? 0.f : l * d_exp2((mr - g) * k2);
     mr = g;
   }
-  const float o = mr == ninf<float>() ? 0.f : mr * k2;
+  const float o = mr == ninf<float>() ? 0.f : scaled_max(mr, k2);
 #pragma unroll
   for (int u = 0; u < U; ++u)
     if (u < valid)
 #pragma unroll
       for (int q = 0; q < Vec<T>::N; ++q) l += d_exp2(static_cast<float>(v[u].v[q]) * k2 - o);
+  l = part_sum(l, o);  // entries so far beyond the lanes' range (padding): a stand-in
 }
 
 template <typename T> __global__ void __launch_bounds__(kNormThreads) phase_norms_kernel(const Params<T, float> p) {
@@ -391,8 +392,8 @@ template <typename T> __global__ void __launch_bounds__(kNormThreads) phase_norm
     running_norm(vt, 1, k2, mt, lt);
   }
   // (max x k2, sum) pairs combined over the warp, then the block's warps in a fixed order (deterministic).
-  ms *= k2;  // k2 > 0: the max of the scaled logits
-  mt *= k2;
+  ms = scaled_max(ms, k2);  // k2 > 0: the max of the scaled logits
+  mt = scaled_max(mt, k2);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     combine_pair(ms, ls, __shfl_xor_sync(0xffffffffu, ms, o), __shfl_xor_sync(0xffffffffu, ls, o));

@@ -92,7 +92,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     for_each_landed(chunks, p.staged, [&](int c) { mx = fmaxf(mx, chunk_max(load_chunk(xs + c * N, true))); });
     mx = fmaxf(mx, x_tail);
   }
-  mx = warp_max(mx) * k2;  // k2 > 0: the max of the scaled logits
+  mx = scaled_max(warp_max(mx), k2);  // k2 > 0: the max of the scaled logits
   const float o = mx == ninf<float>() ? 0.f : mx;
   __syncthreads();           // the bitmap is complete
   float sm = 0.f, st = 0.f;  // all entries, non-members
@@ -111,8 +111,8 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     sm += e;
     st += (bits[tail >> 5] >> (tail & 31)) & 1u ? 0.f : e;
   }
-  sm = warp_sum(sm);
-  st = warp_sum(st);
+  sm = part_sum(warp_sum(sm), o);  // (a warp of padding beyond the lanes' range: a stand-in)
+  st = part_sum(warp_sum(st), o);
   if (lane == 0) slot_norms[warp] = make_float4(mx, sm, mx, st);  // the same maxima: m1 ends equal to m0
   cluster_arrive();
   cluster_wait();
@@ -132,7 +132,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     }
   }
   __syncthreads();
-  const Norm<float> ns{bcast[0], bcast[1]};
+  const Norm<float> ns = usable(Norm<float>{bcast[0], bcast[1]});
   const bool bad = bcast[4] != 0.f;
 
   // ---- 2. every block: all members' terms (their logits from their owners' shared memory), then the tail's

@@ -428,13 +428,16 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     queued (the host waits for the small kernel, not for the divergence); under torch.compile or CUDA-graph
     capture the check is skipped and a row with a bad index has a NaN loss and gradient.
 
-    Gradients flow to the student's logits, and to the teacher's logits when they require grad. Logits of -inf
-    (a padded vocabulary) are legal. Double backward is not supported (a clear error); nor are torch.func
-    transforms (vmap, grad, jvp) and forward-mode AD (clear errors).
+    Gradients flow to the student's logits, and to the teacher's logits when they require grad. A padded
+    vocabulary is legal whatever the padding holds (-inf, -1e10, the dtype's lowest value): it holds no mass.
+    Double backward is not supported (a clear error); nor are torch.func transforms (vmap, grad, jvp) and
+    forward-mode AD (clear errors).
 
-    Limits of float32 lanes (16-bit and float32 logits): scaled logits ``|x / T|`` beyond about 1e7 are rounded
-    by more than the softmax can absorb (each is scaled before the row's maximum is subtracted), and from about
-    3e9 the result is NaN; float64 logits hold to about 1e15. The generalized JSD with beta within ~1e-6 of 0 or 1
+    Limits of float32 lanes (16-bit and float32 logits): a token whose largest scaled logit ``|x / T|`` (student's
+    or teacher's) exceeds 2^24 ln 2, about 1.2e7, has a NaN loss and gradient (each logit is scaled before the
+    row's maximum is subtracted, which beyond that offset costs more than the softmax can absorb; PyTorch's
+    float32 would still give a number there, rather than a wrong one here); float64 logits hold to 2^53 ln 2,
+    about 6e15. The generalized JSD with beta within ~1e-6 of 0 or 1
     loses digits in float32 lanes (relative error ~1e-3 at beta = 1e-6): use beta = 0 or 1 for the KLs, or
     float64.
 

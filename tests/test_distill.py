@@ -98,6 +98,16 @@ def assert_grad_close(g, ref, dtype, what):
     assert err <= GRAD_TOL[dtype], f"{what}: relative error {err:.3e} beyond subnormal rounding"
 
 
+# What a padded vocabulary may hold: -inf, a large negative number, the dtype's lowest value. The finite ones
+# once made a GPU kernel's row NaN: a part of the row (a warp's or a block's entries) that held only padding had
+# its sum of 2^(x k2 - max) taken at its own maximum, whose rounding (~1e30 at the lowest float) overflowed.
+PADS = [float("-inf"), -1e10, "lowest"]
+
+
+def pad_value(pad, dtype):
+    return torch.finfo(dtype).min if pad == "lowest" else pad
+
+
 # --------------------------------------------------------------------------------- 1. values and gradients
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
 @pytest.mark.parametrize("beta", BETAS)
@@ -234,16 +244,17 @@ def test_phases_over_slices_match_float64(device, dtype, beta, widths):
             assert (g[lab == -100] == 0).all()
 
 
+@pytest.mark.parametrize("pad", PADS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_id)
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
-def test_phases_with_a_padded_vocabulary(device, dtype, beta):
-    # A padded vocabulary split across ranks: the last slice is -inf in both (a rank holding only padding: its
+def test_phases_with_a_padded_vocabulary(device, dtype, beta, pad):
+    # A padded vocabulary split across ranks: the last slice is padding in both (a rank holding only padding: its
     # normalisers have no mass) and so is the end of the one before. The loss and gradient are those of the
     # unpadded rows, the padding's gradient 0.
     n, temp, widths, real = 5, 2.0, (20000, 4000, 800), 23900
     s, t = padded_rows(n, sum(widths), dtype, device), padded_rows(n, sum(widths), dtype, device)
-    s[:, real:] = float("-inf")
-    t[:, real:] = float("-inf")
+    s[:, real:] = pad_value(pad, dtype)
+    t[:, real:] = pad_value(pad, dtype)
     lab = labels_for((n,), device)
     ref, (rs,) = reference(s[:, :real].clone().requires_grad_(), t[:, :real],
                            torch.ones(n, dtype=torch.float64, device=device), beta=beta, temperature=temp,
@@ -299,13 +310,14 @@ def test_masked_tokens_are_ignored_whatever_they_hold(device):
 
 
 # ------------------------------------------------------------------------------------ 3. special values
+@pytest.mark.parametrize("pad", PADS, ids=str)
 @pytest.mark.parametrize("beta", BETAS)
-def test_padded_vocabulary_minus_inf(device, beta):
-    # A padded vocabulary: the last entries are -inf in both: they hold no mass and contribute nothing.
+def test_padded_vocabulary(device, beta, pad):
+    # A padded vocabulary: the last entries are padding in both: they hold no mass and contribute nothing.
     s = logits((5, 64), torch.float32, device)
     t = logits((5, 64), torch.float32, device)
-    s[:, 50:] = float("-inf")
-    t[:, 50:] = float("-inf")
+    s[:, 50:] = pad_value(pad, s.dtype)
+    t[:, 50:] = pad_value(pad, t.dtype)
     s.requires_grad_()
     out, (gs,) = run(s, t, None, beta=beta, reduction="none")
     ref = generalized_jsd_reference(s.detach()[:, :50], t[:, :50], beta=beta, reduction="none")
@@ -353,6 +365,71 @@ def test_nan_logit_gives_nan_row(device):
     s[1, 4] = float("nan")
     out = K.generalized_jsd(s, t, reduction="none")
     assert torch.isnan(out[1]) and torch.isfinite(out[[0, 2]]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pad", PADS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_id)
+def test_padded_long_rows_cuda(monkeypatch, dtype, pad):
+    # Rows of 32768 of which 3000 are real: whole blocks and warps of every CUDA kernel (the fast kernel's
+    # cluster slices, rows_kernel's blocks, the top-k kernel's warps) hold only padding.
+    n, vocab, real = 4, 32768, 3000
+    s = logits((n, vocab), dtype, "cuda", scale=3.0)
+    t = logits((n, vocab), dtype, "cuda", scale=3.0)
+    s[:, real:] = pad_value(pad, dtype)
+    t[:, real:] = pad_value(pad, dtype)
+    s.requires_grad_()
+    topk = topk_teacher((n,), real, 20, "cuda")
+    one = torch.ones(n, dtype=torch.float64, device="cuda")
+    for fast in ("1", "0"):
+        monkeypatch.setenv("KLDIV_DISTILL_FAST", fast)
+        for beta in (0.0, 0.5, 1.0):
+            for teacher, kw in ((t, {}), (None, {"teacher_topk": topk})):
+                out, (gs,) = run(s, teacher, None, beta=beta, temperature=2.0, reduction="none", **kw)
+                ref, (rs,) = reference(s.detach()[:, :real].clone().requires_grad_(),
+                                       None if teacher is None else t[:, :real], one, beta=beta, temperature=2.0,
+                                       reduction="none", **kw)
+                what = f"fast={fast} beta={beta} {'top-k' if teacher is None else 'logits'}"
+                assert torch.isfinite(out).all() and torch.isfinite(gs).all(), what
+                assert_close(out, ref, 2e-6, f"loss {what}")
+                assert_close(gs[:, :real], rs, GRAD_TOL[dtype], f"grad {what}")
+                assert (gs[:, real:] == 0).all(), what
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_logits_beyond_the_lanes_range_give_nan_rows(device, dtype):
+    # A row whose largest scaled logit |x / T| lies beyond what its lanes resolve (2^24 log(2) ~ 1.2e7 in float32
+    # lanes, 2^53 log(2) ~ 6.2e15 in float64) is NaN, its loss and its gradient, never a wrong finite number (it
+    # was: a whole row at -1e12 gave a JSD of log(2) / 2). Rows beside it keep float64's values. float16 cannot
+    # hold such logits (its largest is 65504): there the temperature takes them beyond.
+    far = 1e17 if dtype == torch.float64 else 1e9
+    temp, big = (1e-3, 6e4) if dtype == torch.float16 else (1.0, far)
+    n = 6
+    s, t = logits((n, 40), dtype, device), logits((n, 40), dtype, device)
+    s[1] = -big          # the student's whole row at one far value
+    t[2] = -big          # the teacher's
+    s[3, 7] = big        # one far entry: the row's maximum
+    t[4] = torch.finfo(dtype).min  # the lowest value (float16: x / T overflows)
+    s.requires_grad_()
+    for beta in (0.0, 0.5, 1.0):
+        for teacher, kw in ((t, {}), (None, {"teacher_topk": topk_teacher((n,), 40, 5, device)})):
+            rows_far = [1, 2, 3, 4] if teacher is not None else [1, 3]  # a top-k teacher has no logits
+            rows_near = [r for r in range(n) if r not in rows_far]
+            out, (gs,) = run(s, teacher, None, beta=beta, temperature=temp, reduction="none", **kw)
+            # (the gradient is NaN where the row's entries have mass: at T = 1e-3 one entry may hold it all)
+            assert torch.isnan(out[rows_far]).all() and torch.isnan(gs[rows_far]).any(dim=1).all(), (beta, out)
+            if teacher is None and temp < 1:
+                # At T = 1e-3 a top-k teacher's tail bucket can hold less student mass than float32 lanes hold
+                # (an infinite loss where float64 has a finite one: a limit of its own, not this test's subject).
+                assert not torch.isnan(out[rows_near]).any()
+                continue
+            ref, (rs,) = reference(s.detach()[rows_near].clone().requires_grad_(),
+                                   None if teacher is None else t[rows_near],
+                                   torch.ones(len(rows_near), dtype=torch.float64, device=device), beta=beta,
+                                   temperature=temp, reduction="none",
+                                   **({} if teacher is not None else
+                                      {"teacher_topk": tuple(x[rows_near] for x in kw["teacher_topk"])}))
+            assert_close(out[rows_near], ref, 1e-12 if dtype == torch.float64 else 1e-5, f"loss beta={beta}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_id)
