@@ -438,10 +438,10 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     row's maximum is subtracted, which beyond that offset costs more than the softmax can absorb, so such a token
     is NaN rather than wrong (PyTorch, subtracting the maximum first, still gives a number). float64 logits hold
     to 2^53 ln 2, about 6e15. Padding at a large finite value (-1e10, the dtype's lowest) is exact: the limit
-    concerns a row's maximum. With a top-k teacher, a student whose mass outside the k tokens is below what float32 lanes hold
-    (~1e-38; as at temperatures far below 1) gets an infinite loss where float64 gives a finite one: the tail's
-    probabilities are summed, not log-summed. The generalized JSD with beta within ~1e-6 of 0 or 1
-    loses digits in float32 lanes (relative error ~1e-3 at beta = 1e-6): use beta = 0 or 1 for the KLs, or
+    concerns a row's maximum. With a top-k teacher, a student whose mass outside the k tokens is below what
+    float32 lanes hold (~1e-38; as at temperatures far below 1) gets an infinite loss where float64 gives a finite
+    one: the tail's probabilities are summed, not log-summed. The generalized JSD with beta within ~1e-6 of 0 or
+    1 loses digits in float32 lanes (relative error ~1e-3 at beta = 1e-6): use beta = 0 or 1 for the KLs, or
     float64.
 
     ``group`` (a ``torch.distributed`` process group): the vocabulary is split across its ranks, each holding a
