@@ -10,8 +10,9 @@ and others can) replays the kernels and collectives with no host work. This chec
 captured (its kernels and NCCL all-gathers, no host synchronisation, allocations from the graph's pool) and gives
 the same loss and gradient as eager (bit for bit: the kernels are deterministic), then times, with CUDA events on
 each rank (the slower rank's reported): eager and the graph's replays back to back, and each after a barrier and
-an L2 flush (the bench's way, tools/bench_vocab_parallel.py); and the one-device op on rank 0 back to back, the
-ratio's denominator. Rank 0 prints.
+an L2 flush (the bench's way, tools/bench_vocab_parallel.py); eager after a barrier and a flush on a fresh leaf
+each step, as the bench gives it (its eager steps measured slower than this probe's on one machine: 0.98 against
+0.67 ms, kernels/NOTES.md); and the one-device op on rank 0 back to back, the ratio's denominator. Rank 0 prints.
 """
 import argparse
 import sys
@@ -53,12 +54,22 @@ def stepper(student, teacher, beta, grp):
     return step
 
 
-def timed(fn, aligned):
-    """Per-call ms (the slower rank's): back to back, or each after a barrier and an L2 flush."""
+def fresh_leaf_step(teacher, beta, grp):
+    """The eager step on a leaf given each call, as the bench gives it (tools/bench_vocab_parallel.py's prepare):
+    a new gradient-accumulation node every step, where stepper's steps share one."""
+    def step(leaf):
+        loss = K.generalized_jsd(leaf, teacher, beta=beta, temperature=2.0, labels=labels, group=grp)
+        return loss, torch.autograd.grad(loss, [leaf])[0]
+    return step
+
+
+def timed(fn, aligned, leaf_of=None):
+    """Per-call ms (the slower rank's): back to back, or each after a barrier and an L2 flush; with ``leaf_of``,
+    fn takes a fresh leaf of that tensor each call (made outside the timed region)."""
     def prepare():
         if aligned:
             dist.barrier()
-        return ()
+        return () if leaf_of is None else (leaf_of.detach().requires_grad_(),)
     times = time_cuda(fn, [()], args.reps, 3, flush=flush if aligned else None, prepare=prepare)
     return quantiles(slowest(times, "cuda"))
 
@@ -84,11 +95,11 @@ for beta in (float(b) for b in args.betas.split(",")):
         one = quantiles(time_cuda(stepper(s, t, beta, None), [()], args.reps, 3))
     dist.barrier()
     rows.append((beta, bool(agree.item()), one, timed(step, False), timed(graph.replay, False), timed(step, True),
-                 timed(graph.replay, True)))
+                 timed(graph.replay, True), timed(fresh_leaf_step(t_part, beta, group), True, leaf_of=s_part)))
     del graph
 if rank == 0:
-    print("beta  graph==eager  one GPU   eager b2b  graph b2b  eager aligned  graph aligned   (ms, median [q20-q80];"
-          " ratios to one GPU)")
+    print("beta  graph==eager  one GPU   eager b2b  graph b2b  eager aligned  graph aligned  eager aligned, fresh "
+          "leaves   (ms, median [q20-q80]; ratios to one GPU)")
     for beta, same, one, *ts in rows:
         cells = "  ".join(f"{m:.3f} [{a:.3f}-{b:.3f}] {m / one[0]:.3f}x" for m, a, b in ts)
         print(f"{beta:4.2f}  {str(same):12s}  {one[0]:.3f}  {cells}", flush=True)
