@@ -165,7 +165,7 @@ def _check_number(name: str, value, low: float, high: float, low_open: bool) -> 
 
 def _rows(x: Tensor, vocab: int) -> Tensor:
     """[..., V] -> [rows, V] with unit stride along the vocabulary (a view where possible)."""
-    x2 = x.reshape(-1, vocab)
+    x2 = x if x.dim() == 2 else x.reshape(-1, vocab)  # (rows already: no reshape call on the step's host path)
     if x2.stride(-1) == 1:
         return x2
     if vocab == 1:  # one entry per row: the stride along it is never used, so say 1 (a view; contiguous() would
@@ -360,6 +360,8 @@ def _check_labels(labels, lead: torch.Size, device: torch.device) -> Tensor | No
                          f"{tuple(labels.shape)}")
     if labels.device != device:
         raise ValueError(f"generalized_jsd: labels on {labels.device}, logits on {device}")
+    if labels.dtype == torch.int64 and labels.dim() == 1 and labels.is_contiguous():
+        return labels  # the usual case, without three calls on the step's host path
     return labels.reshape(-1).to(torch.int64).contiguous()
 
 
