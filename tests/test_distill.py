@@ -423,12 +423,11 @@ def test_logits_beyond_the_lanes_range_give_nan_rows(device, dtype):
                 # (an infinite loss where float64 has a finite one: a limit of its own, not this test's subject).
                 assert not torch.isnan(out[rows_near]).any()
                 continue
+            near_kw = {name: tuple(x[rows_near] for x in pair) for name, pair in kw.items()}  # the top-k's rows
             ref, (rs,) = reference(s.detach()[rows_near].clone().requires_grad_(),
                                    None if teacher is None else t[rows_near],
                                    torch.ones(len(rows_near), dtype=torch.float64, device=device), beta=beta,
-                                   temperature=temp, reduction="none",
-                                   **({} if teacher is not None else
-                                      {"teacher_topk": tuple(x[rows_near] for x in kw["teacher_topk"])}))
+                                   temperature=temp, reduction="none", **near_kw)
             assert_close(out[rows_near], ref, 1e-12 if dtype == torch.float64 else 1e-5, f"loss beta={beta}")
 
 

@@ -44,16 +44,6 @@ s_part, t_part = s[:, lo:hi].contiguous(), t[:, lo:hi].contiguous()
 flush = L2Flush("cuda")
 
 
-def stepper(student, teacher, beta, grp):
-    leaf = student.detach().requires_grad_()
-
-    def step():
-        loss = K.generalized_jsd(leaf, teacher, beta=beta, temperature=2.0, labels=labels, group=grp)
-        (g,) = torch.autograd.grad(loss, [leaf])
-        return loss, g
-    return step
-
-
 def fresh_leaf_step(teacher, beta, grp):
     """The eager step on a leaf given each call, as the bench gives it (tools/bench_vocab_parallel.py's prepare):
     a new gradient-accumulation node every step, where stepper's steps share one."""
@@ -61,6 +51,12 @@ def fresh_leaf_step(teacher, beta, grp):
         loss = K.generalized_jsd(leaf, teacher, beta=beta, temperature=2.0, labels=labels, group=grp)
         return loss, torch.autograd.grad(loss, [leaf])[0]
     return step
+
+
+def stepper(student, teacher, beta, grp):
+    """The same step on one leaf of ``student``, made once (what a capture needs: static inputs)."""
+    leaf, step = student.detach().requires_grad_(), fresh_leaf_step(teacher, beta, grp)
+    return lambda: step(leaf)
 
 
 def timed(fn, aligned, leaf_of=None):
