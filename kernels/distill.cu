@@ -360,15 +360,16 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
         p.out[4 * row + 3] = norm[1].lz;
       }
       cluster.sync();  // no block leaves while another may still read its slots
+      // (a slice's normalisers: combine_row_norms applies usable() to the ranks' combination)
       return;
     }
+    norm[0] = usable(norm[0]);  // the whole row's: NaN beyond the lanes' range
+    norm[1] = usable(norm[1]);
   } else {
-    const A* nr = p.norms_in + 4 * row;
+    const A* nr = p.norms_in + 4 * row;  // the ranks' combination (combine_row_norms: already usable())
     norm[0] = Norm<A>{nr[0], nr[1]};
     norm[1] = Norm<A>{nr[2], nr[3]};
   }
-  norm[0] = usable(norm[0]);  // the whole row's: NaN beyond the lanes' range
-  norm[1] = usable(norm[1]);
   const A scale = static_cast<A>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(p.inv_t));
 
   if constexpr (TOPK) {

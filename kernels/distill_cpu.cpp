@@ -476,7 +476,7 @@ void topk_slice_rows(const at::Tensor& student, const at::Tensor& norms, const a
 #pragma omp parallel for schedule(static) if (n * v >= kParallelMin)
   for (int64_t i = 0; i < n; ++i) {
     const T* x = s_base + i * stride;
-    const Norm<A> nm = usable(Norm<A>{nr_base[4 * i], nr_base[4 * i + 1]});
+    const Norm<A> nm{nr_base[4 * i], nr_base[4 * i + 1]};  // combined: already usable()
     std::vector<char> member(static_cast<size_t>(v), 0);
     for (int64_t j = 0; j < k; ++j) {
       const int64_t e = idx_base[i * k + j] - offset;
@@ -515,7 +515,7 @@ void topk_slice_grad_rows(const at::Tensor& student, const at::Tensor& norms, co
       std::fill(g, g + v, static_cast<T>(0));
       continue;
     }
-    const Norm<A> nm = usable(Norm<A>{nr_base[4 * i], nr_base[4 * i + 1]});
+    const Norm<A> nm{nr_base[4 * i], nr_base[4 * i + 1]};  // combined: already usable()
     const double p_tail = wh[i * (k + 1) + k];
     // An entry's share of the tail's gradient: p_v g_tail / p_tail (the ratio in double).
     const A coef = has_tail && p_tail > 0.0 ? static_cast<A>(static_cast<double>(gb[i * gw + k]) / p_tail) : A(0);

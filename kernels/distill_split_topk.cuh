@@ -47,7 +47,7 @@ topk_slice_kernel(const T* __restrict__ s, int64_t s_stride, int64_t v, const A*
   const T* x = s + row * s_stride;
   const int64_t* row_idx = idx + row * k;
   double* out = part + row * (k + 1);
-  const Norm<A> nm = usable(Norm<A>{norms[4 * row], norms[4 * row + 1]});
+  const Norm<A> nm{norms[4 * row], norms[4 * row + 1]};  // combined: already usable()
   mark_members(bits, row_idx, k, offset, v);
   for (int j = threadIdx.x; j < k; j += blockDim.x) {
     const int64_t e = row_idx[j] - offset;
@@ -102,7 +102,7 @@ topk_slice_grad_kernel(const T* __restrict__ s, int64_t s_stride, int64_t v, con
   T* g = grad + row * v;
   const bool masked = labels && labels[row] == ignore_index;
   const T* x = s + row * s_stride;
-  const Norm<A> nm = usable(Norm<A>{norms[4 * row], norms[4 * row + 1]});
+  const Norm<A> nm{norms[4 * row], norms[4 * row + 1]};  // combined: already usable()
   const A sc = static_cast<A>(scale ? *scale : 1.0);
   const double p_tail = whole[row * (k + 1) + k];
   // The tail's share per unit of probability, times the scale (0 for a masked row: zeros everywhere).
