@@ -3,7 +3,8 @@
 Cases (CUDA): bfloat16, tokens x hidden 4096 x vocabulary 128256 (Llama 3's head), student and teacher each given
 as hidden states + weight, T = 2, 10% of the tokens masked, forward + backward w.r.t. the student's hidden states
 and weight; 4096 tokens (the goals' shape) and a sweep of 1024 to 16384 tokens (time and memory against tokens);
-beta 0 (forward KL) and 0.5 at the goals' shape, SWEEP_BETAS across the sweep. Providers: ours; PyTorch with
+beta 0 (forward KL) and 0.5 at the goals' shape, SWEEP_BETAS across the sweep. Providers: ours (the goals');
+ours with ``skip_masked=True`` (SKIP_MASKED: no products for masked tokens, one host synchronisation); PyTorch with
 materialised logits (both heads' ``hidden @ weight.T`` in bf16, TRL's loss ``peers.trl_generalized_jsd``,
 backward), eager and under torch.compile; Liger-Kernel's ``LigerFusedLinearJSD`` when installed.
 On the CPU the same runs at the sizes given (the CPU twin, for a test).
@@ -38,6 +39,7 @@ from .peers import trl_generalized_jsd
 from .reference import generalized_jsd_reference, relative_error
 
 OURS = "kldiv_inline"
+SKIP_MASKED = "kldiv_inline_skip_masked"  # ours with skip_masked=True: beside the goals' row, not in it
 TEMPERATURE = 2.0
 MASKED = 0.10          # share of tokens whose label is ignore_index
 CHECK_TOKENS = 256     # tokens of a case checked against float64 (the whole head in float64 is 4 GiB a weight)
@@ -128,14 +130,16 @@ def _liger(beta: float) -> Callable | None:
     return lambda hs, ws, th, tw, y: jsd(hs, ws, th, tw, y)
 
 
-def _ours(beta: float) -> Callable:
+def _ours(beta: float, skip_masked: bool = False) -> Callable:
     def loss(hs, ws, th, tw, y):
-        return fused_linear_generalized_jsd(hs, ws, th, tw, beta=beta, temperature=TEMPERATURE, labels=y)
+        return fused_linear_generalized_jsd(hs, ws, th, tw, beta=beta, temperature=TEMPERATURE, labels=y,
+                                            skip_masked=skip_masked)
     return loss
 
 
 def providers(beta: float, device: str) -> dict[str, Callable | None]:
-    out: dict[str, Callable | None] = {OURS: _ours(beta), "torch_eager": _materialised(beta)}
+    out: dict[str, Callable | None] = {OURS: _ours(beta), SKIP_MASKED: _ours(beta, True),
+                                       "torch_eager": _materialised(beta)}
     if device == "cuda":
         out["torch_compile"] = torch.compile(_materialised(beta), dynamic=False)
         out["liger"] = _liger(beta)

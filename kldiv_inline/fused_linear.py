@@ -106,45 +106,63 @@ def _accumulate(acc: Tensor, a: Tensor, b: Tensor, first: bool, scale: Tensor | 
             acc[r0:r1].add_(prod)
 
 
+def _unmasked_tokens(labels: Tensor, ignore_index: int) -> Tensor:
+    """The indices of the tokens whose label is not ignore_index, in order. Their number sizes the chunks, so it is
+    read back to the host: the one synchronisation of a call with skip_masked."""
+    return (labels != ignore_index).nonzero().squeeze(1)
+
+
 def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor | None,
            t_weight: Tensor | None, t_bias: Tensor | None, t_logits: Tensor | None,
            topk_idx: Tensor | None, topk_lp: Tensor | None, labels: Tensor | None, ignore_index: int,
            beta: float, temperature: float, batchmean: bool, chunk_size: int, accum_dtype: torch.dtype | None,
-           group_name: str | None, want_hidden: bool, want_weight: bool, want_bias: bool):
+           group_name: str | None, skip_masked: bool, want_hidden: bool, want_weight: bool, want_bias: bool):
     """The loss (batchmean or sum) and its gradients w.r.t. hidden [n, H], weight and bias (each only if wanted,
     else an empty tensor). With ``group_name``, the vocabulary (weight's rows, bias, teacher logits) is this rank's
     slice: each chunk's divergence runs in kldiv_inline.vocab_parallel's phases, and grad hidden is summed over
-    the group at the end."""
+    the group at the end. ``skip_masked`` (with labels): the chunks hold the unmasked tokens only (see
+    _unmasked_tokens)."""
     n, vocab = hidden.shape[0], weight.shape[0]
     acc_t = _acc_dtype(hidden.dtype)
     mod = _module(hidden.device)
     want = want_hidden or want_weight or want_bias
-    g_hidden = hidden.new_empty(hidden.shape) if want_hidden else None
+    keep = _unmasked_tokens(labels, ignore_index) if skip_masked and labels is not None else None
+    m = n if keep is None else keep.shape[0]  # the tokens the chunks hold
+    # A skipped token's gradient is 0: its rows of grad hidden are zeros, the others written chunk by chunk.
+    g_hidden = (hidden.new_empty if keep is None else hidden.new_zeros)(hidden.shape) if want_hidden else None
     g_weight = weight.new_empty(weight.shape) if want_weight else None
     w_acc = g_weight if g_weight is None or accum_dtype in (None, weight.dtype) else \
         weight.new_empty(weight.shape, dtype=accum_dtype)
-    rows = min(chunk_size, n)
+    rows = min(chunk_size, m)
     s_buf = hidden.new_empty((rows, vocab))
-    t_buf = hidden.new_empty((rows, vocab)) if t_hidden is not None else None
+    # The teacher's logits of a chunk: made from hidden states, or gathered from the given logits' unmasked rows.
+    gather_logits = keep is not None and t_logits is not None
+    t_buf = hidden.new_empty((rows, vocab)) if t_hidden is not None or gather_logits else None
+
+    def tokens(x: Tensor, r0: int, r1: int) -> Tensor:
+        """Rows r0:r1 of the chunks' tokens: x's own rows, or (skipping masked tokens) its unmasked rows'."""
+        return x[r0:r1] if keep is None else x.index_select(0, keep[r0:r1])
 
     def products(r0: int):
         """Queues a chunk's logits (student, and teacher from hidden states) and returns the chunk's operands."""
-        r1 = min(n, r0 + chunk_size)
-        h, logits = hidden[r0:r1], s_buf[: r1 - r0]
+        r1 = min(m, r0 + chunk_size)
+        h, logits = tokens(hidden, r0, r1), s_buf[: r1 - r0]
         _linear(h, weight, bias, logits)
         teacher = idx = lp = None
         if t_hidden is not None:
-            teacher = _linear(t_hidden[r0:r1], t_weight, t_bias, t_buf[: r1 - r0])
+            teacher = _linear(tokens(t_hidden, r0, r1), t_weight, t_bias, t_buf[: r1 - r0])
+        elif gather_logits:
+            teacher = torch.index_select(t_logits, 0, keep[r0:r1], out=t_buf[: r1 - r0])
         elif t_logits is not None:
             teacher = t_logits[r0:r1]
         else:
-            idx, lp = topk_idx[r0:r1], topk_lp[r0:r1]
+            idx, lp = tokens(topk_idx, r0, r1), tokens(topk_lp, r0, r1)
         return r1, h, logits, teacher, idx, lp
 
     # The first chunk's products go first: the small operations below each cost a launch's host time (tens of
     # microseconds), and queued ahead of the products on an idle GPU they delayed the step's first large kernel
     # by ~1 ms (a host + device trace of a step on an H100, tools/profile_fused_head.py); behind them they are free.
-    first = products(0) if n > 0 else None
+    first = products(0) if m > 0 else None
     # The chunks' kernels reduce by sum; batchmean's divisor, the unmasked tokens of the whole batch, is counted
     # on the device (no synchronisation). The kernel applies it to d logits as it writes them (so the products
     # carry it and no pass over grad weight rescales it: that pass took 8% of a step on an H100), except for
@@ -170,9 +188,10 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
     sum_code = _REDUCTION_CODE["sum"]
     if group is not None and topk_idx is not None:
         offset, whole = vocab_slice(vocab, hidden.device, group)  # where this rank's rows sit among all ranks'
-    for r0 in range(0, n, chunk_size):
+    for r0 in range(0, m, chunk_size):
         r1, h, logits, teacher, idx, lp = first if r0 == 0 else products(r0)
-        lab = labels[r0:r1] if labels is not None else None
+        # (the unmasked tokens need no labels; batchmean's divisor above counted the whole batch's)
+        lab = labels[r0:r1] if labels is not None and keep is None else None
         if group is not None and idx is not None:
             part, dlogits = topk_rows(logits, idx, lp, lab, ignore_index, beta, temperature, sum_code, group, offset,
                                       whole, want, k_scale)
@@ -194,8 +213,10 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
             out = logits if g_buf is None else g_buf[: r1 - r0]
             part, dlogits, _ = mod.distill_forward(logits, *args, True, False, out, k_scale)
             total += part
-        if want_hidden:
+        if want_hidden and keep is None:
             torch.mm(dlogits, weight, out=g_hidden[r0:r1])
+        elif want_hidden:
+            g_hidden.index_copy_(0, keep[r0:r1], torch.mm(dlogits, weight))
         if want_weight:
             _accumulate(w_acc, dlogits.t(), h, first=r0 == 0, scale=late)
         if want_bias:
@@ -205,7 +226,7 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
     if want_hidden and late is not None:
         g_hidden.mul_(late)
     if want_weight:
-        if n == 0:
+        if m == 0:
             g_weight.zero_()
         elif w_acc is not g_weight:
             g_weight.copy_(w_acc)  # rounding a float32 accumulator once
@@ -220,16 +241,16 @@ def _fused_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Ten
               t_weight: Tensor | None, t_bias: Tensor | None, t_logits: Tensor | None,
               topk_idx: Tensor | None, topk_lp: Tensor | None, labels: Tensor | None, ignore_index: int,
               beta: float, temperature: float, batchmean: bool, chunk_size: int, accum_dtype: torch.dtype | None,
-              group_name: str | None, want_hidden: bool, want_weight: bool,
+              group_name: str | None, skip_masked: bool, want_hidden: bool, want_weight: bool,
               want_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _fused(hidden, weight, bias, t_hidden, t_weight, t_bias, t_logits, topk_idx, topk_lp, labels,
-                  ignore_index, beta, temperature, batchmean, chunk_size, accum_dtype, group_name, want_hidden,
-                  want_weight, want_bias)
+                  ignore_index, beta, temperature, batchmean, chunk_size, accum_dtype, group_name, skip_masked,
+                  want_hidden, want_weight, want_bias)
 
 
 @_fused_op.register_fake
 def _(hidden, weight, bias, t_hidden, t_weight, t_bias, t_logits, topk_idx, topk_lp, labels, ignore_index, beta,
-      temperature, batchmean, chunk_size, accum_dtype, group_name, want_hidden, want_weight, want_bias):
+      temperature, batchmean, chunk_size, accum_dtype, group_name, skip_masked, want_hidden, want_weight, want_bias):
     acc_t = _acc_dtype(hidden.dtype)
     empty = hidden.new_empty((0,))
     return (hidden.new_empty((), dtype=acc_t), hidden.new_empty(hidden.shape) if want_hidden else empty,
@@ -237,13 +258,13 @@ def _(hidden, weight, bias, t_hidden, t_weight, t_bias, t_logits, topk_idx, topk
             bias.new_empty(bias.shape) if want_bias else empty.clone())
 
 
-_N_INPUTS = 20
+_N_INPUTS = 21
 
 
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:10])
-    ctx.args = inputs[10:17]
-    ctx.wanted = inputs[17:20]
+    ctx.args = inputs[10:18]
+    ctx.wanted = inputs[18:21]
     _, g_hidden, g_weight, g_bias = output
     # Held outside save_for_backward: backward rescales them in place and hands them over as the gradients.
     ctx.fused = tuple(g.detach() for g in (g_hidden, g_weight, g_bias))
@@ -336,6 +357,16 @@ def _check_accum_dtype(accum_dtype, weight_dtype: torch.dtype) -> torch.dtype | 
     return None if accum_dtype == weight_dtype else accum_dtype
 
 
+def _check_skip_masked(skip_masked, labels: Tensor | None) -> bool:
+    """skip_masked as the op takes it: True only with labels (without them no token is masked)."""
+    if not isinstance(skip_masked, bool):
+        raise TypeError(_err(f"skip_masked must be True or False, got {skip_masked!r}"))
+    if skip_masked and labels is not None and labels.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(_err("skip_masked=True reads the number of unmasked tokens back to the host, which a "
+                                "CUDA graph capture cannot do: capture with skip_masked=False"))
+    return skip_masked and labels is not None
+
+
 def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
                                  teacher_hidden: Tensor | None = None, teacher_weight: Tensor | None = None, *,
                                  teacher_logits: Tensor | None = None,
@@ -344,7 +375,8 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
                                  beta: float = 0.0, temperature: float = 1.0, labels: Tensor | None = None,
                                  ignore_index: int = -100, reduction: str = "batchmean",
                                  chunk_size: int | None = None,
-                                 accum_dtype: torch.dtype | None = None, group=None) -> Tensor:
+                                 accum_dtype: torch.dtype | None = None, group=None,
+                                 skip_masked: bool = False) -> Tensor:
     """``generalized_jsd(student_hidden @ student_weight.T + student_bias, <teacher logits>, ...)`` without the
     logits ever being whole: the same loss (beta, temperature, labels/ignore_index, reductions "batchmean" and
     "sum"), computed chunk by chunk of tokens.
@@ -375,6 +407,14 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     its slice's weight and bias gradients and the full gradient of the hidden states (summed over the group).
     Each chunk's divergence then runs as ``generalized_jsd(..., group=group)`` does; ``teacher_topk``'s indices
     are then global vocabulary ids (each rank finds those in its rows).
+
+    ``skip_masked=True`` (with ``labels``): the chunks hold only the tokens whose label is not ``ignore_index``, so
+    no matrix product is spent on masked tokens (their loss and gradient are 0 anyway): a step with 10% of its
+    tokens masked does ~10% fewer FLOP, one with half its tokens (a prompt) masked half. The same loss and
+    gradients (masked tokens' rows of grad hidden are zeros). The cost: the number of unmasked tokens sizes the
+    chunks, so it is read back to the host, one synchronisation per call (the call waits for the work queued
+    before it), and such a call cannot be captured in a CUDA graph (an error). The default, False, never
+    synchronises.
     """
     _check_linear("student", student_hidden, student_weight, student_bias, None, None, None)
     pair = teacher_topk if isinstance(teacher_topk, (tuple, list)) else ()
@@ -420,6 +460,7 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
         idx, lp = _validate_topk(pair, student_hidden, lead, whole, lab, ignore_index)
     _check_chunk_size(chunk_size)
     accum_dtype = _check_accum_dtype(accum_dtype, dtype)
+    skip_masked = _check_skip_masked(skip_masked, lab)
     n = lead.numel()
     if chunk_size is None:
         chunk_size = default_chunk_size(n, vocab, student_hidden.element_size(), 2 if t_hidden is not None else 1)
@@ -428,7 +469,8 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     grad_on = torch.is_grad_enabled()
     wants = [bool(grad_on and t is not None and t.requires_grad) for t in (hidden, student_weight, student_bias)]
     args = (hidden, student_weight, student_bias, t_hidden, t_weight, t_bias, t_logits, idx, lp, lab,
-            int(ignore_index), beta, temperature, reduction == "batchmean", int(chunk_size), accum_dtype, name)
+            int(ignore_index), beta, temperature, reduction == "batchmean", int(chunk_size), accum_dtype, name,
+            skip_masked)
     if not any(wants) and not _is_tracing(hidden):
         return _fused(*args, False, False, False)[0]
     return _fused_op(*args, *wants)[0]
@@ -437,10 +479,10 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
 class FusedLinearGeneralizedJSDLoss(torch.nn.Module):
     """``fused_linear_generalized_jsd`` as a module: ``FusedLinearGeneralizedJSDLoss(beta, temperature)(
     student_hidden, student_weight, teacher_hidden, teacher_weight, labels=labels)``; the keyword arguments of the
-    function (teacher_logits, teacher_topk, biases, labels, accum_dtype) pass through ``forward``."""
+    function (teacher_logits, teacher_topk, biases, labels, accum_dtype, group) pass through ``forward``."""
 
     def __init__(self, beta: float = 0.0, temperature: float = 1.0, ignore_index: int = -100,
-                 reduction: str = "batchmean", chunk_size: int | None = None):
+                 reduction: str = "batchmean", chunk_size: int | None = None, skip_masked: bool = False):
         super().__init__()
         # Checked now, so a wrong setting fails where it is made.
         _check_settings(beta, temperature, ignore_index, reduction)
@@ -448,16 +490,17 @@ class FusedLinearGeneralizedJSDLoss(torch.nn.Module):
             raise ValueError("FusedLinearGeneralizedJSDLoss: reduction='none' is not supported; use 'batchmean' or "
                              "'sum'")
         _check_chunk_size(chunk_size)
+        _check_skip_masked(skip_masked, None)
         self.beta, self.temperature, self.ignore_index = beta, temperature, ignore_index
-        self.reduction, self.chunk_size = reduction, chunk_size
+        self.reduction, self.chunk_size, self.skip_masked = reduction, chunk_size, skip_masked
 
     def forward(self, student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor | None = None,
                 teacher_weight: Tensor | None = None, **kwargs) -> Tensor:
         return fused_linear_generalized_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight,
                                             beta=self.beta, temperature=self.temperature,
                                             ignore_index=self.ignore_index, reduction=self.reduction,
-                                            chunk_size=self.chunk_size, **kwargs)
+                                            chunk_size=self.chunk_size, skip_masked=self.skip_masked, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"beta={self.beta}, temperature={self.temperature}, ignore_index={self.ignore_index}, "
-                f"reduction={self.reduction!r}, chunk_size={self.chunk_size}")
+                f"reduction={self.reduction!r}, chunk_size={self.chunk_size}, skip_masked={self.skip_masked}")

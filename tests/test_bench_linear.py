@@ -9,8 +9,8 @@ from kldiv_inline import bench_linear
 
 def test_suite_rows_on_cpu():
     rows = bench_linear.run("cpu", reps=2, sizes=[(24, 16, 96)], betas=(0.0, 0.5), check_tokens=8, matmul_size=64)
-    assert {(r["impl"], r["beta"]) for r in rows} == {(i, b) for i in ("kldiv_inline", "torch_eager")
-                                                      for b in (0.0, 0.5)}
+    assert {(r["impl"], r["beta"]) for r in rows} == {
+        (i, b) for i in ("kldiv_inline", "kldiv_inline_skip_masked", "torch_eager") for b in (0.0, 0.5)}
     for r in rows:
         assert r["status"] == "ok", r
         assert (r["form"], r["pass"], r["dtype"], r["batch"], r["hidden"], r["features"]) == \

@@ -246,6 +246,72 @@ def test_no_labels_means_every_token(device):
         assert_close(g, r, 1e-12, "grad")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=_id)
+@pytest.mark.parametrize("form", TEACHERS)
+@pytest.mark.parametrize("chunk", [1, 4, None])
+def test_skip_masked_multiplies_only_unmasked_tokens(device, dtype, form, chunk, monkeypatch):
+    # The same loss and gradients as without skip_masked (masked tokens' grad hidden exactly 0), while the chunks'
+    # products see only the unmasked tokens' rows.
+    lead, vocab = (3, 7), 45
+    h, w, b = leaves(*head(lead, 16, vocab, dtype, device))
+    t_kw, t_ref = teacher(form, lead, vocab, dtype, device)
+    lab = labels_for(lead, device, frac=0.4)
+    kw = dict(beta=0.5, temperature=1.7, labels=lab, chunk_size=chunk)
+    multiplied = []
+    linear = fused_linear._linear
+    monkeypatch.setattr(fused_linear, "_linear", lambda x, *a: multiplied.append(x.shape[0]) or linear(x, *a))
+    loss, grads = run(h, w, b, t_kw, skip_masked=True, **kw)
+    kept = int((lab != -100).sum())
+    assert sum(multiplied) == kept * (2 if form == "hidden" else 1), (multiplied, kept)
+    multiplied.clear()
+    full, fgrads = run(h, w, b, t_kw, **kw)
+    assert sum(multiplied) == lab.numel() * (2 if form == "hidden" else 1)
+    assert torch.equal(grads[0].reshape(-1, 16)[(lab == -100).view(-1)], torch.zeros(lab.numel() - kept, 16,
+                                                                                     dtype=dtype, device=device))
+    if dtype in (torch.float64, torch.float32):
+        ref, rgrads = reference(h, w, b, t_ref, labels=lab, beta=0.5, temperature=1.7)
+        assert_close(loss, ref, LOSS_TOL[dtype], "loss")
+        for g, r in zip(grads, rgrads):
+            assert_close(g, r, GRAD_TOL[dtype], "grad")
+    else:  # 16-bit: each logit rounds alike either way, but grad weight is rounded once per chunk, and the chunks
+        # group other tokens (~4e-3 bf16, ~6e-4 fp16 seen over 20 seeds at chunks of 4): 8 units of the dtype
+        assert_close(loss, full, 1e-6, "loss")
+        for g, f in zip(grads, fgrads):
+            assert_close(g, f, 8 * (2.0**-9 if dtype == torch.bfloat16 else 2.0**-12), "grad")
+
+
+@pytest.mark.parametrize("reduction", ["batchmean", "sum"])
+def test_skip_masked_edges(device, reduction):
+    lead, vocab = (6,), 30
+    h, w, b = leaves(*head(lead, 8, vocab, torch.float64, device))
+    t_kw, t_ref = teacher("hidden", lead, vocab, torch.float64, device)
+    # Every token masked: no product at all, loss 0, zero gradients.
+    lab = torch.full(lead, -7, device=device)
+    loss, grads = run(h, w, b, t_kw, labels=lab, ignore_index=-7, reduction=reduction, skip_masked=True)
+    assert torch.equal(loss, torch.zeros_like(loss))
+    for g in grads:
+        assert torch.equal(g, torch.zeros_like(g))
+    # No labels: every token, as without skip_masked; no token masked: the same.
+    for lab in (None, torch.arange(6, device=device)):
+        loss, grads = run(h, w, b, t_kw, labels=lab, reduction=reduction, skip_masked=True, chunk_size=4)
+        ref, rgrads = reference(h, w, b, t_ref, labels=lab, reduction=reduction)
+        assert_close(loss, ref, 1e-12, "loss")
+        for g, r in zip(grads, rgrads):
+            assert_close(g, r, 1e-12, "grad")
+    # Forward only (no gradient wanted), and the module form.
+    lab = labels_for(lead, device, frac=0.5)
+    with torch.no_grad():
+        inference = K.fused_linear_generalized_jsd(h, w, student_bias=b, **t_kw, labels=lab, reduction=reduction,
+                                                   skip_masked=True, chunk_size=2)
+    module = K.FusedLinearGeneralizedJSDLoss(reduction=reduction, chunk_size=2, skip_masked=True)
+    assert "skip_masked=True" in repr(module)
+    ref, _ = reference(h, w, b, t_ref, labels=lab, reduction=reduction)
+    assert_close(inference, ref, 1e-12, "loss (no grad)")
+    assert_close(module(h, w, student_bias=b, **t_kw, labels=lab), ref, 1e-12, "loss (module)")
+    with pytest.raises(TypeError, match="skip_masked"):
+        K.fused_linear_generalized_jsd(h, w, **t_kw, labels=lab, skip_masked=1)
+
+
 # --------------------------------------------------------------------------------------- 3. autograd
 def test_grad_output_and_retain_graph(device):
     lead, vocab = (9,), 33
@@ -467,14 +533,16 @@ def test_opcheck(device):
     th, tw, _ = head((6,), 5, 11, torch.float32, device, bias=False)
     lab = torch.tensor([1, -100, 2, 3, 4, 5], device=device)
     op = torch.ops.kldiv_inline.fused_linear_distill.default
-    # (..., chunk_size, accum_dtype, group_name, want_hidden, want_weight, want_bias)
+    # (..., chunk_size, accum_dtype, group_name, skip_masked, want_hidden, want_weight, want_bias)
     torch.library.opcheck(op, (h, w, b, None, None, None, t, None, None, lab, -100, 0.5, 2.0, True, 4, None, None,
-                               True, True, True))
+                               False, True, True, True))
     torch.library.opcheck(op, (h, w, None, th, tw, None, None, None, None, None, -100, 0.0, 1.0, False, 100, None,
-                               None, True, False, False))
+                               None, False, True, False, False))
     idx, lp = topk_teacher((6,), 11, 3, device)
     torch.library.opcheck(op, (h, w, b, None, None, None, None, idx, lp, lab, -100, 1.0, 1.5, True, 5, None, None,
-                               False, True, True))
+                               False, False, True, True))
+    torch.library.opcheck(op, (h, w, b, th, tw, None, None, None, None, lab, -100, 0.5, 2.0, True, 4, None, None,
+                               True, True, True, True))  # skip_masked
 
 
 @pytest.mark.slow
@@ -676,3 +744,23 @@ def test_no_host_sync_and_graph_capture():
     torch.testing.assert_close(loss, expect)
     for g, e in zip(grads, g_expect):
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.gpu
+def test_skip_masked_cuda():
+    # At a size where cuBLAS and the fast kernel run: the same loss as without skip_masked; a capture refused.
+    lead, vocab = (96,), 5000
+    h, w, b = leaves(*head(lead, 64, vocab, torch.bfloat16, "cuda"))
+    th, tw, tb = head(lead, 64, vocab, torch.bfloat16, "cuda")
+    lab = labels_for(lead, "cuda", frac=0.5)
+    kw = dict(teacher_hidden=th, teacher_weight=tw, teacher_bias=tb, beta=0.5, labels=lab, chunk_size=32)
+    loss, grads = run(h, w, b, kw, skip_masked=True)
+    full, fgrads = run(h, w, b, kw)
+    assert_close(loss, full, 1e-6, "loss")
+    for g, f in zip(grads, fgrads):
+        assert_close(g, f, 8 * 2.0**-9, "grad")
+    assert torch.equal(grads[0][lab == -100], torch.zeros_like(grads[0][lab == -100]))
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="skip_masked"):
+        with torch.cuda.graph(graph):
+            K.fused_linear_generalized_jsd(h, w, student_bias=b, **kw, skip_masked=True)

@@ -321,9 +321,11 @@ def _topk_body(rank, world, device, seed, widths):
 
 # ------------------------------------------------------------------------------------------- fused head
 def _fused_case(rank, device, group, gen, *, widths, n=7, hidden=6, dtype=torch.float32, beta=0.5,
-                reduction="batchmean", mask=0.3, teacher="hidden", bias=True, chunk_size=3, tol=None):
+                reduction="batchmean", mask=0.3, teacher="hidden", bias=True, chunk_size=3, tol=None,
+                skip_masked=False):
     """The fused LM head with the weights' rows (and bias, or teacher logits) split: the loss, grad hidden (the
-    full one on every rank) and this rank's rows of grad weight and grad bias against the one-process ones."""
+    full one on every rank) and this rank's rows of grad weight and grad bias against the one-process ones (which
+    run without ``skip_masked``)."""
     tol = tol or TOL[dtype]
     vocab = sum(widths)
     lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
@@ -344,9 +346,10 @@ def _fused_case(rank, device, group, gen, *, widths, n=7, hidden=6, dtype=torch.
     lab = lab.masked_fill(torch.rand(n, generator=gen).to(device) < mask, -100)
     kw = dict(beta=beta, temperature=float(torch.rand((), generator=gen)) * 2 + 0.5, labels=lab,
               reduction=reduction, chunk_size=chunk_size)
-    what = f"fused {dtype} widths={widths} beta={beta} {reduction} mask={mask} teacher={teacher} bias={bias}"
+    what = (f"fused {dtype} widths={widths} beta={beta} {reduction} mask={mask} teacher={teacher} bias={bias} "
+            f"skip_masked={skip_masked}")
 
-    def run(sl, group_, cast=dtype):
+    def run(sl, group_, cast=dtype, skip=False):
         def c(x):
             return x.to(cast)
 
@@ -357,12 +360,12 @@ def _fused_case(rank, device, group, gen, *, widths, n=7, hidden=6, dtype=torch.
                  "logits": lambda: dict(teacher_logits=c(t_logits[:, sl])),
                  "topk": lambda: dict(teacher_topk=(topk_idx, topk_lp.to(lp_dtype)))}[teacher]()
         loss = K.fused_linear_generalized_jsd(leaves[0], leaves[1], student_bias=leaves[2] if bias else None,
-                                              group=group_, **teach, **kw)
+                                              group=group_, skip_masked=skip, **teach, **kw)
         return (loss, *torch.autograd.grad(loss, leaves))
 
     ref = run(slice(None), None)
     truth = run(slice(None), None, torch.float64) if dtype == torch.float32 else (None,) * 4
-    out = run(slice(lo, hi), group)
+    out = run(slice(lo, hi), group, skip=skip_masked)
     _close(out[0], ref[0], tol, f"loss ({what})", truth[0])
     _close(out[1], ref[1], tol, f"grad hidden ({what})", truth[1])
     _close_slice(out[2], ref[2], slice(lo, hi), tol, f"grad weight ({what})", group, truth[2])
@@ -387,6 +390,9 @@ def _fused_body(rank, world, device, seed, widths):
             _fused_case(rank, device, group, gen, widths=widths, dtype=dtype, beta=beta, teacher="topk")
     _fused_case(rank, device, group, gen, widths=widths, beta=0.5, teacher="topk", reduction="sum", chunk_size=100)
     _fused_case(rank, device, group, gen, widths=widths, beta=0.5, teacher="topk", mask=1.1)
+    for teacher in ("hidden", "logits", "topk"):  # only the unmasked tokens in the chunks, on every rank alike
+        _fused_case(rank, device, group, gen, widths=widths, teacher=teacher, mask=0.5, skip_masked=True)
+    _fused_case(rank, device, group, gen, widths=widths, mask=1.1, skip_masked=True)
     with pytest.raises(ValueError, match=rf"in \[0, {sum(widths)}\)"):  # checked against the whole vocabulary
         idx = torch.full((2, 1), sum(widths), dtype=torch.long, device=device)
         K.fused_linear_generalized_jsd(torch.randn(2, 4, device=device), torch.randn(widths[rank], 4, device=device),
