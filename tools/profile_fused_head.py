@@ -2,8 +2,10 @@
 kernels it runs, grouped by name, with their share of the step: where the time beyond the matrix products goes.
 
     python tools/profile_fused_head.py [--tokens 4096 --hidden 4096 --vocab 128256 --beta 0.0 --chunk-size N]
+                                       [--masked 0.1] [--skip-masked]
 
-The case is the bench's (bf16, student and teacher as hidden states + weight, T = 2, 10% of tokens masked).
+The case is the bench's (bf16, student and teacher as hidden states + weight, T = 2, 10% of tokens masked;
+--masked sets that share, --skip-masked passes skip_masked=True).
 """
 import argparse
 import collections
@@ -29,9 +31,13 @@ ap.add_argument("--hidden", type=int, default=4096)
 ap.add_argument("--vocab", type=int, default=128256)
 ap.add_argument("--beta", type=float, default=0.0)
 ap.add_argument("--chunk-size", type=int, default=None)
+ap.add_argument("--masked", type=float, default=0.1, help="share of tokens whose label is ignore_index")
+ap.add_argument("--skip-masked", action="store_true", help="skip_masked=True: no products for masked tokens")
 ap.add_argument("--rows", type=int, default=25, help="kernels listed")
 ap.add_argument("--trace-json", default=None, help="also write the host + device trace (chrome://tracing) here")
 ap.add_argument("--gap-us", type=float, default=20.0, help="idle intervals listed: those longer than this")
+ap.add_argument("--ops-us", type=float, default=0.0,
+                help="also list the middle back-to-back step's device ops in order, those longer than this (us)")
 args = ap.parse_args()
 print(torch.cuda.get_device_name(), torch.__version__, flush=True)
 g = torch.Generator(device="cuda").manual_seed(0)
@@ -46,13 +52,14 @@ h = rand(n, h_size).requires_grad_()
 w = rand(v, h_size, scale=h_size**-0.5).requires_grad_()
 th, tw = rand(n, h_size), rand(v, h_size, scale=h_size**-0.5)
 lab = torch.randint(0, v, (n,), device="cuda", generator=g)
-lab[torch.rand(n, device="cuda", generator=g) < 0.1] = -100
+lab[torch.rand(n, device="cuda", generator=g) < args.masked] = -100
+print(f"{int((lab != -100).sum())} of {n} tokens unmasked, skip_masked={args.skip_masked}", flush=True)
 
 
 def step():
     h.grad = w.grad = None
     K.fused_linear_generalized_jsd(h, w, th, tw, beta=args.beta, temperature=2.0, labels=lab,
-                                   chunk_size=args.chunk_size).backward()
+                                   chunk_size=args.chunk_size, skip_masked=args.skip_masked).backward()
 
 
 for _ in range(3):
@@ -171,3 +178,8 @@ if mid and after:
     print(f"\nback to back, the middle of three steps: {(g1 - g0) / 1e3:.2f} ms from its first device op to the next "
           f"step's, {busy_mid / 1e3:.2f} ms busy in {len(mid)} ops ({mm / 1e3:.2f} ms of matrix products), "
           f"{(g1 - g0 - busy_mid) / 1e3:.2f} ms idle")
+    if args.ops_us > 0:  # each chunk's products in order: which one a chunk's size slows
+        print(f"its device ops over {args.ops_us:g} us, in order (us, name):")
+        for e in mid:
+            if e["dur"] > args.ops_us:
+                print(f"  {e['dur']:9.1f}  {e['name'][:100]}")
