@@ -106,10 +106,26 @@ def _accumulate(acc: Tensor, a: Tensor, b: Tensor, first: bool, scale: Tensor | 
             acc[r0:r1].add_(prod)
 
 
-def _unmasked_tokens(labels: Tensor, ignore_index: int) -> Tensor:
-    """The indices of the tokens whose label is not ignore_index, in order. Their number sizes the chunks, so it is
-    read back to the host: the one synchronisation of a call with skip_masked."""
-    return (labels != ignore_index).nonzero().squeeze(1)
+def _unmasked_first(labels: Tensor, ignore_index: int):
+    """For skip_masked: (order, labels in that order, count). ``order`` lists the tokens with the unmasked ones
+    first (each group in its own order), made on the device; ``count()`` returns the number of unmasked tokens on
+    the host: the call's one synchronisation. Its copy to the host is queued here, ahead of the first chunk's
+    products, so count() called after queuing them waits for the copy alone and the GPU computes those products
+    meanwhile (waiting on the whole stream, as nonzero() does, left the GPU idle ~1 ms a step on an H200)."""
+    masked = labels == ignore_index
+    order = torch.argsort(masked.to(torch.int32), stable=True)
+    kept = masked.numel() - masked.sum()
+    if not labels.is_cuda:
+        return order, labels.index_select(0, order), lambda: int(kept)
+    host = torch.empty((), dtype=kept.dtype, pin_memory=True)
+    host.copy_(kept, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def count() -> int:
+        copied.synchronize()
+        return int(host)
+    return order, labels.index_select(0, order), count
 
 
 def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor | None,
@@ -120,28 +136,29 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
     """The loss (batchmean or sum) and its gradients w.r.t. hidden [n, H], weight and bias (each only if wanted,
     else an empty tensor). With ``group_name``, the vocabulary (weight's rows, bias, teacher logits) is this rank's
     slice: each chunk's divergence runs in kldiv_inline.vocab_parallel's phases, and grad hidden is summed over
-    the group at the end. ``skip_masked`` (with labels): the chunks hold the unmasked tokens only (see
-    _unmasked_tokens)."""
+    the group at the end. ``skip_masked`` (with labels): the chunks run over the tokens in _unmasked_first's order
+    and stop after the unmasked ones; the first chunk's products are queued before their count is known, so where
+    fewer tokens than a chunk are unmasked, that chunk holds masked ones too (their labels mask them)."""
     n, vocab = hidden.shape[0], weight.shape[0]
     acc_t = _acc_dtype(hidden.dtype)
     mod = _module(hidden.device)
     want = want_hidden or want_weight or want_bias
-    keep = _unmasked_tokens(labels, ignore_index) if skip_masked and labels is not None else None
-    m = n if keep is None else keep.shape[0]  # the tokens the chunks hold
-    # A skipped token's gradient is 0: its rows of grad hidden are zeros, the others written chunk by chunk.
-    g_hidden = (hidden.new_empty if keep is None else hidden.new_zeros)(hidden.shape) if want_hidden else None
+    order = lab_order = count = None
+    if skip_masked and labels is not None:
+        order, lab_order, count = _unmasked_first(labels, ignore_index)
+    m = n  # the tokens the chunks cover: with skip_masked, the unmasked ones once count() says how many
     g_weight = weight.new_empty(weight.shape) if want_weight else None
     w_acc = g_weight if g_weight is None or accum_dtype in (None, weight.dtype) else \
         weight.new_empty(weight.shape, dtype=accum_dtype)
-    rows = min(chunk_size, m)
+    rows = min(chunk_size, n)
     s_buf = hidden.new_empty((rows, vocab))
     # The teacher's logits of a chunk: made from hidden states, or gathered from the given logits' unmasked rows.
-    gather_logits = keep is not None and t_logits is not None
+    gather_logits = order is not None and t_logits is not None
     t_buf = hidden.new_empty((rows, vocab)) if t_hidden is not None or gather_logits else None
 
     def tokens(x: Tensor, r0: int, r1: int) -> Tensor:
         """Rows r0:r1 of the chunks' tokens: x's own rows, or (skipping masked tokens) its unmasked rows'."""
-        return x[r0:r1] if keep is None else x.index_select(0, keep[r0:r1])
+        return x[r0:r1] if order is None else x.index_select(0, order[r0:r1])
 
     def products(r0: int):
         """Queues a chunk's logits (student, and teacher from hidden states) and returns the chunk's operands."""
@@ -152,7 +169,7 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
         if t_hidden is not None:
             teacher = _linear(tokens(t_hidden, r0, r1), t_weight, t_bias, t_buf[: r1 - r0])
         elif gather_logits:
-            teacher = torch.index_select(t_logits, 0, keep[r0:r1], out=t_buf[: r1 - r0])
+            teacher = torch.index_select(t_logits, 0, order[r0:r1], out=t_buf[: r1 - r0])
         elif t_logits is not None:
             teacher = t_logits[r0:r1]
         else:
@@ -162,7 +179,11 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
     # The first chunk's products go first: the small operations below each cost a launch's host time (tens of
     # microseconds), and queued ahead of the products on an idle GPU they delayed the step's first large kernel
     # by ~1 ms (a host + device trace of a step on an H100, tools/profile_fused_head.py); behind them they are free.
-    first = products(0) if m > 0 else None
+    first = products(0) if n > 0 else None
+    if count is not None:
+        m = count()  # (the GPU computes the first chunk's products meanwhile)
+    # A skipped token's gradient is 0: its rows of grad hidden stay zeros, the others are written chunk by chunk.
+    g_hidden = (hidden.new_empty if order is None else hidden.new_zeros)(hidden.shape) if want_hidden else None
     # The chunks' kernels reduce by sum; batchmean's divisor, the unmasked tokens of the whole batch, is counted
     # on the device (no synchronisation). The kernel applies it to d logits as it writes them (so the products
     # carry it and no pass over grad weight rescales it: that pass took 8% of a step on an H100), except for
@@ -190,8 +211,9 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
         offset, whole = vocab_slice(vocab, hidden.device, group)  # where this rank's rows sit among all ranks'
     for r0 in range(0, m, chunk_size):
         r1, h, logits, teacher, idx, lp = first if r0 == 0 else products(r0)
-        # (the unmasked tokens need no labels; batchmean's divisor above counted the whole batch's)
-        lab = labels[r0:r1] if labels is not None and keep is None else None
+        # Unmasked tokens need no labels (batchmean's divisor above counted the whole batch's), but a first chunk
+        # queued before m was known may hold masked ones.
+        lab = labels[r0:r1] if order is None and labels is not None else lab_order[r0:r1] if r1 > m else None
         if group is not None and idx is not None:
             part, dlogits = topk_rows(logits, idx, lp, lab, ignore_index, beta, temperature, sum_code, group, offset,
                                       whole, want, k_scale)
@@ -213,10 +235,10 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
             out = logits if g_buf is None else g_buf[: r1 - r0]
             part, dlogits, _ = mod.distill_forward(logits, *args, True, False, out, k_scale)
             total += part
-        if want_hidden and keep is None:
+        if want_hidden and order is None:
             torch.mm(dlogits, weight, out=g_hidden[r0:r1])
         elif want_hidden:
-            g_hidden.index_copy_(0, keep[r0:r1], torch.mm(dlogits, weight))
+            g_hidden.index_copy_(0, order[r0:r1], torch.mm(dlogits, weight))
         if want_weight:
             _accumulate(w_acc, dlogits.t(), h, first=r0 == 0, scale=late)
         if want_bias:
@@ -408,13 +430,14 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     Each chunk's divergence then runs as ``generalized_jsd(..., group=group)`` does; ``teacher_topk``'s indices
     are then global vocabulary ids (each rank finds those in its rows).
 
-    ``skip_masked=True`` (with ``labels``): the chunks hold only the tokens whose label is not ``ignore_index``, so
-    no matrix product is spent on masked tokens (their loss and gradient are 0 anyway): a step with 10% of its
-    tokens masked does ~10% fewer FLOP, one with half its tokens (a prompt) masked half. The same loss and
+    ``skip_masked=True`` (with ``labels``): the chunks hold the tokens whose label is not ``ignore_index``, so no
+    matrix product is spent on masked tokens (their loss and gradient are 0 anyway): a step with 10% of its tokens
+    masked does ~10% fewer FLOP, one with half its tokens (a prompt) masked about half. The same loss and
     gradients (masked tokens' rows of grad hidden are zeros). The cost: the number of unmasked tokens sizes the
-    chunks, so it is read back to the host, one synchronisation per call (the call waits for the work queued
-    before it), and such a call cannot be captured in a CUDA graph (an error). The default, False, never
-    synchronises.
+    chunks, so it is read back to the host, one synchronisation per call (the host waits for the work queued
+    before the call; the GPU meanwhile computes the first chunk's products, which are queued first, over a whole
+    chunk of tokens, unmasked first: where fewer than a chunk's tokens are unmasked, nothing is saved), and such a
+    call cannot be captured in a CUDA graph (an error). The default, False, never synchronises.
     """
     _check_linear("student", student_hidden, student_weight, student_bias, None, None, None)
     pair = teacher_topk if isinstance(teacher_topk, (tuple, list)) else ()
