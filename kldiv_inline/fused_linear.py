@@ -436,7 +436,7 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     gradients (masked tokens' rows of grad hidden are zeros). The cost: the number of unmasked tokens sizes the
     chunks, so it is read back to the host, one synchronisation per call (the host waits for the work queued
     before the call; the GPU meanwhile computes the first chunk's products, which are queued first, over a whole
-    chunk of tokens, unmasked first: where fewer than a chunk's tokens are unmasked, nothing is saved), and such a
+    chunk of tokens, unmasked first: so the products cover at least one chunk's tokens, masked or not), and such a
     call cannot be captured in a CUDA graph (an error). The default, False, never synchronises.
     """
     _check_linear("student", student_hidden, student_weight, student_bias, None, None, None)
