@@ -486,7 +486,9 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     skip_masked = _check_skip_masked(skip_masked, lab)
     n = lead.numel()
     if chunk_size is None:
-        chunk_size = default_chunk_size(n, vocab, student_hidden.element_size(), 2 if t_hidden is not None else 1)
+        # Two logit buffers where the teacher's logits are made (hidden states) or gathered (skip_masked) per chunk.
+        two = t_hidden is not None or (skip_masked and t_logits is not None)
+        chunk_size = default_chunk_size(n, vocab, student_hidden.element_size(), 2 if two else 1)
 
     hidden = student_hidden.reshape(n, hidden_size)  # n, not -1: a hidden size of 0 is legal (logits = bias)
     grad_on = torch.is_grad_enabled()

@@ -448,6 +448,22 @@ def test_default_chunk_size():
             assert rows % fused_linear.CHUNK_MULTIPLE == 0 or rows < fused_linear.CHUNK_MULTIPLE
 
 
+@pytest.mark.parametrize("form", TEACHERS)
+@pytest.mark.parametrize("skip", [False, True])
+def test_default_chunk_counts_the_teachers_buffer(device, form, skip, monkeypatch):
+    # The teacher's logits take a [chunk, V] buffer of their own where they are made per chunk (hidden states) or
+    # gathered per chunk (given logits with skip_masked): the default chunk then halves, keeping the buffers'
+    # bytes within BUFFER_BYTES.
+    lead, vocab = (6,), 30
+    h, w, b = leaves(*head(lead, 8, vocab, torch.float32, device))
+    t_kw, _ = teacher(form, lead, vocab, torch.float32, device)
+    calls = []
+    default = fused_linear.default_chunk_size
+    monkeypatch.setattr(fused_linear, "default_chunk_size", lambda *a: calls.append(a[3]) or default(*a))
+    run(h, w, b, t_kw, labels=labels_for(lead, device), skip_masked=skip)
+    assert calls == [2 if form == "hidden" or (skip and form == "logits") else 1]
+
+
 def test_empty_batch(device):
     h, w, b = leaves(*head((0,), 8, 20, torch.float32, device))
     t_kw, _ = teacher("hidden", (0,), 20, torch.float32, device)
