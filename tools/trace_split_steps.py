@@ -8,8 +8,8 @@ The bench (tools/bench_vocab_parallel.py) times each eager step after a barrier 
 and reports the slower rank's CUDA-event time; that time has varied from ~0.67 to ~0.98 ms for forward KL on two
 H200s with the same code, while the step's kernels take ~0.6 ms (kernels/NOTES.md). The step is bound by its
 host path, so this records, for every timed step and every rank, on the host's monotonic clock (shared by the
-processes of one machine): when the barrier released the rank, when the step began, each all-gather's entry and
-exit (vocab_parallel's _all_gather, wrapped here), when generalized_jsd returned and when autograd.grad did.
+processes of one machine): when the step began (after the barrier), each all-gather's entry and exit
+(vocab_parallel's _all_gather, wrapped here), when generalized_jsd returned and when autograd.grad did.
 Rank 0 prints one line per step (the slower rank's event time, then per rank: host ms of the step, its start
 after the earliest rank's, the first gather's entry, both gathers' host time, the backward's) and a summary of
 the steps above and below the median: which stage, on which rank, the slow steps spent their time in.
@@ -77,7 +77,6 @@ for i in range(args.warmup + args.reps):
     leaf = s_part.detach().requires_grad_()
     dist.barrier()
     marks.clear()
-    marks["released"] = time.perf_counter()
     flush()
     if cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
