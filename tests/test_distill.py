@@ -464,6 +464,98 @@ def test_jsd_gradient_where_distributions_nearly_agree(device, dtype, beta):
         assert_grad_close(gs[row], rs[row], dtype, f"row {row}")
 
 
+# ------------------------------------------------------------- 3b. the forward alone (the moment form)
+# Forward and reverse KL without any gradient take the moment form (kernels/distill_moment.h: one read of the row,
+# no normaliser beforehand) on the CPU twin and on CUDA; KLDIV_DISTILL_MOMENT=0 sends them to the two-normaliser
+# form. Rows the moment form does not take on (NaN there) are computed by the two-normaliser form inside the same
+# call; the cases below reach both.
+def moment_cases(dtype, width, device):
+    """(name, student, teacher) pairs of [6, width] logits: ordinary, agreeing, offset, padded, partly -inf."""
+    x = logits((6, width), torch.float64, "cpu", scale=3.0)
+    y = logits((6, width), torch.float64, "cpu", scale=3.0)
+    near = x + 1e-3 * torch.randn_like(x)
+    cases = {"random": (x, y), "agreeing": (x, near), "agreeing, offset 7.3": (x, near + 7.3)}
+    if width > 1000:  # (a few sharp entries: KLs of 1e-20 and less, below float64's own cancellation)
+        cases["sharp"] = (10 * x, 10 * x + torch.randn_like(x))
+    if dtype != torch.float16:
+        cases["offset +-1e4"] = (x + 1e4, y - 1e4)
+    for pad in PADS:
+        a, b = x.clone(), y.clone()
+        a[:, -37:] = b[:, -37:] = pad_value(pad, dtype)
+        cases[f"padded {pad}"] = (a, b)
+    holes = y.clone()
+    holes[:, 1::3] = float("-inf")
+    cases["teacher -inf on a third"] = (x, holes)
+    cases["student -inf on a third"] = (holes, x)
+    mixed = y.clone()
+    mixed[0, width // 2] = float("nan")
+    mixed[1, -1] = float("-inf")
+    mixed[2] = float("-inf")  # a teacher without any mass: NaN, as PyTorch's
+    cases["NaN, -inf rows"] = (x, mixed)
+    return [(name, a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
+            for name, (a, b) in cases.items()]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize("width", [1, 7, 4099])
+def test_forward_alone_matches_float64_and_the_two_normaliser_form(monkeypatch, device, dtype, width):
+    lab = labels_for((6,), device)
+    differ = []
+    for name, s, t in moment_cases(dtype, width, device):
+        for beta, temp in ((0.0, 1.0), (1.0, 2.0), (0.0, 0.7)):
+            kw = dict(beta=beta, temperature=temp, labels=lab, reduction="none")
+            ref = generalized_jsd_reference(s.double(), t.double(), **kw)
+            outs = {}
+            for knob in ("1", "0"):
+                monkeypatch.setenv("KLDIV_DISTILL_MOMENT", knob)
+                with torch.no_grad():
+                    outs[knob] = K.generalized_jsd(s, t, **kw)
+            what = f"{name} beta={beta} T={temp}"
+            out = outs["1"]
+            # NaN in the same rows as the two-normaliser form: where float64 is NaN, and where the logits lie
+            # beyond what float lanes resolve (a whole row of padding at -1e10: the kit's NaN, never a guess)
+            assert torch.equal(torch.isnan(out), torch.isnan(outs["0"])), what
+            assert torch.isnan(out[torch.isnan(ref)]).all(), what
+            fin = torch.isfinite(ref) & ~torch.isnan(out)
+            inf = torch.isinf(ref) & ~torch.isnan(out)
+            assert torch.equal(out[inf].double(), ref[inf]), what
+            assert (out[fin] >= 0).all(), what
+            tol = 1e-12 if dtype == torch.float64 else 2e-6
+            if dtype == torch.float64 and (name.startswith("agreeing") or name == "sharp"):
+                # the reference's own sum p (log p - log q) cancels to ~1e-16 x 10 against KLs of ~1e-8 (agreeing)
+                # and of ~1e-5 (sharp, a few entries holding the mass)
+                tol = 1e-7 if name.startswith("agreeing") else 1e-10
+            if name == "agreeing, offset 7.3" and dtype in (torch.float32, torch.float16):
+                # float lanes round xp - xq at ~7 (5e-7) where d spreads over 1e-3 and each token's KL is ~1e-7:
+                # both forms are ~1e-4 off float64 here (the two-normaliser form too, whose shifts round alike)
+                tol = 1e-3
+            if fin.any():
+                assert_close(out[fin], ref[fin], tol, what)
+            if name == "random":
+                differ.append(not torch.equal(outs["1"], outs["0"]))
+        monkeypatch.delenv("KLDIV_DISTILL_MOMENT")
+    if width > 1000:  # the knob changes the path (else this test would test one form twice)
+        assert any(differ), "KLDIV_DISTILL_MOMENT=0 gave the moment form's bits"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_id)
+@pytest.mark.parametrize("vocab", [128256, 50001, 262144])
+def test_forward_alone_long_rows_cuda(dtype, vocab):
+    # The moment kernel at LM vocabularies (one block a row; 50001 in rows padded to 16 bytes: a last partial
+    # chunk), masked rows, the reduced losses too.
+    width = vocab + (-vocab) % 8
+    s = logits((9, width), dtype, "cuda", scale=3.0)[:, :vocab]
+    t = logits((9, width), dtype, "cuda", scale=3.0)[:, :vocab]
+    lab = labels_for((9,), "cuda")
+    for beta in (0.0, 1.0):
+        for reduction in REDUCTIONS:
+            kw = dict(beta=beta, temperature=2.0, labels=lab, reduction=reduction)
+            with torch.no_grad():
+                out = K.generalized_jsd(s, t, **kw)
+            assert_close(out, generalized_jsd_reference(s.double(), t.double(), **kw), 2e-6, f"{beta} {reduction}")
+
+
 # ------------------------------------------------------------------------------------------ 4. top-k
 def topk_teacher(lead, vocab, k, device):
     lp_all = torch.log_softmax(torch.randn(*lead, vocab, dtype=torch.float64) * 2.5, dim=-1)
