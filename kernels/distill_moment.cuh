@@ -10,7 +10,7 @@
 // padding at a large finite value, a NaN logit, ...) is taken again by the same block in the two-normaliser form,
 // streaming from device memory (moment_fallback_row): the answer every other kernel gives, at about three reads of
 // the row instead of one, for those rows only.
-constexpr int kMomentThreads = 256, kMomentUnroll = 2;
+constexpr int kMomentThreads = 256, kMomentUnroll = 1;
 
 // The block's Moments merged (each thread passes its own): warp by warp through shuffles (lane i takes lane i + o),
 // then the warps' in order by thread 0. The row's loss (moment_loss) is returned to every thread.
@@ -47,30 +47,20 @@ __device__ __forceinline__ float moment_row(const T* p, const T* q, int64_t v, f
   constexpr int N = Vec<T>::N, U = kMomentUnroll;
   const int chunks = static_cast<int>(v / N);
   Moment<float> m = moment_empty<float>();
-  int c0 = threadIdx.x;
-  for (; c0 + (U - 1) * kMomentThreads < chunks; c0 += U * kMomentThreads) {  // whole groups of U chunks
+  for (int c0 = threadIdx.x; c0 < chunks; c0 += U * kMomentThreads) {
     Vec<T> vp[U], vq[U];
     load_chunk_pairs<kMomentThreads>(p, q, c0, chunks, vp, vq);
-    float xp[U * N], xq[U * N];
 #pragma unroll
-    for (int u = 0; u < U; ++u)
+    for (int u = 0; u < U; ++u) {
+      if (c0 + u * kMomentThreads >= chunks) break;
+      float xp[N], xq[N];
 #pragma unroll
       for (int i = 0; i < N; ++i) {
-        xp[u * N + i] = static_cast<float>(vp[u].v[i]);
-        xq[u * N + i] = static_cast<float>(vq[u].v[i]);
+        xp[i] = static_cast<float>(vp[u].v[i]);
+        xq[i] = static_cast<float>(vq[u].v[i]);
       }
-    moment_group<SHIFT>(m, xp, xq, k2, ref);
-  }
-  for (; c0 < chunks; c0 += kMomentThreads) {  // the rest, a chunk at a time
-    const Vec<T> vp = load_chunk(p + static_cast<int64_t>(c0) * N, true);
-    const Vec<T> vq = load_chunk(q + static_cast<int64_t>(c0) * N, true);
-    float xp[N], xq[N];
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      xp[i] = static_cast<float>(vp.v[i]);
-      xq[i] = static_cast<float>(vq.v[i]);
+      moment_group<SHIFT>(m, xp, xq, k2, ref);  // a group of one chunk: e, d and x of N entries in registers
     }
-    moment_group<SHIFT>(m, xp, xq, k2, ref);
   }
   if (threadIdx.x == 0 && v % N != 0) {  // the row's last entries, short of a chunk: padded with -inf
     float xp[N], xq[N];
@@ -145,7 +135,7 @@ __device__ __noinline__ float moment_fallback_row(const Params<T, float>& p, con
 // Forward (MODE FORWARD_KL: P the teacher) or reverse KL (P the student) of each row into p.out[row], 0 for a
 // masked row. Rows start on 16-byte boundaries (moment_path_ok).
 template <typename T, int MODE>
-__global__ void __launch_bounds__(kMomentThreads) moment_kernel(const Params<T, float> p) {
+__global__ void __launch_bounds__(kMomentThreads, 4) moment_kernel(const Params<T, float> p) {
   static_assert(MODE != JSD, "the moment form is forward and reverse KL's");
   const int64_t row = blockIdx.x;
   if (p.labels && p.labels[row] == p.ignore_index) {

@@ -65,6 +65,11 @@ DS_HD float div_approx(float a, float b) {
 #endif
 }
 DS_HD double div_approx(double a, double b) { return a / b; }
+#if defined(__CUDACC__)
+#define DS_NOINLINE __host__ __device__ __noinline__
+#else
+#define DS_NOINLINE inline
+#endif
 DS_HD float d_log1p(float v) { return log1pf(v); }
 DS_HD double d_log1p(double v) { return log1p(v); }
 
@@ -157,13 +162,15 @@ template <bool SHIFT, typename A> DS_HD A moment_q_exponent(A xq, A o, A c, A k2
   return SHIFT ? d_fma(xq - r.q0, k2, d_fma(r.p0 - o, k2, c)) : d_fma(xq - o, k2, r.K) + c;
 }
 
-// One group of N entries (xp, xq: raw logits in the accumulation type; entries past the row's end are -inf in
-// both) added to m. FAST: the plain form, whose sums are NaN where xp = -inf or a logit is NaN (the caller then
-// takes the group again with FAST = false: the careful form).
+// One group of N entries' sums at P's scale o: Z, the group's centre c and B (xp, xq: raw logits in the
+// accumulation type; entries past the row's end are -inf in both). FAST: the plain form, whose sums are NaN where
+// xp = -inf or a logit is NaN (moment_group then takes the group again with FAST = false: the careful form).
+// c_empty: the centre of a group without P mass (its Q mass is taken there).
 template <bool FAST, bool SHIFT, int N, typename A>
-DS_HD void moment_group_form(Moment<A>& m, const A (&xp)[N], const A (&xq)[N], A k2, const MomentRef<A>& r) {
-  const A o = m.o;
-  A e[N], z = A(0), a = A(0);
+DS_HD void moment_group_sums(const A (&xp)[N], const A (&xq)[N], A o, A c_empty, A k2, const MomentRef<A>& r, A& z,
+                             A& c, A& b) {
+  A e[N], a = A(0);
+  z = A(0);
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     e[i] = d_exp2((xp[i] - o) * k2);
@@ -172,8 +179,8 @@ DS_HD void moment_group_form(Moment<A>& m, const A (&xp)[N], const A (&xq)[N], A
     if (FAST) a = d_fma(e[i], d, a);
     else a = e[i] > A(0) ? d_fma(e[i], d, a) : a;  // no P mass here: d may be +-inf or NaN
   }
-  const A c = z > A(0) ? div_approx(a, z) : m.c;  // a group with Q mass only: at m's centre
-  A b = A(0);
+  c = z > A(0) ? div_approx(a, z) : c_empty;
+  b = A(0);
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     const A x2 = moment_d<SHIFT>(xp[i], xq[i], k2, r) - c;  // (d - c), base 2
@@ -186,9 +193,17 @@ DS_HD void moment_group_form(Moment<A>& m, const A (&xp)[N], const A (&xq)[N], A
     const A direct = FAST || e[i] > A(0) ? d_fma(e[i], x, eq - e[i]) : eq;
     b += xx < A(kSeriesLimit * kSeriesLimit) ? series : direct;
   }
-  moment_add(m, z, c, b);
 }
 
+// The careful form of a group, out of line: rare (padding at -inf, NaN logits), and inlined it took registers
+// from the plain form's loop.
+template <bool SHIFT, int N, typename A>
+DS_NOINLINE void moment_group_careful(const A (&xp)[N], const A (&xq)[N], A o, A c_empty, A k2, const MomentRef<A>& r,
+                                      A& z, A& c, A& b) {
+  moment_group_sums<false, SHIFT>(xp, xq, o, c_empty, k2, r, z, c, b);
+}
+
+// A group of N entries added to m.
 template <bool SHIFT, int N, typename A>
 DS_HD void moment_group(Moment<A>& m, const A (&xp)[N], const A (&xq)[N], A k2, const MomentRef<A>& r) {
   A top = ninf<A>(), qtop = ninf<A>();
@@ -207,12 +222,10 @@ DS_HD void moment_group(Moment<A>& m, const A (&xp)[N], const A (&xq)[N], A k2, 
     moment_q_add(m, qtop, qs, k2);
     return;
   }
-  const Moment<A> before = m;
-  moment_group_form<true, SHIFT>(m, xp, xq, k2, r);
-  if (m.b != m.b || m.z != m.z || m.c != m.c) {  // xp = -inf somewhere, or a NaN logit
-    m = before;
-    moment_group_form<false, SHIFT>(m, xp, xq, k2, r);
-  }
+  A z, c, b;
+  moment_group_sums<true, SHIFT>(xp, xq, m.o, m.c, k2, r, z, c, b);
+  if (b != b || z != z || c != c) moment_group_careful<SHIFT>(xp, xq, m.o, m.c, k2, r, z, c, b);
+  moment_add(m, z, c, b);
 }
 
 // The row's divergence from its whole Moment, or NaN where the moment form does not apply (see the top of this
