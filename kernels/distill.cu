@@ -39,7 +39,6 @@
 
 #include "distill_api.h"
 #include "distill_common.h"
-#include "distill_moment.h"
 #include "distill_plan.h"
 
 namespace cg = cooperative_groups;
@@ -534,7 +533,6 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
 
 #include "distill_fast.cuh"
 #include "distill_fast_topk.cuh"
-#include "distill_moment.cuh"
 #include "distill_split_topk.cuh"
 
 // 1 / (rows whose label is not ignore_index), 0 when there are none: the batchmean divisor, on the device.
@@ -783,28 +781,15 @@ Params<T, A> base_params(const Rows& r, int64_t ignore_index, double beta, doubl
 // fast_topk_kernel (distill_fast_topk.cuh) for a top-k teacher; no teacher gradient, 16-bit or float32 logits,
 // slices in shared memory, every row of student, teacher and gradient starting on a 16-byte boundary.
 // KLDIV_DISTILL_FAST=0 (a research knob) sends every call to rows_kernel, to compare the two.
-bool fast_kernels_on() {
-  const char* env = std::getenv("KLDIV_DISTILL_FAST");
-  return !(env && std::atoi(env) == 0);
-}
-// Every row of x starts on a 16-byte boundary.
-bool rows_aligned(const at::Tensor& x) {
-  const int64_t vec = 16 / static_cast<int64_t>(x.element_size());
-  return aligned16(x.data_ptr()) && (x.size(0) <= 1 || x.stride(0) % vec == 0);
-}
 bool fast_path_ok(const Rows& r, const Launch& l, const at::Tensor& gs, bool want_teacher) {
-  if (!fast_kernels_on() || want_teacher || !l.use_smem || r.s.scalar_type() == at::kDouble) return false;
-  return rows_aligned(r.s) && (r.topk() || rows_aligned(r.t)) && (!gs.defined() || rows_aligned(gs));
-}
-
-// Whether a distill_forward call takes the moment form (moment_kernel, distill_moment.cuh): forward or reverse KL
-// of a full teacher without any gradient, 16-bit or float32 logits, rows on 16-byte boundaries, any vocabulary.
-// KLDIV_DISTILL_MOMENT=0 (a research knob) sends such calls to fast_rows_kernel (or rows_kernel), to compare.
-bool moment_path_ok(const Rows& r, int mode, bool want_student, bool want_teacher) {
-  if (const char* env = std::getenv("KLDIV_DISTILL_MOMENT"))
+  if (const char* env = std::getenv("KLDIV_DISTILL_FAST"))
     if (std::atoi(env) == 0) return false;
-  if (!fast_kernels_on() || want_student || want_teacher || r.topk() || mode == JSD) return false;
-  return r.s.scalar_type() != at::kDouble && rows_aligned(r.s) && rows_aligned(r.t);
+  if (want_teacher || !l.use_smem || r.s.scalar_type() == at::kDouble) return false;
+  const int64_t vec = 16 / static_cast<int64_t>(r.s.element_size());
+  auto rows_aligned = [&](const at::Tensor& x) {
+    return aligned16(x.data_ptr()) && (x.size(0) <= 1 || x.stride(0) % vec == 0);
+  };
+  return rows_aligned(r.s) && (r.topk() || rows_aligned(r.t)) && (!gs.defined() || rows_aligned(gs));
 }
 
 // Calls f(mode, grad, phase), each a std::integral_constant, for the kernel instance a split's terms or gradient
@@ -959,18 +944,6 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
       p.scale_host = inv_host;
       p.out = rows_loss.data_ptr<A>();
       const int cfg = want_teacher ? CFG_GENERIC : (want_student ? CFG_STUDENT : CFG_INFER);
-      if constexpr (!std::is_same<A, double>::value) {
-        if (moment_path_ok(r, mode_of(beta), want_student, want_teacher)) {
-          TORCH_CHECK(r.n < (int64_t(1) << 31), "distill: too many rows for one launch");
-          dispatch_mode(mode_of(beta), [&](auto mode_c) {
-            constexpr int MODE = decltype(mode_c)::value;
-            if constexpr (MODE != JSD)
-              moment_kernel<T, MODE><<<static_cast<unsigned>(r.n), kMomentThreads, 0, stream>>>(p);
-          });
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-          return;
-        }
-      }
       if (fast_path_ok(r, l, gs, want_teacher)) {
         launch_fast(l, mode_of(beta), r.topk(), want_student, r.n, p, rows_loss, stream);
         return;

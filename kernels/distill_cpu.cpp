@@ -13,12 +13,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <vector>
 
 #include "distill_api.h"
 #include "distill_common.h"
-#include "distill_moment.h"
 #include "distill_plan.h"
 
 namespace distill {
@@ -173,39 +171,6 @@ A row_topk(const T* s, int64_t v, const int64_t* idx, const A* lp, int64_t k, A 
   return static_cast<A>(loss);
 }
 
-// The moment form of a row (distill_moment.h) as the CUDA kernel takes it: groups of kMomentGroup entries dealt
-// round-robin to kMomentParts parts (the kernel's threads), the parts merged in order. NaN where the form does not
-// apply (the caller then takes the two-normaliser form). P: the distribution that weights the divergence.
-constexpr int kMomentGroup = 16, kMomentParts = 8;
-
-template <bool SHIFT, typename T, typename A> A row_moment(const T* p, const T* q, int64_t v, A k2,
-                                                           const MomentRef<A>& ref) {
-  Moment<A> part[kMomentParts];
-  for (auto& m : part) m = moment_empty<A>();
-  for (int64_t g = 0; g * kMomentGroup < v; ++g) {
-    A xp[kMomentGroup], xq[kMomentGroup];
-    for (int i = 0; i < kMomentGroup; ++i) {
-      const int64_t j = g * kMomentGroup + i;
-      xp[i] = j < v ? static_cast<A>(p[j]) : ninf<A>();
-      xq[i] = j < v ? static_cast<A>(q[j]) : ninf<A>();
-    }
-    moment_group<SHIFT>(part[g % kMomentParts], xp, xq, k2, ref);
-  }
-  for (int i = 1; i < kMomentParts; ++i) moment_merge(part[0], part[i], k2);
-  return moment_loss<SHIFT>(part[0], k2, ref);
-}
-template <typename T, typename A> A row_moment(const T* p, const T* q, int64_t v, A k2) {
-  const MomentRef<A> ref = moment_reference(static_cast<A>(p[0]), static_cast<A>(q[0]), k2);
-  return moment_shift<T>(ref, k2) ? row_moment<true>(p, q, v, k2, ref) : row_moment<false>(p, q, v, k2, ref);
-}
-
-// KLDIV_DISTILL_MOMENT=0 (a research knob, read per call): forward and reverse KL without a gradient take the
-// two-normaliser form too, to compare the two.
-inline bool moment_enabled() {
-  const char* env = std::getenv("KLDIV_DISTILL_MOMENT");
-  return !(env && std::atoi(env) == 0);
-}
-
 // The rows of distill_forward. (OpenMP pragmas cannot sit inside the AT_DISPATCH macros' arguments.)
 template <typename T, int MODE>
 void forward_rows(const Args& a, double inv_div, at::Tensor& rows_loss, at::Tensor& gs, at::Tensor& gt) {
@@ -215,7 +180,6 @@ void forward_rows(const Args& a, double inv_div, at::Tensor& rows_loss, at::Tens
   const A k2 = static_cast<A>(a.inv_t * kLog2e), scale = static_cast<A>(inv_div * a.inv_t);
   A* out = rows_loss.data_ptr<A>();
   const RowPtrs<T, A> p = row_ptrs<T, A>(r, gs, gt);
-  const bool moment = MODE != JSD && !r.topk() && !p.gs && !p.gt && moment_enabled();
 #pragma omp parallel if (r.n * r.v >= kParallelMin)
   {
     std::vector<unsigned char> mark;
@@ -235,13 +199,6 @@ void forward_rows(const Args& a, double inv_div, at::Tensor& rows_loss, at::Tens
         continue;
       }
       const T* t = p.t + i * p.t_stride;
-      if (moment) {
-        const A loss = MODE == FORWARD_KL ? row_moment<T, A>(t, s, r.v, k2) : row_moment<T, A>(s, t, r.v, k2);
-        if (loss == loss) {
-          out[i] = loss;
-          continue;
-        }
-      }
       const RowNorms<A> rn = row_norms(usable(row_norm<T, A>(s, r.v, k2)), usable(row_norm<T, A>(t, r.v, k2)));
       const Terms<double> sums = row_terms<T, MODE, A>(s, t, r.v, k2, rn, c);
       out[i] = static_cast<A>(sums.loss);
