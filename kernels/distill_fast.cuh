@@ -251,15 +251,37 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   };
 
   // ---- 2. terms (and forward KL's gradient, which needs no row sum)
+  // Forward and reverse KL sum the direct form of their summand (kl_term_direct) and the entries' mass; a thread
+  // whose sum is below kDirectMin of its mass (where the direct form may have cancelled) sums its entries again
+  // in the non-negative form with its series (kl_term): the series' ~11 instructions an entry leave the loop that
+  // bounds the kernel (kernels/NOTES.md, version 20).
+  constexpr bool DIRECT = MODE != JSD;
   float ks = 0.f;
   {
     Terms<float> acc{0.f, 0.f, 0.f};
+    float mass = 0.f;
     constexpr bool G = GRAD && !KS;
     for_each_point(std::bool_constant<G>{}, [&](const Point<float>& e) {
-      point_terms<MODE, KS, false>(e, p.c, acc);
+      if constexpr (DIRECT) {
+        const bool fwd = MODE == FORWARD_KL;
+        const float pp = fwd ? e.pt : e.ps, qq = fwd ? e.ps : e.pt;
+        acc.loss += kl_term_direct(pp, qq, fwd ? e.d : -e.d);
+        mass += pp + qq;
+        if (KS) acc.ks += e.ps > 0.f ? -e.ps * e.d : 0.f;  // (point_terms' ks of reverse KL)
+      } else {
+        point_terms<MODE, KS, false>(e, p.c, acc);
+      }
       if constexpr (G) return student_grad<MODE>(e, p.c, 0.f);
       else return 0.f;
     });
+    if (DIRECT && !(acc.loss >= static_cast<float>(kDirectMin) * mass)) {
+      Terms<float> exact{0.f, 0.f, 0.f};
+      for_each_point(std::false_type{}, [&](const Point<float>& e) {
+        point_terms<MODE, false, false>(e, p.c, exact);
+        return 0.f;
+      });
+      acc.loss = exact.loss;
+    }
     const float loss = warp_sum(acc.loss);
     if (lane == 0) partial[warp] = loss;
     if (KS) {
