@@ -465,9 +465,10 @@ def test_jsd_gradient_where_distributions_nearly_agree(device, dtype, beta):
 
 
 # --------------------------------------------------------------------------- 3b. the forward alone
-# Forward and reverse KL without any gradient take the kernels' inference instances (fast_rows without a gradient,
-# rows_kernel's inference configuration): the special values and offsets of section 3 again, per token against
-# float64 and against the training instances' losses.
+# Forward and reverse KL without any gradient take the kernels' inference instances (fast_rows without a gradient
+# where rows start on 16-byte boundaries, else rows_kernel's inference configuration): the special values and
+# offsets of section 3 again, per token against float64 and against the training instances' losses (fast_rows'
+# KL terms take the direct form and fall back to the series per thread: kernels/NOTES.md, version 20).
 def forward_cases(dtype, width, device):
     """(name, student, teacher) pairs of [6, width] logits: ordinary, agreeing, offset, padded, partly -inf."""
     x = logits((6, width), torch.float64, "cpu", scale=3.0)
@@ -496,7 +497,7 @@ def forward_cases(dtype, width, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
-@pytest.mark.parametrize("width", [1, 7, 4099])
+@pytest.mark.parametrize("width", [1, 7, 4099, 4096])  # on CUDA 4096 (rows on 16-byte boundaries): fast_rows
 def test_forward_alone_matches_float64_and_training(device, dtype, width):
     lab = labels_for((6,), device)
     for name, s, t in forward_cases(dtype, width, device):
@@ -517,9 +518,9 @@ def test_forward_alone_matches_float64_and_training(device, dtype, width):
             assert (out[fin] >= 0).all(), what
             tol = 1e-12 if dtype == torch.float64 else 2e-6
             if dtype == torch.float64 and (name.startswith("agreeing") or name == "sharp"):
-                # the reference's own sum p (log p - log q) cancels to ~1e-16 x 10 against KLs of ~1e-8 (agreeing)
-                # and of ~1e-5 (sharp, a few entries holding the mass)
-                tol = 1e-7 if name.startswith("agreeing") else 1e-10
+                # the reference's own sum p (log p - log q) cancels to ~1e-16 x 10-30 against KLs down to ~1e-8
+                # (agreeing rows, and sharp rows whose few heavy entries agree)
+                tol = 1e-6
             if dtype != torch.float64 and name in ("agreeing, offset 7.3", "sharp"):
                 # where the two rows are offset, d comes from each row's shifted logits, rounded at the shift's
                 # size (5e-7 at ~7) where d spreads over 1e-3 and each token's KL is ~1e-7: up to ~1e-4 off
