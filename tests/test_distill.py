@@ -883,6 +883,19 @@ def test_in_place_gradient_buffer():
         got = mod.distill_forward(buf, t, None, None, None, -100, beta, 2.0, 1, True, False, buf)
         assert got[1].data_ptr() == buf.data_ptr()
         assert torch.equal(got[0], expect[0]) and torch.equal(buf, expect[1])
+    # One row (on a 16-byte boundary whatever its length) of 50001 entries, so the last block's slice ends in a
+    # partial chunk read from device memory, and a teacher that nearly agrees, so the forward KL's terms are
+    # summed again with the series after the gradient was written (kernels/NOTES.md, version 20): the tail's
+    # logit must not be read back from the gradient written over it.
+    s = logits((1, 50001), torch.bfloat16, "cuda")
+    t = (s.double() + 1e-2 * torch.randn(s.shape, dtype=torch.float64, device="cuda")).to(torch.bfloat16)
+    for beta in (0.0, 1.0):
+        expect = mod.distill_forward(s, t, None, None, None, -100, beta, 2.0, 0, True, False)
+        buf = s.clone()
+        got = mod.distill_forward(buf, t, None, None, None, -100, beta, 2.0, 0, True, False, buf)
+        assert torch.equal(got[0], expect[0]) and torch.equal(buf, expect[1]), beta
+        ref = generalized_jsd_reference(s.double(), t.double(), beta=beta, temperature=2.0, reduction="none")
+        assert_close(got[0], ref, 1e-4, f"in place, beta={beta}")
 
 
 # ------------------------------------------------------------------------------------------- 7. errors
