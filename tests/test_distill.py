@@ -467,8 +467,7 @@ def test_jsd_gradient_where_distributions_nearly_agree(device, dtype, beta):
 # --------------------------------------------------------------------------- 3b. the forward alone
 # Forward and reverse KL without any gradient take the kernels' inference instances (fast_rows without a gradient
 # where rows start on 16-byte boundaries, else rows_kernel's inference configuration): the special values and
-# offsets of section 3 again, per token against float64 and against the training instances' losses (fast_rows'
-# KL terms take the direct form and fall back to the series per thread: kernels/NOTES.md, version 20).
+# offsets of section 3 again, per token against float64 and against the training instances' losses.
 def forward_cases(dtype, width, device):
     """(name, student, teacher) pairs of [6, width] logits: ordinary, agreeing, offset, padded, partly -inf."""
     x = logits((6, width), torch.float64, "cpu", scale=3.0)
@@ -884,9 +883,9 @@ def test_in_place_gradient_buffer():
         assert got[1].data_ptr() == buf.data_ptr()
         assert torch.equal(got[0], expect[0]) and torch.equal(buf, expect[1])
     # One row (on a 16-byte boundary whatever its length) of 50001 entries, so the last block's slice ends in a
-    # partial chunk read from device memory, and a teacher that nearly agrees, so the forward KL's terms are
-    # summed again with the series after the gradient was written (kernels/NOTES.md, version 20): the tail's
-    # logit must not be read back from the gradient written over it.
+    # partial chunk read from device memory, and a teacher that nearly agrees: no read of a row's logits, the
+    # tail's included, may come after the gradient written over them (a second sum of the forward KL's terms did,
+    # in kernels/NOTES.md's version 20).
     s = logits((1, 50001), torch.bfloat16, "cuda")
     t = (s.double() + 1e-2 * torch.randn(s.shape, dtype=torch.float64, device="cuda")).to(torch.bfloat16)
     for beta in (0.0, 1.0):
