@@ -141,6 +141,18 @@ template <typename A> DS_HD A kl_term(A p, A q, A u) {
   return uu < A(kSeriesLimit * kSeriesLimit) ? series : direct;
 }
 
+// The same summand without its series (the direct form alone, 2 instructions against ~13): where |u| is small
+// it cancels to an absolute error of ~(p + q) 2^-21 (the two exponentials' rounding). The fast kernel sums it
+// over a thread's entries with their mass (p + q) and keeps the sum only where it is at least kDirectMin of the
+// mass (so that error is at most ~1e-5 of the sum, as the series' region leaves a single entry at |u| = 0.5, and
+// typically ~1e-7); elsewhere (student and teacher close, a NaN) the thread sums its entries again with kl_term.
+constexpr double kDirectMin = 1.0 / 16;
+// A switch for measuring (false compiles fast_rows as before version 20, kernels/NOTES.md); its tests on a GPU:
+// `pytest -m gpu tests/test_distill.py -k "in_place or fast_kernel or nearly or forward_alone"` and
+// tests/test_fused_linear.py, and `tools/distill_probe.py` against the kernels without it.
+constexpr bool kDirectTerms = true;
+template <typename A> DS_HD A kl_term_direct(A p, A q, A u) { return p <= A(0) ? q : d_fma(p, u, q - p); }
+
 // ------------------------------------------------------------------------------------------ the JSD's series
 // With d = lt - ls, the JSD's per-entry quantities are functions of d alone, times ps:
 //   u_s = ls - log m = -log(1 - beta + beta e^d),   u_t = lt - log m = d + u_s,
