@@ -251,26 +251,19 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   };
 
   // ---- 2. terms (and forward KL's gradient, which needs no row sum)
-  // Forward and reverse KL sum the direct form of their summand (kl_term_direct) and the entries' mass; a thread
-  // whose sum is below kDirectMin of its mass (where the direct form may have cancelled) sums its entries again
-  // in the non-negative form with its series (kl_term): the series' ~11 instructions an entry leave the loop that
-  // bounds the kernel (kernels/NOTES.md, version 20).
-  constexpr bool DIRECT = kDirectTerms && MODE != JSD;
-  // The tail entry's exact term, taken before the gradient pass may write over its logit (the fused head's
-  // gradient is written over the student's logits, and the tail is read from device memory, not shared memory).
-  __shared__ float tail_exact[DIRECT ? 8 : 1];  // (the tail's threads: threadIdx.x < N <= 8)
-  if (DIRECT && has_tail) {
-    Terms<float> t1{0.f, 0.f, 0.f};
-    const float xs_tail = static_cast<float>(gsrc[tail]), xt_tail = static_cast<float>(gtsrc[tail]);
-    point_terms<MODE, false, false>(
-        rn.close ? make_point<true>(xs_tail, xt_tail, k2, rn) : make_point<false>(xs_tail, xt_tail, k2, rn), p.c, t1);
-    tail_exact[threadIdx.x] = t1.loss;
-  }
+  // Where this loop writes no gradient (the forward alone; reverse KL, whose gradient needs ks), forward and
+  // reverse KL sum the direct form of their summand (kl_term_direct) and the entries' mass; a thread whose sum is
+  // below kDirectMin of its mass (where the direct form may have cancelled) sums its entries again in the
+  // non-negative form with its series (kl_term): the series' ~11 instructions an entry leave the loop that bounds
+  // the kernel (kernels/NOTES.md, version 20). Not where the loop writes forward KL's gradient: there the mass is
+  // a register too many under the 16-bit instances' cap (measured slower), and a second sum would read the tail
+  // entry after a gradient written over the logits (the fused head) had replaced it.
+  constexpr bool G = GRAD && !KS;
+  constexpr bool DIRECT = kDirectTerms && MODE != JSD && !G;
   float ks = 0.f;
   {
     Terms<float> acc{0.f, 0.f, 0.f};
     float mass = 0.f;
-    constexpr bool G = GRAD && !KS;
     for_each_point(std::bool_constant<G>{}, [&](const Point<float>& e) {
       if constexpr (DIRECT) {
         const bool fwd = MODE == FORWARD_KL;
@@ -284,21 +277,13 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
       if constexpr (G) return student_grad<MODE>(e, p.c, 0.f);
       else return 0.f;
     });
-    if (DIRECT && !(acc.loss >= static_cast<float>(kDirectMin) * mass)) {  // this thread's chunks again
+    if (DIRECT && !(acc.loss >= static_cast<float>(kDirectMin) * mass)) {  // this thread's entries again
       Terms<float> exact{0.f, 0.f, 0.f};
-      auto again = [&](auto close_c) {
-        constexpr bool CLOSE = decltype(close_c)::value;
-        for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
-          const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
-#pragma unroll
-          for (int q = 0; q < N; ++q)
-            point_terms<MODE, false, false>(
-                make_point<CLOSE>(static_cast<float>(vs.v[q]), static_cast<float>(vt.v[q]), k2, rn), p.c, exact);
-        }
-      };
-      if (rn.close) again(std::true_type{});
-      else again(std::false_type{});
-      acc.loss = exact.loss + (has_tail ? tail_exact[threadIdx.x] : 0.f);
+      for_each_point(std::false_type{}, [&](const Point<float>& e) {
+        point_terms<MODE, false, false>(e, p.c, exact);
+        return 0.f;
+      });
+      acc.loss = exact.loss;
     }
     const float loss = warp_sum(acc.loss);
     if (lane == 0) partial[warp] = loss;
