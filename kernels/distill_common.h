@@ -272,6 +272,21 @@ template <typename A> DS_HD A mixture_us_short(const Point<A>& e, const RowConst
   return e.d * e.d < A(kJsdShortSeries * kJsdShortSeries) ? e.d * horner<4>(&c.us[0], e.d) : us;
 }
 
+// The JSD's summand beta pt u_t + (1 - beta) ps u_s from the z form (mixture_u_direct), >= 0 up to rounding,
+// with u_s and u_t. Where d is small the two products cancel: the summand's absolute error is that of u_s, ~3.5e-7
+// times the entry's mixture mass m, so over a whole row (whose m sums to 1) at most ~3.5e-7 (point_terms takes
+// the series there; fast_rows' 16-bit training rows take this form everywhere and the series only for rows whose
+// JSD is below kJsdDirectMin, where that bound could exceed ~6e-6 of the row's value; kernels/NOTES.md, version 21).
+constexpr double kJsdDirectMin = 1.0 / 16;
+template <typename A> DS_HD A jsd_entry_direct(const Point<A>& e, const RowConst<A>& c, A& us, A& ut) {
+  mixture_u_direct(e, c, us, ut);
+  const A a = e.pt > A(0) ? c.beta * e.pt * ut : A(0);
+  const A b = e.ps > A(0) ? (A(1) - c.beta) * e.ps * us : A(0);
+  A entry = a + b > A(0) ? a + b : A(0);  // (NaN stays NaN)
+  if (a + b != a + b) entry = a + b;
+  return entry;
+}
+
 // Sums over a row (or the part of it held here): the loss, and what the gradients need beside it,
 // ks = sum ps u_s and kt = sum pt u_t (the KL of student, teacher to what it is compared with, in the plain form
 // p log(p / q); the gradient is p (u - K); a zero p contributes 0).
@@ -291,12 +306,8 @@ DS_HD void point_terms(const Point<A>& e, const RowConst<A>& c, Terms<A>& acc) {
     if (jsd_series_region(e.d)) {
       mixture_u_series(e, c, us, ut);
       entry = e.ps * (e.d * e.d) * horner<jsd_terms<A>()>(&c.g[0], e.d);
-    } else {  // beta pt u_t + (1 - beta) ps u_s; >= 0 up to rounding
-      mixture_u_direct(e, c, us, ut);
-      const A a = e.pt > A(0) ? c.beta * e.pt * ut : A(0);
-      const A b = e.ps > A(0) ? (A(1) - c.beta) * e.ps * us : A(0);
-      entry = a + b > A(0) ? a + b : A(0);  // (NaN stays NaN)
-      if (a + b != a + b) entry = a + b;
+    } else {
+      entry = jsd_entry_direct(e, c, us, ut);
     }
     acc.loss += entry;
     if (KS) acc.ks += e.ps > A(0) ? e.ps * us : A(0);

@@ -138,7 +138,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   constexpr bool KS = GRAD && student_needs_k<MODE>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ float4 slot_norms[kFastWarps];
-  __shared__ float slot_ks[kFastWarps];
+  __shared__ float2 slot_ks[2][kFastWarps];  // each warp's (ks, loss); [1]: the second sum of a row (below)
   __shared__ float bcast[4];
 
   cg::cluster_group cluster = cg::this_cluster();
@@ -260,6 +260,11 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   // entry after a gradient written over the logits (the fused head) had replaced it.
   constexpr bool G = GRAD && !KS;
   constexpr bool DIRECT = kDirectTerms && MODE != JSD && !G;
+  // The JSD's 16-bit training rows take its summand's direct form everywhere (jsd_entry_direct: no series and no
+  // branch on its region, ~25 instructions an entry); a row whose JSD comes out below kJsdDirectMin is summed
+  // again with the series by the whole cluster (the row's sum, which ks's cluster barrier gathers anyway, is the
+  // same in every block, so all take the same branch) before its gradient pass (kernels/NOTES.md, version 21).
+  constexpr bool JSD_DIRECT = kDirectTerms && MODE == JSD && KS && sizeof(T) == 2;
   float ks = 0.f;
   {
     Terms<float> acc{0.f, 0.f, 0.f};
@@ -271,6 +276,10 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
         acc.loss += kl_term_direct(pp, qq, fwd ? e.d : -e.d);
         mass += pp + qq;
         if (KS) acc.ks += e.ps > 0.f ? -e.ps * e.d : 0.f;  // (point_terms' ks of reverse KL)
+      } else if constexpr (JSD_DIRECT) {
+        float us, ut;
+        acc.loss += jsd_entry_direct(e, p.c, us, ut);
+        acc.ks += e.ps > 0.f ? e.ps * us : 0.f;
       } else {
         point_terms<MODE, KS, false>(e, p.c, acc);
       }
@@ -288,19 +297,41 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
     const float loss = warp_sum(acc.loss);
     if (lane == 0) partial[warp] = loss;
     if (KS) {
-      const float k = warp_sum(acc.ks);
-      if (lane == 0) slot_ks[warp] = k;
-      cluster_arrive();  // every block has read the normalisers and published its ks
-      cluster_wait();
-      if (warp == 0) {
-        float v = 0.f;
-        for (int i = lane; i < ranks * kFastWarps; i += 32)
-          v += *cluster.map_shared_rank(slot_ks + i % kFastWarps, i / kFastWarps);
-        v = warp_sum(v);
-        if (lane == 0) bcast[0] = v;
+      // The row's (ks, loss): every warp's published, one cluster barrier, then summed by every block in the same
+      // order (so every block holds the same bits). Slots of their own for each sum: a second one needs no
+      // barrier for other blocks to finish reading the first.
+      auto row_sums = [&](float2* slots, float k, float l) {
+        if (lane == 0) slots[warp] = make_float2(k, l);
+        cluster_arrive();  // every block has read the normalisers (and any earlier slots) and published its own
+        cluster_wait();
+        if (warp == 0) {
+          float2 v = make_float2(0.f, 0.f);
+          for (int i = lane; i < ranks * kFastWarps; i += 32) {
+            const float2 q = *cluster.map_shared_rank(slots + i % kFastWarps, i / kFastWarps);
+            v.x += q.x;
+            v.y += q.y;
+          }
+          v = make_float2(warp_sum(v.x), warp_sum(v.y));
+          if (lane == 0) {
+            bcast[0] = v.x;
+            bcast[1] = v.y;
+          }
+        }
+        __syncthreads();
+        return make_float2(bcast[0], bcast[1]);
+      };
+      float2 sums = row_sums(slot_ks[0], warp_sum(acc.ks), loss);
+      if (JSD_DIRECT && !(sums.y >= static_cast<float>(kJsdDirectMin))) {  // the row again, with the series
+        Terms<float> exact{0.f, 0.f, 0.f};
+        for_each_point(std::false_type{}, [&](const Point<float>& e) {
+          point_terms<MODE, true, false>(e, p.c, exact);
+          return 0.f;
+        });
+        const float loss2 = warp_sum(exact.loss);
+        if (lane == 0) partial[warp] = loss2;
+        sums = row_sums(slot_ks[1], warp_sum(exact.ks), loss2);
       }
-      __syncthreads();
-      ks = bcast[0];
+      ks = sums.x;
       cluster_arrive();
     }
   }

@@ -464,6 +464,27 @@ def test_jsd_gradient_where_distributions_nearly_agree(device, dtype, beta):
         assert_grad_close(gs[row], rs[row], dtype, f"row {row}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
+@pytest.mark.parametrize("beta", [0.3, 0.5, 0.9])
+def test_jsd_training_rows_per_token(device, dtype, beta):
+    # The JSD's 16-bit training rows on CUDA (fast_rows, the student's gradient) sum the summand's direct form, whose
+    # error is absolute (up to ~3.5e-7 a row), and sum a row again with the series where its JSD comes out below
+    # 1/16: per token, from rows one rounding apart (JSDs ~1e-7) to rows far apart (~0.3), each token's loss must
+    # be float64's within 2e-5 relative (the direct form alone gives errors of order 1 on the agreeing rows) and
+    # its gradient within 16-bit rounding. 50000 entries a row: several blocks of a cluster take each row.
+    t = logits((24, 50000), torch.float64, device, scale=2.0)
+    s = t + torch.randn_like(t) * torch.logspace(-3, 0.5, 24, dtype=t.dtype, device=device)[:, None]
+    s, t = s.to(dtype).requires_grad_(), t.to(dtype)
+    out, (gs,) = run(s, t, beta=beta, temperature=1.0, reduction="none")
+    ref, (rs,) = reference(s, t, grad_out=torch.ones(24, device=device), beta=beta, temperature=1.0,
+                           reduction="none")
+    assert (ref > 0).all() and (out >= 0).all(), out.min()
+    per_token = ((out.double() - ref) / ref).abs()
+    assert per_token.max() <= 2e-5, (per_token.max(), ref[per_token.argmax()])
+    for row in range(24):
+        assert_grad_close(gs[row], rs[row], dtype, f"row {row}")
+
+
 # --------------------------------------------------------------------------- 3b. the forward alone
 # Forward and reverse KL without any gradient take the kernels' inference instances (fast_rows without a gradient
 # where rows start on 16-byte boundaries, else rows_kernel's inference configuration): the special values and
