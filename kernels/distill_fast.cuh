@@ -138,7 +138,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   constexpr bool KS = GRAD && student_needs_k<MODE>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ float4 slot_norms[kFastWarps];
-  __shared__ float2 slot_ks[2][kFastWarps];  // each warp's (ks, loss); [1]: the second sum of a row (below)
+  __shared__ float slot_ks[kFastWarps];
   __shared__ float bcast[4];
 
   cg::cluster_group cluster = cg::this_cluster();
@@ -296,10 +296,27 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
     }
     const float loss = warp_sum(acc.loss);
     if (lane == 0) partial[warp] = loss;
-    if (KS) {
+    if (KS && !JSD_DIRECT) {
+      const float k = warp_sum(acc.ks);
+      if (lane == 0) slot_ks[warp] = k;
+      cluster_arrive();  // every block has read the normalisers and published its ks
+      cluster_wait();
+      if (warp == 0) {
+        float v = 0.f;
+        for (int i = lane; i < ranks * kFastWarps; i += 32)
+          v += *cluster.map_shared_rank(slot_ks + i % kFastWarps, i / kFastWarps);
+        v = warp_sum(v);
+        if (lane == 0) bcast[0] = v;
+      }
+      __syncthreads();
+      ks = bcast[0];
+      cluster_arrive();
+    }
+    if constexpr (JSD_DIRECT) {
       // The row's (ks, loss): every warp's published, one cluster barrier, then summed by every block in the same
-      // order (so every block holds the same bits). Slots of their own for each sum: a second one needs no
-      // barrier for other blocks to finish reading the first.
+      // order (so every block holds the same bits). Slots of their own for the second sum: it needs no barrier
+      // for other blocks to finish reading the first.
+      __shared__ float2 slot_kl[2][kFastWarps];
       auto row_sums = [&](float2* slots, float k, float l) {
         if (lane == 0) slots[warp] = make_float2(k, l);
         cluster_arrive();  // every block has read the normalisers (and any earlier slots) and published its own
@@ -320,8 +337,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
         __syncthreads();
         return make_float2(bcast[0], bcast[1]);
       };
-      float2 sums = row_sums(slot_ks[0], warp_sum(acc.ks), loss);
-      if (JSD_DIRECT && !(sums.y >= static_cast<float>(kJsdDirectMin))) {  // the row again, with the series
+      float2 sums = row_sums(slot_kl[0], warp_sum(acc.ks), loss);
+      if (!(sums.y >= static_cast<float>(kJsdDirectMin))) {  // the row again, with the series
         Terms<float> exact{0.f, 0.f, 0.f};
         for_each_point(std::false_type{}, [&](const Point<float>& e) {
           point_terms<MODE, true, false>(e, p.c, exact);
@@ -329,7 +346,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
         });
         const float loss2 = warp_sum(exact.loss);
         if (lane == 0) partial[warp] = loss2;
-        sums = row_sums(slot_ks[1], warp_sum(exact.ks), loss2);
+        sums = row_sums(slot_kl[1], warp_sum(exact.ks), loss2);
       }
       ks = sums.x;
       cluster_arrive();
