@@ -14,7 +14,7 @@
 //   - the barrier that keeps a block's shared memory alive while others read it is split: arrive right after
 //     the last remote read, wait just before the block exits, with the whole gradient pass in between.
 // Forward KL and inference need one full cluster barrier per row; reverse KL and the JSD (whose gradients need
-// the row sum ks) two.
+// the row sum ks) two; the JSD's 16-bit rows summed again with its series (below kJsdDirectMin) three.
 //
 // At the end, the split vocabulary's kernels, which keep nothing on chip: phase_norms_kernel (phase 0, the rows'
 // normalisers) and phase_stream_kernel (phases 1 and 2).
