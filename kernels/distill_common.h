@@ -147,7 +147,7 @@ template <typename A> DS_HD A kl_term(A p, A q, A u) {
 // mass (so that error is at most ~1e-5 of the sum, as the series' region leaves a single entry at |u| = 0.5, and
 // typically ~1e-7); elsewhere (student and teacher close, a NaN) the thread sums its entries again with kl_term.
 constexpr double kDirectMin = 1.0 / 16;
-// A switch for measuring (false compiles fast_rows as before version 20, kernels/NOTES.md); its tests on a GPU:
+// A switch for measuring (false compiles fast_rows as before versions 20 and 21, kernels/NOTES.md); its tests on a GPU:
 // `pytest -m gpu tests/test_distill.py -k "in_place or fast_kernel or nearly or forward_alone"` and
 // tests/test_fused_linear.py, and `tools/distill_probe.py` against the kernels without it.
 constexpr bool kDirectTerms = true;
