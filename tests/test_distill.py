@@ -193,6 +193,69 @@ def test_fast_kernel_matches_general_kernel_and_float64(monkeypatch, dtype, beta
             assert_close(K.generalized_jsd(s, t, **kw), ref, 2e-6, f"inference loss {what}")
 
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
+@pytest.mark.parametrize("vocab", [4096, 50001, 128256])
+@pytest.mark.parametrize("stream", ["1", "2"])
+def test_streaming_variant_per_token(monkeypatch, dtype, vocab, stream):
+    # KLDIV_DISTILL_STREAM (fast_stream_kernel: no shared-memory copy, each slice read twice from device memory)
+    # for the launches it takes: forward KL with the student's gradient, and every forward alone. Per token
+    # against float64 on rows far apart, rows that nearly agree (the forward alone's direct sum falls back to the
+    # series there), equal rows, rows with -inf in both, in the teacher's or in the student's second half, a
+    # masked row; gradients within 16-bit rounding; the gradient written over the student's logits as into a
+    # buffer of its own.
+    monkeypatch.setenv("KLDIV_DISTILL_STREAM", stream)
+    width = vocab + (-vocab) % 8  # 50001: rows padded to 16 bytes, the last slice ending in a partial chunk
+    n = 12
+    t64 = logits((n, width), torch.float64, "cuda", scale=3.0)
+    s64 = logits((n, width), torch.float64, "cuda", scale=3.0)
+    s64[4:8] = t64[4:8] + 1e-3 * torch.randn_like(t64[4:8])  # nearly agree (one 16-bit rounding or so)
+    s64[8] = t64[8]
+    s64[9, : width // 3] = t64[9, : width // 3] = float("-inf")
+    t64[10, width // 2 :] = float("-inf")
+    s64[11, width // 2 :] = float("-inf")
+    s = s64.to(dtype)[:, :vocab]
+    t = t64.to(dtype)[:, :vocab]
+    rows = torch.arange(n, device="cuda")
+    lab = rows.masked_fill(rows == 3, -100)
+
+    def per_token(out, ref, which, tol, what):
+        o, r = out[which].double(), ref[which]
+        inf = torch.isinf(r)
+        assert torch.equal(o[inf], r[inf]), what
+        err = ((o - r).abs() / r.abs().clamp(min=1e-30))[~inf]
+        assert err.numel() == 0 or err.max() <= tol, f"{what}: per-token error {err.max():.2e} > {tol:.0e}"
+
+    far, near = torch.tensor([0, 1, 2, 9, 10, 11], device="cuda"), rows[4:8]
+    for beta in (0.0, 0.5, 1.0):
+        kw = dict(beta=beta, temperature=1.7, labels=lab, reduction="none")
+        ref = generalized_jsd_reference(s.double(), t.double(), **kw)
+        with torch.no_grad():
+            poison_allocator("cuda")
+            out = K.generalized_jsd(s, t, **kw)
+        assert (out >= 0).all() and out[3] == 0 and out[8].abs() <= 1e-6, (beta, out)
+        per_token(out, ref, far, 2e-6, f"forward alone beta={beta}")
+        per_token(out, ref, near, 1e-4, f"forward alone beta={beta}, nearly agreeing")
+    sw = s.clone().requires_grad_()
+    go = random_grad_out(torch.ones(n, device="cuda"))
+    kw = dict(beta=0.0, temperature=1.7, labels=lab, reduction="none")
+    out, (gs,) = run(sw, t, go, **kw)
+    ref, (rs,) = reference(sw, t, go, **kw)
+    assert (out >= 0).all() and out[3] == 0 and out[8].abs() <= 1e-6, out
+    per_token(out, ref, far, 2e-6, "forward KL training")
+    per_token(out, ref, near, 1e-4, "forward KL training, nearly agreeing")
+    for row in [0, 1, 2, 4, 5, 6, 7, 9, 10]:  # (row 11's loss is +inf)
+        assert_grad_close(gs[row], rs[row], dtype, f"forward KL grad row {row}")
+    assert (gs[3] == 0).all() and (gs[8].abs() <= 1e-6).all()
+    mod = K.load("cuda", extension="distill")
+    expect = mod.distill_forward(s, t, None, None, lab, -100, 0.0, 1.7, 0, True, False)
+    buf = torch.empty_like(s64, dtype=dtype)[:, :vocab]  # rows on 16-byte boundaries, as s's
+    buf.copy_(s)
+    got = mod.distill_forward(buf, t, None, None, lab, -100, 0.0, 1.7, 0, True, False, buf)
+    assert got[1].data_ptr() == buf.data_ptr()
+    assert torch.equal(got[0], expect[0]) and torch.equal(buf, expect[1]), "in place"
+
 def split_phases(s, t, lab, beta, temp, widths, training):
     """The vocabulary-parallel kernels (distill_phase: normalisers, terms, gradients) in one process over slices
     of each row (``widths``), their statistics combined as the ranks combine them (distill_combine, in slice
