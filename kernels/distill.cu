@@ -534,7 +534,6 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
 #include "distill_fast.cuh"
 #include "distill_fast_topk.cuh"
 #include "distill_split_topk.cuh"
-#include "distill_stream.cuh"
 
 // 1 / (rows whose label is not ignore_index), 0 when there are none: the batchmean divisor, on the device.
 __global__ void __launch_bounds__(
@@ -702,37 +701,26 @@ Launch plan_launch(int64_t v, size_t entry_bytes, bool topk) {
 
 // A kernel's shared-memory limit and cluster-size permission, raised once per kernel and device (setting a
 // function attribute costs microseconds, a sizeable share of a small call).
-// max_l1: a kernel that keeps nothing in shared memory asks for the largest L1 (fast_stream_kernel's second pass
-// reads its slices again from there).
-void prepare_kernel(const void* kernel, size_t smem, bool big_cluster, bool max_l1 = false) {
+void prepare_kernel(const void* kernel, size_t smem, bool big_cluster) {
   static std::mutex mu;
-  struct State {
-    size_t smem = 0;
-    bool big_cluster = false, max_l1 = false;
-  };
-  static std::map<std::pair<const void*, int>, State> done;
+  static std::map<std::pair<const void*, int>, std::pair<size_t, bool>> done;
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   std::lock_guard<std::mutex> lock(mu);
   auto& state = done[{kernel, dev}];
-  if (smem > state.smem) {
+  if (smem > state.first) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    state.smem = smem;
+    state.first = smem;
   }
-  if (big_cluster && !state.big_cluster) {
+  if (big_cluster && !state.second) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    state.big_cluster = true;
-  }
-  if (max_l1 && !state.max_l1) {
-    C10_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxL1));
-    state.max_l1 = true;
+    state.second = true;
   }
 }
 
 template <typename Kernel> void launch_rows(Kernel kernel, const Launch& l, int64_t n, const void* params,
-                                            cudaStream_t stream, bool max_l1 = false) {
-  prepare_kernel(reinterpret_cast<const void*>(kernel), l.smem, l.cluster > 8, max_l1);
+                                            cudaStream_t stream) {
+  prepare_kernel(reinterpret_cast<const void*>(kernel), l.smem, l.cluster > 8);
   const int64_t blocks = n * l.cluster;
   TORCH_CHECK(blocks < (int64_t(1) << 31), "distill: too many rows for one launch");
   cudaLaunchConfig_t cfg = {};
@@ -831,13 +819,6 @@ bool staged_copy() {
   return !(env && std::atoi(env) == 0);
 }
 
-// KLDIV_DISTILL_STREAM (a research knob): 1 or 2 send the launches fast_stream_kernel takes (distill_stream.cuh)
-// there, 2 with L2 eviction hints; unset or 0, fast_rows_kernel.
-int stream_variant() {
-  const char* env = std::getenv("KLDIV_DISTILL_STREAM");
-  return env ? std::atoi(env) : 0;
-}
-
 // A fast kernel: fast_topk_kernel (distill_fast_topk.cuh) for a top-k teacher, whose cluster's rank 0 writes each
 // row's loss into rows_loss; else fast_rows_kernel (distill_fast.cuh), then each row's loss from its warps'
 // partial sums (fast_rows_total_kernel).
@@ -859,25 +840,10 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
         if (want_student) launch_rows(with_grad, l, n, &p, stream);
         else launch_rows(without_grad, l, n, &p, stream);
       };
-      const int stream_kind = stream_variant();
-      if (topk) {
-        launch(fast_topk_kernel<T, MODE, true>, fast_topk_kernel<T, MODE, false>);
-      } else if (sizeof(T) == 2 && stream_kind != 0 && (MODE == FORWARD_KL || !want_student)) {
-        if constexpr (sizeof(T) == 2) {
-          Launch ls = l;
-          ls.smem = 0;
-          auto launch_stream = [&](auto hint_c) {
-            constexpr bool HINT = decltype(hint_c)::value;
-            if (!want_student) launch_rows(fast_stream_kernel<T, MODE, false, HINT>, ls, n, &p, stream, true);
-            else if constexpr (MODE == FORWARD_KL)
-              launch_rows(fast_stream_kernel<T, MODE, true, HINT>, ls, n, &p, stream, true);
-          };
-          if (stream_kind == 2) launch_stream(std::true_type{});
-          else launch_stream(std::false_type{});
-        }
-      } else if constexpr (sizeof(T) == 2) {  // the register-capped instances (distill_fast.cuh)
+      if (topk) launch(fast_topk_kernel<T, MODE, true>, fast_topk_kernel<T, MODE, false>);
+      else if constexpr (sizeof(T) == 2)  // the register-capped instances (distill_fast.cuh)
         launch(fast_rows_kernel_16<T, MODE, true>, fast_rows_kernel_16<T, MODE, false>);
-      } else launch(fast_rows_kernel<T, MODE, true>, fast_rows_kernel<T, MODE, false>);
+      else launch(fast_rows_kernel<T, MODE, true>, fast_rows_kernel<T, MODE, false>);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (!topk) {

@@ -197,15 +197,12 @@ def test_fast_kernel_matches_general_kernel_and_float64(monkeypatch, dtype, beta
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
 @pytest.mark.parametrize("vocab", [4096, 50001, 128256])
-@pytest.mark.parametrize("stream", ["1", "2"])
-def test_streaming_variant_per_token(monkeypatch, dtype, vocab, stream):
-    # KLDIV_DISTILL_STREAM (fast_stream_kernel: no shared-memory copy, each slice read twice from device memory)
-    # for the launches it takes: forward KL with the student's gradient, and every forward alone. Per token
+def test_fast_rows_per_token(dtype, vocab):
+    # fast_rows' one-barrier launches (forward KL with the student's gradient, every forward alone) per token
     # against float64 on rows far apart, rows that nearly agree (the forward alone's direct sum falls back to the
     # series there), equal rows, rows with -inf in both, in the teacher's or in the student's second half, a
     # masked row; gradients within 16-bit rounding; the gradient written over the student's logits as into a
     # buffer of its own.
-    monkeypatch.setenv("KLDIV_DISTILL_STREAM", stream)
     width = vocab + (-vocab) % 8  # 50001: rows padded to 16 bytes, the last slice ending in a partial chunk
     n = 12
     t64 = logits((n, width), torch.float64, "cuda", scale=3.0)

@@ -2,13 +2,13 @@
 The committed figures come from `python -m kldiv_inline bench`; this prints a table for one card and one run.
 
     python tools/distill_probe.py [--reps 15] [--tokens 4096] [--vocab 128256] [--smem-kib 40,72] [--threads 256]
-        [--fast 0] [--staged 0] [--stream 1,2] [--topk-only]
+        [--fast 0] [--staged 0] [--topk-only]
     ncu --clock-control none -k regex:rows_kernel python tools/distill_probe.py --once   # one call per config
 
 Per case (bf16 logits, T = 2, 10% of tokens masked): the loss's relative error against float64 (first 512 rows),
 our training step (forward + backward), the kernel alone (also under the tuning knobs KLDIV_DISTILL_SMEM_KIB,
-KLDIV_DISTILL_THREADS, KLDIV_DISTILL_FAST=0 (the general kernel), KLDIV_DISTILL_STAGED=0 (the fast kernel's
-copy waited for whole) and KLDIV_DISTILL_STREAM (the streaming variant); each with and without the gradient), the
+KLDIV_DISTILL_THREADS, KLDIV_DISTILL_FAST=0 (the general kernel) and KLDIV_DISTILL_STAGED=0 (the fast kernel's
+copy waited for whole); each with and without the gradient), the
 forward alone, and the TRL-style PyTorch
 peer eager and compiled; medians of kldiv_inline.timing's CUDA-event timings in ms, over the 3-tensor floor
 (read both logit tensors, write the gradient; 2 tensors for the forward and the top-k teacher) from the read
@@ -57,8 +57,6 @@ def main():
     ap.add_argument("--threads", default="", help="comma list of KLDIV_DISTILL_THREADS values to sweep")
     ap.add_argument("--fast", default="", help="comma list of KLDIV_DISTILL_FAST values (0: the general kernel)")
     ap.add_argument("--staged", default="", help="comma list of KLDIV_DISTILL_STAGED values (0: unstaged copy)")
-    ap.add_argument("--stream", default="", help="comma list of KLDIV_DISTILL_STREAM values (1, 2: the streaming "
-                    "variant, 2 with L2 hints)")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, torch.version.cuda, flush=True)
     x = torch.rand(1 << 28, device="cuda")
@@ -112,8 +110,7 @@ def main():
             add(f"ours fwd beta={beta}", timed(lambda kw=kw: K.generalized_jsd(s, t, **kw), args.reps), floor2)
         add(f"  kernel alone fwd beta={beta}", timed(kernel(t, None, beta, grad=False), args.reps), floor2)
         for var, values in (("KLDIV_DISTILL_SMEM_KIB", args.smem_kib), ("KLDIV_DISTILL_THREADS", args.threads),
-                            ("KLDIV_DISTILL_FAST", args.fast), ("KLDIV_DISTILL_STAGED", args.staged),
-                            ("KLDIV_DISTILL_STREAM", args.stream)):
+                            ("KLDIV_DISTILL_FAST", args.fast), ("KLDIV_DISTILL_STAGED", args.staged)):
             for val in filter(None, values.split(",")):
                 os.environ[var] = val
                 with torch.no_grad():
