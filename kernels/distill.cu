@@ -215,6 +215,17 @@ template <typename T> __device__ __forceinline__ float chunk_max(const Vec<T>& v
   return m;
 }
 __device__ __forceinline__ double chunk_max(const Vec<double>& v) { return fmax(v.v[0], v.v[1]); }
+
+// Entry q of a chunk as a float (q a compile-time constant after unrolling). bfloat16 is a float's top half: the
+// 32-bit word holding entries q and q + 1 gives each in one instruction, the low one shifted up and the high one
+// masked, where the element-wise conversion took two for the high one (extract, then shift; SASS of sm_90).
+template <typename T> __device__ __forceinline__ float entry_float(const Vec<T>& v, int q) {
+  return static_cast<float>(v.v[q]);
+}
+__device__ __forceinline__ float entry_float(const Vec<c10::BFloat16>& v, int q) {
+  const uint32_t w = reinterpret_cast<const uint32_t*>(&v)[q >> 1];
+  return __uint_as_float((q & 1) ? (w & 0xffff0000u) : (w << 16));
+}
 __device__ __forceinline__ float chunk_max(const Vec<c10::BFloat16>& v) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
   const __nv_bfloat162 m = __hmax2(__hmax2(h[0], h[1]), __hmax2(h[2], h[3]));

@@ -49,7 +49,9 @@ __device__ __forceinline__ FastSlice fast_slice(const Params<T, float>& p, const
   FastSlice f;
   f.ranks = static_cast<int>(cluster.num_blocks());
   f.rank = static_cast<int>(cluster.block_rank());
-  f.row = blockIdx.x / f.ranks;
+  unsigned cid;  // the cluster's index in the grid: the row (blockIdx.x / ranks without the integer division)
+  asm("mov.u32 %0, %%clusterid.x;" : "=r"(cid));
+  f.row = cid;
   f.lo = static_cast<int64_t>(f.rank) * p.slice;
   f.count = static_cast<int>(max64(0, min64(p.v - f.lo, p.slice)));
   f.lane = threadIdx.x & 31;
@@ -70,40 +72,53 @@ template <typename T> __device__ __forceinline__ void cp_async16(unsigned dst, c
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 
-// The copy of a slice: each thread issues its own chunks (c = threadIdx.x + i * kFastThreads, `copy(c)` issues
-// chunk c's cp.async) and later reads no other thread's, so no block barrier follows it. Staged: the first three
-// in a commit group each and the rest in a fourth (empty groups included, so every thread has four), so that
+// The copy of a slice: thread x's chunks are c = x + i kFastThreads for i < mine (its count, chunk_count) and it
+// later reads no other thread's, so no block barrier follows it. `copy(i)` issues its chunk i's cp.async: i is a
+// compile-time constant for the first three, so the addresses are the thread's base plus an immediate (the copy
+// took ~15 instructions a chunk pair from chunk indices; kernels/NOTES.md, version 23). Staged: the first three in
+// a commit group each and the rest in a fourth (empty groups included, so every thread has four), so that
 // for_each_landed can take each as it lands while the later ones are in flight; else one group, waited for whole.
-template <typename F> __device__ __forceinline__ void issue_copy(int chunks, bool staged, F copy) {
-  int c0 = threadIdx.x;  // the first chunk not yet in a commit group
+// A pointer the compiler must hold in a register from here on (an empty asm that may have changed it): the copy's
+// addresses are then that register plus an immediate, not recomputed from the row and the index under each
+// chunk's predicate.
+template <typename P> __device__ __forceinline__ P* pinned(P* ptr) {
+  asm("" : "+l"(ptr));
+  return ptr;
+}
+__device__ __forceinline__ int chunk_count(int chunks) {
+  const int x = static_cast<int>(threadIdx.x);
+  return x < chunks ? (chunks - 1 - x) / kFastThreads + 1 : 0;
+}
+template <typename F> __device__ __forceinline__ void issue_copy(int mine, bool staged, F copy) {
+  int i0 = 0;  // the first chunk not yet in a commit group
   if (staged) {
 #pragma unroll
-    for (int i = 0; i < 3; ++i, c0 += kFastThreads) {
-      if (c0 < chunks) copy(c0);
+    for (int i = 0; i < 3; ++i) {
+      if (i < mine) copy(i);
       asm volatile("cp.async.commit_group;\n" ::);
     }
+    i0 = 3;
   }
-  for (int c = c0; c < chunks; c += kFastThreads) copy(c);
+#pragma unroll 1
+  for (int i = i0; i < mine; ++i) copy(i);
   asm volatile("cp.async.commit_group;\n" ::);
   if (!staged) asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
-// take(c) for each of this thread's chunks once its copy (issue_copy) has landed: staged, group by group.
-template <typename F> __device__ __forceinline__ void for_each_landed(int chunks, bool staged, F take) {
-  int c1 = threadIdx.x;
+// take(i) for each of this thread's chunks once its copy (issue_copy) has landed: staged, group by group.
+template <typename F> __device__ __forceinline__ void for_each_landed(int mine, bool staged, F take) {
+  int i1 = 0;
   if (staged) {  // wait_group takes an immediate: the three single-chunk groups spelled out
     asm volatile("cp.async.wait_group 3;\n" ::: "memory");
-    if (c1 < chunks) take(c1);
-    c1 += kFastThreads;
+    if (0 < mine) take(0);
     asm volatile("cp.async.wait_group 2;\n" ::: "memory");
-    if (c1 < chunks) take(c1);
-    c1 += kFastThreads;
+    if (1 < mine) take(1);
     asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-    if (c1 < chunks) take(c1);
-    c1 += kFastThreads;
+    if (2 < mine) take(2);
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    i1 = 3;
   }
-  for (int c = c1; c < chunks; c += kFastThreads) take(c);
+  for (int i = i1; i < mine; ++i) take(i);
 }
 
 // Warp 0 of each block, after the cluster barrier that published them: two normalisers' (max, sum) pairs from
@@ -163,10 +178,16 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   const unsigned bs = static_cast<unsigned>(__cvta_generic_to_shared(xs));
   const unsigned bt = static_cast<unsigned>(__cvta_generic_to_shared(xt));
   const bool staged = p.staged;
-  issue_copy(chunks, staged, [&](int c) {
-    cp_async16(bs + c * 16u, gsrc + c * N);
-    cp_async16(bt + c * 16u, gtsrc + c * N);
-  });
+  const int mine = chunk_count(chunks);
+  {
+    const unsigned ds = bs + threadIdx.x * 16u, dt = bt + threadIdx.x * 16u;
+    const T* s0 = pinned(gsrc + threadIdx.x * N);
+    const T* t0 = pinned(gtsrc + threadIdx.x * N);
+    issue_copy(mine, staged, [&](int i) {
+      cp_async16(ds + i * (kFastThreads * 16u), s0 + i * (kFastThreads * N));
+      cp_async16(dt + i * (kFastThreads * 16u), t0 + i * (kFastThreads * N));
+    });
+  }
   // The last block's slice may end in a partial chunk: its entries are read from device memory in each pass by
   // threads 0 .. N-2 (no thread writes an entry another reads).
   const int tail = chunks * N + static_cast<int>(threadIdx.x);
@@ -177,11 +198,13 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   Norm<float> norm[2];
   {
     float mx[2] = {ninf<float>(), ninf<float>()};
-    auto take_max = [&](int c) {
-      mx[0] = fmaxf(mx[0], chunk_max(load_chunk(xs + c * N, true)));
-      mx[1] = fmaxf(mx[1], chunk_max(load_chunk(xt + c * N, true)));
+    const T* xs0 = xs + threadIdx.x * N;
+    const T* xt0 = xt + threadIdx.x * N;
+    auto take_max = [&](int i) {
+      mx[0] = fmaxf(mx[0], chunk_max(load_chunk(xs0 + i * (kFastThreads * N), true)));
+      mx[1] = fmaxf(mx[1], chunk_max(load_chunk(xt0 + i * (kFastThreads * N), true)));
     };
-    for_each_landed(chunks, staged, take_max);
+    for_each_landed(mine, staged, take_max);
     if (has_tail) {
       mx[0] = fmaxf(mx[0], static_cast<float>(gsrc[tail]));
       mx[1] = fmaxf(mx[1], static_cast<float>(gtsrc[tail]));
@@ -194,8 +217,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
       const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
 #pragma unroll
       for (int q = 0; q < N; ++q) {
-        sm[0] += d_exp2(static_cast<float>(vs.v[q]) * k2 - o0);
-        sm[1] += d_exp2(static_cast<float>(vt.v[q]) * k2 - o1);
+        sm[0] += d_exp2(entry_float(vs, q) * k2 - o0);
+        sm[1] += d_exp2(entry_float(vt, q) * k2 - o1);
       }
     }
     if (has_tail) {
@@ -236,7 +259,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
         Vec<T> g;
 #pragma unroll
         for (int q = 0; q < N; ++q) {
-          const float d = f(make_point<CLOSE>(static_cast<float>(vs.v[q]), static_cast<float>(vt.v[q]), k2, rn));
+          const float d = f(make_point<CLOSE>(entry_float(vs, q), entry_float(vt, q), k2, rn));
           if (WRITE) g.v[q] = static_cast<T>(d * scale);
         }
         if (WRITE) store_chunk(gs + c * N, g, true);
@@ -429,7 +452,7 @@ __device__ __forceinline__ void running_norm(const Vec<T> (&v)[U], int valid, fl
   for (int u = 0; u < U; ++u)
     if (u < valid)
 #pragma unroll
-      for (int q = 0; q < Vec<T>::N; ++q) l += d_exp2(static_cast<float>(v[u].v[q]) * k2 - o);
+      for (int q = 0; q < Vec<T>::N; ++q) l += d_exp2(entry_float(v[u], q) * k2 - o);
   l = part_sum(l, o);  // entries so far beyond the lanes' range (padding): a stand-in
 }
 
@@ -556,7 +579,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4) phase_stream_kernel(const P
         Vec<T> g;
 #pragma unroll
         for (int q = 0; q < N; ++q) {
-          const float d = entry(static_cast<float>(vs[u].v[q]), static_cast<float>(vt[u].v[q]));
+          const float d = entry(entry_float(vs[u], q), entry_float(vt[u], q));
           if (GRAD) g.v[q] = static_cast<T>(d * scale);
         }
         if (GRAD) store_chunk(gs + static_cast<int64_t>(c) * N, g, true);

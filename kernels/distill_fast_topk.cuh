@@ -48,7 +48,12 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   unsigned* bits = reinterpret_cast<unsigned*>(smem_raw + static_cast<size_t>(p.slice) * sizeof(T));
   const int chunks = count / N;
   const unsigned bs = static_cast<unsigned>(__cvta_generic_to_shared(xs));
-  issue_copy(chunks, p.staged, [&](int c) { cp_async16(bs + c * 16u, gsrc + c * N); });
+  const int mine = chunk_count(chunks);
+  {
+    const unsigned ds = bs + threadIdx.x * 16u;
+    const T* s0 = pinned(gsrc + threadIdx.x * N);
+    issue_copy(mine, p.staged, [&](int i) { cp_async16(ds + i * (kFastThreads * 16u), s0 + i * (kFastThreads * N)); });
+  }
   // The last block's partial chunk: threads 0 .. N-2 copy one entry each, by plain loads (the members' pass and
   // the gradient read every logit from shared memory: the gradient may overwrite the logits in device memory).
   const int tail = chunks * N + static_cast<int>(threadIdx.x);
@@ -89,7 +94,9 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   // ---- 1. the normaliser and the tail's mass: each warp's max, then its sums relative to it, one cluster barrier
   float mx = ninf<float>();
   {
-    for_each_landed(chunks, p.staged, [&](int c) { mx = fmaxf(mx, chunk_max(load_chunk(xs + c * N, true))); });
+    const T* xs0 = xs + threadIdx.x * N;
+    for_each_landed(mine, p.staged,
+                    [&](int i) { mx = fmaxf(mx, chunk_max(load_chunk(xs0 + i * (kFastThreads * N), true))); });
     mx = fmaxf(mx, x_tail);
   }
   mx = scaled_max(warp_max(mx), k2);  // k2 > 0: the max of the scaled logits
@@ -101,7 +108,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     const unsigned mb = bits[(c * N) >> 5] >> ((c * N) & 31);  // a chunk's N bits share a word
 #pragma unroll
     for (int q = 0; q < N; ++q) {
-      const float e = d_exp2(static_cast<float>(v.v[q]) * k2 - o);
+      const float e = d_exp2(entry_float(v, q) * k2 - o);
       sm += e;
       st += (mb >> q) & 1u ? 0.f : e;
     }
@@ -181,7 +188,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
       const Vec<T> v = load_chunk(xs + c * N, true);
       Vec<T> g;
 #pragma unroll
-      for (int q = 0; q < N; ++q) g.v[q] = static_cast<T>(d_exp2(log2_prob(static_cast<float>(v.v[q]), k2, ns)) * coef);
+      for (int q = 0; q < N; ++q) g.v[q] = static_cast<T>(d_exp2(log2_prob(entry_float(v, q), k2, ns)) * coef);
       store_chunk(gs + c * N, g, true);
     }
     if (has_tail) gs[tail] = static_cast<T>(d_exp2(log2_prob(x_tail, k2, ns)) * coef);

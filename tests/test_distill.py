@@ -246,8 +246,10 @@ def test_fast_rows_per_token(dtype, vocab):
         assert_grad_close(gs[row], rs[row], dtype, f"forward KL grad row {row}")
     assert (gs[3] == 0).all() and (gs[8].abs() <= 1e-6).all()
     mod = K.load("cuda", extension="distill")
-    expect = mod.distill_forward(s, t, None, None, lab, -100, 0.0, 1.7, 0, True, False)
-    buf = torch.empty_like(s64, dtype=dtype)[:, :vocab]  # rows on 16-byte boundaries, as s's
+    own = torch.empty_like(s64, dtype=dtype)[:, :vocab]  # rows on 16-byte boundaries, as s's: fast_rows both times
+    expect = mod.distill_forward(s, t, None, None, lab, -100, 0.0, 1.7, 0, True, False, own)
+    assert expect[1].data_ptr() == own.data_ptr()
+    buf = torch.empty_like(s64, dtype=dtype)[:, :vocab]
     buf.copy_(s)
     got = mod.distill_forward(buf, t, None, None, lab, -100, 0.0, 1.7, 0, True, False, buf)
     assert got[1].data_ptr() == buf.data_ptr()
