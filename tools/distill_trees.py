@@ -1,0 +1,105 @@
+"""Times the distillation kernels of several kernels/ trees against each other on one GPU, in one call: the loop
+for a change to kernels/distill*.cu* (is the new tree faster than the old, on this card, in this run?).
+
+    git archive HEAD~1 kernels | tar -x -C /tmp/old
+    python tools/distill_trees.py /tmp/old/kernels kernels [--rounds 2] [--reps 20]
+
+Each tree is built first, all at once (one process each, through KLDIV_INLINE_KERNELS; ~90 s on a 16-core
+machine, cached under KLDIV_INLINE_CACHE), then timed in a process of its own, the trees alternating for
+``--rounds`` rounds so that a drift of the card's clock shows as a spread, not as a difference. Each process
+times the extension's distill_forward on bf16 logits 4096 x 128256, T = 2, 10% of rows masked, batchmean: forward
+KL, the JSD (beta 0.5) and reverse KL, each without a gradient (the forward alone) and with the student's (the
+training step's kernels, with no autograd around them), and the top-k teacher's step (k = 100); the median of
+``--reps`` CUDA-event timings after 3 warm-up calls. Prints one row per case with each tree's medians, in ms, and
+the last tree's change against the first. Checks nothing: run the GPU tests for that
+(`pytest -m gpu tests/test_distill.py`).
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = [(beta, grad) for beta in (0.0, 0.5, 1.0) for grad in (False, True)]
+
+
+def child(reps: int) -> None:
+    """Times one tree (the one KLDIV_INLINE_KERNELS names): prints `case ms` lines."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    import kldiv_inline as K
+    from kldiv_inline import timing
+
+    torch.manual_seed(1)
+    n, v = 4096, 128256
+    s = (torch.randn(n, v, device="cuda") * 3).bfloat16()
+    t = (torch.randn(n, v, device="cuda") * 3).bfloat16()
+    lab = torch.randint(0, 1000, (n,), device="cuda").masked_fill(torch.rand(n, device="cuda") < 0.1, -100)
+    lp, idx = torch.log_softmax(t.float() / 2.0, dim=-1).topk(100, dim=-1)
+    mod = K.load("cuda", extension="distill")
+
+    def median_ms(fn) -> float:
+        return statistics.median(timing.time_cuda(fn, [()], reps, 3))
+
+    for beta, grad in CASES:
+        ms = median_ms(lambda b=beta, g=grad: mod.distill_forward(s, t, None, None, lab, -100, b, 2.0, 2, g, False))
+        print(f"beta={beta} {'step' if grad else 'forward'} {ms:.4f}")
+    ms = median_ms(lambda: mod.distill_forward(s, None, idx, lp, lab, -100, 0.0, 2.0, 2, True, False))
+    print(f"top-k step {ms:.4f}")
+
+
+def run_tree(tree: Path, args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KLDIV_INLINE_KERNELS": str(tree.resolve())}
+    return subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trees", nargs="*", type=Path, help="kernels/ directories (the first is the baseline)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.reps)
+        return
+    if len(args.trees) < 1:
+        ap.error("name at least one kernels/ directory")
+    for tree in args.trees:
+        if not (tree / "distill.cu").exists():
+            ap.error(f"{tree}: no distill.cu there")
+    build = "import kldiv_inline as K; K.load('cuda', extension='distill')"
+    procs = [subprocess.Popen([sys.executable, "-c", build], cwd=ROOT,
+                              env={**os.environ, "KLDIV_INLINE_KERNELS": str(t.resolve()),
+                                   "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+             for t in args.trees]
+    if any(p.wait() for p in procs):
+        sys.exit("a tree failed to build (its error is above)")
+    times: dict[tuple[str, Path], list[float]] = {}
+    for _ in range(args.rounds):
+        for tree in args.trees:
+            out = run_tree(tree, ["--child", "--reps", str(args.reps)])
+            if out.returncode:
+                sys.exit(f"{tree}: {out.stderr[-2000:]}")
+            for line in out.stdout.splitlines():
+                case, ms = line.rsplit(" ", 1)
+                times.setdefault((case, tree), []).append(float(ms))
+    import torch
+
+    print(torch.cuda.get_device_name(), torch.__version__)
+    cases = list(dict.fromkeys(case for case, _ in times))
+    names = [str(t) for t in args.trees]
+    print(f"{'case':<18}" + "".join(f"{n[-24:]:>26}" for n in names) + ("   last / first" if len(names) > 1 else ""))
+    for case in cases:
+        cols = [times[(case, t)] for t in args.trees]
+        row = f"{case:<18}" + "".join(f"{' / '.join(f'{x:.3f}' for x in c):>26}" for c in cols)
+        if len(cols) > 1:
+            row += f"   {statistics.median(cols[-1]) / statistics.median(cols[0]) - 1:+.1%}"
+        print(row)
+
+
+if __name__ == "__main__":
+    main()
