@@ -840,9 +840,11 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
     TORCH_CHECK(false, "distill: no fast path for float64 logits");  // fast_path_ok refuses them first
   } else {
     Launch l = plan;
-    l.threads = kFastThreads;
+    // (kNarrowKsBlocks: the 16-bit training instances that need ks in blocks of kNarrowThreads, distill_fast.cuh)
+    const bool narrow = kNarrowKsBlocks && sizeof(T) == 2 && !topk && want_student && mode != FORWARD_KL;
+    l.threads = narrow ? kNarrowThreads : kFastThreads;
     p.staged = staged_copy();
-    const int per_row = l.cluster * kFastWarps;
+    const int per_row = l.cluster * (l.threads / 32);  // the partial losses: one a warp
     at::Tensor partial = topk ? rows_loss : at::empty({n * per_row}, rows_loss.options());
     p.out = partial.data_ptr<float>();
     dispatch_mode(mode, [&](auto mode_c) {
@@ -851,10 +853,13 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
         if (want_student) launch_rows(with_grad, l, n, &p, stream);
         else launch_rows(without_grad, l, n, &p, stream);
       };
-      if (topk) launch(fast_topk_kernel<T, MODE, true>, fast_topk_kernel<T, MODE, false>);
-      else if constexpr (sizeof(T) == 2)  // the register-capped instances (distill_fast.cuh)
+      if (topk) {
+        launch(fast_topk_kernel<T, MODE, true>, fast_topk_kernel<T, MODE, false>);
+      } else if constexpr (sizeof(T) == 2) {  // the register-capped instances (distill_fast.cuh)
+        if constexpr (kNarrowKsBlocks && MODE != FORWARD_KL)
+          if (narrow) return launch_rows(fast_rows_kernel_narrow<T, MODE>, l, n, &p, stream);
         launch(fast_rows_kernel_16<T, MODE, true>, fast_rows_kernel_16<T, MODE, false>);
-      else launch(fast_rows_kernel<T, MODE, true>, fast_rows_kernel<T, MODE, false>);
+      } else launch(fast_rows_kernel<T, MODE, true>, fast_rows_kernel<T, MODE, false>);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (!topk) {

@@ -21,6 +21,14 @@
 
 constexpr int kFastThreads = 256;
 constexpr int kFastWarps = kFastThreads / 32;
+// fast_rows' training instances that need ks (reverse KL, the JSD; 16-bit logits) in blocks of kNarrowThreads
+// threads, uncapped (`__launch_bounds__(kNarrowThreads, 7)`: 55-70 registers), where every other instance keeps
+// kFastThreads capped at 32 registers. Measured as a whole-kernel change twice on H200s (kernels/NOTES.md, after
+// version 23): reverse KL's step -6%, the JSD step -4% to -4.5%, the one-barrier launches 0 to +1%. Off until it
+// is compiled this way and run through the GPU tests (`pytest -m gpu tests/test_distill.py
+// tests/test_fused_linear.py`); off, every kernel compiles to the instructions it had before (tools/sass_compare.py).
+constexpr bool kNarrowKsBlocks = false;
+constexpr int kNarrowThreads = 128;
 
 // The two halves of a cluster barrier (cooperative_groups' cluster.sync() is both at once).
 __device__ __forceinline__ void cluster_arrive() {
@@ -60,11 +68,11 @@ __device__ __forceinline__ FastSlice fast_slice(const Params<T, float>& p, const
 }
 
 // A masked row's slice of the gradient: zeros (no barrier: the whole cluster sees the same label).
-template <typename T> __device__ __forceinline__ void zero_slice(T* gs, int count) {
+template <int THREADS = kFastThreads, typename T> __device__ __forceinline__ void zero_slice(T* gs, int count) {
   constexpr int N = Vec<T>::N;
   const Vec<T> zero{};
-  for (int c = threadIdx.x; c < count / N; c += kFastThreads) store_chunk(gs + c * N, zero, true);
-  for (int j = count / N * N + threadIdx.x; j < count; j += kFastThreads) gs[j] = zero.v[0];
+  for (int c = threadIdx.x; c < count / N; c += THREADS) store_chunk(gs + c * N, zero, true);
+  for (int j = count / N * N + threadIdx.x; j < count; j += THREADS) gs[j] = zero.v[0];
 }
 
 // One 16-byte asynchronous copy from device to shared memory (dst: a shared-memory address).
@@ -85,9 +93,9 @@ template <typename P> __device__ __forceinline__ P* pinned(P* ptr) {
   asm("" : "+l"(ptr));
   return ptr;
 }
-__device__ __forceinline__ int chunk_count(int chunks) {
+template <int THREADS = kFastThreads> __device__ __forceinline__ int chunk_count(int chunks) {
   const int x = static_cast<int>(threadIdx.x);
-  return x < chunks ? (chunks - 1 - x) / kFastThreads + 1 : 0;
+  return x < chunks ? (chunks - 1 - x) / THREADS + 1 : 0;
 }
 template <typename F> __device__ __forceinline__ void issue_copy(int mine, bool staged, F copy) {
   int i0 = 0;  // the first chunk not yet in a commit group
@@ -124,12 +132,13 @@ template <typename F> __device__ __forceinline__ void for_each_landed(int mine, 
 // Warp 0 of each block, after the cluster barrier that published them: two normalisers' (max, sum) pairs from
 // every rank's warps' slots (slot w of rank r holds (m0, l0, m1, l1)), combined in the same order in every block,
 // so that all blocks hold identical values. The result is in every lane.
+template <int WARPS = kFastWarps>
 __device__ __forceinline__ void combine_cluster_pairs(const cg::cluster_group& cluster, float4* slots, int ranks,
                                                       int lane, float& m0, float& l0, float& m1, float& l1) {
   m0 = m1 = ninf<float>();
   l0 = l1 = 0.f;
-  for (int i = lane; i < ranks * kFastWarps; i += 32) {
-    const float4 q = *cluster.map_shared_rank(slots + i % kFastWarps, i / kFastWarps);
+  for (int i = lane; i < ranks * WARPS; i += 32) {
+    const float4 q = *cluster.map_shared_rank(slots + i % WARPS, i / WARPS);
     combine_pair(m0, l0, q.x, q.y);
     combine_pair(m1, l1, q.z, q.w);
   }
@@ -143,17 +152,19 @@ __device__ __forceinline__ void combine_cluster_pairs(const cg::cluster_group& c
 // The whole row on one device. (A vocabulary split across devices runs phase_norms_kernel and
 // phase_stream_kernel, below: fast_rows' phases, which copied the slices into shared memory too, were slower;
 // kernels/NOTES.md, version 14.)
-template <typename T, int MODE, bool GRAD>
+// THREADS: the block's threads (kFastThreads, or kNarrowThreads for the instances kNarrowKsBlocks names).
+template <typename T, int MODE, bool GRAD, int THREADS = kFastThreads>
 __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();
 #else
   constexpr int N = Vec<T>::N;
+  constexpr int WARPS = THREADS / 32;
   // The gradient needs the row sum ks first (reverse KL, JSD).
   constexpr bool KS = GRAD && student_needs_k<MODE>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ float4 slot_norms[kFastWarps];
-  __shared__ float slot_ks[kFastWarps];
+  __shared__ float4 slot_norms[WARPS];
+  __shared__ float slot_ks[WARPS];
   __shared__ float bcast[4];
 
   cg::cluster_group cluster = cg::this_cluster();
@@ -162,11 +173,11 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   const T* gsrc = p.s + sl.row * p.s_stride + sl.lo;
   const T* gtsrc = p.t + sl.row * p.t_stride + sl.lo;
   T* gs = GRAD ? p.gs + sl.row * p.gs_stride + sl.lo : nullptr;
-  float* partial = p.out + (sl.row * ranks + sl.rank) * kFastWarps;  // this block's warps' losses
+  float* partial = p.out + (sl.row * ranks + sl.rank) * WARPS;  // this block's warps' losses
 
   if (p.labels && p.labels[sl.row] == p.ignore_index) {  // masked: zeros, and no barrier (the cluster agrees)
-    if (GRAD) zero_slice(gs, count);
-    if (threadIdx.x < kFastWarps) partial[threadIdx.x] = 0.f;
+    if (GRAD) zero_slice<THREADS>(gs, count);
+    if (threadIdx.x < WARPS) partial[threadIdx.x] = 0.f;
     return;
   }
 
@@ -178,14 +189,14 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   const unsigned bs = static_cast<unsigned>(__cvta_generic_to_shared(xs));
   const unsigned bt = static_cast<unsigned>(__cvta_generic_to_shared(xt));
   const bool staged = p.staged;
-  const int mine = chunk_count(chunks);
+  const int mine = chunk_count<THREADS>(chunks);
   {
     const unsigned ds = bs + threadIdx.x * 16u, dt = bt + threadIdx.x * 16u;
     const T* s0 = pinned(gsrc + threadIdx.x * N);
     const T* t0 = pinned(gtsrc + threadIdx.x * N);
     issue_copy(mine, staged, [&](int i) {
-      cp_async16(ds + i * (kFastThreads * 16u), s0 + i * (kFastThreads * N));
-      cp_async16(dt + i * (kFastThreads * 16u), t0 + i * (kFastThreads * N));
+      cp_async16(ds + i * (THREADS * 16u), s0 + i * (THREADS * N));
+      cp_async16(dt + i * (THREADS * 16u), t0 + i * (THREADS * N));
     });
   }
   // The last block's slice may end in a partial chunk: its entries are read from device memory in each pass by
@@ -201,8 +212,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
     const T* xs0 = xs + threadIdx.x * N;
     const T* xt0 = xt + threadIdx.x * N;
     auto take_max = [&](int i) {
-      mx[0] = fmaxf(mx[0], chunk_max(load_chunk(xs0 + i * (kFastThreads * N), true)));
-      mx[1] = fmaxf(mx[1], chunk_max(load_chunk(xt0 + i * (kFastThreads * N), true)));
+      mx[0] = fmaxf(mx[0], chunk_max(load_chunk(xs0 + i * (THREADS * N), true)));
+      mx[1] = fmaxf(mx[1], chunk_max(load_chunk(xt0 + i * (THREADS * N), true)));
     };
     for_each_landed(mine, staged, take_max);
     if (has_tail) {
@@ -213,7 +224,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
     mx[1] = scaled_max(warp_max(mx[1]), k2);
     const float o0 = mx[0] == ninf<float>() ? 0.f : mx[0], o1 = mx[1] == ninf<float>() ? 0.f : mx[1];
     float sm[2] = {0.f, 0.f};
-    for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
+    for (int c = threadIdx.x; c < chunks; c += THREADS) {
       const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
 #pragma unroll
       for (int q = 0; q < N; ++q) {
@@ -232,7 +243,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
     cluster_wait();
     if (warp == 0) {  // every block combines all ranks x warps pairs in the same order
       float m0, l0, m1, l1;
-      combine_cluster_pairs(cluster, slot_norms, ranks, lane, m0, l0, m1, l1);
+      combine_cluster_pairs<WARPS>(cluster, slot_norms, ranks, lane, m0, l0, m1, l1);
       if (lane == 0) {
         bcast[0] = m0;
         bcast[1] = d_log2(l0);
@@ -254,7 +265,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
     constexpr bool WRITE = decltype(write_c)::value;
     auto pass = [&](auto close_c) {
       constexpr bool CLOSE = decltype(close_c)::value;
-      for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
+      for (int c = threadIdx.x; c < chunks; c += THREADS) {
         const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
         Vec<T> g;
 #pragma unroll
@@ -326,8 +337,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
       cluster_wait();
       if (warp == 0) {
         float v = 0.f;
-        for (int i = lane; i < ranks * kFastWarps; i += 32)
-          v += *cluster.map_shared_rank(slot_ks + i % kFastWarps, i / kFastWarps);
+        for (int i = lane; i < ranks * WARPS; i += 32) v += *cluster.map_shared_rank(slot_ks + i % WARPS, i / WARPS);
         v = warp_sum(v);
         if (lane == 0) bcast[0] = v;
       }
@@ -339,15 +349,15 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
       // The row's (ks, loss): every warp's published, one cluster barrier, then summed by every block in the same
       // order (so every block holds the same bits). Slots of their own for the second sum: it needs no barrier
       // for other blocks to finish reading the first.
-      __shared__ float2 slot_kl[2][kFastWarps];
+      __shared__ float2 slot_kl[2][WARPS];
       auto row_sums = [&](float2* slots, float k, float l) {
         if (lane == 0) slots[warp] = make_float2(k, l);
         cluster_arrive();  // every block has read the normalisers (and any earlier slots) and published its own
         cluster_wait();
         if (warp == 0) {
           float2 v = make_float2(0.f, 0.f);
-          for (int i = lane; i < ranks * kFastWarps; i += 32) {
-            const float2 q = *cluster.map_shared_rank(slots + i % kFastWarps, i / kFastWarps);
+          for (int i = lane; i < ranks * WARPS; i += 32) {
+            const float2 q = *cluster.map_shared_rank(slots + i % WARPS, i / WARPS);
             v.x += q.x;
             v.y += q.y;
           }
@@ -399,6 +409,11 @@ __global__ void __maxnreg__(32) fast_rows_kernel_16(const Params<T, float> p) {
 template <typename T, int MODE, bool GRAD>
 __global__ void __launch_bounds__(kFastThreads) fast_rows_kernel(const Params<T, float> p) {
   fast_rows<T, MODE, GRAD>(p);
+}
+// The training instances that need ks in narrower blocks, uncapped (kNarrowKsBlocks).
+template <typename T, int MODE>
+__global__ void __launch_bounds__(kNarrowThreads, 7) fast_rows_kernel_narrow(const Params<T, float> p) {
+  fast_rows<T, MODE, true, kNarrowThreads>(p);
 }
 
 // A row's loss from its blocks' warps' partial sums, in a fixed order: one warp per row.
