@@ -29,6 +29,14 @@ constexpr int kFastWarps = kFastThreads / 32;
 // tests/test_fused_linear.py`); off, every kernel compiles to the instructions it had before (tools/sass_compare.py).
 constexpr bool kNarrowKsBlocks = false;
 constexpr int kNarrowThreads = 128;
+// The JSD's 16-bit training rows keep each entry's u_s from the terms pass, in 16 bits over the teacher's logit in
+// shared memory (dead after that pass), so the gradient pass forms only ps (1 MUFU) where it formed ps, e^d and
+// log z (3): kernels/NOTES.md, "The JSD step after version 23". u_s is stored as fp16 times kKeptUsScale (so that
+// |u_s| down to ~1e-7 stays a normal fp16 number, 11 significant bits; where ps > 0, |u_s| < ~90 and the product
+// stays below fp16's 65504). A row summed again with the series reads the teacher's logits from device memory.
+// Off until it is compiled this way and run through the GPU tests; off, the kernels compile as before.
+constexpr bool kJsdKeepUs = false;
+constexpr float kKeptUsScale = 512.f;
 
 // The two halves of a cluster barrier (cooperative_groups' cluster.sync() is both at once).
 __device__ __forceinline__ void cluster_arrive() {
@@ -299,27 +307,60 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   // again with the series by the whole cluster (the row's sum, which ks's cluster barrier gathers anyway, is the
   // same in every block, so all take the same branch) before its gradient pass (kernels/NOTES.md, version 21).
   constexpr bool JSD_DIRECT = kDirectTerms && MODE == JSD && KS && sizeof(T) == 2;
+  constexpr bool KEEP_US = kJsdKeepUs && JSD_DIRECT;
+  using KeptVec = Vec<c10::Half>;
+  static_assert(!KEEP_US || KeptVec::N == N, "u_s kept in 16 bits an entry");
+  // KEEP_US: u_s as the gradient pass needs it (mixture_us_short's forms: the 4-term series below
+  // kJsdShortSeries, else the terms' own z form), scaled for fp16.
+  auto kept_us = [&](const Point<float>& e, float us) {
+    const float s =
+        e.d * e.d < static_cast<float>(kJsdShortSeries * kJsdShortSeries) ? e.d * horner<4>(&p.c.us[0], e.d) : us;
+    return s * kKeptUsScale;
+  };
+  float us_tail = 0.f;  // KEEP_US: the tail entry's (its logits stay in device memory)
   float ks = 0.f;
   {
     Terms<float> acc{0.f, 0.f, 0.f};
     float mass = 0.f;
-    for_each_point(std::bool_constant<G>{}, [&](const Point<float>& e) {
-      if constexpr (DIRECT) {
-        const bool fwd = MODE == FORWARD_KL;
-        const float pp = fwd ? e.pt : e.ps, qq = fwd ? e.ps : e.pt;
-        acc.loss += kl_term_direct(pp, qq, fwd ? e.d : -e.d);
-        mass += pp + qq;
-        if (KS) acc.ks += e.ps > 0.f ? -e.ps * e.d : 0.f;  // (point_terms' ks of reverse KL)
-      } else if constexpr (JSD_DIRECT) {
-        float us, ut;
-        acc.loss += jsd_entry_direct(e, p.c, us, ut);
-        acc.ks += e.ps > 0.f ? e.ps * us : 0.f;
-      } else {
-        point_terms<MODE, KS, false>(e, p.c, acc);
-      }
-      if constexpr (G) return student_grad<MODE>(e, p.c, 0.f);
-      else return 0.f;
-    });
+    if constexpr (KEEP_US) {  // the terms, each chunk's u_s written over its teacher's chunk
+      auto pass = [&](auto close_c) {
+        constexpr bool CLOSE = decltype(close_c)::value;
+        auto entry = [&](float xsv, float xtv) {
+          const Point<float> e = make_point<CLOSE>(xsv, xtv, k2, rn);
+          float us, ut;
+          acc.loss += jsd_entry_direct(e, p.c, us, ut);
+          acc.ks += e.ps > 0.f ? e.ps * us : 0.f;
+          return kept_us(e, us);
+        };
+        for (int c = threadIdx.x; c < chunks; c += THREADS) {
+          const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
+          KeptVec kept;
+#pragma unroll
+          for (int q = 0; q < N; ++q) kept.v[q] = static_cast<c10::Half>(entry(entry_float(vs, q), entry_float(vt, q)));
+          *reinterpret_cast<KeptVec*>(xt + c * N) = kept;  // this thread's own chunk, just read
+        }
+        if (has_tail) us_tail = entry(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]));
+      };
+      if (rn.close) pass(std::true_type{});
+      else pass(std::false_type{});
+    } else
+      for_each_point(std::bool_constant<G>{}, [&](const Point<float>& e) {
+        if constexpr (DIRECT) {
+          const bool fwd = MODE == FORWARD_KL;
+          const float pp = fwd ? e.pt : e.ps, qq = fwd ? e.ps : e.pt;
+          acc.loss += kl_term_direct(pp, qq, fwd ? e.d : -e.d);
+          mass += pp + qq;
+          if (KS) acc.ks += e.ps > 0.f ? -e.ps * e.d : 0.f;  // (point_terms' ks of reverse KL)
+        } else if constexpr (JSD_DIRECT) {
+          float us, ut;
+          acc.loss += jsd_entry_direct(e, p.c, us, ut);
+          acc.ks += e.ps > 0.f ? e.ps * us : 0.f;
+        } else {
+          point_terms<MODE, KS, false>(e, p.c, acc);
+        }
+        if constexpr (G) return student_grad<MODE>(e, p.c, 0.f);
+        else return 0.f;
+      });
     if (DIRECT && !(acc.loss >= static_cast<float>(kDirectMin) * mass)) {  // this thread's entries again
       Terms<float> exact{0.f, 0.f, 0.f};
       for_each_point(std::false_type{}, [&](const Point<float>& e) {
@@ -373,10 +414,29 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
       float2 sums = row_sums(slot_kl[0], warp_sum(acc.ks), loss);
       if (!(sums.y >= static_cast<float>(kJsdDirectMin))) {  // the row again, with the series
         Terms<float> exact{0.f, 0.f, 0.f};
-        for_each_point(std::false_type{}, [&](const Point<float>& e) {
-          point_terms<MODE, true, false>(e, p.c, exact);
-          return 0.f;
-        });
+        if constexpr (KEEP_US) {  // the teacher's logits from device memory (shared memory holds u_s now)
+          auto pass = [&](auto close_c) {
+            constexpr bool CLOSE = decltype(close_c)::value;
+            for (int c = threadIdx.x; c < chunks; c += THREADS) {
+              const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(gtsrc + c * N, true);
+#pragma unroll
+              for (int q = 0; q < N; ++q)
+                point_terms<MODE, true, false>(make_point<CLOSE>(entry_float(vs, q), entry_float(vt, q), k2, rn), p.c,
+                                               exact);
+            }
+            if (has_tail)
+              point_terms<MODE, true, false>(
+                  make_point<CLOSE>(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), k2, rn), p.c,
+                  exact);
+          };
+          if (rn.close) pass(std::true_type{});
+          else pass(std::false_type{});
+        } else {
+          for_each_point(std::false_type{}, [&](const Point<float>& e) {
+            point_terms<MODE, true, false>(e, p.c, exact);
+            return 0.f;
+          });
+        }
         const float loss2 = warp_sum(exact.loss);
         if (lane == 0) partial[warp] = loss2;
         sums = row_sums(slot_kl[1], warp_sum(exact.ks), loss2);
@@ -388,9 +448,26 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
 
   // ---- 3. the gradients that need ks (reverse KL, JSD)
   // (16-bit gradients: the JSD's u_s without the 10-term series, see mixture_us_short)
-  if (KS)
+  if constexpr (KEEP_US) {  // ps and the kept u_s: (1 - beta) ps (u_s - ks), as student_grad
+    const float coef = (1.f - p.c.beta) * scale;
+    auto grad = [&](float xsv, float us_scaled) {
+      const float ps = d_exp2(log2_prob(xsv, k2, rn.s));
+      if (!(ps > 0.f)) return ps != ps ? ps : 0.f;  // NaN stays NaN; no mass, no gradient
+      return coef * ps * (us_scaled * (1.f / kKeptUsScale) - ks);
+    };
+    for (int c = threadIdx.x; c < chunks; c += THREADS) {
+      const Vec<T> vs = load_chunk(xs + c * N, true);
+      const KeptVec kept = *reinterpret_cast<const KeptVec*>(xt + c * N);
+      Vec<T> g;
+#pragma unroll
+      for (int q = 0; q < N; ++q) g.v[q] = static_cast<T>(grad(entry_float(vs, q), static_cast<float>(kept.v[q])));
+      store_chunk(gs + c * N, g, true);
+    }
+    if (has_tail) gs[tail] = static_cast<T>(grad(static_cast<float>(gsrc[tail]), us_tail));
+  } else if (KS) {
     for_each_point(std::true_type{},
                    [&](const Point<float>& e) { return student_grad<MODE, sizeof(T) == 2>(e, p.c, ks); });
+  }
   cluster_wait();  // no block leaves while another may still read its shared memory
 #endif
 }
