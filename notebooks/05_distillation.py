@@ -146,20 +146,20 @@ fig = plots.plot_speedups(timed, bench_distill.OURS)
 plt.show()
 
 # %% [markdown]
-# The committed results of this device, with their goals (D1-D6), drawn from `results/<device>/`:
+# The committed results for this card: each distillation goal (D1-D6) as the latest committed run measured it,
+# from `results/status.md` (which `python -m kldiv_inline plot` writes from every bench.csv under `results/`; the
+# run column names the folder, the commit and the date):
 
 # %%
-from kldiv_inline.envinfo import device_slug  # noqa: E402
-
-folder = ROOT / "results" / device_slug(DEVICE)
-if (folder / "bench.csv").exists():
-    committed = plots.load_bench(folder / "bench.csv")
-    if "beta" in committed and committed["form"].isin(["logits", "topk"]).any():
-        print((folder / "goals.md").read_text())
-    else:
-        print(f"{folder} holds no distillation rows yet: `make results` writes them")
+status = ROOT / "results" / "status.md"
+card = torch.cuda.get_device_name() if DEVICE == "cuda" else None
+lines = status.read_text().splitlines() if status.exists() else []
+header = [line for line in lines if line.startswith("| goal |") or line.startswith("| --- |")]
+mine = [line for line in lines if line.startswith("| D") and card is not None and f"| {card} |" in line]
+if mine:
+    print("\n".join(header + mine))
 else:
-    print(f"no committed results for {DEVICE} ({folder.name}): `make results` writes them")
+    print(f"no committed distillation results for {card or DEVICE}: `make results` on such a card writes them")
 
 # %% [markdown]
 # ## 5. The LM head fused in
@@ -258,6 +258,8 @@ print(proc.stdout[-2500:])
 # The committed two-GPU results of this kind of device, with their goals (V1-V2), if there are any:
 
 # %%
+from kldiv_inline.envinfo import device_slug  # noqa: E402
+
 folder_x2 = ROOT / "results" / f"{device_slug(DEVICE)}-x2"
 print((folder_x2 / "goals.md").read_text() if (folder_x2 / "goals.md").exists()
       else f"no committed two-GPU results for {DEVICE} ({folder_x2.name})")
