@@ -193,7 +193,6 @@ def test_fast_kernel_matches_general_kernel_and_float64(monkeypatch, dtype, beta
             assert_close(K.generalized_jsd(s, t, **kw), ref, 2e-6, f"inference loss {what}")
 
 
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
 @pytest.mark.parametrize("vocab", [4096, 50001, 128256])
@@ -254,6 +253,7 @@ def test_fast_rows_per_token(dtype, vocab):
     got = mod.distill_forward(buf, t, None, None, lab, -100, 0.0, 1.7, 0, True, False, buf)
     assert got[1].data_ptr() == buf.data_ptr()
     assert torch.equal(got[0], expect[0]) and torch.equal(buf, expect[1]), "in place"
+
 
 def split_phases(s, t, lab, beta, temp, widths, training):
     """The vocabulary-parallel kernels (distill_phase: normalisers, terms, gradients) in one process over slices
