@@ -29,7 +29,6 @@ def child(reps: int) -> None:
     """Times one tree (the one KLDIV_INLINE_KERNELS names): prints `case ms` lines."""
     import torch
 
-    sys.path.insert(0, str(ROOT))
     import kldiv_inline as K
     from kldiv_inline import timing
 
@@ -51,9 +50,11 @@ def child(reps: int) -> None:
     print(f"top-k step {ms:.4f}")
 
 
-def run_tree(tree: Path, args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KLDIV_INLINE_KERNELS": str(tree.resolve())}
-    return subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True)
+def tree_env(tree: Path) -> dict[str, str]:
+    """The environment of a process that builds or times `tree`: the kit from this checkout, its kernels from
+    `tree`."""
+    return {**os.environ, "KLDIV_INLINE_KERNELS": str(tree.resolve()),
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
 def main() -> None:
@@ -72,16 +73,14 @@ def main() -> None:
         if not (tree / "distill.cu").exists():
             ap.error(f"{tree}: no distill.cu there")
     build = "import kldiv_inline as K; K.load('cuda', extension='distill')"
-    procs = [subprocess.Popen([sys.executable, "-c", build], cwd=ROOT,
-                              env={**os.environ, "KLDIV_INLINE_KERNELS": str(t.resolve()),
-                                   "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
-             for t in args.trees]
+    procs = [subprocess.Popen([sys.executable, "-c", build], cwd=ROOT, env=tree_env(t)) for t in args.trees]
     if any(p.wait() for p in procs):
         sys.exit("a tree failed to build (its error is above)")
     times: dict[tuple[str, Path], list[float]] = {}
     for _ in range(args.rounds):
         for tree in args.trees:
-            out = run_tree(tree, ["--child", "--reps", str(args.reps)])
+            out = subprocess.run([sys.executable, __file__, "--child", "--reps", str(args.reps)], env=tree_env(tree),
+                                 capture_output=True, text=True)
             if out.returncode:
                 sys.exit(f"{tree}: {out.stderr[-2000:]}")
             for line in out.stdout.splitlines():
