@@ -197,11 +197,11 @@ def test_fast_kernel_matches_general_kernel_and_float64(monkeypatch, dtype, beta
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
 @pytest.mark.parametrize("vocab", [4096, 50001, 128256])
 def test_fast_rows_per_token(dtype, vocab):
-    # fast_rows' one-barrier launches (forward KL with the student's gradient, every forward alone) per token
-    # against float64 on rows far apart, rows that nearly agree (the forward alone's direct sum falls back to the
-    # series there), equal rows, rows with -inf in both, in the teacher's or in the student's second half, a
-    # masked row; gradients within 16-bit rounding; the gradient written over the student's logits as into a
-    # buffer of its own.
+    # fast_rows' launches (the one-barrier ones: forward KL with the student's gradient, every forward alone; the
+    # ks ones: reverse KL's and the JSD's training rows) per token against float64 on rows far apart, rows that
+    # nearly agree (the direct sums fall back to the series there), equal rows, rows with -inf in both, in the
+    # teacher's or in the student's second half, a masked row; gradients within 16-bit rounding; the gradient
+    # written over the student's logits as into a buffer of its own.
     width = vocab + (-vocab) % 8  # 50001: rows padded to 16 bytes, the last slice ending in a partial chunk
     n = 12
     t64 = logits((n, width), torch.float64, "cuda", scale=3.0)
@@ -233,17 +233,20 @@ def test_fast_rows_per_token(dtype, vocab):
         assert (out >= 0).all() and out[3] == 0 and out[8].abs() <= 1e-6, (beta, out)
         per_token(out, ref, far, 2e-6, f"forward alone beta={beta}")
         per_token(out, ref, near, 1e-4, f"forward alone beta={beta}, nearly agreeing")
-    sw = s.clone().requires_grad_()
     go = random_grad_out(torch.ones(n, device="cuda"))
-    kw = dict(beta=0.0, temperature=1.7, labels=lab, reduction="none")
-    out, (gs,) = run(sw, t, go, **kw)
-    ref, (rs,) = reference(sw, t, go, **kw)
-    assert (out >= 0).all() and out[3] == 0 and out[8].abs() <= 1e-6, out
-    per_token(out, ref, far, 2e-6, "forward KL training")
-    per_token(out, ref, near, 1e-4, "forward KL training, nearly agreeing")
-    for row in [0, 1, 2, 4, 5, 6, 7, 9, 10]:  # (row 11's loss is +inf)
-        assert_grad_close(gs[row], rs[row], dtype, f"forward KL grad row {row}")
-    assert (gs[3] == 0).all() and (gs[8].abs() <= 1e-6).all()
+    for beta in (0.0, 0.5, 1.0):  # the training launches: forward KL's one-barrier rows, the others' ks rows
+        sw = s.clone().requires_grad_()
+        kw = dict(beta=beta, temperature=1.7, labels=lab, reduction="none")
+        out, (gs,) = run(sw, t, go, **kw)
+        ref, (rs,) = reference(sw, t, go, **kw)
+        what = f"training beta={beta}"
+        assert (out >= 0).all() and out[3] == 0 and out[8].abs() <= 1e-6, (what, out)
+        per_token(out, ref, far, 2e-6, what)
+        per_token(out, ref, near, 1e-4, f"{what}, nearly agreeing")
+        for row in [0, 1, 2, 4, 5, 6, 7, 9, 10, 11]:
+            if torch.isfinite(ref[row]):  # (an infinite loss's gradient is not defined)
+                assert_grad_close(gs[row], rs[row], dtype, f"{what} grad row {row}")
+        assert (gs[3] == 0).all() and (gs[8].abs() <= 1e-6).all(), what
     mod = K.load("cuda", extension="distill")
     own = torch.empty_like(s64, dtype=dtype)[:, :vocab]  # rows on 16-byte boundaries, as s's: fast_rows both times
     expect = mod.distill_forward(s, t, None, None, lab, -100, 0.0, 1.7, 0, True, False, own)
