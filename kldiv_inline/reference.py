@@ -57,7 +57,12 @@ def _divergence(ls: Tensor, lt: Tensor, beta: float) -> Tensor:
         return _kl_rows(lt, ls)
     if beta == 1:
         return _kl_rows(ls, lt)
-    lm = torch.logsumexp(torch.stack([ls + math.log1p(-beta), lt + math.log(beta)]), dim=0)
+    # log m; where both are -inf (no mass) logsumexp's gradient would be NaN (exp(-inf - -inf)), and autograd
+    # multiplies it by the 0 that _kl_rows' select passes back: so the logsumexp sees 0s there, and m is -inf.
+    none = torch.isneginf(ls) & torch.isneginf(lt)
+    zero = torch.zeros((), dtype=ls.dtype, device=ls.device)
+    pair = torch.stack([torch.where(none, zero, ls) + math.log1p(-beta), torch.where(none, zero, lt) + math.log(beta)])
+    lm = torch.where(none, ls, torch.logsumexp(pair, dim=0))
     return beta * _kl_rows(lt, lm) + (1 - beta) * _kl_rows(ls, lm)
 
 

@@ -404,6 +404,25 @@ def test_teacher_without_mass_where_student_has_it(device):
     assert_close(jsd, generalized_jsd_reference(s, t, beta=0.5, reduction="none"), 2e-6, "jsd")
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_entries_without_mass_in_both(device, beta):
+    # Entries at -inf in both rows carry no mass: no loss, a zero gradient for both (the float64 reference's
+    # mixture log m of two -inf once had a NaN gradient there, and the JSD's gradients could not be checked).
+    s = logits((3, 40), torch.float64, device)
+    t = logits((3, 40), torch.float64, device)
+    s[:, ::4] = t[:, ::4] = float("-inf")
+    s.requires_grad_()
+    t.requires_grad_()
+    go = random_grad_out(torch.ones(3, dtype=torch.float64, device=device))
+    out, (gs, gt) = run(s, t, go, beta=beta, temperature=1.3, reduction="none")
+    ref, (rs, rt) = reference(s, t, go, beta=beta, temperature=1.3, reduction="none")
+    for g, r, what in ((gs, rs, "student"), (gt, rt, "teacher")):
+        assert torch.isfinite(r).all() and (r[:, ::4] == 0).all(), f"reference {what} grad"
+        assert (g[:, ::4] == 0).all(), what
+        assert_close(g, r, GRAD_TOL[torch.float64], f"{what} grad")
+    assert_close(out, ref, LOSS_TOL[torch.float64], "loss")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=_id)
 def test_huge_logits(device, dtype):
     # Logits around +-1e4 (softmax is shift-invariant, so only the spread matters) and entries at -1e4 beside
