@@ -88,11 +88,14 @@ def assert_close(out, ref, tol, what):
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
 
 
-def assert_grad_close(g, ref, dtype, what):
+def assert_grad_close(g, ref, dtype, what, grad_out=1.0):
     """assert_close for gradients of long rows: float16 has subnormals below 6.1e-5, where an entry is rounded to
     a spacing of 6e-8 (2^-24) whatever its size, and most of a 50k-entry row's gradient lies there; that absolute
-    rounding is allowed per entry, the rest must meet GRAD_TOL."""
-    tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
+    rounding is allowed per entry, the rest must meet GRAD_TOL. grad_out: the row's gradient of the output, by
+    which the backward multiplies the gradient the kernel wrote (rounded) in the forward, rounding it again: up to
+    (1 + |grad_out|) / 2 spacings in all, which is allowed where it exceeds one (test_fast_rows_per_token's
+    nearly agreeing float16 rows, whose gradients are all subnormal, went up to 7.7e-3 beyond one spacing)."""
+    tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps * max(1.0, (1 + abs(float(grad_out))) / 2)
     excess = ((g.detach().double() - ref.detach().double()).abs() - tiny).clamp(min=0)
     err = float(excess.norm() / ref.detach().double().norm())
     assert err <= GRAD_TOL[dtype], f"{what}: relative error {err:.3e} beyond subnormal rounding"
@@ -245,7 +248,7 @@ def test_fast_rows_per_token(dtype, vocab):
         per_token(out, ref, near, 1e-4, f"{what}, nearly agreeing")
         for row in [0, 1, 2, 4, 5, 6, 7, 9, 10, 11]:
             if torch.isfinite(ref[row]):  # (an infinite loss's gradient is not defined)
-                assert_grad_close(gs[row], rs[row], dtype, f"{what} grad row {row}")
+                assert_grad_close(gs[row], rs[row], dtype, f"{what} grad row {row}", go[row])
         assert (gs[3] == 0).all() and (gs[8].abs() <= 1e-6).all(), what
     mod = K.load("cuda", extension="distill")
     own = torch.empty_like(s64, dtype=dtype)[:, :vocab]  # rows on 16-byte boundaries, as s's: fast_rows both times
