@@ -23,19 +23,20 @@ constexpr int kFastThreads = 256;
 constexpr int kFastWarps = kFastThreads / 32;
 // fast_rows' training instances that need ks (reverse KL, the JSD; 16-bit logits) in blocks of kNarrowThreads
 // threads, uncapped (`__launch_bounds__(kNarrowThreads, 7)`: 55-70 registers), where every other instance keeps
-// kFastThreads capped at 32 registers. Measured as a whole-kernel change twice on H200s (kernels/NOTES.md, after
-// version 23): reverse KL's step -6%, the JSD step -4% to -4.5%, the one-barrier launches 0 to +1%. Off until it
-// is compiled this way and run through the GPU tests (`pytest -m gpu tests/test_distill.py
-// tests/test_fused_linear.py`); off, every kernel compiles to the instructions it had before (tools/sass_compare.py).
-constexpr bool kNarrowKsBlocks = false;
+// kFastThreads capped at 32 registers. Measured as a whole-kernel change on H200s (kernels/NOTES.md, after
+// version 23): reverse KL's step -6%, the JSD step -4% to -4.5%, the one-barrier launches 0 to +1%. false: every
+// kernel compiles to the instructions it had before (tools/sass_compare.py), to measure against.
+constexpr bool kNarrowKsBlocks = true;
 constexpr int kNarrowThreads = 128;
-// The JSD's 16-bit training rows keep each entry's u_s from the terms pass, in 16 bits over the teacher's logit in
-// shared memory (dead after that pass), so the gradient pass forms only ps (1 MUFU) where it formed ps, e^d and
+// The JSD's bfloat16 training rows keep each entry's u_s from the terms pass, in 16 bits over the teacher's logit
+// in shared memory (dead after that pass), so the gradient pass forms only ps (1 MUFU) where it formed ps, e^d and
 // log z (3): kernels/NOTES.md, "The JSD step after version 23". u_s is stored as fp16 times kKeptUsScale (so that
 // |u_s| down to ~1e-7 stays a normal fp16 number, 11 significant bits; where ps > 0, |u_s| < ~90 and the product
 // stays below fp16's 65504). A row summed again with the series reads the teacher's logits from device memory.
-// Off until it is compiled this way and run through the GPU tests; off, the kernels compile as before.
-constexpr bool kJsdKeepUs = false;
+// Not for float16 logits: the kept u_s is rounded by up to 2^-11 |u_s|, which in the gradient ps (u_s - ks) is
+// 2^-11 |u_s| / |u_s - ks| relative: as large as a float16 gradient's own rounding (2^-11) wherever
+// |u_s| >~ |u_s - ks|, and below 1/8 of a bfloat16 gradient's (2^-8) there. false: the kernels compile as before.
+constexpr bool kJsdKeepUs = true;
 constexpr float kKeptUsScale = 512.f;
 
 // The two halves of a cluster barrier (cooperative_groups' cluster.sync() is both at once).
@@ -307,7 +308,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   // again with the series by the whole cluster (the row's sum, which ks's cluster barrier gathers anyway, is the
   // same in every block, so all take the same branch) before its gradient pass (kernels/NOTES.md, version 21).
   constexpr bool JSD_DIRECT = kDirectTerms && MODE == JSD && KS && sizeof(T) == 2;
-  constexpr bool KEEP_US = kJsdKeepUs && JSD_DIRECT;
+  constexpr bool KEEP_US = kJsdKeepUs && JSD_DIRECT && std::is_same<T, c10::BFloat16>::value;  // (see kJsdKeepUs)
   using KeptVec = Vec<c10::Half>;
   static_assert(!KEEP_US || KeptVec::N == N, "u_s kept in 16 bits an entry");
   // KEEP_US: u_s as the gradient pass needs it (mixture_us_short's forms: the 4-term series below
