@@ -840,8 +840,10 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
     TORCH_CHECK(false, "distill: no fast path for float64 logits");  // fast_path_ok refuses them first
   } else {
     Launch l = plan;
-    // (kNarrowKsBlocks: the 16-bit training instances that need ks in blocks of kNarrowThreads, distill_fast.cuh)
-    const bool narrow = kNarrowKsBlocks && sizeof(T) == 2 && !topk && want_student && mode != FORWARD_KL;
+    // 16-bit training instances in blocks of kNarrowThreads (distill_fast.cuh): those that need ks
+    // (kNarrowKsBlocks), forward KL's (kDirectStepTerms)
+    const bool narrow =
+        sizeof(T) == 2 && !topk && want_student && (mode == FORWARD_KL ? kDirectStepTerms : kNarrowKsBlocks);
     l.threads = narrow ? kNarrowThreads : kFastThreads;
     p.staged = staged_copy();
     const int per_row = l.cluster * (l.threads / 32);  // the partial losses: one a warp
@@ -856,7 +858,7 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
       if (topk) {
         launch(fast_topk_kernel<T, MODE, true>, fast_topk_kernel<T, MODE, false>);
       } else if constexpr (sizeof(T) == 2) {  // the register-capped instances (distill_fast.cuh)
-        if constexpr (kNarrowKsBlocks && MODE != FORWARD_KL)
+        if constexpr (MODE == FORWARD_KL ? kDirectStepTerms : kNarrowKsBlocks)
           if (narrow) return launch_rows(fast_rows_kernel_narrow<T, MODE>, l, n, &p, stream);
         launch(fast_rows_kernel_16<T, MODE, true>, fast_rows_kernel_16<T, MODE, false>);
       } else launch(fast_rows_kernel<T, MODE, true>, fast_rows_kernel<T, MODE, false>);

@@ -37,6 +37,13 @@ constexpr int kNarrowThreads = 128;
 // 2^-11 |u_s| / |u_s - ks| relative: as large as a float16 gradient's own rounding (2^-11) wherever
 // |u_s| >~ |u_s - ks|, and below 1/8 of a bfloat16 gradient's (2^-8) there. false: the kernels compile as before.
 constexpr bool kJsdKeepUs = true;
+// Forward KL's 16-bit training rows in kNarrowThreads blocks too, summing the direct form of the summand with its
+// mass (kl_term_direct, as the forward alone does; 4 instructions an entry against kl_term's ~13): capped at 32
+// registers the mass had been a register too many (measured slower, kernels/NOTES.md, version 20). A thread whose
+// direct sum falls below kDirectMin of its mass sums its entries again after its gradient is written, which the
+// fused head writes over the student's logits: the tail entry's student logit is kept in a register for that.
+// false: forward KL's step compiles as before (256 capped threads, kl_term).
+constexpr bool kDirectStepTerms = true;
 constexpr float kKeptUsScale = 512.f;
 
 // The two halves of a cluster barrier (cooperative_groups' cluster.sync() is both at once).
@@ -171,6 +178,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   constexpr int WARPS = THREADS / 32;
   // The gradient needs the row sum ks first (reverse KL, JSD).
   constexpr bool KS = GRAD && student_needs_k<MODE>();
+  // Forward KL's training rows in narrow blocks (kDirectStepTerms): direct terms, the tail's student logit kept.
+  constexpr bool STEP_DIRECT = kDirectStepTerms && GRAD && !KS && THREADS == kNarrowThreads;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ float4 slot_norms[WARPS];
   __shared__ float slot_ks[WARPS];
@@ -213,6 +222,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   const int tail = chunks * N + static_cast<int>(threadIdx.x);
   const bool has_tail = tail < count;
   const float k2 = p.k2;
+  float tail_xs = 0.f;  // STEP_DIRECT: the tail entry's student logit, read before any gradient replaces it
 
   // ---- 1. normalisers: the warp's max, the warp's sums relative to it, then one cluster barrier
   Norm<float> norm[2];
@@ -226,7 +236,9 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
     };
     for_each_landed(mine, staged, take_max);
     if (has_tail) {
-      mx[0] = fmaxf(mx[0], static_cast<float>(gsrc[tail]));
+      const float a = static_cast<float>(gsrc[tail]);
+      if (STEP_DIRECT) tail_xs = a;
+      mx[0] = fmaxf(mx[0], a);
       mx[1] = fmaxf(mx[1], static_cast<float>(gtsrc[tail]));
     }
     mx[0] = scaled_max(warp_max(mx[0]), k2);  // k2 > 0: the max of the scaled logits
@@ -285,7 +297,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
         if (WRITE) store_chunk(gs + c * N, g, true);
       }
       if (has_tail) {
-        const float d = f(make_point<CLOSE>(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), k2, rn));
+        const float xs_tail = STEP_DIRECT ? tail_xs : static_cast<float>(gsrc[tail]);
+        const float d = f(make_point<CLOSE>(xs_tail, static_cast<float>(gtsrc[tail]), k2, rn));
         if (WRITE) gs[tail] = static_cast<T>(d * scale);
       }
     };
@@ -298,11 +311,11 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   // reverse KL sum the direct form of their summand (kl_term_direct) and the entries' mass; a thread whose sum is
   // below kDirectMin of its mass (where the direct form may have cancelled) sums its entries again in the
   // non-negative form with its series (kl_term): the series' ~11 instructions an entry leave the loop that bounds
-  // the kernel (kernels/NOTES.md, version 20). Not where the loop writes forward KL's gradient: there the mass is
-  // a register too many under the 16-bit instances' cap (measured slower), and a second sum would read the tail
-  // entry after a gradient written over the logits (the fused head) had replaced it.
+  // the kernel (kernels/NOTES.md, version 20). Where the loop writes forward KL's gradient only in the uncapped
+  // narrow blocks (STEP_DIRECT): under the 32-register cap the mass is a register too many (measured slower); the
+  // second sum reads the tail's student logit from a register, as the gradient may have replaced it (fused head).
   constexpr bool G = GRAD && !KS;
-  constexpr bool DIRECT = kDirectTerms && MODE != JSD && !G;
+  constexpr bool DIRECT = kDirectTerms && MODE != JSD && (!G || STEP_DIRECT);
   // The JSD's 16-bit training rows take its summand's direct form everywhere (jsd_entry_direct: no series and no
   // branch on its region, ~25 instructions an entry); a row whose JSD comes out below kJsdDirectMin is summed
   // again with the series by the whole cluster (the row's sum, which ks's cluster barrier gathers anyway, is the
@@ -488,7 +501,7 @@ template <typename T, int MODE, bool GRAD>
 __global__ void __launch_bounds__(kFastThreads) fast_rows_kernel(const Params<T, float> p) {
   fast_rows<T, MODE, GRAD>(p);
 }
-// The training instances that need ks in narrower blocks, uncapped (kNarrowKsBlocks).
+// The 16-bit training instances in narrower blocks, uncapped (kNarrowKsBlocks, kDirectStepTerms).
 template <typename T, int MODE>
 __global__ void __launch_bounds__(kNarrowThreads, 7) fast_rows_kernel_narrow(const Params<T, float> p) {
   fast_rows<T, MODE, true, kNarrowThreads>(p);
