@@ -44,6 +44,9 @@ constexpr bool kJsdKeepUs = true;
 // fused head writes over the student's logits: the tail entry's student logit is kept in a register for that.
 // false: forward KL's step compiles as before (256 capped threads, kl_term).
 constexpr bool kDirectStepTerms = true;
+// The JSD's forward alone sums the direct form of its summand with a thread-level second sum (fast_rows,
+// JSD_FWD_DIRECT), where it took the series' branch on |d| < 0.5 for every entry. false: as before.
+constexpr bool kJsdForwardDirect = true;
 constexpr float kKeptUsScale = 512.f;
 
 // The two halves of a cluster barrier (cooperative_groups' cluster.sync() is both at once).
@@ -321,6 +324,11 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   // again with the series by the whole cluster (the row's sum, which ks's cluster barrier gathers anyway, is the
   // same in every block, so all take the same branch) before its gradient pass (kernels/NOTES.md, version 21).
   constexpr bool JSD_DIRECT = kDirectTerms && MODE == JSD && KS && sizeof(T) == 2;
+  // The JSD's forward alone (kJsdForwardDirect): the direct form too, with the thread's mass sum ps + pt (at least
+  // its mixture mass, to which the form's error is proportional) and the thread's second sum below kJsdDirectMin of
+  // it, as forward and reverse KL's direct sums: the direct summand is >= 0 and equal to the series' up to
+  // rounding, so threads summed either way add up to the row's JSD.
+  constexpr bool JSD_FWD_DIRECT = kJsdForwardDirect && kDirectTerms && MODE == JSD && !GRAD;
   constexpr bool KEEP_US = kJsdKeepUs && JSD_DIRECT && std::is_same<T, c10::BFloat16>::value;  // (see kJsdKeepUs)
   using KeptVec = Vec<c10::Half>;
   static_assert(!KEEP_US || KeptVec::N == N, "u_s kept in 16 bits an entry");
@@ -369,13 +377,18 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
           float us, ut;
           acc.loss += jsd_entry_direct(e, p.c, us, ut);
           acc.ks += e.ps > 0.f ? e.ps * us : 0.f;
+        } else if constexpr (JSD_FWD_DIRECT) {
+          float us, ut;
+          acc.loss += jsd_entry_direct(e, p.c, us, ut);
+          mass += e.ps + e.pt;
         } else {
           point_terms<MODE, KS, false>(e, p.c, acc);
         }
         if constexpr (G) return student_grad<MODE>(e, p.c, 0.f);
         else return 0.f;
       });
-    if (DIRECT && !(acc.loss >= static_cast<float>(kDirectMin) * mass)) {  // this thread's entries again
+    constexpr double kMin = JSD_FWD_DIRECT ? kJsdDirectMin : kDirectMin;
+    if ((DIRECT || JSD_FWD_DIRECT) && !(acc.loss >= static_cast<float>(kMin) * mass)) {  // this thread's entries again
       Terms<float> exact{0.f, 0.f, 0.f};
       for_each_point(std::false_type{}, [&](const Point<float>& e) {
         point_terms<MODE, false, false>(e, p.c, exact);
