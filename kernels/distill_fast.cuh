@@ -45,8 +45,12 @@ constexpr bool kJsdKeepUs = true;
 // false: forward KL's step compiles as before (256 capped threads, kl_term).
 constexpr bool kDirectStepTerms = true;
 // The JSD's forward alone sums the direct form of its summand with a thread-level second sum (fast_rows,
-// JSD_FWD_DIRECT), where it took the series' branch on |d| < 0.5 for every entry. false: as before.
-constexpr bool kJsdForwardDirect = true;
+// JSD_FWD_DIRECT), where it takes the series' branch on |d| < 0.5 for every entry. Off: with ps + pt as the
+// thread's mass (5b17ff6, on) it ran 14% faster on an H200 on logits of spread 1.5 but 30% slower on the suite's
+// (spread 1: 5% of threads, so most warps, took the second sum); now measured against the mixture mass, which
+// no thread of either falls below (a float64 model of the threads on the CPU). To be run through the GPU tests and
+// timed on both (kernels/NOTES.md, version 26); false compiles the kernels as before.
+constexpr bool kJsdForwardDirect = false;
 constexpr float kKeptUsScale = 512.f;
 
 // The two halves of a cluster barrier (cooperative_groups' cluster.sync() is both at once).
@@ -324,9 +328,10 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   // again with the series by the whole cluster (the row's sum, which ks's cluster barrier gathers anyway, is the
   // same in every block, so all take the same branch) before its gradient pass (kernels/NOTES.md, version 21).
   constexpr bool JSD_DIRECT = kDirectTerms && MODE == JSD && KS && sizeof(T) == 2;
-  // The JSD's forward alone (kJsdForwardDirect): the direct form too, with the thread's mass sum ps + pt (at least
-  // its mixture mass, to which the form's error is proportional) and the thread's second sum below kJsdDirectMin of
-  // it, as forward and reverse KL's direct sums: the direct summand is >= 0 and equal to the series' up to
+  // The JSD's forward alone (kJsdForwardDirect): the direct form too, with the thread's mixture mass
+  // m = (1 - beta) ps + beta pt, to which the form's error is proportional (~3.5e-7 m), and the thread's second sum
+  // below kJsdDirectMin of it (so at most ~6e-6 of the thread's sum, the bound of the training rows' row-level
+  // test), as forward and reverse KL's direct sums: the direct summand is >= 0 and equal to the series' up to
   // rounding, so threads summed either way add up to the row's JSD.
   constexpr bool JSD_FWD_DIRECT = kJsdForwardDirect && kDirectTerms && MODE == JSD && !GRAD;
   constexpr bool KEEP_US = kJsdKeepUs && JSD_DIRECT && std::is_same<T, c10::BFloat16>::value;  // (see kJsdKeepUs)
@@ -380,7 +385,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
         } else if constexpr (JSD_FWD_DIRECT) {
           float us, ut;
           acc.loss += jsd_entry_direct(e, p.c, us, ut);
-          mass += e.ps + e.pt;
+          mass += d_fma(p.c.beta, e.pt - e.ps, e.ps);  // the mixture mass
         } else {
           point_terms<MODE, KS, false>(e, p.c, acc);
         }
