@@ -2,12 +2,14 @@
 for a change to kernels/distill*.cu* (is the new tree faster than the old, on this card, in this run?).
 
     git archive HEAD~1 kernels | tar -x -C /tmp/old
-    python tools/distill_trees.py /tmp/old/kernels kernels [--rounds 2] [--reps 20]
+    python tools/distill_trees.py /tmp/old/kernels kernels [--rounds 2] [--reps 20] [--spreads 3 2]
 
 Each tree is built first, all at once (one process each, through KLDIV_INLINE_KERNELS; ~90 s on a 16-core
 machine, cached under KLDIV_INLINE_CACHE), then timed in a process of its own, the trees alternating for
 ``--rounds`` rounds so that a drift of the card's clock shows as a spread, not as a difference. Each process
-times the extension's distill_forward on bf16 logits 4096 x 128256, T = 2, 10% of rows masked, batchmean: forward
+times the extension's distill_forward on bf16 logits 4096 x 128256 (standard normal times each of ``--spreads``,
+3 unless named; the bench suite's are 2: a kernel whose work depends on the data, as the direct sums' second sums
+do, can gain at one spread and lose at another), T = 2, 10% of rows masked, batchmean: forward
 KL, the JSD (beta 0.5) and reverse KL, each without a gradient (the forward alone) and with the student's (the
 training step's kernels, with no autograd around them), and the top-k teacher's step (k = 100); the median of
 ``--reps`` CUDA-event timings after 3 warm-up calls. Prints one row per case with each tree's medians, in ms, and
@@ -25,29 +27,33 @@ ROOT = Path(__file__).resolve().parent.parent
 CASES = [(beta, grad) for beta in (0.0, 0.5, 1.0) for grad in (False, True)]
 
 
-def child(reps: int) -> None:
-    """Times one tree (the one KLDIV_INLINE_KERNELS names): prints `case ms` lines."""
+def child(reps: int, spreads: list[float]) -> None:
+    """Times one tree (the one KLDIV_INLINE_KERNELS names): prints `case ms` lines, the cases of each spread."""
     import torch
 
     import kldiv_inline as K
     from kldiv_inline import timing
 
-    torch.manual_seed(1)
-    n, v = 4096, 128256
-    s = (torch.randn(n, v, device="cuda") * 3).bfloat16()
-    t = (torch.randn(n, v, device="cuda") * 3).bfloat16()
-    lab = torch.randint(0, 1000, (n,), device="cuda").masked_fill(torch.rand(n, device="cuda") < 0.1, -100)
-    lp, idx = torch.log_softmax(t.float() / 2.0, dim=-1).topk(100, dim=-1)
     mod = K.load("cuda", extension="distill")
 
     def median_ms(fn) -> float:
         return statistics.median(timing.time_cuda(fn, [()], reps, 3))
 
-    for beta, grad in CASES:
-        ms = median_ms(lambda b=beta, g=grad: mod.distill_forward(s, t, None, None, lab, -100, b, 2.0, 2, g, False))
-        print(f"beta={beta} {'step' if grad else 'forward'} {ms:.4f}")
-    ms = median_ms(lambda: mod.distill_forward(s, None, idx, lp, lab, -100, 0.0, 2.0, 2, True, False))
-    print(f"top-k step {ms:.4f}")
+    def time_spread(spread: float, tag: str) -> None:  # (its tensors freed on return)
+        torch.manual_seed(1)
+        n, v = 4096, 128256
+        s = (torch.randn(n, v, device="cuda") * spread).bfloat16()
+        t = (torch.randn(n, v, device="cuda") * spread).bfloat16()
+        lab = torch.randint(0, 1000, (n,), device="cuda").masked_fill(torch.rand(n, device="cuda") < 0.1, -100)
+        lp, idx = torch.log_softmax(t.float() / 2.0, dim=-1).topk(100, dim=-1)
+        for beta, grad in CASES:
+            ms = median_ms(lambda b=beta, g=grad: mod.distill_forward(s, t, None, None, lab, -100, b, 2.0, 2, g, False))
+            print(f"beta={beta} {'step' if grad else 'forward'}{tag} {ms:.4f}")
+        ms = median_ms(lambda: mod.distill_forward(s, None, idx, lp, lab, -100, 0.0, 2.0, 2, True, False))
+        print(f"top-k step{tag} {ms:.4f}")
+
+    for spread in spreads:
+        time_spread(spread, f" x{spread:g}" if len(spreads) > 1 else "")
 
 
 def tree_env(tree: Path) -> dict[str, str]:
@@ -62,10 +68,12 @@ def main() -> None:
     ap.add_argument("trees", nargs="*", type=Path, help="kernels/ directories (the first is the baseline)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--spreads", type=float, nargs="+", default=[3.0],
+                    help="the logits' standard deviations to time (each a set of cases; the suite's is 2)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.reps)
+        child(args.reps, args.spreads)
         return
     if len(args.trees) < 1:
         ap.error("name at least one kernels/ directory")
@@ -79,8 +87,9 @@ def main() -> None:
     times: dict[tuple[str, Path], list[float]] = {}
     for _ in range(args.rounds):
         for tree in args.trees:
-            out = subprocess.run([sys.executable, __file__, "--child", "--reps", str(args.reps)], env=tree_env(tree),
-                                 capture_output=True, text=True)
+            cmd = [sys.executable, __file__, "--child", "--reps", str(args.reps), "--spreads",
+                   *(str(x) for x in args.spreads)]
+            out = subprocess.run(cmd, env=tree_env(tree), capture_output=True, text=True)
             if out.returncode:
                 sys.exit(f"{tree}: {out.stderr[-2000:]}")
             for line in out.stdout.splitlines():
@@ -91,10 +100,10 @@ def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__)
     cases = list(dict.fromkeys(case for case, _ in times))
     names = [str(t) for t in args.trees]
-    print(f"{'case':<18}" + "".join(f"{n[-24:]:>26}" for n in names) + ("   last / first" if len(names) > 1 else ""))
+    print(f"{'case':<22}" + "".join(f"{n[-24:]:>26}" for n in names) + ("   last / first" if len(names) > 1 else ""))
     for case in cases:
         cols = [times[(case, t)] for t in args.trees]
-        row = f"{case:<18}" + "".join(f"{' / '.join(f'{x:.3f}' for x in c):>26}" for c in cols)
+        row = f"{case:<22}" + "".join(f"{' / '.join(f'{x:.3f}' for x in c):>26}" for c in cols)
         if len(cols) > 1:
             row += f"   {statistics.median(cols[-1]) / statistics.median(cols[0]) - 1:+.1%}"
         print(row)
