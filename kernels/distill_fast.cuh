@@ -37,6 +37,7 @@ constexpr int kNarrowThreads = 128;
 // 2^-11 |u_s| / |u_s - ks| relative: as large as a float16 gradient's own rounding (2^-11) wherever
 // |u_s| >~ |u_s - ks|, and below 1/8 of a bfloat16 gradient's (2^-8) there. false: the kernels compile as before.
 constexpr bool kJsdKeepUs = true;
+constexpr float kKeptUsScale = 512.f;
 // Forward KL's 16-bit training rows in kNarrowThreads blocks too, summing the direct form of the summand with its
 // mass (kl_term_direct, as the forward alone does; 4 instructions an entry against kl_term's ~13): capped at 32
 // registers the mass had been a register too many (measured slower, kernels/NOTES.md, version 20). A thread whose
@@ -51,7 +52,6 @@ constexpr bool kDirectStepTerms = true;
 // no thread of either falls below (a float64 model of the threads on the CPU). To be run through the GPU tests and
 // timed on both (kernels/NOTES.md, version 26); false compiles the kernels as before.
 constexpr bool kJsdForwardDirect = false;
-constexpr float kKeptUsScale = 512.f;
 
 // The two halves of a cluster barrier (cooperative_groups' cluster.sync() is both at once).
 __device__ __forceinline__ void cluster_arrive() {
