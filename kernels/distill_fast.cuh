@@ -51,7 +51,7 @@ constexpr bool kDirectStepTerms = true;
 // (spread 1: 5% of threads, so most warps, took the second sum); now measured against the mixture mass, which
 // no thread of either falls below (a float64 model of the threads on the CPU). To be run through the GPU tests and
 // timed on both (kernels/NOTES.md, version 26); false compiles the kernels as before.
-constexpr bool kJsdForwardDirect = false;
+constexpr bool kJsdForwardDirect = true;
 
 // The two halves of a cluster barrier (cooperative_groups' cluster.sync() is both at once).
 __device__ __forceinline__ void cluster_arrive() {
