@@ -46,11 +46,11 @@ constexpr float kKeptUsScale = 512.f;
 // false: forward KL's step compiles as before (256 capped threads, kl_term).
 constexpr bool kDirectStepTerms = true;
 // The JSD's forward alone sums the direct form of its summand with a thread-level second sum (fast_rows,
-// JSD_FWD_DIRECT), where it takes the series' branch on |d| < 0.5 for every entry. Off: with ps + pt as the
-// thread's mass (5b17ff6, on) it ran 14% faster on an H200 on logits of spread 1.5 but 30% slower on the suite's
-// (spread 1: 5% of threads, so most warps, took the second sum); now measured against the mixture mass, which
-// no thread of either falls below (a float64 model of the threads on the CPU). To be run through the GPU tests and
-// timed on both (kernels/NOTES.md, version 26); false compiles the kernels as before.
+// JSD_FWD_DIRECT), where it takes the series' branch on |d| < 0.5 for every entry. The thread's mass is the
+// mixture's, (1 - beta) ps + beta pt: with ps + pt (5b17ff6) it ran 14% faster on an H200 on logits of spread 1.5
+// but 30% slower on the suite's (spread 1 after T: 5% of threads, so most warps, took the second sum). With the
+// mixture mass, one H200: -18.8% (spread 1.5) and -16.3% (spread 1), every other kernel within +-0.8%
+// (kernels/NOTES.md, version 26). false compiles the kernels as before.
 constexpr bool kJsdForwardDirect = true;
 
 // The two halves of a cluster barrier (cooperative_groups' cluster.sync() is both at once).
