@@ -758,7 +758,31 @@ def test_topk_mass_is_checked_and_rounding_normalised(device):
                                    teacher_topk=(k_idx, norm), beta=beta, reduction="none")
             assert torch.isfinite(out).all() and torch.isfinite(gs).all()
             assert_close(out, ref, 2e-5, "loss")
-            assert_close(gs, rs, 2e-5, "grad")
+            assert_topk_grad_close(gs, rs, s, k_idx, norm, "grad")
+
+
+def assert_topk_grad_close(g, ref, student, idx, teacher_lp, what):
+    """A float32 gradient of a top-k teacher's rows against float64, entry by entry: beyond 2e-5 of the entry,
+    each may be off by 16 float32 roundings of the probabilities it is formed from. A norm-relative bound does not
+    hold here: where the JSD saturates, or the rows nearly agree, the gradient is a small difference of
+    probabilities near 1 (norm ~1e-3 against probabilities of 0.9), whose float32 rounding alone came to 2e-5 to
+    1.2e-3 of that norm on 8 of 5000 seeds (the CPU twin and an H200 alike). An entry's scale: (ps + pt) times
+    (1 + |log ps - log pt|) (the reverse KL's and the JSD's gradients multiply the probabilities by log ratios), and
+    on the tail (the entries outside the top-k) ps / ps_tail as well: there the gradient depends on the teacher's
+    tail mass, 1 - sum(top-k), which float32 holds to a few 1e-8 only (nothing of it is left where the top-k holds
+    all the mass, as after the normalisation here), through the ratio of it to the student's tail mass ps_tail.
+    Over 5000 seeds (CPU) and 2500 (H200) no entry came beyond 3.7 such roundings. Over 300 seeds (CPU) the bound
+    caught every gradient with two entries swapped or with the teacher's 4.8e-4 of excess mass left in (~1800
+    roundings), and all but one with a row zeroed (a saturated row whose gradient is itself within the bound)."""
+    ps = torch.softmax(student.detach().double(), -1)
+    pt = torch.zeros_like(ps).scatter(-1, idx, teacher_lp.double().exp())
+    tail = torch.ones_like(ps, dtype=torch.bool).scatter(-1, idx, False)
+    ps_tail = (ps * tail).sum(-1, keepdim=True)
+    log_ratio = torch.where(pt > 0, (ps.log() - pt.log()).abs(), 0.0)
+    scale = (ps + pt) * (1 + log_ratio) + torch.where(tail, ps / ps_tail, 0.0)
+    excess = (g.detach().double() - ref.detach().double()).abs() - 2e-5 * ref.detach().double().abs()
+    worst = float((excess / (torch.finfo(torch.float32).eps * scale)).max())
+    assert worst <= 16, f"{what}: an entry {worst:.1f} float32 roundings of its probabilities away from float64"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
