@@ -858,9 +858,11 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
       if (topk) {
         launch(fast_topk_kernel<T, MODE, true>, fast_topk_kernel<T, MODE, false>);
       } else if constexpr (sizeof(T) == 2) {  // the register-capped instances (distill_fast.cuh)
+        // Where the mode's training rows are narrow (narrow == want_student here), the capped training instance
+        // is not instantiated at all: a kernel fewer to compile, none that could be launched by mistake.
         if constexpr (MODE == FORWARD_KL ? kDirectStepTerms : kNarrowKsBlocks)
-          if (narrow) return launch_rows(fast_rows_kernel_narrow<T, MODE>, l, n, &p, stream);
-        launch(fast_rows_kernel_16<T, MODE, true>, fast_rows_kernel_16<T, MODE, false>);
+          launch(fast_rows_kernel_narrow<T, MODE>, fast_rows_kernel_16<T, MODE, false>);
+        else launch(fast_rows_kernel_16<T, MODE, true>, fast_rows_kernel_16<T, MODE, false>);
       } else launch(fast_rows_kernel<T, MODE, true>, fast_rows_kernel<T, MODE, false>);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();

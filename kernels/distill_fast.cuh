@@ -377,15 +377,12 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
           const float pp = fwd ? e.pt : e.ps, qq = fwd ? e.ps : e.pt;
           acc.loss += kl_term_direct(pp, qq, fwd ? e.d : -e.d);
           mass += pp + qq;
-          if (KS) acc.ks += e.ps > 0.f ? -e.ps * e.d : 0.f;  // (point_terms' ks of reverse KL)
-        } else if constexpr (JSD_DIRECT) {
+          if (KS) acc.ks += e.ps > 0.f ? -e.ps * e.d : 0.f;   // (point_terms' ks of reverse KL)
+        } else if constexpr (JSD_DIRECT || JSD_FWD_DIRECT) {  // (one or the other: KS needs GRAD)
           float us, ut;
           acc.loss += jsd_entry_direct(e, p.c, us, ut);
-          acc.ks += e.ps > 0.f ? e.ps * us : 0.f;
-        } else if constexpr (JSD_FWD_DIRECT) {
-          float us, ut;
-          acc.loss += jsd_entry_direct(e, p.c, us, ut);
-          mass += d_fma(p.c.beta, e.pt - e.ps, e.ps);  // the mixture mass
+          if constexpr (JSD_DIRECT) acc.ks += e.ps > 0.f ? e.ps * us : 0.f;
+          else mass += d_fma(p.c.beta, e.pt - e.ps, e.ps);  // the mixture mass
         } else {
           point_terms<MODE, KS, false>(e, p.c, acc);
         }
