@@ -38,6 +38,15 @@ constexpr int kNarrowThreads = 128;
 // |u_s| >~ |u_s - ks|, and below 1/8 of a bfloat16 gradient's (2^-8) there. false: the kernels compile as before.
 constexpr bool kJsdKeepUs = true;
 constexpr float kKeptUsScale = 512.f;
+// The kept u_s is the terms pass's own (jsd_entry_direct's z form, good to ~3.5e-7 absolute), without the 4-term
+// series that mixture_us_short takes below |d| = kJsdShortSeries to keep u_s's relative digits: those digits
+// matter where the gradient ps (u_s - ks) is itself small across the row, in rows whose student and teacher nearly
+// agree (ks and every u_s small); those have a JSD below kJsdDirectMin and are summed again with the series, which
+// now writes their u_s again in mixture_us_short's forms (the gradient of such a row is what it was). In a row
+// above it the absolute ~3.5e-7 is at most about the kept u_s's own fp16 rounding (2^-11 |u_s|) wherever |u_s| >
+// ~7e-4; elsewhere it is the error of entries whose gradient ~ps ks is small against the row's. The series cost ~9 instructions an entry in the terms pass (the SASS:
+// predicated, so issued by every entry; 2 of them constant loads). false: the kernels compile as before.
+constexpr bool kKeptUsDirect = true;
 // Forward KL's 16-bit training rows in kNarrowThreads blocks too, summing the direct form of the summand with its
 // mass (kl_term_direct, as the forward alone does; 4 instructions an entry against kl_term's ~13): capped at 32
 // registers the mass had been a register too many (measured slower, kernels/NOTES.md, version 20). A thread whose
@@ -337,9 +346,10 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   constexpr bool KEEP_US = kJsdKeepUs && JSD_DIRECT && std::is_same<T, c10::BFloat16>::value;  // (see kJsdKeepUs)
   using KeptVec = Vec<c10::Half>;
   static_assert(!KEEP_US || KeptVec::N == N, "u_s kept in 16 bits an entry");
-  // KEEP_US: u_s as the gradient pass needs it (mixture_us_short's forms: the 4-term series below
-  // kJsdShortSeries, else the terms' own z form), scaled for fp16.
+  // KEEP_US: u_s as the gradient pass needs it, scaled for fp16: the terms' own z form (kKeptUsDirect), else
+  // mixture_us_short's forms (the 4-term series below kJsdShortSeries, else the z form).
   auto kept_us = [&](const Point<float>& e, float us) {
+    if constexpr (kKeptUsDirect) return us * kKeptUsScale;  // (rows summed again write theirs again, below)
     const float s =
         e.d * e.d < static_cast<float>(kJsdShortSeries * kJsdShortSeries) ? e.d * horner<4>(&p.c.us[0], e.d) : us;
     return s * kKeptUsScale;
@@ -444,19 +454,27 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
       if (!(sums.y >= static_cast<float>(kJsdDirectMin))) {  // the row again, with the series
         Terms<float> exact{0.f, 0.f, 0.f};
         if constexpr (KEEP_US) {  // the teacher's logits from device memory (shared memory holds u_s now)
+          // kKeptUsDirect: each entry's u_s written again, in mixture_us_short's forms (the series near d = 0)
+          auto entry = [&](const Point<float>& e) {
+            point_terms<MODE, true, false>(e, p.c, exact);
+            return kKeptUsDirect ? mixture_us_short(e, p.c) * kKeptUsScale : 0.f;
+          };
           auto pass = [&](auto close_c) {
             constexpr bool CLOSE = decltype(close_c)::value;
             for (int c = threadIdx.x; c < chunks; c += THREADS) {
               const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(gtsrc + c * N, true);
+              KeptVec kept;
 #pragma unroll
               for (int q = 0; q < N; ++q)
-                point_terms<MODE, true, false>(make_point<CLOSE>(entry_float(vs, q), entry_float(vt, q), k2, rn), p.c,
-                                               exact);
+                kept.v[q] =
+                    static_cast<c10::Half>(entry(make_point<CLOSE>(entry_float(vs, q), entry_float(vt, q), k2, rn)));
+              if (kKeptUsDirect) *reinterpret_cast<KeptVec*>(xt + c * N) = kept;  // (this thread's own chunk)
             }
-            if (has_tail)
-              point_terms<MODE, true, false>(
-                  make_point<CLOSE>(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), k2, rn), p.c,
-                  exact);
+            if (has_tail) {
+              const float us =
+                  entry(make_point<CLOSE>(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), k2, rn));
+              if (kKeptUsDirect) us_tail = us;
+            }
           };
           if (rn.close) pass(std::true_type{});
           else pass(std::false_type{});
