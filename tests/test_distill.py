@@ -553,6 +553,24 @@ def test_jsd_gradient_where_distributions_nearly_agree(device, dtype, beta):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
 @pytest.mark.parametrize("beta", [0.3, 0.5, 0.9])
+def test_jsd_gradient_of_small_logits_that_nearly_agree(device, dtype, beta):
+    # Where the logits are small, 16-bit spacing lets d = lt - ls be ~1e-5 (logits of ~1e-3 differ by a few
+    # spacings of ~4e-6), so u_s ~ beta d is small against the z form's absolute error (~3.5e-7) and so is ks: these
+    # rows' gradients need u_s's relative digits, the series near d = 0. (Logits of magnitude ~1, as in the test
+    # above, differ by at least ~1e-3 where they differ at all, and the z form would do there: this is the case
+    # that tells whether a kernel keeps the series where it is needed.)
+    t = logits((8, 5000), torch.float64, device, scale=1e-3)
+    s = t + torch.randn_like(t) * torch.logspace(-5, -4, 8, dtype=t.dtype, device=device)[:, None]
+    s, t = s.to(dtype).requires_grad_(), t.to(dtype)
+    assert ((s.detach() - t).abs() > 0).float().mean() > 0.5  # (most entries differ at all)
+    _, (gs,) = run(s, t, beta=beta, temperature=1.0, reduction="sum")
+    _, (rs,) = reference(s, t, beta=beta, temperature=1.0, reduction="sum")
+    for row in range(8):
+        assert_grad_close(gs[row], rs[row], dtype, f"row {row}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
+@pytest.mark.parametrize("beta", [0.3, 0.5, 0.9])
 def test_jsd_training_rows_per_token(device, dtype, beta):
     # The JSD's 16-bit training rows on CUDA (fast_rows, the student's gradient) sum the summand's direct form, whose
     # error is absolute (up to ~3.5e-7 a row), and sum a row again with the series where its JSD comes out below
