@@ -42,10 +42,13 @@ constexpr float kKeptUsScale = 512.f;
 // series that mixture_us_short takes below |d| = kJsdShortSeries to keep u_s's relative digits: those digits
 // matter where the gradient ps (u_s - ks) is itself small across the row, in rows whose student and teacher nearly
 // agree (ks and every u_s small); those have a JSD below kJsdDirectMin and are summed again with the series, which
-// now writes their u_s again in mixture_us_short's forms (the gradient of such a row is what it was). In a row
-// above it the absolute ~3.5e-7 is at most about the kept u_s's own fp16 rounding (2^-11 |u_s|) wherever |u_s| >
-// ~7e-4; elsewhere it is the error of entries whose gradient ~ps ks is small against the row's. The series cost ~9 instructions an entry in the terms pass (the SASS:
-// predicated, so issued by every entry; 2 of them constant loads). false: the kernels compile as before.
+// then writes their u_s again in mixture_us_short's forms (the gradient of such a row is what it was; a tree
+// without that rewrite fails test_jsd_gradient_of_small_logits_that_nearly_agree on an H200). In a row above it
+// the absolute ~3.5e-7 is at most about the kept u_s's own fp16 rounding (2^-11 |u_s|) wherever |u_s| > ~7e-4;
+// elsewhere it is the error of entries whose gradient ~ps ks is small against the row's. The series cost ~9
+// instructions an entry in the terms pass (predicated, so issued by every entry; 2 of them constant loads): that
+// loop 45.5 -> 36.6 instructions an entry, the JSD step -8% on an H200 (kernels/NOTES.md, version 27). false: the
+// kernels compile as before.
 constexpr bool kKeptUsDirect = true;
 // Forward KL's 16-bit training rows in kNarrowThreads blocks too, summing the direct form of the summand with its
 // mass (kl_term_direct, as the forward alone does; 4 instructions an entry against kl_term's ~13): capped at 32
