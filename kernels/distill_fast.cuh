@@ -460,23 +460,34 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
           // kKeptUsDirect: each entry's u_s written again, in mixture_us_short's forms (the series near d = 0)
           auto entry = [&](const Point<float>& e) {
             point_terms<MODE, true, false>(e, p.c, exact);
-            return kKeptUsDirect ? mixture_us_short(e, p.c) * kKeptUsScale : 0.f;
+            return mixture_us_short(e, p.c) * kKeptUsScale;
           };
           auto pass = [&](auto close_c) {
             constexpr bool CLOSE = decltype(close_c)::value;
             for (int c = threadIdx.x; c < chunks; c += THREADS) {
               const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(gtsrc + c * N, true);
-              KeptVec kept;
+              if constexpr (kKeptUsDirect) {
+                KeptVec kept;
 #pragma unroll
-              for (int q = 0; q < N; ++q)
-                kept.v[q] =
-                    static_cast<c10::Half>(entry(make_point<CLOSE>(entry_float(vs, q), entry_float(vt, q), k2, rn)));
-              if (kKeptUsDirect) *reinterpret_cast<KeptVec*>(xt + c * N) = kept;  // (this thread's own chunk)
+                for (int q = 0; q < N; ++q)
+                  kept.v[q] =
+                      static_cast<c10::Half>(entry(make_point<CLOSE>(entry_float(vs, q), entry_float(vt, q), k2, rn)));
+                *reinterpret_cast<KeptVec*>(xt + c * N) = kept;  // this thread's own chunk
+              } else {
+#pragma unroll
+                for (int q = 0; q < N; ++q)
+                  point_terms<MODE, true, false>(make_point<CLOSE>(entry_float(vs, q), entry_float(vt, q), k2, rn), p.c,
+                                                 exact);
+              }
             }
             if (has_tail) {
-              const float us =
-                  entry(make_point<CLOSE>(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), k2, rn));
-              if (kKeptUsDirect) us_tail = us;
+              if constexpr (kKeptUsDirect)
+                us_tail =
+                    entry(make_point<CLOSE>(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), k2, rn));
+              else
+                point_terms<MODE, true, false>(
+                    make_point<CLOSE>(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), k2, rn), p.c,
+                    exact);
             }
           };
           if (rn.close) pass(std::true_type{});
