@@ -287,6 +287,19 @@ template <typename A> DS_HD A jsd_entry_direct(const Point<A>& e, const RowConst
   return entry;
 }
 
+// jsd_entry_direct for a point whose probabilities carry the mixture's weights, e.ps = (1 - beta) ps and e.pt =
+// beta pt (fast_rows' kJsdWeightedPoints): the same summand with two multiplications fewer, and its student part
+// (1 - beta) ps u_s in `b` (0 where the student has no mass), of which ks is the row's sum over 1 - beta.
+template <typename A> DS_HD A jsd_entry_weighted(const Point<A>& e, const RowConst<A>& c, A& us, A& b) {
+  A ut;
+  mixture_u_direct(e, c, us, ut);
+  const A a = e.pt > A(0) ? e.pt * ut : A(0);
+  b = e.ps > A(0) ? e.ps * us : A(0);
+  A entry = a + b > A(0) ? a + b : A(0);  // (NaN stays NaN)
+  if (a + b != a + b) entry = a + b;
+  return entry;
+}
+
 // Sums over a row (or the part of it held here): the loss, and what the gradients need beside it,
 // ks = sum ps u_s and kt = sum pt u_t (the KL of student, teacher to what it is compared with, in the plain form
 // p log(p / q); the gradient is p (u - K); a zero p contributes 0).

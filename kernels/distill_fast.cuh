@@ -50,6 +50,12 @@ constexpr float kKeptUsScale = 512.f;
 // loop 45.5 -> 36.6 instructions an entry, the JSD step -8% on an H200 (kernels/NOTES.md, version 27). false: the
 // kernels compile as before.
 constexpr bool kKeptUsDirect = true;
+// The JSD's bfloat16 terms pass forms its points with the mixture's weights in the probabilities, e.ps = (1 - beta)
+// ps and e.pt = beta pt, by taking log2 of the weights into the rows' normalisers (once a thread): the summand
+// (1 - beta) ps u_s + beta pt u_t (jsd_entry_weighted) then needs two multiplications an entry fewer, and ks sums
+// the student's part, (1 - beta) ps u_s, which it needs anyway, divided by 1 - beta once a row. The weights' logs
+// add one rounding common to a row's probabilities (~1e-7 relative, as ex2.approx's). false: compiles as before.
+constexpr bool kJsdWeightedPoints = true;
 // Forward KL's 16-bit training rows in kNarrowThreads blocks too, summing the direct form of the summand with its
 // mass (kl_term_direct, as the forward alone does; 4 instructions an entry against kl_term's ~13): capped at 32
 // registers the mass had been a register too many (measured slower, kernels/NOTES.md, version 20). A thread whose
@@ -363,14 +369,29 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
     Terms<float> acc{0.f, 0.f, 0.f};
     float mass = 0.f;
     if constexpr (KEEP_US) {  // the terms, each chunk's u_s written over its teacher's chunk
+      // kJsdWeightedPoints: the points' probabilities carry the mixture's weights through the normalisers
+      RowNorms<float> rw = rn;
+      if constexpr (kJsdWeightedPoints) {
+        rw.s.lz = rn.s.lz - log2f(1.f - p.c.beta);
+        rw.t.lz = rn.t.lz - log2f(p.c.beta);
+      }
       auto pass = [&](auto close_c) {
         constexpr bool CLOSE = decltype(close_c)::value;
         auto entry = [&](float xsv, float xtv) {
-          const Point<float> e = make_point<CLOSE>(xsv, xtv, k2, rn);
-          float us, ut;
-          acc.loss += jsd_entry_direct(e, p.c, us, ut);
-          acc.ks += e.ps > 0.f ? e.ps * us : 0.f;
-          return kept_us(e, us);
+          float us;
+          if constexpr (kJsdWeightedPoints) {  // acc.ks sums (1 - beta) ps u_s, divided out below
+            const Point<float> e = make_point<CLOSE>(xsv, xtv, k2, rw);
+            float b;
+            acc.loss += jsd_entry_weighted(e, p.c, us, b);
+            acc.ks += b;
+            return kept_us(e, us);
+          } else {
+            const Point<float> e = make_point<CLOSE>(xsv, xtv, k2, rn);
+            float ut;
+            acc.loss += jsd_entry_direct(e, p.c, us, ut);
+            acc.ks += e.ps > 0.f ? e.ps * us : 0.f;
+            return kept_us(e, us);
+          }
         };
         for (int c = threadIdx.x; c < chunks; c += THREADS) {
           const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
@@ -454,6 +475,10 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
         return make_float2(bcast[0], bcast[1]);
       };
       float2 sums = row_sums(slot_kl[0], warp_sum(acc.ks), loss);
+      if constexpr (KEEP_US && kJsdWeightedPoints) {  // ks = sum (1 - beta) ps u_s / (1 - beta)
+        const float w = 1.f - p.c.beta;
+        sums.x = w > 0.f ? sums.x / w : 0.f;  // (beta rounded to 1 in float32: no student gradient, ks unused)
+      }
       if (!(sums.y >= static_cast<float>(kJsdDirectMin))) {  // the row again, with the series
         Terms<float> exact{0.f, 0.f, 0.f};
         if constexpr (KEEP_US) {  // the teacher's logits from device memory (shared memory holds u_s now)
