@@ -551,6 +551,34 @@ def test_jsd_gradient_where_distributions_nearly_agree(device, dtype, beta):
         assert_grad_close(gs[row], rs[row], dtype, f"row {row}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=_id)
+@pytest.mark.parametrize("beta", [1e-3, 0.999, 1 - 1e-9, 1e-50])
+def test_jsd_betas_near_the_ends(device, dtype, beta):
+    # The JSD's mode with beta near 0 or 1 (rows of 4096: the fast kernel's training rows on CUDA, whose bfloat16
+    # rows take the mixture's weights log2(beta), log2(1 - beta) into the normalisers and divide ks by 1 - beta).
+    # Where beta is a float32 number apart from 0 and 1, float64's loss within LOSS_TOL plus eps32 / min(beta, 1 -
+    # beta): the z form's log(1 - beta + beta e^d) is good to an absolute ~1e-7 while the JSD is ~min(beta, 1 -
+    # beta) times a divergence, so the loss loses digits as beta nears an end (the CPU twin: up to 0.31 eps32 /
+    # min(beta, 1 - beta) over logits of spreads 0.5-4 at T = 2; the GPU's lg2.approx is ~3 x coarser near 1),
+    # and the gradient within the usual bound. Where float32 rounds beta to 0 or 1 (1 - 1e-9, 1e-50), those of that
+    # end: the true ones differ from them by ~|beta - end| times a divergence, so both within 1e-6 absolute (and
+    # nothing infinite or NaN from the weights' logs).
+    s = logits((6, 4096), dtype, device).requires_grad_()
+    t = logits((6, 4096), dtype, device)
+    go = torch.ones(6, device=device)
+    out, (gs,) = run(s, t, go, beta=beta, temperature=2.0, reduction="none")
+    ref, (rs,) = reference(s, t, go, beta=beta, temperature=2.0, reduction="none")
+    assert torch.isfinite(out).all() and torch.isfinite(gs).all() and (out >= 0).all()
+    if float(torch.tensor(beta, dtype=torch.float32)) in (0.0, 1.0):
+        assert float((out.double() - ref).abs().max()) <= 1e-6, (out, ref)
+        assert float((gs.double() - rs).abs().max()) <= 1e-6
+    else:
+        eps = torch.finfo(torch.float32).eps
+        assert_close(out, ref, LOSS_TOL[dtype] + 4 * eps / min(beta, 1 - beta), "loss")
+        for row in range(6):
+            assert_grad_close(gs[row], rs[row], dtype, f"row {row}")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
 @pytest.mark.parametrize("beta", [0.3, 0.5, 0.9])
 def test_jsd_gradient_of_small_logits_that_nearly_agree(device, dtype, beta):
