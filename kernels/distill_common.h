@@ -272,6 +272,13 @@ template <typename A> DS_HD A mixture_us_short(const Point<A>& e, const RowConst
   return e.d * e.d < A(kJsdShortSeries * kJsdShortSeries) ? e.d * horner<4>(&c.us[0], e.d) : us;
 }
 
+// The JSD's summand from its teacher part a and student part b: a + b, >= 0 up to rounding (so clamped at 0), NaN kept.
+template <typename A> DS_HD A jsd_summand(A a, A b) {
+  A entry = a + b > A(0) ? a + b : A(0);
+  if (a + b != a + b) entry = a + b;
+  return entry;
+}
+
 // The JSD's summand beta pt u_t + (1 - beta) ps u_s from the z form (mixture_u_direct), >= 0 up to rounding,
 // with u_s and u_t. Where d is small the two products cancel: the summand's absolute error is that of u_s, ~3.5e-7
 // times the entry's mixture mass m, so over a whole row (whose m sums to 1) at most ~3.5e-7 (point_terms takes
@@ -282,9 +289,7 @@ template <typename A> DS_HD A jsd_entry_direct(const Point<A>& e, const RowConst
   mixture_u_direct(e, c, us, ut);
   const A a = e.pt > A(0) ? c.beta * e.pt * ut : A(0);
   const A b = e.ps > A(0) ? (A(1) - c.beta) * e.ps * us : A(0);
-  A entry = a + b > A(0) ? a + b : A(0);  // (NaN stays NaN)
-  if (a + b != a + b) entry = a + b;
-  return entry;
+  return jsd_summand(a, b);
 }
 
 // jsd_entry_direct for a point whose probabilities carry the mixture's weights, e.ps = (1 - beta) ps and e.pt =
@@ -295,9 +300,7 @@ template <typename A> DS_HD A jsd_entry_weighted(const Point<A>& e, const RowCon
   mixture_u_direct(e, c, us, ut);
   const A a = e.pt > A(0) ? e.pt * ut : A(0);
   b = e.ps > A(0) ? e.ps * us : A(0);
-  A entry = a + b > A(0) ? a + b : A(0);  // (NaN stays NaN)
-  if (a + b != a + b) entry = a + b;
-  return entry;
+  return jsd_summand(a, b);
 }
 
 // Sums over a row (or the part of it held here): the loss, and what the gradients need beside it,
