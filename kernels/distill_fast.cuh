@@ -6,9 +6,9 @@
 // What differs from rows_kernel, and why (kernels/NOTES.md, version 5): rows_kernel spent a third of its stalls
 // at 12 barriers per row, four of them cluster-wide. Here
 //   - each thread copies and later reads only its own chunks of the slice: no block barrier after the copy;
-//   - each warp finds its maximum and its sums of exponentials without leaving the warp (shuffles), and one
-//     cluster barrier publishes every warp's (max, sum) pairs; warp 0 of each block combines all of them in the
-//     same fixed order (so every block holds identical normalisers);
+//   - each warp finds its maximum and its sums of exponentials without leaving the warp (shuffles); warp 0 of
+//     each block combines its block's, one cluster barrier publishes them, and warp 0 of each block combines the
+//     blocks' in the same fixed order (so every block holds identical normalisers; cluster_fold);
 //   - the loss is not reduced across the cluster: each warp writes its partial sum, and a small kernel adds a
 //     row's partials in a fixed order (deterministic);
 //   - the barrier that keeps a block's shared memory alive while others read it is split: arrive right after
@@ -71,11 +71,27 @@ constexpr bool kDirectStepTerms = true;
 // (kernels/NOTES.md, version 26). false compiles the kernels as before.
 constexpr bool kJsdForwardDirect = true;
 
+// fast_rows' cluster exchanges (the normalisers; ks; the JSD's row sums) in two levels (cluster_fold): each block's
+// warps' records combined by its warp 0 into one record a block, then one cluster barrier, then warp 0 reads the
+// ranks' 16 records. And only the arrives that publish a record are releases: the others, and the arrive of the
+// barrier that only keeps a block's shared memory alive for the others before it exits, are relaxed. In one level,
+// warp 0 of every block read all ranks x warps (128) records from the other blocks' shared memory after the
+// cluster barrier while the block's other warps waited for it at a block barrier (13% of the bf16 forward alone's
+// warp stall samples on an H200), and every arrive was a release (a device-wide memory barrier, MEMBAR.ALL.GPU:
+// 2 x 4.4% of the samples). kernels/NOTES.md, version 29. false: the kernels compile as before.
+constexpr bool kTwoLevelExchange = true;
+
 // The two halves of a cluster barrier (cooperative_groups' cluster.sync() is both at once).
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+// An arrive that orders no memory access (no MEMBAR): for the barrier before a block exits, after the block's last
+// read of another's shared memory. `after`: a value computed from that read, so the read has completed (its value
+// arrived) before the arrive is issued; the asm's operand makes the compiler keep that order.
+__device__ __forceinline__ void cluster_arrive_relaxed(float after) {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::"f"(after) : "memory");
+}
 
 // Two normalisers' (max, sum of 2^(x - max)) pairs combined; a pair with no mass (sum 0, max maybe -inf) adds
 // nothing. Symmetric in its arguments, so every lane of a butterfly ends with the same value.
@@ -190,6 +206,62 @@ __device__ __forceinline__ void combine_cluster_pairs(const cg::cluster_group& c
   }
 }
 
+// A butterfly over each group of WIDTH lanes (WIDTH a power of two <= 32): every lane of a group ends with its
+// group's combination, the same bits in each (op symmetric in its arguments).
+__device__ __forceinline__ float shfl_xor(float v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+__device__ __forceinline__ float2 shfl_xor(float2 v, int o) { return make_float2(shfl_xor(v.x, o), shfl_xor(v.y, o)); }
+__device__ __forceinline__ float4 shfl_xor(float4 v, int o) {
+  return make_float4(shfl_xor(v.x, o), shfl_xor(v.y, o), shfl_xor(v.z, o), shfl_xor(v.w, o));
+}
+template <int WIDTH, typename R, typename Op> __device__ __forceinline__ R warp_fold(R r, Op op) {
+#pragma unroll
+  for (int o = WIDTH / 2; o > 0; o >>= 1) r = op(r, shfl_xor(r, o));
+  return r;
+}
+
+// kTwoLevelExchange: the cluster's combination of one record a warp (`mine`, lane 0's; R float, float2 or float4;
+// `op` symmetric with identity `none`), returned in every thread of every block with the same bits (the same
+// records combined in the same order everywhere). slots: WARPS + 1 records of this block's shared memory, which
+// no other exchange uses. The block's warps' records are combined by warp 0 after a block barrier into
+// slots[WARPS], which warp 0's arrive releases to the cluster (the other warps publish nothing and arrive relaxed);
+// after the cluster barrier warp 0 folds the ranks' records (lane r reads rank r's; ranks <= 16) and hands the
+// result to the block's warps through slots[0] (its own warps' records, read before) and a block barrier. (Every
+// warp folding the ranks' records itself, with no block barrier after, ran 12% slower on the forward alone: 8 x
+// the instructions and a spill under the 32-register cap; kernels/NOTES.md, version 29.)
+template <int WARPS, typename R, typename Op>
+__device__ __forceinline__ R cluster_fold(const cg::cluster_group& cluster, R* slots, R mine, R none, int ranks,
+                                          int lane, int warp, Op op) {
+  static_assert(WARPS <= 32, "a record a lane");
+  if (lane == 0) slots[warp] = mine;
+  __syncthreads();
+  if (warp == 0) {
+    const R r = warp_fold<WARPS>(lane < WARPS ? slots[lane] : none, op);
+    if (lane == 0) slots[WARPS] = r;
+    cluster_arrive();
+  } else {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  }
+  cluster_wait();
+  if (warp == 0) {  // (lanes 16-31 fold `none` among themselves; lane 0 holds the ranks' combination)
+    const R r = warp_fold<16>(lane < ranks ? *cluster.map_shared_rank(slots + WARPS, lane) : none, op);
+    if (lane == 0) slots[0] = r;
+  }
+  __syncthreads();
+  return slots[0];
+}
+// The ops of fast_rows' exchanges: two normalisers' (max, sum) pairs (combine_pair), and plain sums.
+struct FoldPairs {
+  __device__ __forceinline__ float4 operator()(float4 a, float4 b) const {
+    combine_pair(a.x, a.y, b.x, b.y);
+    combine_pair(a.z, a.w, b.z, b.w);
+    return a;
+  }
+};
+struct FoldSum {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+  __device__ __forceinline__ float2 operator()(float2 a, float2 b) const { return make_float2(a.x + b.x, a.y + b.y); }
+};
+
 // The whole row on one device. (A vocabulary split across devices runs phase_norms_kernel and
 // phase_stream_kernel, below: fast_rows' phases, which copied the slices into shared memory too, were slower;
 // kernels/NOTES.md, version 14.)
@@ -206,8 +278,9 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   // Forward KL's training rows in narrow blocks (kDirectStepTerms): direct terms, the tail's student logit kept.
   constexpr bool STEP_DIRECT = kDirectStepTerms && GRAD && !KS && THREADS == kNarrowThreads;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ float4 slot_norms[WARPS];
-  __shared__ float slot_ks[WARPS];
+  constexpr int SLOTS = kTwoLevelExchange ? WARPS + 1 : WARPS;  // a record a warp (and the block's: cluster_fold)
+  __shared__ float4 slot_norms[SLOTS];
+  __shared__ float slot_ks[SLOTS];
   __shared__ float bcast[4];
 
   cg::cluster_group cluster = cg::this_cluster();
@@ -284,24 +357,37 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
     }
     sm[0] = part_sum(warp_sum(sm[0]), o0);  // (a warp of padding beyond the lanes' range: a stand-in)
     sm[1] = part_sum(warp_sum(sm[1]), o1);
-    if (lane == 0) slot_norms[warp] = make_float4(mx[0], sm[0], mx[1], sm[1]);
-    cluster_arrive();
-    cluster_wait();
-    if (warp == 0) {  // every block combines all ranks x warps pairs in the same order
-      float m0, l0, m1, l1;
-      combine_cluster_pairs<WARPS>(cluster, slot_norms, ranks, lane, m0, l0, m1, l1);
-      if (lane == 0) {
-        bcast[0] = m0;
-        bcast[1] = d_log2(l0);
-        bcast[2] = m1;
-        bcast[3] = d_log2(l1);
+    if constexpr (kTwoLevelExchange) {
+      const float4 r =
+          cluster_fold<WARPS>(cluster, slot_norms, make_float4(mx[0], sm[0], mx[1], sm[1]),
+                              make_float4(ninf<float>(), 0.f, ninf<float>(), 0.f), ranks, lane, warp, FoldPairs{});
+      norm[0] = usable(Norm<float>{r.x, d_log2(r.y)});
+      norm[1] = usable(Norm<float>{r.z, d_log2(r.w)});
+    } else {
+      if (lane == 0) slot_norms[warp] = make_float4(mx[0], sm[0], mx[1], sm[1]);
+      cluster_arrive();
+      cluster_wait();
+      if (warp == 0) {  // every block combines all ranks x warps pairs in the same order
+        float m0, l0, m1, l1;
+        combine_cluster_pairs<WARPS>(cluster, slot_norms, ranks, lane, m0, l0, m1, l1);
+        if (lane == 0) {
+          bcast[0] = m0;
+          bcast[1] = d_log2(l0);
+          bcast[2] = m1;
+          bcast[3] = d_log2(l1);
+        }
       }
+      __syncthreads();
+      norm[0] = usable(Norm<float>{bcast[0], bcast[1]});
+      norm[1] = usable(Norm<float>{bcast[2], bcast[3]});
     }
-    __syncthreads();
-    norm[0] = usable(Norm<float>{bcast[0], bcast[1]});
-    norm[1] = usable(Norm<float>{bcast[2], bcast[3]});
   }
-  if (!KS) cluster_arrive();  // this block reads no other's shared memory any more; wait before leaving
+  // The arrive of the barrier before leaving, once this block reads no other's shared memory any more.
+  auto arrive_to_leave = [&](float after) {
+    if constexpr (kTwoLevelExchange) cluster_arrive_relaxed(after);
+    else cluster_arrive();
+  };
+  if (!KS) arrive_to_leave(norm[0].mx + norm[1].mx);
   const float scale = static_cast<float>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(p.inv_t));
   const RowNorms<float> rn = row_norms(norm[0], norm[1]);
   // Visits this thread's entries with their points: its chunks from shared memory, then its tail entry from device
@@ -436,43 +522,52 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
     if (lane == 0) partial[warp] = loss;
     if (KS && !JSD_DIRECT) {
       const float k = warp_sum(acc.ks);
-      if (lane == 0) slot_ks[warp] = k;
-      cluster_arrive();  // every block has read the normalisers and published its ks
-      cluster_wait();
-      if (warp == 0) {
-        float v = 0.f;
-        for (int i = lane; i < ranks * WARPS; i += 32) v += *cluster.map_shared_rank(slot_ks + i % WARPS, i / WARPS);
-        v = warp_sum(v);
-        if (lane == 0) bcast[0] = v;
+      if constexpr (kTwoLevelExchange) {
+        ks = cluster_fold<WARPS>(cluster, slot_ks, k, 0.f, ranks, lane, warp, FoldSum{});
+      } else {
+        if (lane == 0) slot_ks[warp] = k;
+        cluster_arrive();  // every block has read the normalisers and published its ks
+        cluster_wait();
+        if (warp == 0) {
+          float v = 0.f;
+          for (int i = lane; i < ranks * WARPS; i += 32) v += *cluster.map_shared_rank(slot_ks + i % WARPS, i / WARPS);
+          v = warp_sum(v);
+          if (lane == 0) bcast[0] = v;
+        }
+        __syncthreads();
+        ks = bcast[0];
       }
-      __syncthreads();
-      ks = bcast[0];
-      cluster_arrive();
+      arrive_to_leave(ks);
     }
     if constexpr (JSD_DIRECT) {
       // The row's (ks, loss): every warp's published, one cluster barrier, then summed by every block in the same
       // order (so every block holds the same bits). Slots of their own for the second sum: it needs no barrier
       // for other blocks to finish reading the first.
-      __shared__ float2 slot_kl[2][WARPS];
+      __shared__ float2 slot_kl[2][SLOTS];
       auto row_sums = [&](float2* slots, float k, float l) {
-        if (lane == 0) slots[warp] = make_float2(k, l);
-        cluster_arrive();  // every block has read the normalisers (and any earlier slots) and published its own
-        cluster_wait();
-        if (warp == 0) {
-          float2 v = make_float2(0.f, 0.f);
-          for (int i = lane; i < ranks * WARPS; i += 32) {
-            const float2 q = *cluster.map_shared_rank(slots + i % WARPS, i / WARPS);
-            v.x += q.x;
-            v.y += q.y;
+        if constexpr (kTwoLevelExchange) {
+          return cluster_fold<WARPS>(cluster, slots, make_float2(k, l), make_float2(0.f, 0.f), ranks, lane, warp,
+                                     FoldSum{});
+        } else {
+          if (lane == 0) slots[warp] = make_float2(k, l);
+          cluster_arrive();  // every block has read the normalisers (and any earlier slots) and published its own
+          cluster_wait();
+          if (warp == 0) {
+            float2 v = make_float2(0.f, 0.f);
+            for (int i = lane; i < ranks * WARPS; i += 32) {
+              const float2 q = *cluster.map_shared_rank(slots + i % WARPS, i / WARPS);
+              v.x += q.x;
+              v.y += q.y;
+            }
+            v = make_float2(warp_sum(v.x), warp_sum(v.y));
+            if (lane == 0) {
+              bcast[0] = v.x;
+              bcast[1] = v.y;
+            }
           }
-          v = make_float2(warp_sum(v.x), warp_sum(v.y));
-          if (lane == 0) {
-            bcast[0] = v.x;
-            bcast[1] = v.y;
-          }
+          __syncthreads();
+          return make_float2(bcast[0], bcast[1]);
         }
-        __syncthreads();
-        return make_float2(bcast[0], bcast[1]);
       };
       float2 sums = row_sums(slot_kl[0], warp_sum(acc.ks), loss);
       if constexpr (KEEP_US && kJsdWeightedPoints) {  // ks = sum (1 - beta) ps u_s / (1 - beta)
@@ -528,7 +623,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
         sums = row_sums(slot_kl[1], warp_sum(exact.ks), loss2);
       }
       ks = sums.x;
-      cluster_arrive();
+      arrive_to_leave(sums.x + sums.y);
     }
   }
 
