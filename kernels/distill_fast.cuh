@@ -278,7 +278,11 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   // Forward KL's training rows in narrow blocks (kDirectStepTerms): direct terms, the tail's student logit kept.
   constexpr bool STEP_DIRECT = kDirectStepTerms && GRAD && !KS && THREADS == kNarrowThreads;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  constexpr int SLOTS = kTwoLevelExchange ? WARPS + 1 : WARPS;  // a record a warp (and the block's: cluster_fold)
+  // kTwoLevelExchange where it measured faster (one H200, kernels/NOTES.md, version 29): forward KL (its step -4%,
+  // its forward alone -1.4%) and the JSD's training rows (-1.4%). Reverse KL (its step +1.1%, its forward alone
+  // -0.7%) and the JSD's forward alone (+1.3%) keep the one-level exchanges.
+  constexpr bool TWO_LEVEL = kTwoLevelExchange && (MODE == FORWARD_KL || (MODE == JSD && GRAD));
+  constexpr int SLOTS = TWO_LEVEL ? WARPS + 1 : WARPS;  // a record a warp (and the block's: cluster_fold)
   __shared__ float4 slot_norms[SLOTS];
   __shared__ float slot_ks[SLOTS];
   __shared__ float bcast[4];
@@ -357,7 +361,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
     }
     sm[0] = part_sum(warp_sum(sm[0]), o0);  // (a warp of padding beyond the lanes' range: a stand-in)
     sm[1] = part_sum(warp_sum(sm[1]), o1);
-    if constexpr (kTwoLevelExchange) {
+    if constexpr (TWO_LEVEL) {
       const float4 r =
           cluster_fold<WARPS>(cluster, slot_norms, make_float4(mx[0], sm[0], mx[1], sm[1]),
                               make_float4(ninf<float>(), 0.f, ninf<float>(), 0.f), ranks, lane, warp, FoldPairs{});
@@ -384,7 +388,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   }
   // The arrive of the barrier before leaving, once this block reads no other's shared memory any more.
   auto arrive_to_leave = [&](float after) {
-    if constexpr (kTwoLevelExchange) cluster_arrive_relaxed(after);
+    if constexpr (TWO_LEVEL) cluster_arrive_relaxed(after);
     else cluster_arrive();
   };
   if (!KS) arrive_to_leave(norm[0].mx + norm[1].mx);
@@ -522,7 +526,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
     if (lane == 0) partial[warp] = loss;
     if (KS && !JSD_DIRECT) {
       const float k = warp_sum(acc.ks);
-      if constexpr (kTwoLevelExchange) {
+      if constexpr (TWO_LEVEL) {
         ks = cluster_fold<WARPS>(cluster, slot_ks, k, 0.f, ranks, lane, warp, FoldSum{});
       } else {
         if (lane == 0) slot_ks[warp] = k;
@@ -545,7 +549,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
       // for other blocks to finish reading the first.
       __shared__ float2 slot_kl[2][SLOTS];
       auto row_sums = [&](float2* slots, float k, float l) {
-        if constexpr (kTwoLevelExchange) {
+        if constexpr (TWO_LEVEL) {
           return cluster_fold<WARPS>(cluster, slots, make_float2(k, l), make_float2(0.f, 0.f), ranks, lane, warp,
                                      FoldSum{});
         } else {
