@@ -667,6 +667,26 @@ def test_jsd_training_rows_per_token(device, dtype, beta):
 # Forward and reverse KL without any gradient take the kernels' inference instances (fast_rows without a gradient
 # where rows start on 16-byte boundaries, else rows_kernel's inference configuration): the special values and
 # offsets of section 3 again, per token against float64 and against the training instances' losses.
+def accurate_kl(s, t, temperature, beta):
+    """Forward (beta 0) or reverse (beta 1) KL of each row of finite logits in float64, summed as p phi(u) with
+    phi(u) = u + exp(-u) - 1 >= 0 (a series below |u| = 1e-3) and u = log p - log q from each row's logits shifted
+    by its maximum and normalised by log1p of the other entries' sum: where a row's mass sits on a few entries that
+    agree, u there is that log1p's small difference, which log(1 + rest) would round away."""
+    a, b = s.double() / temperature, t.double() / temperature
+    if beta == 1.0:  # KL(p_s || p_t): the same with the roles swapped
+        a, b = b, a
+
+    def shifted(x):  # (x - max, log1p of the sum of exp(x - max) over all but one maximal entry)
+        i = x.argmax(-1, keepdim=True)
+        z = x - x.gather(-1, i)
+        return z, torch.log1p(z.exp().scatter(-1, i, 0.0).sum(-1, keepdim=True))
+
+    (zb, lb), (za, la) = shifted(b), shifted(a)
+    u = (zb - za) - (lb - la)
+    phi = torch.where(u.abs() < 1e-3, u * u * (0.5 - u * (1 / 6 - u * (1 / 24 - u / 120))), torch.expm1(-u) + u)
+    return ((zb - lb).exp() * phi).sum(-1)
+
+
 def forward_cases(dtype, width, device):
     """(name, student, teacher) pairs of [6, width] logits: ordinary, agreeing, offset, padded, partly -inf."""
     x = logits((6, width), torch.float64, "cpu", scale=3.0)
@@ -715,10 +735,18 @@ def test_forward_alone_matches_float64_and_training(device, dtype, width):
             assert torch.equal(out[inf].double(), ref[inf]), what
             assert (out[fin] >= 0).all(), what
             tol = 1e-12 if dtype == torch.float64 else 2e-6
-            if dtype == torch.float64 and (name.startswith("agreeing") or name == "sharp"):
-                # the reference's own sum p (log p - log q) cancels to ~1e-16 x 10-30 against KLs down to ~1e-8
-                # (agreeing rows, and sharp rows whose few heavy entries agree)
-                tol = 1e-6
+            floor = 0.0
+            if name.startswith("agreeing") or name == "sharp":
+                # The reference's own sum p (log p - log q) cancels to ~1e-16 x 10-30 against KLs down to ~1e-11
+                # (agreeing rows, which 16-bit logits make equal but for an entry or two; sharp rows whose few
+                # heavy entries agree): off by 1.7e-6 and, once in 1500 seeds, 2.9e-3 in float64, and by up to
+                # 1.3e-4 for bf16 inputs. So these rows go against a float64 reference that keeps the digits
+                # (accurate_kl): float64 within 1e-9 (the CPU twin: 1.5e-12 over 1500 seeds). In float32 lanes a
+                # token's KL of ~1e-11 comes out within ~3e-15 (the CPU twin, 400 seeds: 4.7e-5 of it), below
+                # float32's resolution of a squared log ratio, eps^2 = 1.4e-14: that much a token is not counted.
+                ref = torch.where(torch.isfinite(ref), accurate_kl(s, t, temp, beta).masked_fill(lab == -100, 0), ref)
+                tol = 1e-9 if dtype == torch.float64 else tol
+                floor = 0.0 if dtype == torch.float64 else torch.finfo(torch.float32).eps ** 2
             if dtype != torch.float64 and name in ("agreeing, offset 7.3", "sharp"):
                 # where the two rows are offset, d comes from each row's shifted logits, rounded at the shift's
                 # size (5e-7 at ~7) where d spreads over 1e-3 and each token's KL is ~1e-7: up to ~1e-4 off
@@ -727,7 +755,9 @@ def test_forward_alone_matches_float64_and_training(device, dtype, width):
             zero = fin & (ref == 0)  # one-entry rows: float lanes leave the shift's rounding (~1e-8)
             assert (out[zero].abs() <= 1e-6).all(), what
             if (fin & ~zero).any():
-                assert_close(out[fin & ~zero], ref[fin & ~zero], tol, what)
+                o, r = out[fin & ~zero].double(), ref[fin & ~zero]
+                err = float(((o - r).abs() - floor).clamp(min=0).norm() / r.norm())
+                assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e} (beyond {floor:.1e} a token)"
 
 
 @pytest.mark.gpu
