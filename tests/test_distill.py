@@ -664,9 +664,6 @@ def test_jsd_training_rows_per_token(device, dtype, beta):
 
 
 # --------------------------------------------------------------------------- 3b. the forward alone
-# Forward and reverse KL without any gradient take the kernels' inference instances (fast_rows without a gradient
-# where rows start on 16-byte boundaries, else rows_kernel's inference configuration): the special values and
-# offsets of section 3 again, per token against float64 and against the training instances' losses.
 def accurate_kl(s, t, temperature, beta):
     """Forward (beta 0) or reverse (beta 1) KL of each row of finite logits in float64, summed as p phi(u) with
     phi(u) = u + exp(-u) - 1 >= 0 (a series below |u| = 1e-3) and u = log p - log q from each row's logits shifted
@@ -687,6 +684,9 @@ def accurate_kl(s, t, temperature, beta):
     return ((zb - lb).exp() * phi).sum(-1)
 
 
+# Forward and reverse KL without any gradient take the kernels' inference instances (fast_rows without a gradient
+# where rows start on 16-byte boundaries, else rows_kernel's inference configuration): the special values and
+# offsets of section 3 again, per token against float64 and against the training instances' losses.
 def forward_cases(dtype, width, device):
     """(name, student, teacher) pairs of [6, width] logits: ordinary, agreeing, offset, padded, partly -inf."""
     x = logits((6, width), torch.float64, "cpu", scale=3.0)
