@@ -104,6 +104,10 @@ __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.w
 __device__ __forceinline__ void cluster_arrive_relaxed(float after) {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::"f"(after) : "memory");
 }
+// The same for a thread that has published nothing and read nothing remote since the last barrier.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
 
 // Two normalisers' (max, sum of 2^(x - max)) pairs combined; a pair with no mass (sum 0, max maybe -inf) adds
 // nothing. Symmetric in its arguments, so every lane of a butterfly ends with the same value.
@@ -251,7 +255,7 @@ __device__ __forceinline__ R cluster_fold(const cg::cluster_group& cluster, R* s
     if (lane == 0) slots[WARPS] = r;
     cluster_arrive();
   } else {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+    cluster_arrive_relaxed();
   }
   cluster_wait();
   if (warp == 0) {  // (lanes 16-31 fold `none` among themselves; lane 0 holds the ranks' combination)
@@ -311,10 +315,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
     if (GRAD) zero_slice<THREADS>(gs, count);
     if (threadIdx.x < WARPS) partial[threadIdx.x] = 0.f;
   };
-  bool masked = false;  // kCopyBeforeLabel: known after the copy is issued
-  if constexpr (kCopyBeforeLabel) {
-    masked = p.labels && p.labels[sl.row] == p.ignore_index;
-  } else if (p.labels && p.labels[sl.row] == p.ignore_index) {
+  const bool masked = p.labels && p.labels[sl.row] == p.ignore_index;
+  if (!kCopyBeforeLabel && masked) {  // (kCopyBeforeLabel: tested once the copy is issued, below)
     leave_masked();
     return;
   }
