@@ -81,17 +81,11 @@ constexpr bool kJsdForwardDirect = true;
 // 2 x 4.4% of the samples). kernels/NOTES.md, version 29. false: the kernels compile as before.
 constexpr bool kTwoLevelExchange = true;
 
-// fast_rows issues its slices' copy before it knows whether the row is masked: the row's label is a load from
-// device memory that every block's copy otherwise waits behind (~3.5% of the bf16 forward alone's warp stall
-// samples on an H200, at the start of every block), while a masked row (the goals' 10%) then reads its slices for
-// nothing, at a DRAM use of ~45% (kernels/NOTES.md, after version 29). Built, not yet run on a GPU: false compiles
-// the kernels as before.
-constexpr bool kCopyBeforeLabel = false;
-
 // The arrive before leaving relaxed in the one-level exchanges too (reverse KL, the JSD's forward alone: their last
-// remote reads are warp 0's, whose values reach every warp through shared memory and a block barrier before it).
-// Built, not yet run on a GPU: false compiles the kernels as before.
-constexpr bool kRelaxedLeave = false;
+// remote reads are warp 0's, whose values reach every warp through shared memory and a block barrier before it, and
+// the arrive takes one of them as an operand). One H200: reverse KL's forward alone -3.2% / -3.7%, its step -1.1% /
+// -1.5%, the rest within +-1% (kernels/NOTES.md, version 30). false: the kernels compile as before.
+constexpr bool kRelaxedLeave = true;
 
 // The two halves of a cluster barrier (cooperative_groups' cluster.sync() is both at once).
 __device__ __forceinline__ void cluster_arrive() {
@@ -311,13 +305,9 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   T* gs = GRAD ? p.gs + sl.row * p.gs_stride + sl.lo : nullptr;
   float* partial = p.out + (sl.row * ranks + sl.rank) * WARPS;  // this block's warps' losses
 
-  auto leave_masked = [&] {  // masked: zeros, and no barrier (the cluster agrees)
+  if (p.labels && p.labels[sl.row] == p.ignore_index) {  // masked: zeros, and no barrier (the cluster agrees)
     if (GRAD) zero_slice<THREADS>(gs, count);
     if (threadIdx.x < WARPS) partial[threadIdx.x] = 0.f;
-  };
-  const bool masked = p.labels && p.labels[sl.row] == p.ignore_index;
-  if (!kCopyBeforeLabel && masked) {  // (kCopyBeforeLabel: tested once the copy is issued, below)
-    leave_masked();
     return;
   }
 
@@ -338,12 +328,6 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
       cp_async16(ds + i * (THREADS * 16u), s0 + i * (THREADS * N));
       cp_async16(dt + i * (THREADS * 16u), t0 + i * (THREADS * N));
     });
-  }
-  if (kCopyBeforeLabel && masked) {
-    // (its copy landed first: the fused head's gs is the student's logits, which the copy reads)
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-    leave_masked();
-    return;
   }
   // The last block's slice may end in a partial chunk: its entries are read from device memory in each pass by
   // threads 0 .. N-2 (no thread writes an entry another reads).
