@@ -87,15 +87,6 @@ constexpr bool kTwoLevelExchange = true;
 // -1.5%, the rest within +-1% (kernels/NOTES.md, version 30). false: the kernels compile as before.
 constexpr bool kRelaxedLeave = true;
 
-// fast_rows' slices copied by the Tensor Memory Accelerator (cp.async.bulk, issued by one thread, each of the four
-// stages' bytes counted on an mbarrier) where every thread issued its own 16-byte cp.async chunks: the copy's
-// issue and its staged waits were 12% of the bf16 forward alone's instructions (Nsight Compute, version 29), and
-// the forward alones are bound by issue. Same stages (a thread's chunks 0, 1, 2 and the rest), the same bytes in
-// the same places. Also fast_topk_kernel's. ptxas: the narrow instances 56-61 registers (62-69 before); the capped
-// bf16 JSD forward alone 16 bytes of spill (12), the fp16 reverse KL one 8 (0). Not yet measured (kernels/NOTES.md,
-// version 31). false: the kernels compile as before.
-constexpr bool kBulkCopy = true;
-
 // The two halves of a cluster barrier (cooperative_groups' cluster.sync() is both at once).
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
@@ -187,77 +178,6 @@ template <typename F> __device__ __forceinline__ void issue_copy(int mine, bool 
   for (int i = i0; i < mine; ++i) copy(i);
   asm volatile("cp.async.commit_group;\n" ::);
   if (!staged) asm volatile("cp.async.wait_all;\n" ::: "memory");
-}
-
-// kBulkCopy's pieces (the PTX of CUTLASS's ClusterTransactionBarrier and SM90_BULK_COPY_G2S). `bar`: a
-// shared-memory address of a 64-bit mbarrier.
-__device__ __forceinline__ void bar_init(unsigned bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void bar_expect(unsigned bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-// Waits for the barrier's first phase (each is used once a launch).
-__device__ __forceinline__ void bar_wait_first(unsigned bar) {
-  asm volatile(
-      "{\n\t.reg .pred P1;\n"
-      "WAIT_FIRST:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], 0;\n\t"
-      "@P1 bra DONE_FIRST;\n\t"
-      "bra WAIT_FIRST;\n"
-      "DONE_FIRST:\n\t}\n" ::"r"(bar)
-      : "memory");
-}
-__device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
-// The copy of a slice of `chunks` 16-byte chunks from `src` to shared address `dst`, as issue_copy's stages: stage
-// g < 3 holds the chunks [g THREADS, (g + 1) THREADS) (each thread's chunk g), stage 3 the rest; one mbarrier a
-// stage at bars + 8 g, counting both tensors' bytes (`dst2`/`src2`: the second tensor, or none). Thread 0 sets up
-// the barriers and issues the copies; the block barrier after it makes the barriers' set-up visible to every
-// thread before any waits on them.
-template <int THREADS, typename T>
-__device__ __forceinline__ void issue_bulk_copy(unsigned bars, unsigned dst, const T* src, unsigned dst2, const T* src2,
-                                                int chunks) {
-  constexpr int N = Vec<T>::N;
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int g = 0; g < 4; ++g) bar_init(bars + 8u * g, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#pragma unroll
-    for (int g = 0; g < 4; ++g) {
-      const int first = g * THREADS;
-      const int n = g < 3 ? max(0, min(chunks - first, THREADS)) : max(0, chunks - first);
-      const unsigned bytes = static_cast<unsigned>(n) * 16u;
-      bar_expect(bars + 8u * g, src2 ? 2u * bytes : bytes);
-      if (bytes) {
-        bulk_copy(dst + first * 16u, src + first * N, bytes, bars + 8u * g);
-        if (src2) bulk_copy(dst2 + first * 16u, src2 + first * N, bytes, bars + 8u * g);
-      }
-    }
-  }
-  __syncthreads();
-}
-// take(i) for each of this thread's chunks once issue_bulk_copy's stage holding it has landed (staged: each as
-// it lands; else all of them first).
-template <typename F> __device__ __forceinline__ void for_each_landed_bulk(unsigned bars, int mine, bool staged,
-                                                                           F take) {
-  if (staged) {
-    bar_wait_first(bars);
-    if (0 < mine) take(0);
-    bar_wait_first(bars + 8u);
-    if (1 < mine) take(1);
-    bar_wait_first(bars + 16u);
-    if (2 < mine) take(2);
-    bar_wait_first(bars + 24u);
-  } else {
-#pragma unroll
-    for (int g = 0; g < 4; ++g) bar_wait_first(bars + 8u * g);
-    for (int i = 0; i < min(mine, 3); ++i) take(i);
-  }
-  for (int i = 3; i < mine; ++i) take(i);
 }
 
 // take(i) for each of this thread's chunks once its copy (issue_copy) has landed: staged, group by group.
@@ -400,12 +320,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   const unsigned bt = static_cast<unsigned>(__cvta_generic_to_shared(xt));
   const bool staged = p.staged;
   const int mine = chunk_count<THREADS>(chunks);
-  unsigned bars = 0;  // kBulkCopy: the stages' mbarriers
-  if constexpr (kBulkCopy) {
-    __shared__ alignas(8) unsigned long long copy_bars[4];
-    bars = static_cast<unsigned>(__cvta_generic_to_shared(copy_bars));
-    issue_bulk_copy<THREADS>(bars, bs, gsrc, bt, gtsrc, chunks);
-  } else {
+  {
     const unsigned ds = bs + threadIdx.x * 16u, dt = bt + threadIdx.x * 16u;
     const T* s0 = pinned(gsrc + threadIdx.x * N);
     const T* t0 = pinned(gtsrc + threadIdx.x * N);
@@ -431,8 +346,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
       mx[0] = fmaxf(mx[0], chunk_max(load_chunk(xs0 + i * (THREADS * N), true)));
       mx[1] = fmaxf(mx[1], chunk_max(load_chunk(xt0 + i * (THREADS * N), true)));
     };
-    if constexpr (kBulkCopy) for_each_landed_bulk(bars, mine, staged, take_max);
-    else for_each_landed(mine, staged, take_max);
+    for_each_landed(mine, staged, take_max);
     if (has_tail) {
       const float a = static_cast<float>(gsrc[tail]);
       if (STEP_DIRECT) tail_xs = a;

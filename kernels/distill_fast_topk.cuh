@@ -49,12 +49,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   const int chunks = count / N;
   const unsigned bs = static_cast<unsigned>(__cvta_generic_to_shared(xs));
   const int mine = chunk_count(chunks);
-  unsigned bars = 0;  // kBulkCopy: the stages' mbarriers
-  if constexpr (kBulkCopy) {
-    __shared__ alignas(8) unsigned long long copy_bars[4];
-    bars = static_cast<unsigned>(__cvta_generic_to_shared(copy_bars));
-    issue_bulk_copy<kFastThreads>(bars, bs, gsrc, 0u, static_cast<const T*>(nullptr), chunks);
-  } else {
+  {
     const unsigned ds = bs + threadIdx.x * 16u;
     const T* s0 = pinned(gsrc + threadIdx.x * N);
     issue_copy(mine, p.staged, [&](int i) { cp_async16(ds + i * (kFastThreads * 16u), s0 + i * (kFastThreads * N)); });
@@ -100,9 +95,8 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   float mx = ninf<float>();
   {
     const T* xs0 = xs + threadIdx.x * N;
-    auto take_max = [&](int i) { mx = fmaxf(mx, chunk_max(load_chunk(xs0 + i * (kFastThreads * N), true))); };
-    if constexpr (kBulkCopy) for_each_landed_bulk(bars, mine, p.staged, take_max);
-    else for_each_landed(mine, p.staged, take_max);
+    for_each_landed(mine, p.staged,
+                    [&](int i) { mx = fmaxf(mx, chunk_max(load_chunk(xs0 + i * (kFastThreads * N), true))); });
     mx = fmaxf(mx, x_tail);
   }
   mx = scaled_max(warp_max(mx), k2);  // k2 > 0: the max of the scaled logits
