@@ -91,15 +91,24 @@ template <typename T, typename A> struct Params {
 };
 
 // ------------------------------------------------------------------------------------------ reductions
-template <typename A> __device__ __forceinline__ A warp_sum(A v) {
+// A butterfly over each group of WIDTH lanes (WIDTH a power of two <= 32): every lane of a group ends with its
+// group's combination, the same bits in each (op symmetric in its arguments). Records of several values (float2,
+// float4) are shuffled member by member. warp_sum and warp_max are two, cluster_fold's (distill_fast.cuh) others.
+template <typename A> __device__ __forceinline__ A shfl_xor(A v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+__device__ __forceinline__ float2 shfl_xor(float2 v, int o) { return make_float2(shfl_xor(v.x, o), shfl_xor(v.y, o)); }
+__device__ __forceinline__ float4 shfl_xor(float4 v, int o) {
+  return make_float4(shfl_xor(v.x, o), shfl_xor(v.y, o), shfl_xor(v.z, o), shfl_xor(v.w, o));
+}
+template <int WIDTH, typename R, typename Op> __device__ __forceinline__ R warp_fold(R r, Op op) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
+  for (int o = WIDTH / 2; o > 0; o >>= 1) r = op(r, shfl_xor(r, o));
+  return r;
+}
+template <typename A> __device__ __forceinline__ A warp_sum(A v) {
+  return warp_fold<32>(v, [](A a, A b) { return a + b; });
 }
 template <typename A> __device__ __forceinline__ A warp_max(A v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
+  return warp_fold<32>(v, [](A a, A b) { return fmax(a, b); });
 }
 
 // NV sums over the block, returned to every thread. Fixed order: deterministic. `scratch` holds kWarps * NV.
@@ -553,7 +562,7 @@ __global__ void __launch_bounds__(
   __shared__ long long part[32];
   long long c = 0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) c += labels[i] != ignore_index;
-  for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+  c = warp_sum(c);
   if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = c;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -571,7 +580,7 @@ __global__ void __launch_bounds__(
   __shared__ double part[32];
   double s = 0.0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += static_cast<double>(rows[i]);
-  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  s = warp_sum(s);
   if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
   __syncthreads();
   if (threadIdx.x == 0) {

@@ -216,19 +216,6 @@ __device__ __forceinline__ void combine_cluster_pairs(const cg::cluster_group& c
   }
 }
 
-// A butterfly over each group of WIDTH lanes (WIDTH a power of two <= 32): every lane of a group ends with its
-// group's combination, the same bits in each (op symmetric in its arguments).
-__device__ __forceinline__ float shfl_xor(float v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
-__device__ __forceinline__ float2 shfl_xor(float2 v, int o) { return make_float2(shfl_xor(v.x, o), shfl_xor(v.y, o)); }
-__device__ __forceinline__ float4 shfl_xor(float4 v, int o) {
-  return make_float4(shfl_xor(v.x, o), shfl_xor(v.y, o), shfl_xor(v.z, o), shfl_xor(v.w, o));
-}
-template <int WIDTH, typename R, typename Op> __device__ __forceinline__ R warp_fold(R r, Op op) {
-#pragma unroll
-  for (int o = WIDTH / 2; o > 0; o >>= 1) r = op(r, shfl_xor(r, o));
-  return r;
-}
-
 // kTwoLevelExchange: the cluster's combination of one record a warp (`mine`, lane 0's; R float, float2 or float4;
 // `op` symmetric with identity `none`), returned in every thread of every block with the same bits (the same
 // records combined in the same order everywhere). slots: WARPS + 1 records of this block's shared memory, which
