@@ -607,13 +607,14 @@ __global__ void __launch_bounds__(256) combine_terms_kernel(const A* __restrict_
   combine_terms(parts + 3 * i, 3 * n, world, rows_loss[i], ksums[2 * i], ksums[2 * i + 1]);
 }
 
-// grad[row] *= grad_out (one value or one per row); a block whose factor is 1 returns at once.
-template <typename T>
+// grad[row] *= grad_out (one value or one per row, G float or double: the loss's dtype, read as it is, so the
+// backward needs no conversion of its own on the host's path); a block whose factor is 1 returns at once.
+template <typename T, typename G>
 __global__ void __launch_bounds__(
-    256) scale_rows_kernel(T* grad, int64_t n, int64_t v, int64_t stride, const double* __restrict__ go,
+    256) scale_rows_kernel(T* grad, int64_t n, int64_t v, int64_t stride, const G* __restrict__ go,
                                           bool per_row) {
   using A = typename AccOf<T>::type;
-  if (!per_row && go[0] == 1.0) return;  // the usual backward of a mean loss: nothing to do
+  if (!per_row && go[0] == G(1)) return;  // the usual backward of a mean loss: nothing to do
   for (int64_t row = blockIdx.y; row < n; row += gridDim.y) {
     const A f = static_cast<A>(go[per_row ? row : 0]);
     if (f == A(1)) continue;
@@ -1115,7 +1116,9 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
   const c10::cuda::CUDAGuard guard(idx.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor out = at::empty_like(lp);
-  at::Tensor flags = at::zeros({3}, idx.options().dtype(at::kInt));
+  // Zeroed by one memset, not at::zeros (a fill kernel through the dispatcher): this is the eager step's host path.
+  at::Tensor flags = at::empty({3}, idx.options().dtype(at::kInt));
+  C10_CUDA_CHECK(cudaMemsetAsync(flags.data_ptr<int>(), 0, 3 * sizeof(int), stream));
   const int64_t n = idx.size(0), k = idx.size(1);
   if (n == 0) return {out, flags};
   TORCH_CHECK(n < (int64_t(1) << 31), "distill: too many rows for one launch");
@@ -1208,7 +1211,10 @@ void distill_scale_grad_(at::Tensor grad, const at::Tensor& grad_out) {
   if (grad.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(grad.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const at::Tensor go = grad_out.to(at::kDouble).contiguous();
+  // The loss's dtype (float32, or float64 for float64 logits) as it is; any other converted to double.
+  const bool as_float = grad_out.scalar_type() == at::kFloat;
+  const at::Tensor go =
+      (as_float || grad_out.scalar_type() == at::kDouble ? grad_out : grad_out.to(at::kDouble)).contiguous();
   const bool per_row = go.numel() != 1 || grad.size(0) == 1;
   const int64_t n = grad.size(0), v = grad.size(1);
   // Blocks loop over rows: a grid of a few thousand blocks streams at full bandwidth when the factor is not 1, and
@@ -1216,8 +1222,12 @@ void distill_scale_grad_(at::Tensor grad, const at::Tensor& grad_out) {
   const int64_t bx = min64((v + 255) / 256, 64);
   const dim3 grid(static_cast<unsigned>(bx), static_cast<unsigned>(min64(n, max64(1, 4096 / bx))));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "distill_scale_grad", [&] {
-    scale_rows_kernel<scalar_t>
-        <<<grid, 256, 0, stream>>>(grad.data_ptr<scalar_t>(), n, v, grad.stride(0), go.data_ptr<double>(), per_row);
+    if (as_float)
+      scale_rows_kernel<scalar_t, float>
+          <<<grid, 256, 0, stream>>>(grad.data_ptr<scalar_t>(), n, v, grad.stride(0), go.data_ptr<float>(), per_row);
+    else
+      scale_rows_kernel<scalar_t, double>
+          <<<grid, 256, 0, stream>>>(grad.data_ptr<scalar_t>(), n, v, grad.stride(0), go.data_ptr<double>(), per_row);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

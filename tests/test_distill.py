@@ -840,6 +840,23 @@ def test_topk_bad_indices_raise(device, vocab, k, grad):
         K.generalized_jsd(s, teacher_topk=(idx, lp.clone().requires_grad_()))
 
 
+@pytest.mark.gpu
+def test_read_back_later_reuses_buffers_without_mixing_values():
+    # The top-k checks' flags go to pinned buffers that are handed out again once read: two read-backs in flight
+    # hold two buffers, a value written after the read-back was queued is not seen, and a read() after its buffer
+    # went to a later read-back returns its own values, not the later ones.
+    from kldiv_inline.distill import read_back_later
+    a = torch.randint(-1000, 1000, (3,), dtype=torch.int32, device="cuda")
+    b = torch.randint(-1000, 1000, (3,), dtype=torch.int32, device="cuda")
+    want_a, want_b = a.tolist(), b.tolist()
+    ra, rb = read_back_later(a), read_back_later(b)
+    a.add_(1)
+    assert ra() == want_a and rb() == want_b
+    rc = read_back_later(a * 2)
+    assert rc() == [2 * (x + 1) for x in want_a]
+    assert ra() == want_a and rb() == want_b
+
+
 def test_topk_mass_is_checked_and_rounding_normalised(device):
     s = logits((3, 12), torch.float32, device)
     idx, lp = topk_teacher((3,), 12, 4, device)
