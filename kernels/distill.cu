@@ -851,9 +851,9 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
   } else {
     Launch l = plan;
     // 16-bit training instances in blocks of kNarrowThreads (distill_fast.cuh): those that need ks
-    // (kNarrowKsBlocks), forward KL's (kDirectStepTerms)
-    const bool narrow =
-        sizeof(T) == 2 && !topk && want_student && (mode == FORWARD_KL ? kDirectStepTerms : kNarrowKsBlocks);
+    // (kNarrowKsBlocks), forward KL's (kDirectStepTerms), the top-k teacher's (kTopkNarrow)
+    const bool narrow = sizeof(T) == 2 && want_student &&
+                        (topk ? kTopkNarrow : (mode == FORWARD_KL ? kDirectStepTerms : kNarrowKsBlocks));
     l.threads = narrow ? kNarrowThreads : kFastThreads;
     p.staged = staged_copy();
     const int per_row = l.cluster * (l.threads / 32);  // the partial losses: one a warp
@@ -866,7 +866,9 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
         else launch_rows(without_grad, l, n, &p, stream);
       };
       if (topk) {
-        launch(fast_topk_kernel<T, MODE, true>, fast_topk_kernel<T, MODE, false>);
+        if constexpr (sizeof(T) == 2 && kTopkNarrow)
+          launch(fast_topk_kernel_narrow<T, MODE>, fast_topk_kernel<T, MODE, false>);
+        else launch(fast_topk_kernel<T, MODE, true>, fast_topk_kernel<T, MODE, false>);
       } else if constexpr (sizeof(T) == 2) {  // the register-capped instances (distill_fast.cuh)
         // Where the mode's training rows are narrow (narrow == want_student here), the capped training instance
         // is not instantiated at all: a kernel fewer to compile, none that could be launched by mistake.

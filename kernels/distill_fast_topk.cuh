@@ -16,13 +16,14 @@
 // A gradient written over the student's own logits (the fused head) is safe: after the copy every logit is read
 // from shared memory, and a block's own slice is all it writes.
 
-template <typename T, int MODE, bool GRAD>
+// THREADS: the block's threads (kFastThreads, or kNarrowThreads where kTopkNarrow says).
+template <typename T, int MODE, bool GRAD, int THREADS = kFastThreads>
 __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();
 #else
   constexpr int N = Vec<T>::N;
-  constexpr int W = kFastWarps;
+  constexpr int W = THREADS / 32;
   constexpr bool KS = GRAD && student_needs_k<MODE>();  // the gradients need the row sum ks
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ float4 slot_norms[W];  // each warp's (max, sum of 2^(x - max), max, the same sum over non-members)
@@ -38,7 +39,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   T* gs = GRAD ? p.gs + row * p.gs_stride + lo : nullptr;
 
   if (p.labels && p.labels[row] == p.ignore_index) {  // masked: zeros, and no barrier (the cluster agrees)
-    if (GRAD) zero_slice(gs, count);
+    if (GRAD) zero_slice<THREADS>(gs, count);
     if (rank == 0 && threadIdx.x == 0) p.out[row] = 0.f;
     return;
   }
@@ -48,11 +49,11 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   unsigned* bits = reinterpret_cast<unsigned*>(smem_raw + static_cast<size_t>(p.slice) * sizeof(T));
   const int chunks = count / N;
   const unsigned bs = static_cast<unsigned>(__cvta_generic_to_shared(xs));
-  const int mine = chunk_count(chunks);
+  const int mine = chunk_count<THREADS>(chunks);
   {
     const unsigned ds = bs + threadIdx.x * 16u;
     const T* s0 = pinned(gsrc + threadIdx.x * N);
-    issue_copy(mine, p.staged, [&](int i) { cp_async16(ds + i * (kFastThreads * 16u), s0 + i * (kFastThreads * N)); });
+    issue_copy(mine, p.staged, [&](int i) { cp_async16(ds + i * (THREADS * 16u), s0 + i * (THREADS * N)); });
   }
   // The last block's partial chunk: threads 0 .. N-2 copy one entry each, by plain loads (the members' pass and
   // the gradient read every logit from shared memory: the gradient may overwrite the logits in device memory).
@@ -68,14 +69,14 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   // ---- membership, while the copy is in flight: a bit per entry of this slice; indices out of the vocabulary
   // (every block sees them) or repeated (the block holding them sees it) make the row NaN, as on the CPU.
   const int words = (count + 31) / 32;
-  for (int w = threadIdx.x; w < words; w += kFastThreads) bits[w] = 0u;
+  for (int w = threadIdx.x; w < words; w += THREADS) bits[w] = 0u;
   __syncthreads();
   const int64_t* idx = p.idx + row * p.k;
   const float* lp = p.lp + row * p.k;
   {
     float q = 0.f;
     bool bad = false;
-    for (int64_t j = threadIdx.x; j < p.k; j += kFastThreads) {
+    for (int64_t j = threadIdx.x; j < p.k; j += THREADS) {
       const int64_t x = idx[j];
       q += d_exp(lp[j]);
       if (x < 0 || x >= p.v) {
@@ -96,14 +97,14 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   {
     const T* xs0 = xs + threadIdx.x * N;
     for_each_landed(mine, p.staged,
-                    [&](int i) { mx = fmaxf(mx, chunk_max(load_chunk(xs0 + i * (kFastThreads * N), true))); });
+                    [&](int i) { mx = fmaxf(mx, chunk_max(load_chunk(xs0 + i * (THREADS * N), true))); });
     mx = fmaxf(mx, x_tail);
   }
   mx = scaled_max(warp_max(mx), k2);  // k2 > 0: the max of the scaled logits
   const float o = mx == ninf<float>() ? 0.f : mx;
   __syncthreads();           // the bitmap is complete
   float sm = 0.f, st = 0.f;  // all entries, non-members
-  for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
+  for (int c = threadIdx.x; c < chunks; c += THREADS) {
     const Vec<T> v = load_chunk(xs + c * N, true);
     const unsigned mb = bits[(c * N) >> 5] >> ((c * N) & 31);  // a chunk's N bits share a word
 #pragma unroll
@@ -125,7 +126,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   cluster_wait();
   if (warp == 0) {  // every block combines all ranks x warps in the same order
     float m0, l0, m1, l1;
-    combine_cluster_pairs(cluster, slot_norms, ranks, lane, m0, l0, m1, l1);
+    combine_cluster_pairs<W>(cluster, slot_norms, ranks, lane, m0, l0, m1, l1);
     bool bad = false;
     for (int i = lane; i < ranks * W; i += 32) bad |= cluster.map_shared_rank(slot_aux + i % W, i / W)->y != 0.f;
     const float q = warp_sum(lane < W ? slot_aux[lane].x : 0.f);  // this block's: the same in every block
@@ -149,7 +150,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   };
   {
     Terms<float> acc{0.f, 0.f, 0.f};
-    for (int64_t j = threadIdx.x; j < p.k; j += kFastThreads) {
+    for (int64_t j = threadIdx.x; j < p.k; j += THREADS) {
       const int64_t x = idx[j];
       if (x < 0 || x >= p.v) continue;  // the row is NaN (bad)
       const int owner = static_cast<int>(x / p.slice);
@@ -184,7 +185,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     const float scale = static_cast<float>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(p.inv_t));
     const float coef = bad ? std::numeric_limits<float>::quiet_NaN()
                            : (tp.ps > 0.f ? student_grad<MODE>(tp, p.c, ks) / tp.ps : 0.f) * scale;
-    for (int c = threadIdx.x; c < chunks; c += kFastThreads) {
+    for (int c = threadIdx.x; c < chunks; c += THREADS) {
       const Vec<T> v = load_chunk(xs + c * N, true);
       Vec<T> g;
 #pragma unroll
@@ -194,7 +195,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     if (has_tail) gs[tail] = static_cast<T>(d_exp2(log2_prob(x_tail, k2, ns)) * coef);
     if (!bad) {         // (a bad row stays NaN everywhere; `bad` is the block's common value)
       __syncthreads();  // the members' gradients overwrite the tail formula written above
-      for (int64_t j = threadIdx.x; j < p.k; j += kFastThreads) {
+      for (int64_t j = threadIdx.x; j < p.k; j += THREADS) {
         const int64_t x = idx[j];
         if (x >= lo && x < lo + count)
           gs[x - lo] =
@@ -209,4 +210,14 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
 template <typename T, int MODE, bool GRAD>
 __global__ void __launch_bounds__(kFastThreads) fast_topk_kernel(const Params<T, float> p) {
   fast_topk_rows<T, MODE, GRAD>(p);
+}
+// kTopkNarrow: the 16-bit training instances in blocks of kNarrowThreads threads, as fast_rows' narrow instances
+// (kNarrowKsBlocks): a block's ~17 KB of shared memory and 128 threads at up to 40 registers let 12 blocks share
+// an SM, so a cluster of 16 holds half the warps and twice the rows are in flight (where 256-thread blocks at the 40
+// registers ptxas chooses fit 6 an SM; capped at 32, 8 fit but ptxas spilled 56-68 bytes and the step ran 17%
+// slower on an H200: kernels/NOTES.md). Not yet measured: false, the kernels compile as before.
+constexpr bool kTopkNarrow = false;
+template <typename T, int MODE>
+__global__ void __launch_bounds__(kNarrowThreads, 12) fast_topk_kernel_narrow(const Params<T, float> p) {
+  fast_topk_rows<T, MODE, true, kNarrowThreads>(p);
 }
