@@ -817,8 +817,9 @@ def test_topk_long_rows_cuda(beta):
     assert_close(gs, rs, GRAD_TOL[torch.bfloat16], "grad")
 
 
-# k = 300: above the CUDA preparation kernel's pair check (k <= 256), repeats found by sorting
-@pytest.mark.parametrize("vocab,k", [(10, 3), (400, 300)])
+# k = 300: above the CUDA preparation kernel's pair check (k <= 256), repeats found by sorting; k = 100: several
+# indices a lane where a warp prepares a row (kWarpPrepare), a repeat across lanes and one within a lane
+@pytest.mark.parametrize("vocab,k", [(10, 3), (1000, 100), (400, 300)])
 @pytest.mark.parametrize("grad", [False, True])
 def test_topk_bad_indices_raise(device, vocab, k, grad):
     s = logits((2, vocab), torch.float32, device).requires_grad_(grad)
@@ -833,6 +834,11 @@ def test_topk_bad_indices_raise(device, vocab, k, grad):
     dup[1, k - 1] = dup[1, 0]
     with pytest.raises(ValueError, match="distinct"):
         K.generalized_jsd(s, teacher_topk=(dup, lp))
+    if k > 32:  # entries 0 and 32: one lane's two where a warp takes a row
+        dup = idx.clone()
+        dup[0, 32] = dup[0, 0]
+        with pytest.raises(ValueError, match="distinct"):
+            K.generalized_jsd(s, teacher_topk=(dup, lp))
     K.generalized_jsd(s, teacher_topk=(idx, lp))  # and the good pair passes
     with pytest.raises(ValueError, match="1 <= k"):
         K.generalized_jsd(s, teacher_topk=(idx[:, :0], lp[:, :0]))
