@@ -11,12 +11,14 @@ times the extension's distill_forward on bf16 logits 4096 x 128256 (standard nor
 3 unless named; the bench suite's are 2: a kernel whose work depends on the data, as the direct sums' second sums
 do, can gain at one spread and lose at another), T = 2, 10% of rows masked, batchmean: forward
 KL, the JSD (beta 0.5) and reverse KL, each without a gradient (the forward alone) and with the student's (the
-training step's kernels, with no autograd around them), and the top-k teacher's step (k = 100); the median of
+training step's kernels, with no autograd around them), the top-k teacher's step (k = 100) and the kernel that
+checks and normalises that teacher first in an eager step (distill_topk_prepare); the median of
 ``--reps`` CUDA-event timings after 3 warm-up calls. Prints one row per case with each tree's medians, in ms, and
 the last tree's change against the first. Checks nothing: run the GPU tests for that
 (`pytest -m gpu tests/test_distill.py`).
 """
 import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -51,6 +53,9 @@ def child(reps: int, spreads: list[float]) -> None:
             print(f"beta={beta} {'step' if grad else 'forward'}{tag} {ms:.4f}")
         ms = median_ms(lambda: mod.distill_forward(s, None, idx, lp, lab, -100, 0.0, 2.0, 2, True, False))
         print(f"top-k step{tag} {ms:.4f}")
+        # The eager top-k step's other kernel: the teacher's checks and normalisation (distill_topk_prepare).
+        ms = median_ms(lambda: mod.distill_topk_prepare(idx, lp, v, lab, -100, math.log1p(0.02)))
+        print(f"top-k prepare{tag} {ms:.4f}")
 
     for spread in spreads:
         time_spread(spread, f" x{spread:g}" if len(spreads) > 1 else "")
