@@ -20,6 +20,7 @@ import math
 import numbers
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -256,10 +257,11 @@ def _no_check() -> None:
 _READ_BACK = threading.local()
 
 
-def read_back_later(flags: Tensor) -> Callable[[], list]:
-    """``read()``, which returns the values of ``flags`` (a small tensor) as a list. On a GPU they go to pinned
-    host memory behind an event recorded now on the flags' device's current stream, so ``read()`` waits for the
-    kernels queued so far only, not for those its caller queues in between."""
+def read_back_later(flags: Tensor) -> Callable[[], Any]:
+    """``read()``, which returns the values of ``flags`` (a small tensor) as ``flags.tolist()`` does (a list; a
+    number for a 0-d tensor). On a GPU they go to pinned host memory behind an event recorded now on the flags'
+    device's current stream, so ``read()`` waits for the kernels queued so far only, not for those its caller
+    queues in between."""
     if not flags.is_cuda:
         return flags.tolist
     pool = _READ_BACK.__dict__.setdefault("free", {})
@@ -270,15 +272,14 @@ def read_back_later(flags: Tensor) -> Callable[[], list]:
         host, done = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True), torch.cuda.Event()
     host.copy_(flags, non_blocking=True)
     done.record(torch.cuda.current_stream(flags.device))
-    values: list | None = None
+    read_back: list = []  # the values, once read
 
-    def read() -> list:
-        nonlocal values
-        if values is None:  # the first read() hands the buffer back; a later one returns the values it read
+    def read() -> Any:
+        if not read_back:  # the first read() hands the buffer back; a later one returns the values it read
             done.synchronize()
-            values = host.tolist()
+            read_back.append(host.tolist())
             free.append((host, done))
-        return list(values)
+        return read_back[0]
 
     return read
 

@@ -861,6 +861,9 @@ def test_read_back_later_reuses_buffers_without_mixing_values():
     rc = read_back_later(a * 2)
     assert rc() == [2 * (x + 1) for x in want_a]
     assert ra() == want_a and rb() == want_b
+    # A 0-d tensor reads back as a number, as tolist() gives it (the split vocabulary's layout check reads a bool).
+    yes, no = read_back_later(a.new_ones(()).bool()), read_back_later(a.new_zeros(()).bool())
+    assert yes() is True and no() is False and yes() is True
 
 
 def test_topk_mass_is_checked_and_rounding_normalised(device):
