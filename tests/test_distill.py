@@ -846,6 +846,60 @@ def test_topk_bad_indices_raise(device, vocab, k, grad):
         K.generalized_jsd(s, teacher_topk=(idx, lp.clone().requires_grad_()))
 
 
+class _StandInEvent:
+    """torch.cuda.Event's part that read_back_later uses, for a machine without a GPU."""
+    recorded = 0
+
+    def record(self, stream=None):
+        _StandInEvent.recorded += 1
+
+    def synchronize(self):
+        pass
+
+
+class _SaysCuda(torch.Tensor):
+    """A CPU tensor that says it is on a GPU: read_back_later's GPU branch with its CUDA calls stood in for."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_read_back_later_pool_bookkeeping_without_a_gpu(monkeypatch):
+    # The GPU branch's bookkeeping runs in CI too (its GPU test below runs on a lent GPU only): pinned memory, the
+    # event and the stream stood in for. Buffers are handed back once read and used again, a read() keeps its own
+    # values after its buffer went to a later read-back, and a 0-d tensor reads back as a number, as tolist() gives.
+    from kldiv_inline import distill
+    made = []
+    real_empty = torch.empty
+
+    def empty(*shape, pin_memory=False, **kw):
+        t = real_empty(*shape, **kw)
+        made.append(t)
+        return t
+
+    monkeypatch.setattr(distill, "_READ_BACK", distill.threading.local())
+    monkeypatch.setattr(distill.torch, "empty", empty)
+    monkeypatch.setattr(distill.torch.cuda, "Event", _StandInEvent)
+    monkeypatch.setattr(distill.torch.cuda, "current_stream", lambda device=None: None)
+    a = torch.randint(-1000, 1000, (3,), dtype=torch.int32)
+    b = torch.randint(-1000, 1000, (3,), dtype=torch.int32)
+    want_a, want_b = a.tolist(), b.tolist()
+    ra, rb = distill.read_back_later(a.as_subclass(_SaysCuda)), distill.read_back_later(b.as_subclass(_SaysCuda))
+    assert len(made) == 2  # two in flight: two buffers
+    assert ra() == want_a and rb() == want_b
+    rc = distill.read_back_later((a * 2).as_subclass(_SaysCuda))
+    assert len(made) == 2  # a buffer handed back is used again
+    assert rc() == [2 * x for x in want_a]
+    assert ra() == want_a and rb() == want_b  # a read() keeps its values
+    # (a buffer handed back twice, or handed out while still in flight, would serve two of these)
+    rs = [distill.read_back_later((a + i).as_subclass(_SaysCuda)) for i in range(3)]
+    assert [r() for r in rs] == [[x + i for x in want_a] for i in range(3)]
+    yes = distill.read_back_later(torch.tensor(True).as_subclass(_SaysCuda))
+    no = distill.read_back_later(torch.tensor(False).as_subclass(_SaysCuda))
+    assert yes() is True and no() is False and yes() is True
+
+
 @pytest.mark.gpu
 def test_read_back_later_reuses_buffers_without_mixing_values():
     # The top-k checks' flags go to pinned buffers that are handed out again once read: two read-backs in flight
