@@ -35,6 +35,7 @@ def child(reps: int, spreads: list[float]) -> None:
 
     import kldiv_inline as K
     from kldiv_inline import timing
+    from kldiv_inline.distill import TOPK_MASS_SLACK
 
     mod = K.load("cuda", extension="distill")
 
@@ -54,7 +55,7 @@ def child(reps: int, spreads: list[float]) -> None:
         ms = median_ms(lambda: mod.distill_forward(s, None, idx, lp, lab, -100, 0.0, 2.0, 2, True, False))
         print(f"top-k step{tag} {ms:.4f}")
         # The eager top-k step's other kernel: the teacher's checks and normalisation (distill_topk_prepare).
-        ms = median_ms(lambda: mod.distill_topk_prepare(idx, lp, v, lab, -100, math.log1p(0.02)))
+        ms = median_ms(lambda: mod.distill_topk_prepare(idx, lp, v, lab, -100, math.log1p(TOPK_MASS_SLACK)))
         print(f"top-k prepare{tag} {ms:.4f}")
 
     for spread in spreads:
