@@ -554,6 +554,7 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
 #include "distill_fast.cuh"
 #include "distill_fast_topk.cuh"
 #include "distill_split_topk.cuh"
+#include "distill_stream_forward.cuh"
 
 // 1 / (rows whose label is not ignore_index), 0 when there are none: the batchmean divisor, on the device.
 __global__ void __launch_bounds__(
@@ -925,6 +926,17 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
   if constexpr (std::is_same<A, double>::value) {
     TORCH_CHECK(false, "distill: no fast path for float64 logits");  // fast_path_ok refuses them first
   } else {
+    if constexpr (kStreamForward) {  // forward and reverse KL without a gradient: one pass (stream_forward_kernel)
+      if (!topk && !want_student && mode != JSD) {
+        TORCH_CHECK(n < (int64_t(1) << 31), "distill: too many rows for one launch");
+        p.out = rows_loss.data_ptr<float>();
+        if (mode == FORWARD_KL)
+          stream_forward_kernel<T, FORWARD_KL><<<static_cast<unsigned>(n), kStreamFwdThreads, 0, stream>>>(p);
+        else stream_forward_kernel<T, REVERSE_KL><<<static_cast<unsigned>(n), kStreamFwdThreads, 0, stream>>>(p);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        return;
+      }
+    }
     Launch l = plan;
     // 16-bit training instances in blocks of kNarrowThreads (distill_fast.cuh): those that need ks
     // (kNarrowKsBlocks), forward KL's (kDirectStepTerms), the top-k teacher's (kTopkNarrow)

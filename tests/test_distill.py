@@ -778,6 +778,42 @@ def test_forward_alone_long_rows_cuda(dtype, vocab):
             assert_close(out, generalized_jsd_reference(s.double(), t.double(), **kw), 2e-6, f"{beta} {reduction}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=_id)
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_forward_alone_one_pass_and_its_second_sum_per_token_cuda(dtype, beta):
+    # Forward and reverse KL without a gradient on 16-byte-aligned rows sum each row once in the plain form (three
+    # sums, good to ~1e-6 absolute) and trust it only well above what it cancels; rows below that (student and
+    # teacher nearly agree, up to an offset too) are summed again with the non-negative summands. One batch of
+    # LM-width rows on both sides of that line, each token against float64: the one-pass rows within 1e-5 of their
+    # value, every row >= 0, the nearly agreeing ones as accurate as the second sum is.
+    n, v, temp = 32, 32000, 2.0
+    t = logits((n, v), torch.float64, "cpu", scale=3.0)
+    noise = torch.randn(n, v, dtype=torch.float64)
+    # per row: the student's distance from the teacher (KL ~ sd^2 / (2 T^2) for small sd), and a common offset on
+    # rows whose KL stays above ~0.03 (where a row nearly agrees up to an offset, the second sum's own error is
+    # ~1e-4 of its tiny KL: the forward alone's other tests bound it)
+    sd = torch.tensor([3.0, 2.0, 1.5, 1.0, 0.8, 0.7, 0.6, 0.5, 0.35, 0.25, 0.1, 1e-2, 1e-3, 1e-4, 0.0, 0.0]
+                      + [3.0, 2.0, 1.5, 1.0, 0.8, 0.7, 0.6, 0.5] * 2, dtype=torch.float64)
+    offset = torch.tensor([0.0] * 16 + [7.3, -250.0, 1e3, 3.0] * 4, dtype=torch.float64)
+    s = t + sd[:, None] * noise + offset[:, None]
+    s, t = s.to(device="cuda", dtype=dtype), t.to(device="cuda", dtype=dtype)
+    lab = torch.full((n,), 7, device="cuda")
+    lab[5] = -100  # a masked row among them
+    poison_allocator("cuda")  # (a row the kernel skips reads NaN)
+    with torch.no_grad():
+        out = K.generalized_jsd(s, t, beta=beta, temperature=temp, labels=lab, reduction="none")
+    ref = accurate_kl(s, t, temp, beta).masked_fill(lab == -100, 0.0)
+    assert out.dtype == torch.float32 and (out >= 0).all() and out[5] == 0, out
+    err = (out.double() - ref).abs()
+    # (a token's float32 resolution: eps^2 of a squared log ratio, as the forward alone's other tests allow)
+    assert (err <= 1e-5 * ref + torch.finfo(torch.float32).eps ** 2).all(), (err / ref).max()
+    one_pass = ref >= 1 / 16  # (the rows the plain form may take; the test holds for both kinds alike)
+    assert one_pass.sum() >= 8 and (~one_pass).sum() >= 8  # both sides of the line are in the batch
+    loss = K.generalized_jsd(s, t, beta=beta, temperature=temp, labels=lab)  # batchmean
+    assert abs(float(loss) - float(ref.sum() / 31)) <= 1e-5 * float(ref.sum() / 31)
+
+
 # ------------------------------------------------------------------------------------------ 4. top-k
 def topk_teacher(lead, vocab, k, device):
     lp_all = torch.log_softmax(torch.randn(*lead, vocab, dtype=torch.float64) * 2.5, dim=-1)
