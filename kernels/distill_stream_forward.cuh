@@ -3,12 +3,14 @@
 //
 // Without a gradient to write, a KL of two softmax rows needs no entry's probability, only three sums: with P the
 // weighting distribution (the teacher for forward KL, the student for reverse KL), Q the other, raw logits xa, xb,
-// raw maxima ma, mb, scaled maxima oa = ma k2, ob = mb k2 (rounded), a reference c near the rows' offset xa - xb,
-//   la = sum 2^(xa k2 - oa),  lb = sum 2^(xb k2 - ob),  w = sum 2^(xa k2 - oa) (xa - xb - c),
-//   KL(P || Q) = E_P[a - b] - log Za + log Zb = K (w / la + c - (ma - mb)) + ln2 (ra - rb) + ln(lb / la),
-// with K = k2 ln 2 (= 1 / T) and ra = ma k2 - oa, rb the scaled maxima's roundings (exact by an FMA). So a common
-// offset of the logits never enters a rounded term (c - (ma - mb) is a difference of exact differences). Each
-// entry costs two exponentials and ~14 instructions (fast_rows: four exponentials over a row held in a cluster's
+// raw maxima ma, mb, scaled maxima oa = ma k2, ob = mb k2 (rounded) and references ca, cb near each row's maximum,
+//   la = sum 2^(xa k2 - oa),  lb = sum 2^(xb k2 - ob),  w = sum 2^(xa k2 - oa) ((xa - ca) - (xb - cb)),
+//   KL(P || Q) = E_P[a - b] - log Za + log Zb = K (w / la + (ca - ma) - (cb - mb)) + ln2 (ra - rb) + ln(lb / la),
+// with K = k2 ln 2 (= 1 / T) and ra = ma k2 - oa, rb the scaled maxima's roundings (exact by an FMA). So an offset
+// of either row's logits never enters a rounded term: each logit is taken from a reference near its own row's
+// values (exact), and only then are the two rows' differences subtracted (xa - xb itself is rounded at the offset's
+// size: float32 logits at +-1e4 lost 1e-4 of a KL of ~3 that way). Each entry costs two exponentials and ~15
+// instructions (fast_rows: four exponentials over a row held in a cluster's
 // shared memory, ~27 instructions, issue-bound at ~1.9 x its 2-tensor floor on an H200), one block per row, no
 // shared-memory copy, no cluster: the loads of phase_norms_kernel, which streams at ~4.7 TB/s.
 //
@@ -25,9 +27,9 @@ constexpr int kStreamFwdThreads = 256, kStreamFwdUnroll = 4;
 constexpr float kStreamDirectMin = 1.f / 16;
 
 // A part's (a thread's, a warp's, the block's) sums of one row: the weighting distribution's raw max and sum at
-// its scaled max, the other's, the weighted differences w taken from the part's reference c, and dev, how far the
-// references merged into this part lay from its own (raw, for the trust test).
-struct StreamSums { float ma, la, mb, lb, w, c, dev; };
+// its scaled max, the other's, the weighted differences w taken from the part's references ca, cb, and dev, how
+// far the references merged into this part lay from its own (raw, for the trust test).
+struct StreamSums { float ma, la, mb, lb, w, ca, cb, dev; };
 
 // Two parts combined: each side's sums rescaled to the larger maxima (in scaled units: a side's sum is exact
 // relative to its own scaled_max), its w moved to the reference of the side with mass. A side without mass (la 0)
@@ -39,19 +41,20 @@ __device__ __forceinline__ StreamSums combine_stream(const StreamSums& x, const 
   const float fy = y.la == 0.f ? 0.f : d_exp2(scaled_max(y.ma, k2) - oa);
   const float gx = x.lb == 0.f ? 0.f : d_exp2(scaled_max(x.mb, k2) - ob);
   const float gy = y.lb == 0.f ? 0.f : d_exp2(scaled_max(y.mb, k2) - ob);
-  const float c = x.la != 0.f ? x.c : y.c;
-  const float dev = fmaxf(x.la != 0.f ? x.dev + fabsf(x.c - c) : 0.f, y.la != 0.f ? y.dev + fabsf(y.c - c) : 0.f);
-  const float w = fx * fmaf(x.la, x.c - c, x.w) + fy * fmaf(y.la, y.c - c, y.w);
-  return StreamSums{ga, x.la * fx + y.la * fy, gb, x.lb * gx + y.lb * gy, w, c, dev};
+  const float ca = x.la != 0.f ? x.ca : y.ca, cb = x.la != 0.f ? x.cb : y.cb;
+  const float dx = (x.ca - ca) - (x.cb - cb), dy = (y.ca - ca) - (y.cb - cb);  // (the references' moves)
+  const float dev = fmaxf(x.la != 0.f ? x.dev + fabsf(dx) : 0.f, y.la != 0.f ? y.dev + fabsf(dy) : 0.f);
+  const float w = fx * fmaf(x.la, dx, x.w) + fy * fmaf(y.la, dy, y.w);
+  return StreamSums{ga, x.la * fx + y.la * fy, gb, x.lb * gx + y.lb * gy, w, ca, cb, dev};
 }
 
 __device__ __forceinline__ StreamSums shfl_xor(const StreamSums& v, int o) {
   return StreamSums{shfl_xor(v.ma, o), shfl_xor(v.la, o), shfl_xor(v.mb, o), shfl_xor(v.lb, o),
-                    shfl_xor(v.w, o),  shfl_xor(v.c, o),  shfl_xor(v.dev, o)};
+                    shfl_xor(v.w, o),  shfl_xor(v.ca, o), shfl_xor(v.cb, o), shfl_xor(v.dev, o)};
 }
 
 // A thread's sums after `valid` more chunks of each row (va: the weighting row's, vb: the other's). `first`: the
-// thread's first chunks, whose maxima set its reference c (0 where they are not finite).
+// thread's first chunks, whose maxima set its references ca, cb (0 where they are not finite).
 template <typename T, int U>
 __device__ __forceinline__ void stream_update(const Vec<T> (&va)[U], const Vec<T> (&vb)[U], int valid, bool first,
                                               float k2, StreamSums& r) {
@@ -62,7 +65,10 @@ __device__ __forceinline__ void stream_update(const Vec<T> (&va)[U], const Vec<T
       ga = fmaxf(ga, chunk_max(va[u]));
       gb = fmaxf(gb, chunk_max(vb[u]));
     }
-  if (first) r.c = isfinite(ga - gb) ? ga - gb : 0.f;
+  if (first) {
+    r.ca = isfinite(ga) ? ga : 0.f;
+    r.cb = isfinite(gb) ? gb : 0.f;
+  }
   // (a maximum that grows rescales what is summed so far, as running_norm does; -inf - -inf is never formed)
   if (ga > r.ma) {
     if (r.la != 0.f) {
@@ -91,7 +97,7 @@ __device__ __forceinline__ void stream_update(const Vec<T> (&va)[U], const Vec<T
         sa += ea;
         sb += d_exp2(xb * k2 - ob);
         // (an entry without P's mass adds 0, even where xa - xb is NaN: -inf - -inf, padding)
-        sw = fmaf(ea, fmaxf((xa - xb) - r.c, -std::numeric_limits<float>::max()), sw);
+        sw = fmaf(ea, fmaxf((xa - r.ca) - (xb - r.cb), -std::numeric_limits<float>::max()), sw);
       }
   r.la = part_sum(r.la + sa, oa);  // (a part beyond the offset limit: a stand-in, as running_norm's)
   r.lb = part_sum(r.lb + sb, ob);
@@ -107,7 +113,7 @@ __device__ __forceinline__ float stream_direct_kl(const StreamSums& r, float k2)
   if (!usable_sums) return std::numeric_limits<float>::quiet_NaN();
   const float kk = k2 * static_cast<float>(kLn2);
   const float ra = fmaf(r.ma, k2, -oa), rb = fmaf(r.mb, k2, -ob);  // (exact: the products' roundings)
-  const float mean = kk * (r.w / r.la), shift = kk * (r.c - (r.ma - r.mb));
+  const float mean = kk * (r.w / r.la), shift = kk * ((r.ca - r.ma) - (r.cb - r.mb));
   const float kl = (mean + shift) + (static_cast<float>(kLn2) * (ra - rb) + logf(r.lb / r.la));
   const float largest = fmaxf(fmaxf(fabsf(mean), fabsf(shift)), kk * r.dev);
   return kl >= kStreamDirectMin + 0x1p-10f * largest ? kl : std::numeric_limits<float>::quiet_NaN();
@@ -133,7 +139,7 @@ __global__ void __launch_bounds__(kStreamFwdThreads) stream_forward_kernel(const
   const float k2 = p.k2;
   const int count = static_cast<int>(p.v);
   const int chunks = count / N;
-  StreamSums r{ninf<float>(), 0.f, ninf<float>(), 0.f, 0.f, 0.f, 0.f};
+  StreamSums r{ninf<float>(), 0.f, ninf<float>(), 0.f, 0.f, 0.f, 0.f, 0.f};
   for (int c0 = threadIdx.x; c0 < chunks; c0 += kStreamFwdThreads * U) {
     Vec<T> va[U], vb[U];
     load_chunk_pairs<kStreamFwdThreads>(a, b, c0, chunks, va, vb);

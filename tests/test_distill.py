@@ -805,9 +805,10 @@ def test_forward_alone_one_pass_and_its_second_sum_per_token_cuda(dtype, beta):
         out = K.generalized_jsd(s, t, beta=beta, temperature=temp, labels=lab, reduction="none")
     ref = accurate_kl(s, t, temp, beta).masked_fill(lab == -100, 0.0)
     assert out.dtype == torch.float32 and (out >= 0).all() and out[5] == 0, out
-    err = (out.double() - ref).abs()
+    excess = (out.double() - ref).abs() - 1e-5 * ref
     # (a token's float32 resolution: eps^2 of a squared log ratio, as the forward alone's other tests allow)
-    assert (err <= 1e-5 * ref + torch.finfo(torch.float32).eps ** 2).all(), (err / ref).max()
+    worst = int(excess.argmax())
+    assert excess[worst] <= torch.finfo(torch.float32).eps ** 2, (worst, float(out[worst]), float(ref[worst]))
     one_pass = ref >= 1 / 16  # (the rows the plain form may take; the test holds for both kinds alike)
     assert one_pass.sum() >= 8 and (~one_pass).sum() >= 8  # both sides of the line are in the batch
     loss = K.generalized_jsd(s, t, beta=beta, temperature=temp, labels=lab)  # batchmean
