@@ -10,7 +10,10 @@ the case, then timed (``harness.bench``, with the peak memory a call allocates b
 same cases run at a small size (the CPU twin).
 
 Floors: fwd+bwd reads both logit tensors and writes the student's gradient once (3 tensors); fwd reads both
-(2); topk reads the student's logits and writes their gradient (2; the top-k pair is 0.16% of that).
+(2); topk reads the student's logits and writes their gradient (2; the top-k pair is 0.16% of that). These are
+the goals' floors (``bytes``, ``x_floor``). A masked token's logits need not be read at all (its loss is 0 and its
+gradient zeros, written), and the kernels do not read them, so each row also has the floor of the bytes that must
+move (``moved_bytes``, ``x_floor_moved``: the unmasked rows' reads and every write), which no honest time beats.
 """
 from __future__ import annotations
 
@@ -104,14 +107,18 @@ def _rows(timed, meta_defaults: dict) -> list[dict]:
     return [{**meta_defaults, **r} for r in timed.rename(columns={"provider": "impl"}).to_dict("records")]
 
 
-def _run(providers, reference, case: harness.Case, check_case: harness.Case, nbytes: int, floor, reps: int,
-         setup=None, inference: bool = False) -> list[dict]:
+def _run(providers, reference, case: harness.Case, check_case: harness.Case, nbytes: int, moved: int, floor,
+         reps: int, setup=None, inference: bool = False) -> list[dict]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # peers' warnings
         checked = harness.check(providers, reference, [check_case], setup=setup)
         timed = harness.bench(providers, [case], checked=checked, bytes_moved=lambda *_: nbytes, setup=setup,
                               reps=reps, warmup=3, floor=floor, measure_memory=True, inference_mode=inference)
-    return _rows(timed, {})
+    rows = _rows(timed, {"moved_bytes": moved})
+    for r in rows:  # the floor of the bytes that must move, at the same bandwidth as x_floor's
+        if r.get("x_floor") is not None and r["x_floor"] == r["x_floor"]:
+            r["x_floor_moved"] = r["x_floor"] * nbytes / moved
+    return rows
 
 
 def run(device: str, floor: floors.Floor, reps: int = 10, betas=(0.0, 0.5, 1.0)) -> list[dict]:
@@ -120,6 +127,7 @@ def run(device: str, floor: floors.Floor, reps: int = 10, betas=(0.0, 0.5, 1.0))
     s, t, y, idx, lp = make_inputs(tokens, vocab, device)
     n = CHECK_ROWS
     tensor_bytes = s.numel() * s.element_size()
+    unmasked_bytes = int((y != -100).sum()) * vocab * s.element_size()  # (the rows whose logits must be read)
     base = {"dtype": "bfloat16", "batch": tokens, "features": vocab}
     rows = []
     for beta in betas:
@@ -133,11 +141,13 @@ def run(device: str, floor: floors.Floor, reps: int = 10, betas=(0.0, 0.5, 1.0))
             case = harness.Case(name, (s, t, y), meta)
             small = harness.Case(name, (s[:n], t[:n], y[:n]), meta)
             nbytes = (3 if pass_ == "fwd+bwd" else 2) * tensor_bytes
+            moved = 2 * unmasked_bytes + (tensor_bytes if pass_ == "fwd+bwd" else 0)
             rows += _run(logits_providers(beta, pass_, device), logits_reference(beta, pass_), case, small, nbytes,
-                         floor, reps, setup, inference=pass_ == "fwd")
+                         moved, floor, reps, setup, inference=pass_ == "fwd")
     meta = {**base, "pass": "fwd+bwd", "form": "topk", "beta": 0.0}
     name = f"fwd+bwd topk{idx.shape[-1]} beta=0 {tokens}x{vocab}"
     case = harness.Case(name, (s, idx, lp, y), meta)
     small = harness.Case(name, (s[:n], idx[:n], lp[:n], y[:n]), meta)
-    rows += _run(topk_providers(0.0), topk_reference(0.0), case, small, 2 * tensor_bytes, floor, reps, _fresh_student)
+    rows += _run(topk_providers(0.0), topk_reference(0.0), case, small, 2 * tensor_bytes,
+                 unmasked_bytes + tensor_bytes, floor, reps, _fresh_student)
     return rows

@@ -5,7 +5,7 @@ P1: 16384^2 float32 probabilities, forward; P2: 4096 x 128256 bfloat16 log-proba
 forward + backward; P4: a launch-bound 128 x 4096 forward, end to end from Python; P5: the CPU twin. The
 fraction-of-peak goals hold on any card with a vendor peak (the H100 and H200 are the targets). One more
 goal checks the measurement itself: no row timed with CUDA events may beat the floor (time / floor >= 1.0),
-or the floor is not one.
+or the floor is not one (the floor of the bytes that must move, where a row has one: x_floor_moved).
 
 goals.md beside a bench.csv is derived from it by these functions (``python -m kldiv_inline plot`` redraws it
 with the PNGs), so the verdicts can be re-checked from the committed CSV without a GPU.
@@ -79,17 +79,22 @@ def _number(value) -> float | None:
 def floor_goal(rows: list[dict]) -> dict | None:
     """The lowest time / floor over every row timed with CUDA events (any provider): below 1.0 the floor is
     no floor. Those rows read their inputs from memory (the L2 is flushed before each call); wall-clock rows
-    (the CPU, launch-bound GPU cases) are not flushed, and small inputs may come from a cache faster."""
-    timed = [r for r in rows if r.get("status") == "ok" and r.get("timer") == "cuda"
-             and _number(r.get("x_floor")) is not None]
+    (the CPU, launch-bound GPU cases) are not flushed, and small inputs may come from a cache faster. Where a row
+    has the floor of the bytes that must move (x_floor_moved: the distillation rows, whose masked tokens' logits
+    need not be read), that one: a kernel that skips what it need not read may beat the goals' floor, not this."""
+    def ratio(r):
+        moved = _number(r.get("x_floor_moved"))
+        return moved if moved is not None else _number(r.get("x_floor"))
+
+    timed = [r for r in rows if r.get("status") == "ok" and r.get("timer") == "cuda" and ratio(r) is not None]
     if not timed:
         return None
-    low = min(timed, key=lambda r: _number(r["x_floor"]))
-    value = _number(low["x_floor"])
+    low = min(timed, key=ratio)
+    value = ratio(low)
     case = f"{low['impl']} {low['pass']} {low['form']} {low['dtype']} {low['batch']}x{low['features']}"
     return {"goal": "floor", "case": f"every row timed by CUDA events (lowest: {case})",
-            "target": "time / floor >= 1.0", "value": value, "ours_ms": _number(low["median_ms"]),
-            "met": value >= 1.0}
+            "target": "time / floor >= 1.0", "value": value,
+            "ours_ms": _number(low["median_ms"]), "met": value >= 1.0}
 
 
 def goal_rows(rows: list[dict], device: str, ours: str) -> list[dict]:

@@ -61,6 +61,14 @@ def test_goals_are_evaluated_from_rows():
     beaten = [dict(r, x_floor=0.97) if r["impl"] == "torch_eager" and r["batch"] == 64 else r for r in _fake_rows()]
     floor_goal = {g["goal"]: g for g in bench.goal_rows(beaten, "cuda", "kldiv_inline")}["floor"]
     assert not floor_goal["met"] and floor_goal["value"] == 0.97 and "torch_eager" in floor_goal["case"]
+    # Where a row has the floor of the bytes that must move (masked tokens' logits unread), that one counts: below
+    # the goals' floor but above that one is a kernel skipping what it need not read, below both no floor at all.
+    skips = [dict(r, x_floor=0.95, x_floor_moved=1.04) if r["impl"] == "kldiv_inline" else r for r in _fake_rows()]
+    floor_goal = {g["goal"]: g for g in bench.goal_rows(skips, "cuda", "kldiv_inline")}["floor"]
+    assert floor_goal["met"] and floor_goal["value"] > 1.0
+    under = [dict(r, x_floor=0.95, x_floor_moved=0.99) if r["impl"] == "kldiv_inline" else r for r in _fake_rows()]
+    floor_goal = {g["goal"]: g for g in bench.goal_rows(under, "cuda", "kldiv_inline")}["floor"]
+    assert not floor_goal["met"] and floor_goal["value"] == 0.99
     # "ours" is a parameter: the same rows under another name meet the same goals.
     renamed = {(g["goal"], g["target"]): g["met"] for g in bench.goal_rows(_fake_rows("mine"), "cuda", "mine")}
     assert renamed == {k: g["met"] for k, g in goals.items()}
