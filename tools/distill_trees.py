@@ -14,8 +14,10 @@ KL, the JSD (beta 0.5) and reverse KL, each without a gradient (the forward alon
 training step's kernels, with no autograd around them), the top-k teacher's step (k = 100) and the kernel that
 checks and normalises that teacher first in an eager step (distill_topk_prepare); the median of
 ``--reps`` CUDA-event timings after 3 warm-up calls. Prints one row per case with each tree's medians, in ms, and
-the last tree's change against the first. Checks nothing: run the GPU tests for that
-(`pytest -m gpu tests/test_distill.py`).
+the last tree's change against the first. ``--near SD``: the student is the teacher plus SD times standard normal
+noise (rows that nearly agree, a KL of ~SD^2 / (2 T^2) a token: below the one-pass forward alone's trust line for
+SD <~ 0.7, so its rows take the second sum; kernels/distill_stream_forward.cuh). Checks nothing: run the GPU
+tests for that (`pytest -m gpu tests/test_distill.py`).
 """
 import argparse
 import math
@@ -29,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CASES = [(beta, grad) for beta in (0.0, 0.5, 1.0) for grad in (False, True)]
 
 
-def child(reps: int, spreads: list[float]) -> None:
+def child(reps: int, spreads: list[float], near: float | None) -> None:
     """Times one tree (the one KLDIV_INLINE_KERNELS names): prints `case ms` lines, the cases of each spread."""
     import torch
 
@@ -47,6 +49,8 @@ def child(reps: int, spreads: list[float]) -> None:
         n, v = 4096, 128256
         s = (torch.randn(n, v, device="cuda") * spread).bfloat16()
         t = (torch.randn(n, v, device="cuda") * spread).bfloat16()
+        if near is not None:
+            s = (t.float() + near * torch.randn(n, v, device="cuda")).bfloat16()
         lab = torch.randint(0, 1000, (n,), device="cuda").masked_fill(torch.rand(n, device="cuda") < 0.1, -100)
         lp, idx = torch.log_softmax(t.float() / 2.0, dim=-1).topk(100, dim=-1)
         for beta, grad in CASES:
@@ -76,10 +80,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--spreads", type=float, nargs="+", default=[3.0],
                     help="the logits' standard deviations to time (each a set of cases; the suite's is 2)")
+    ap.add_argument("--near", type=float, default=None,
+                    help="the student as the teacher plus this much noise (rows that nearly agree)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.reps, args.spreads)
+        child(args.reps, args.spreads, args.near)
         return
     if len(args.trees) < 1:
         ap.error("name at least one kernels/ directory")
@@ -94,7 +100,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for tree in args.trees:
             cmd = [sys.executable, __file__, "--child", "--reps", str(args.reps), "--spreads",
-                   *(str(x) for x in args.spreads)]
+                   *(str(x) for x in args.spreads), *(["--near", str(args.near)] if args.near is not None else [])]
             out = subprocess.run(cmd, env=tree_env(tree), capture_output=True, text=True)
             if out.returncode:
                 sys.exit(f"{tree}: {out.stderr[-2000:]}")
