@@ -9,10 +9,12 @@
 // with K = k2 ln 2 (= 1 / T) and ra = ma k2 - oa, rb the scaled maxima's roundings (exact by an FMA). So an offset
 // of either row's logits never enters a rounded term: each logit is taken from a reference near its own row's
 // values (exact), and only then are the two rows' differences subtracted (xa - xb itself is rounded at the offset's
-// size: float32 logits at +-1e4 lost 1e-4 of a KL of ~3 that way). Each entry costs two exponentials and ~15
-// instructions (fast_rows: four exponentials over a row held in a cluster's
-// shared memory, ~27 instructions, issue-bound at ~1.9 x its 2-tensor floor on an H200), one block per row, no
-// shared-memory copy, no cluster: the loads of phase_norms_kernel, which streams at ~4.7 TB/s.
+// size: float32 logits at +-1e4 lost 1e-4 of a KL of ~3 that way). Each entry costs two exponentials and ~19
+// instructions in all (SASS of sm_90, bf16: 13 in the entry's own arithmetic, the rest the chunks' maxima, loads
+// and loop), where fast_rows spends four exponentials and ~27 over a row held in a cluster's shared memory,
+// issue-bound at ~1.9 x its 2-tensor floor on an H200; one block per row, no shared-memory copy, no cluster: the
+// loads of phase_norms_kernel, which streams at ~4.7 TB/s. One H200: 0.44 ms for 4096 x 128256 bf16 rows, from
+// fast_rows' 0.87 (kernels/NOTES.md, version 33).
 //
 // The price is the plain form's cancellation: the three terms are O(1) (the logits' spread over T) and the KL is
 // their difference, good to an absolute ~1e-7-1e-6 (the float sums' rounding), where fast_rows' non-negative
@@ -20,7 +22,7 @@
 // kStreamDirectMin plus 2^-10 of the largest term (rows whose student and teacher nearly agree), or with anything
 // not finite (NaN or infinite logits, -inf holes, a maximum beyond the offset limit), is summed again from device
 // memory with the accurate summands of point_terms at the normalisers this pass found, as the split vocabulary's
-// phases do: such a row costs a second read, every other row one. kernels/NOTES.md, version 33.
+// phases do: such a row costs a second read, every other row one.
 // kStreamForward false: the forward alone stays fast_rows', and this kernel is not instantiated.
 constexpr bool kStreamForward = true;
 constexpr int kStreamFwdThreads = 256, kStreamFwdUnroll = 4;
