@@ -16,10 +16,12 @@
 // loads of phase_norms_kernel, which streams at ~4.7 TB/s. One H200: 0.44 ms for 4096 x 128256 bf16 rows, from
 // fast_rows' 0.87 (kernels/NOTES.md, version 33).
 //
-// The price is the plain form's cancellation: the three terms are O(1) (the logits' spread over T) and the KL is
-// their difference, good to an absolute ~1e-7-1e-6 (the float sums' rounding), where fast_rows' non-negative
-// summands keep ~1e-7 relative however small the KL (distill_common.h). So a row whose result is below
-// kStreamDirectMin plus 2^-10 of the largest term (rows whose student and teacher nearly agree), or with anything
+// The price is the plain form's cancellation: the KL is the difference of terms of the size of the logits' spread
+// over T, each good to ~4e-7 of its size (typical; ~3e-6 at worst: the float sums' ~50 roundings a thread),
+// where fast_rows' non-negative summands keep ~1e-7 relative however small the KL (distill_common.h). So a row is
+// trusted only where its KL is at least kStreamDirectMin times its largest term (and times 1, for terms below 1):
+// there the plain form's error is ~6e-6 of the KL (typical), far less above it. Every other row (student and
+// teacher nearly agree, or a large spread cancels to a small KL), and a row with anything
 // not finite (NaN or infinite logits, -inf holes, a maximum beyond the offset limit), is summed again from device
 // memory with the accurate summands of point_terms at the normalisers this pass found, as the split vocabulary's
 // phases do: such a row costs a second read, every other row one.
@@ -118,7 +120,7 @@ __device__ __forceinline__ float stream_direct_kl(const StreamSums& r, float k2)
   const float mean = kk * (r.w / r.la), shift = kk * ((r.ca - r.ma) - (r.cb - r.mb));
   const float kl = (mean + shift) + (static_cast<float>(kLn2) * (ra - rb) + logf(r.lb / r.la));
   const float largest = fmaxf(fmaxf(fabsf(mean), fabsf(shift)), kk * r.dev);
-  return kl >= kStreamDirectMin + 0x1p-10f * largest ? kl : std::numeric_limits<float>::quiet_NaN();
+  return kl >= kStreamDirectMin * fmaxf(1.f, largest) ? kl : std::numeric_limits<float>::quiet_NaN();
 }
 
 template <typename T, int MODE>

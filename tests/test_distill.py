@@ -781,13 +781,14 @@ def test_forward_alone_long_rows_cuda(dtype, vocab):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=_id)
 @pytest.mark.parametrize("beta", [0.0, 1.0])
-def test_forward_alone_one_pass_and_its_second_sum_per_token_cuda(dtype, beta):
+@pytest.mark.parametrize("temp", [2.0, 0.25])  # (0.25: sharp rows, whose large terms cancel to a small KL)
+def test_forward_alone_one_pass_and_its_second_sum_per_token_cuda(dtype, beta, temp):
     # Forward and reverse KL without a gradient on 16-byte-aligned rows sum each row once in the plain form (three
     # sums, good to ~1e-6 absolute) and trust it only well above what it cancels; rows below that (student and
     # teacher nearly agree, up to an offset too) are summed again with the non-negative summands. One batch of
     # LM-width rows on both sides of that line, each token against float64: the one-pass rows within 1e-5 of their
     # value, every row >= 0, the nearly agreeing ones as accurate as the second sum is.
-    n, v, temp = 32, 32000, 2.0
+    n, v = 32, 32000
     t = logits((n, v), torch.float64, "cpu", scale=3.0)
     noise = torch.randn(n, v, dtype=torch.float64)
     # per row: the student's distance from the teacher (KL ~ sd^2 / (2 T^2) for small sd), and a common offset on
@@ -796,7 +797,7 @@ def test_forward_alone_one_pass_and_its_second_sum_per_token_cuda(dtype, beta):
     sd = torch.tensor([3.0, 2.0, 1.5, 1.0, 0.8, 0.7, 0.6, 0.5, 0.35, 0.25, 0.1, 1e-2, 1e-3, 1e-4, 0.0, 0.0]
                       + [3.0, 2.0, 1.5, 1.0, 0.8, 0.7, 0.6, 0.5] * 2, dtype=torch.float64)
     offset = torch.tensor([0.0] * 16 + [7.3, -250.0, 1e3, 3.0] * 4, dtype=torch.float64)
-    s = t + sd[:, None] * noise + offset[:, None]
+    s = t + sd[:, None] * (temp / 2) * noise + offset[:, None]  # (the same KLs at either temperature)
     s, t = s.to(device="cuda", dtype=dtype), t.to(device="cuda", dtype=dtype)
     lab = torch.full((n,), 7, device="cuda")
     lab[5] = -100  # a masked row among them
