@@ -810,8 +810,11 @@ def test_forward_alone_one_pass_and_its_second_sum_per_token_cuda(dtype, beta, t
     # (a token's float32 resolution: eps^2 of a squared log ratio, as the forward alone's other tests allow)
     worst = int(excess.argmax())
     assert excess[worst] <= torch.finfo(torch.float32).eps ** 2, (worst, float(out[worst]), float(ref[worst]))
-    one_pass = ref >= 1 / 16  # (the rows the plain form may take; the test holds for both kinds alike)
-    assert one_pass.sum() >= 8 and (~one_pass).sum() >= 8  # both sides of the line are in the batch
+    # Both sides of the line are in the batch (the rows the plain form may take; the test holds for both kinds
+    # alike). At T = 0.25 the sharp rows' KLs mostly fall below it (2-7 of 32 above in float64 trials and on an
+    # H200): that temperature checks the line against large terms, T = 2 the one-pass rows (13-19 of 32).
+    one_pass = ref >= 1 / 16
+    assert one_pass.sum() >= (8 if temp == 2.0 else 1) and (~one_pass).sum() >= 8
     loss = K.generalized_jsd(s, t, beta=beta, temperature=temp, labels=lab)  # batchmean
     assert abs(float(loss) - float(ref.sum() / 31)) <= 1e-5 * float(ref.sum() / 31)
 
