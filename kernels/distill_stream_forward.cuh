@@ -33,7 +33,7 @@ constexpr float kStreamDirectMin = 1.f / 16;
 // the block's threads share) in place of its own first chunks' maxima, so that no part's reference differs from
 // another's: no reference moves when parts combine (no rebasing of w), and dev, which weighs in the trust test, is
 // 0. With each thread's own references, an emulation of the suite's rows (spread 2, T = 2) put kk dev / 16 at up
-// to 0.65 of a row's KL, close to sending some of them to the second sum (kernels/NOTES.md, version 33). Not yet
+// to 0.87 of a row's KL, close to sending some of them to the second sum (kernels/NOTES.md, version 33). Not yet
 // measured: false, the kernels compile as before.
 constexpr bool kRowRefs = false;
 
