@@ -679,82 +679,6 @@ topk_prepare_kernel(const int64_t* __restrict__ idx, const A* __restrict__ lp, A
   }
 }
 
-// kWarpPrepare: distill_topk_prepare by topk_prepare_warp_kernel, one warp a row (kPrepThreads / 32 rows a block)
-// with warp reductions and no block barrier, and repeated indices found by a hashed set of each row's indices in
-// shared memory (linear probing, kPrepHash slots, at most half full for k <= kDupCheckMax) in O(k) instead of
-// every pair compared: topk_prepare_kernel took 18-22 us of the top-k teacher's 0.66-ms step at 4096 rows, k =
-// 100, on an H200 (kernels/NOTES.md), one 128-thread block a row comparing ~5000 pairs. The same flags and the
-// same normalised rows, up to the order of the logsumexp's sum (a warp's, not a block's). Not yet measured:
-// false, the kernels compile as before.
-constexpr bool kWarpPrepare = false;
-constexpr int kPrepRows = kPrepThreads / 32;
-constexpr int kPrepHashBits = 9;
-constexpr int kPrepHash = 1 << kPrepHashBits;
-static_assert(kPrepHash >= 2 * kDupCheckMax, "a row's set at most half full");
-
-template <typename A>
-__global__ void __launch_bounds__(kPrepThreads)
-topk_prepare_warp_kernel(const int64_t* __restrict__ idx, const A* __restrict__ lp, A* __restrict__ out, int64_t n,
-                         int64_t k, int64_t vocab, const int64_t* __restrict__ labels, int64_t ignore_index,
-                         double slack_log, bool check_dup, int* __restrict__ flags) {
-  __shared__ unsigned long long set[kPrepRows][kPrepHash];
-  constexpr unsigned long long kFree = ~0ull;  // (-1: out of range, so never inserted)
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kPrepRows + warp;
-  if (row >= n) return;  // (a whole warp: nothing below waits for the block)
-  unsigned long long* hs = set[warp];
-  if (check_dup) {
-    for (int i = lane; i < kPrepHash; i += 32) hs[i] = kFree;
-    __syncwarp();
-  }
-  const int64_t* xi = idx + row * k;
-  const A* li = lp + row * k;
-  const bool whole = k == vocab;
-  A m = ninf<A>();
-  bool nan = false, range = false, dup = false;
-  for (int64_t j = lane; j < k; j += 32) {
-    const A x = li[j];
-    nan = nan || x != x;
-    m = x > m ? x : m;
-    const int64_t v = xi[j];
-    const bool out_of_range = v < 0 || v >= vocab;
-    range = range || out_of_range;
-    if (check_dup && !out_of_range) {  // (an index out of range is the range error's, whatever repeats)
-      const unsigned long long key = static_cast<unsigned long long>(v);
-      unsigned h = static_cast<unsigned>((key * 0x9E3779B97F4A7C15ull) >> (64 - kPrepHashBits));  // Fibonacci hashing
-      for (;;) {  // ends: at most k < kPrepHash keys
-        const unsigned long long was = atomicCAS(hs + h, kFree, key);
-        if (was == kFree) break;
-        if (was == key) {
-          dup = true;
-          break;
-        }
-        h = (h + 1) & (kPrepHash - 1);
-      }
-    }
-  }
-  nan = __any_sync(0xffffffffu, nan);
-  range = __any_sync(0xffffffffu, range);
-  dup = __any_sync(0xffffffffu, dup);
-  m = warp_max(m);
-  A lse = m;  // -inf (no mass) and +inf stay as they are
-  if (nan) {
-    lse = std::numeric_limits<A>::quiet_NaN();
-  } else if (isfinite(m)) {
-    A sum = A(0);
-    for (int64_t j = lane; j < k; j += 32) sum += d_exp(li[j] - m);
-    lse = m + d_log(warp_sum(sum));
-  }
-  const A shift = topk_shift(lse, whole);
-  for (int64_t j = lane; j < k; j += 32) out[row * k + j] = li[j] - shift;
-  if (lane == 0) {
-    if (range) atomicOr(flags + FLAG_RANGE, 1);
-    if (dup) atomicOr(flags + FLAG_DUP, 1);
-    if (!(labels && labels[row] == ignore_index) && topk_bad_mass(lse, whole, slack_log))
-      atomicOr(flags + FLAG_MASS, 1);
-  }
-}
-
 // ------------------------------------------------------------------------------------------- launching
 struct Launch {
   int cluster = 1, threads = 128;
@@ -1198,23 +1122,6 @@ at::Tensor distill_reduction_scale(const at::Tensor& rows, const c10::optional<a
   return inv;
 }
 
-// distill_topk_prepare's kernel (a template, so that the kernel kWarpPrepare does not pick is not instantiated).
-template <typename A>
-void launch_topk_prepare(const at::Tensor& idx, const at::Tensor& lp, at::Tensor& out, int64_t vocab,
-                         const int64_t* labels, int64_t ignore_index, double slack_log, at::Tensor& flags,
-                         cudaStream_t stream) {
-  const int64_t n = idx.size(0), k = idx.size(1);
-  if constexpr (kWarpPrepare)
-    topk_prepare_warp_kernel<A><<<static_cast<unsigned>((n + kPrepRows - 1) / kPrepRows), kPrepThreads, 0, stream>>>(
-        idx.data_ptr<int64_t>(), lp.data_ptr<A>(), out.data_ptr<A>(), n, k, vocab, labels, ignore_index, slack_log,
-        k <= kDupCheckMax, flags.data_ptr<int>());
-  else
-    topk_prepare_kernel<A><<<static_cast<unsigned>(n), kPrepThreads, 0, stream>>>(
-        idx.data_ptr<int64_t>(), lp.data_ptr<A>(), out.data_ptr<A>(), k, vocab, labels, ignore_index, slack_log,
-        k <= kDupCheckMax, flags.data_ptr<int>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Tensor& lp, int64_t vocab,
                                              const c10::optional<at::Tensor>& labels, int64_t ignore_index,
                                              double slack_log) {
@@ -1230,8 +1137,11 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
   if (n == 0) return {out, flags};
   TORCH_CHECK(n < (int64_t(1) << 31), "distill: too many rows for one launch");
   AT_DISPATCH_FLOATING_TYPES(lp.scalar_type(), "distill_topk_prepare", [&] {
-    launch_topk_prepare<scalar_t>(idx, lp, out, vocab, labels.has_value() ? labels->data_ptr<int64_t>() : nullptr,
-                                  ignore_index, slack_log, flags, stream);
+    topk_prepare_kernel<scalar_t><<<static_cast<unsigned>(n), kPrepThreads, 0, stream>>>(
+        idx.data_ptr<int64_t>(), lp.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), k, vocab,
+        labels.has_value() ? labels->data_ptr<int64_t>() : nullptr, ignore_index, slack_log, k <= kDupCheckMax,
+        flags.data_ptr<int>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   if (k > kDupCheckMax) {  // rows too long to compare every pair in shared memory: sorted
     const at::Tensor srt = std::get<0>(idx.sort(1));

@@ -858,8 +858,8 @@ def test_topk_long_rows_cuda(beta):
     assert_close(gs, rs, GRAD_TOL[torch.bfloat16], "grad")
 
 
-# k = 300: above the CUDA preparation kernel's pair check (k <= 256), repeats found by sorting; k = 100: several
-# indices a lane where a warp prepares a row (kWarpPrepare), a repeat across lanes and one within a lane
+# k = 300: above the CUDA preparation kernel's pair check (k <= 256), repeats found by sorting; k = 100: a repeat
+# 99 entries apart and one 32 apart (one lane's two, were a warp to take a row)
 @pytest.mark.parametrize("vocab,k", [(10, 3), (1000, 100), (400, 300)])
 @pytest.mark.parametrize("grad", [False, True])
 def test_topk_bad_indices_raise(device, vocab, k, grad):
