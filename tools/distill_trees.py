@@ -47,9 +47,9 @@ def child(reps: int, spreads: list[float], near: float | None) -> None:
     def time_spread(spread: float, tag: str) -> None:  # (its tensors freed on return)
         torch.manual_seed(1)
         n, v = 4096, 128256
-        s = (torch.randn(n, v, device="cuda") * spread).bfloat16()
+        s = (torch.randn(n, v, device="cuda") * spread).bfloat16() if near is None else None
         t = (torch.randn(n, v, device="cuda") * spread).bfloat16()
-        if near is not None:
+        if near is not None:  # (drawn after t: the default cases keep their inputs)
             s = (t.float() + near * torch.randn(n, v, device="cuda")).bfloat16()
         lab = torch.randint(0, 1000, (n,), device="cuda").masked_fill(torch.rand(n, device="cuda") < 0.1, -100)
         lp, idx = torch.log_softmax(t.float() / 2.0, dim=-1).topk(100, dim=-1)
