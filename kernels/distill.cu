@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <type_traits>
@@ -740,8 +741,9 @@ void prepare_kernel(const void* kernel, size_t smem, bool big_cluster) {
   }
 }
 
+// params2: a kernel's second parameter (the split's PeerRows), or none.
 template <typename Kernel> void launch_rows(Kernel kernel, const Launch& l, int64_t n, const void* params,
-                                            cudaStream_t stream) {
+                                            cudaStream_t stream, const void* params2 = nullptr) {
   prepare_kernel(reinterpret_cast<const void*>(kernel), l.smem, l.cluster > 8);
   const int64_t blocks = n * l.cluster;
   TORCH_CHECK(blocks < (int64_t(1) << 31), "distill: too many rows for one launch");
@@ -757,7 +759,7 @@ template <typename Kernel> void launch_rows(Kernel kernel, const Launch& l, int6
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  void* args[] = {const_cast<void*>(params)};
+  void* args[] = {const_cast<void*>(params), const_cast<void*>(params2)};
   C10_CUDA_CHECK(cudaLaunchKernelExC(&cfg, reinterpret_cast<const void*>(kernel), args));
 }
 
@@ -891,7 +893,7 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (!topk) {
-      fast_rows_total_kernel<<<static_cast<unsigned>((n + 7) / 8), 256, 0, stream>>>(
+      fast_rows_total_kernel<><<<static_cast<unsigned>((n + 7) / 8), 256, 0, stream>>>(
           partial.data_ptr<float>(), n, per_row, rows_loss.data_ptr<float>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
@@ -915,6 +917,36 @@ void launch_fast_phase(int mode, int phase, bool grad, int64_t n, const Params<T
             <<<static_cast<unsigned>(n), kStreamThreads, 0, stream>>>(p);
       });
     }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+// The split's one-read kernel for forward KL (distill_fast.cuh's split_rows kernels; distill_peer.cuh): each row's
+// slice kept in shared memory while the ranks exchange the normalisers, then its terms and the student's gradient;
+// its rows' losses into column 0 of terms [n, 3] (zeroed: forward KL has no K sums).
+template <typename T, typename A>
+void launch_split_rows(const Launch& plan, bool want_student, int64_t n, Params<T, A> p, const PeerRows& pr,
+                       at::Tensor& terms, cudaStream_t stream) {
+  if constexpr (std::is_same<A, double>::value) {
+    TORCH_CHECK(false, "distill: no peer exchange for float64 logits");  // distill_peer_terms refuses them first
+  } else {
+    Launch l = plan;
+    l.threads = sizeof(T) == 2 && want_student ? kNarrowThreads : kFastThreads;  // as launch_fast's forward KL
+    p.staged = staged_copy();
+    const int per_row = l.cluster * (l.threads / 32);
+    at::Tensor partial = at::empty({n * per_row}, terms.options());
+    p.out = partial.data_ptr<float>();
+    if constexpr (sizeof(T) == 2) {
+      if (want_student) launch_rows(split_rows_kernel_narrow<T>, l, n, &p, stream, &pr);
+      else launch_rows(split_rows_kernel_16<T, false>, l, n, &p, stream, &pr);
+    } else {
+      if (want_student) launch_rows(split_rows_kernel<T, true>, l, n, &p, stream, &pr);
+      else launch_rows(split_rows_kernel<T, false>, l, n, &p, stream, &pr);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    C10_CUDA_CHECK(cudaMemsetAsync(terms.data_ptr<float>(), 0, static_cast<size_t>(n) * 3 * sizeof(float), stream));
+    fast_rows_total_kernel<3><<<static_cast<unsigned>((n + 7) / 8), 256, 0, stream>>>(partial.data_ptr<float>(), n,
+                                                                                      per_row, terms.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
@@ -1211,6 +1243,108 @@ at::Tensor distill_topk_slice_grad(const at::Tensor& student, const at::Tensor& 
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return grad;
+}
+
+// ------------------------------------------------------------------ peer memory (distill_peer.cuh)
+std::vector<at::Tensor> distill_peer_alloc(int64_t bytes, int64_t device) {
+  TORCH_CHECK(bytes > 0 && bytes % 8 == 0, "distill: a peer buffer's size must be a positive multiple of 8 bytes");
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  void* ptr = nullptr;
+  C10_CUDA_CHECK(cudaMalloc(&ptr, static_cast<size_t>(bytes)));
+  C10_CUDA_CHECK(cudaMemset(ptr, 0, static_cast<size_t>(bytes)));
+  C10_CUDA_CHECK(cudaDeviceSynchronize());  // zero before any rank can map it (set-up only)
+  cudaIpcMemHandle_t h;
+  C10_CUDA_CHECK(cudaIpcGetMemHandle(&h, ptr));
+  at::Tensor handle = at::empty({static_cast<int64_t>(sizeof(h))}, at::TensorOptions().dtype(at::kByte));
+  std::memcpy(handle.data_ptr<uint8_t>(), &h, sizeof(h));
+  at::Tensor address =
+      at::full({1}, static_cast<int64_t>(reinterpret_cast<intptr_t>(ptr)), at::TensorOptions().dtype(at::kLong));
+  return {handle, address};
+}
+
+int64_t distill_peer_map(const at::Tensor& handle, int64_t device) {
+  cudaIpcMemHandle_t h;
+  TORCH_CHECK(!handle.is_cuda() && handle.scalar_type() == at::kByte && handle.is_contiguous() &&
+                  handle.numel() == static_cast<int64_t>(sizeof(h)),
+              "distill: a peer buffer's handle is ", sizeof(h), " bytes on the CPU (distill_peer_alloc's)");
+  std::memcpy(&h, handle.data_ptr<uint8_t>(), sizeof(h));
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  void* ptr = nullptr;
+  if (cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) {
+    (void)cudaGetLastError();  // not an error of the stream's work: this GPU cannot map it (the caller falls back)
+    return 0;
+  }
+  return static_cast<int64_t>(reinterpret_cast<intptr_t>(ptr));
+}
+
+std::vector<at::Tensor> distill_peer_terms(const at::Tensor& student, const at::Tensor& teacher,
+                                           const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
+                                           double temperature, const at::Tensor& scale, bool want_student,
+                                           bool want_teacher, const c10::optional<at::Tensor>& grad_student_out,
+                                           const at::Tensor& peers, const at::Tensor& epoch, int64_t rank,
+                                           int64_t cap) {
+  check_device(student);
+  check_scalars(beta, temperature, RED_SUM);
+  const Rows r = prepare_rows(student, teacher, c10::nullopt, c10::nullopt, labels);
+  const int64_t world = peers.numel();
+  TORCH_CHECK(peers.device() == r.s.device() && peers.scalar_type() == at::kLong && peers.dim() == 1 &&
+                  peers.is_contiguous() && world >= 1 && world <= kMaxPeers && rank >= 0 && rank < world,
+              "distill: peers must be 1 to ", kMaxPeers, " buffer addresses (int64, on the logits' device), rank ",
+              "one of them");
+  TORCH_CHECK(epoch.device() == r.s.device() && epoch.scalar_type() == at::kInt && epoch.numel() == 1,
+              "distill: the peer call counter is one int32 on the logits' device");
+  TORCH_CHECK(r.n <= cap, "distill: ", r.n, " rows, more than the peer buffers hold (", cap, ")");
+  TORCH_CHECK(acc_type(r.s.scalar_type()) == at::kFloat,
+              "distill: the peer exchange is for 16-bit and float32 "
+              "logits (float64's normalisers are exchanged by all-gather)");
+  PeerRows pr{};
+  pr.slots = reinterpret_cast<const long long*>(peers.data_ptr<int64_t>());
+  pr.epoch = reinterpret_cast<const unsigned*>(epoch.data_ptr<int>());
+  pr.world = static_cast<int>(world);
+  pr.rank = static_cast<int>(rank);
+  pr.cap = cap;
+  const c10::cuda::CUDAGuard guard(student.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  peer_bump_kernel<<<1, 1, 0, stream>>>(reinterpret_cast<unsigned*>(epoch.data_ptr<int>()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int mode = mode_of(beta);
+  std::vector<at::Tensor> result;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.s.scalar_type(), "distill_peer_terms", [&] {
+    using T = scalar_t;
+    using A = typename AccOf<T>::type;
+    const Launch l = plan_launch(r.v, 2 * sizeof(T), false);
+    const at::Tensor given = want_student && grad_student_out.has_value() ? *grad_student_out : at::Tensor();
+    if (mode == FORWARD_KL && !want_teacher && fast_path_ok(r, l, given, false)) {  // one read of the logits
+      at::Tensor gs = want_student ? grad_buffer(grad_student_out, r) : at::Tensor();
+      check_in_place(gs, r, l);
+      at::Tensor terms = at::empty({r.n, 3}, r.s.options().dtype(at::kFloat));
+      if (r.n > 0) {
+        Params<T, A> p = base_params<T, A>(r, ignore_index, beta, temperature, l);
+        p.gs = want_student ? gs.data_ptr<T>() : nullptr;
+        p.gs_stride = want_student ? gs.stride(0) : 0;
+        p.scale_dev = want_student ? device_scale(scale, r) : nullptr;
+        launch_split_rows(l, want_student, r.n, p, pr, terms, stream);
+      }
+      result = {terms, at::Tensor(), gs, at::Tensor()};
+      return;
+    }
+    // Phase 0, the exchange alone, phase 1 (the same records and combination as the one-read kernel's ranks)
+    const at::Tensor local = distill_phase(PHASE_NORMS, student, teacher, labels, ignore_index, beta, temperature,
+                                           c10::nullopt, c10::nullopt, c10::nullopt, false, false, c10::nullopt)[0];
+    at::Tensor norms = at::empty({r.n, 4}, local.options());
+    if (r.n > 0) {
+      peer_norms_kernel<<<static_cast<unsigned>((r.n + 127) / 128), 128, 0, stream>>>(
+          reinterpret_cast<const float4*>(local.data_ptr<float>()), pr,
+          r.labels.defined() ? r.labels.data_ptr<int64_t>() : nullptr, ignore_index, r.n,
+          reinterpret_cast<float4*>(norms.data_ptr<float>()));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    std::vector<at::Tensor> ph =
+        distill_phase(PHASE_TERMS, student, teacher, labels, ignore_index, beta, temperature, norms, c10::nullopt,
+                      scale, want_student, want_teacher, grad_student_out);
+    result = {ph[0], norms, ph[1], ph[2]};
+  });
+  return result;
 }
 
 bool distill_in_place_ok(int64_t vocab, int64_t element_size, bool topk) {

@@ -17,6 +17,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("want_teacher"), py::arg("grad_student_out") = py::none());
   m.def("distill_combine", &distill_combine, "the ranks' gathered per-row statistics combined in rank order",
         py::arg("parts"), py::arg("reduction"), py::arg("scale") = py::none());
+  m.def("distill_peer_alloc", &distill_peer_alloc, "a zeroed peer buffer: its IPC handle and address", py::arg("bytes"),
+        py::arg("device"));
+  m.def("distill_peer_map", &distill_peer_map, "another process's peer buffer mapped here (0: cannot)",
+        py::arg("handle"), py::arg("device"));
+  m.def("distill_peer_terms", &distill_peer_terms, "a split's phases 0 and 1, normalisers exchanged in peer memory",
+        py::arg("student"), py::arg("teacher"), py::arg("labels"), py::arg("ignore_index"), py::arg("beta"),
+        py::arg("temperature"), py::arg("scale"), py::arg("want_student"), py::arg("want_teacher"),
+        py::arg("grad_student_out"), py::arg("peers"), py::arg("epoch"), py::arg("rank"), py::arg("cap"));
   m.def("distill_reduction_scale", &distill_reduction_scale, "a reduction's divisor's reciprocal, on the device",
         py::arg("rows"), py::arg("labels"), py::arg("ignore_index"), py::arg("reduction"));
   m.def("distill_in_place_ok", &distill_in_place_ok, "whether d logits may be written over the logits",

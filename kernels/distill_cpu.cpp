@@ -405,6 +405,23 @@ std::vector<at::Tensor> distill_combine(const at::Tensor& parts, int64_t reducti
   return result;
 }
 
+// Peer memory is GPU memory that other processes map: nothing of it on the CPU (vocab_parallel.py's CPU ranks
+// exchange the normalisers by all-gather).
+std::vector<at::Tensor> distill_peer_alloc(int64_t, int64_t) {
+  TORCH_CHECK(false, "distill (cpu backend): peer buffers are CUDA memory; CPU ranks exchange by all-gather");
+}
+
+int64_t distill_peer_map(const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "distill (cpu backend): peer buffers are CUDA memory; CPU ranks exchange by all-gather");
+}
+
+std::vector<at::Tensor> distill_peer_terms(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                                           int64_t, double, double, const at::Tensor&, bool, bool,
+                                           const c10::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+                                           int64_t, int64_t) {
+  TORCH_CHECK(false, "distill (cpu backend): peer buffers are CUDA memory; CPU ranks exchange by all-gather");
+}
+
 at::Tensor distill_reduction_scale(const at::Tensor& rows, const c10::optional<at::Tensor>& labels,
                                    int64_t ignore_index, int64_t reduction) {
   check_device(rows);

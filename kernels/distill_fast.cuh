@@ -19,6 +19,8 @@
 // At the end, the split vocabulary's kernels, which keep nothing on chip: phase_norms_kernel (phase 0, the rows'
 // normalisers) and phase_stream_kernel (phases 1 and 2).
 
+#include "distill_peer.cuh"  // (PeerRows: fast_rows' SPLIT instances wait for the other ranks' normalisers)
+
 constexpr int kFastThreads = 256;
 constexpr int kFastWarps = kFastThreads / 32;
 // fast_rows' training instances that need ks (reverse KL, the JSD; 16-bit logits) in blocks of kNarrowThreads
@@ -263,8 +265,11 @@ struct FoldSum {
 // phase_stream_kernel, below: fast_rows' phases, which copied the slices into shared memory too, were slower;
 // kernels/NOTES.md, version 14.)
 // THREADS: the block's threads (kFastThreads, or kNarrowThreads for the instances kNarrowKsBlocks names).
-template <typename T, int MODE, bool GRAD, int THREADS = kFastThreads>
-__device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
+// SPLIT (forward KL only): this device holds a slice of every row, and the cluster's normalisers of its slice are
+// exchanged with the other ranks' through peer memory (*pr; distill_peer.cuh) before the terms: the row's slice
+// stays in shared memory across the wait, so a split reads its logits once, and every rank's loss is its slice's.
+template <typename T, int MODE, bool GRAD, int THREADS = kFastThreads, bool SPLIT = false>
+__device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerRows* pr = nullptr) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();
 #else
@@ -279,6 +284,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
   // its forward alone -1.4%) and the JSD's training rows (-1.4%). Reverse KL (its step +1.1%, its forward alone
   // -0.7%) and the JSD's forward alone (+1.3%) keep the one-level exchanges.
   constexpr bool TWO_LEVEL = kTwoLevelExchange && (MODE == FORWARD_KL || (MODE == JSD && GRAD));
+  static_assert(!SPLIT || (MODE == FORWARD_KL && TWO_LEVEL), "the split's one-read kernel is forward KL's");
   constexpr int SLOTS = TWO_LEVEL ? WARPS + 1 : WARPS;  // a record a warp (and the block's: cluster_fold)
   __shared__ float4 slot_norms[SLOTS];
   __shared__ float slot_ks[SLOTS];
@@ -362,8 +368,16 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p) {
       const float4 r =
           cluster_fold<WARPS>(cluster, slot_norms, make_float4(mx[0], sm[0], mx[1], sm[1]),
                               make_float4(ninf<float>(), 0.f, ninf<float>(), 0.f), ranks, lane, warp, FoldPairs{});
-      norm[0] = usable(Norm<float>{r.x, d_log2(r.y)});
-      norm[1] = usable(Norm<float>{r.z, d_log2(r.w)});
+      if constexpr (SPLIT) {  // this slice's record, as phase_norms_kernel writes it, for the ranks' combination
+        __shared__ float4 peer_recs[kMaxPeers + 1];
+        const float4 w =
+            peer_exchange_block(*pr, sl.row, make_float4(r.x, d_log2(r.y), r.z, d_log2(r.w)), sl.rank == 0, peer_recs);
+        norm[0] = Norm<float>{w.x, w.y};  // (peer_combine's, usable already)
+        norm[1] = Norm<float>{w.z, w.w};
+      } else {
+        norm[0] = usable(Norm<float>{r.x, d_log2(r.y)});
+        norm[1] = usable(Norm<float>{r.z, d_log2(r.w)});
+      }
     } else {
       if (lane == 0) slot_norms[warp] = make_float4(mx[0], sm[0], mx[1], sm[1]);
       cluster_arrive();
@@ -675,7 +689,25 @@ __global__ void __launch_bounds__(kNarrowThreads, 7) fast_rows_kernel_narrow(con
   fast_rows<T, MODE, true, kNarrowThreads>(p);
 }
 
+// The split's one-read kernels (SPLIT; forward KL, distill_peer_terms): as fast_rows_kernel_narrow (16-bit training
+// rows), fast_rows_kernel_16 (16-bit, no gradient) and fast_rows_kernel (float32).
+template <typename T>
+__global__ void __launch_bounds__(kNarrowThreads, 7)
+    split_rows_kernel_narrow(const Params<T, float> p, const PeerRows pr) {
+  fast_rows<T, FORWARD_KL, true, kNarrowThreads, true>(p, &pr);
+}
+template <typename T, bool GRAD>
+__global__ void __maxnreg__(32) split_rows_kernel_16(const Params<T, float> p, const PeerRows pr) {
+  fast_rows<T, FORWARD_KL, GRAD, kFastThreads, true>(p, &pr);
+}
+template <typename T, bool GRAD>
+__global__ void __launch_bounds__(kFastThreads) split_rows_kernel(const Params<T, float> p, const PeerRows pr) {
+  fast_rows<T, FORWARD_KL, GRAD, kFastThreads, true>(p, &pr);
+}
+
 // A row's loss from its blocks' warps' partial sums, in a fixed order: one warp per row.
+// STRIDE: the rows' losses' spacing in `rows` (3: column 0 of the split's [n, 3] terms).
+template <int STRIDE = 1>
 __global__ void __launch_bounds__(256) fast_rows_total_kernel(const float* __restrict__ partial, int64_t n, int per_row,
                                               float* __restrict__ rows) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
@@ -684,7 +716,7 @@ __global__ void __launch_bounds__(256) fast_rows_total_kernel(const float* __res
   float s = 0.f;
   for (int i = lane; i < per_row; i += 32) s += partial[row * per_row + i];
   s = warp_sum(s);
-  if (lane == 0) rows[row] = s;
+  if (lane == 0) rows[row * STRIDE] = s;
 }
 
 // A thread's next U 16-byte chunks of two rows (c0, c0 + STRIDE, ..., those below `chunks`; the rest are left

@@ -18,6 +18,14 @@ collectives run on the current stream (NCCL on GPUs, gloo on CPUs) and nothing w
 divisor is counted from the labels on the device. As in the one-device op, the forward pass writes the
 gradients (of the reduced loss) and backward only rescales them by grad_output, with no communication.
 
+On the GPUs of one machine that can map each other's memory, the rows' normalisers go through peer memory
+instead of the first all-gather (the module's distill_peer_terms; kernels/distill_peer.cuh has the protocol):
+forward KL without a teacher's gradient then runs one kernel that keeps each row's slice on chip while the ranks'
+normalisers meet, so each rank reads its logits once, where the phases read them twice; other calls run phase 0,
+the exchange alone, then phase 1. The buffers are set up on a call's first use (one all-gather of their handles,
+which the host waits for) and grow with the rows; KLDIV_DISTILL_PEER=0 (the same on every rank) keeps the
+all-gathers, to compare.
+
 A top-k teacher (global indices) takes another route (topk_rows): the student's normalisers (phase 0), one
 all-gather of each token's k + 1 bucket values, and the one-device kernel over the buckets on every rank; its
 indices are checked against the whole vocabulary, whose layout (the ranks' slice widths, one small all-gather a
@@ -30,7 +38,9 @@ for a top-k teacher).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -64,6 +74,67 @@ def _sum_in_rank_order(parts: Tensor) -> Tensor:
     return total
 
 
+# ------------------------------------------------------------------------------------------- peer memory
+_MAX_PEERS = 8  # ranks one exchange serves (kernels/distill_peer.cuh's kMaxPeers)
+_PEER_ROWS_MIN = 4096  # rows a first buffer holds (it grows to the next power of two above a call's rows)
+_PEER_SLOT_BYTES = 32  # a rank's record of a row: four floats, each in a 64-bit word with the call's counter
+
+
+@dataclass
+class _Peers:
+    slots: Tensor  # int64 [world] on the device: every rank's buffer as this process maps it
+    epoch: Tensor  # int32 [1] on the device: this rank's count of exchanging calls
+    rank: int
+    cap: int  # rows each buffer holds
+
+
+# By (group, device): the peer buffers, or False where some rank's GPU cannot map another's (all-gathers then).
+_PEERS: dict[tuple, _Peers | bool] = {}
+
+
+def _peer_route(student: Tensor, group) -> _Peers | None:
+    """The peer buffers for this call, set up or grown now if needed, or None for the all-gathers. Every rank of
+    the group decides alike: each input to the decision (device type, dtype, the variable, the group's size, the
+    rows, the buffers' state, a capture in progress) is the same on every rank of a collective call."""
+    if student.device.type != "cuda" or student.dtype == torch.float64:  # float64's records do not fit a word
+        return None
+    if os.environ.get("KLDIV_DISTILL_PEER", "1") == "0":
+        return None
+    world = dist.get_world_size(group)
+    if world > _MAX_PEERS:
+        return None
+    key = (group_name(group, "generalized_jsd"), str(student.device))
+    known = _PEERS.get(key)
+    if known is False:
+        return None
+    n = student.shape[0]
+    if known is not None and known.cap >= n:
+        return known
+    if torch.cuda.is_current_stream_capturing():  # setting up waits for the host: not inside a capture
+        return None
+    return _setup_peers(key, student.device, group, n)
+
+
+def _setup_peers(key: tuple, device: torch.device, group, n: int) -> _Peers | None:
+    """Every rank's buffer for ``n`` rows or more, mapped into every rank (collective: two small all-gathers, which
+    the host waits for). A rank that cannot map another's buffer makes every rank fall back, for good."""
+    mod = distill._module(device)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    cap = max(_PEER_ROWS_MIN, 1 << max(0, n - 1).bit_length())
+    handle, address = mod.distill_peer_alloc(2 * world * cap * _PEER_SLOT_BYTES, device.index)
+    handles = _all_gather(handle.to(device).view(1, -1), group).cpu()  # [world, 1, 64]
+    addresses = [int(address) if j == rank else mod.distill_peer_map(handles[j].flatten().contiguous(), device.index)
+                 for j in range(world)]
+    mapped = torch.full((1, 1), int(all(a != 0 for a in addresses)), dtype=torch.int64, device=device)
+    if not bool(_all_gather(mapped, group).min()):
+        _PEERS[key] = False
+        return None
+    peers = _Peers(slots=torch.tensor(addresses, dtype=torch.int64, device=device),
+                   epoch=torch.zeros(1, dtype=torch.int32, device=device), rank=rank, cap=cap)
+    _PEERS[key] = peers
+    return peers
+
+
 def _needs_phase2(beta: float, want_s: bool, want_t: bool) -> bool:
     """Whether some wanted gradient needs the rows' K sums (the student's unless forward KL, the teacher's unless
     reverse KL)."""
@@ -81,14 +152,22 @@ def divergence_rows(student: Tensor, teacher: Tensor, labels: Tensor | None, ign
     the step waited on the host, 1.5 ms of host time against 0.8 ms of kernels on two H200s."""
     mod = distill._module(student.device)
     common = (labels, ignore_index, beta, temperature)
-    local_norms = mod.distill_phase(0, student, teacher, *common, None, None, None, False, False)[0]
-    if scale is None:  # after phase 0's launch: the host's time before the first kernel is the step's latency
-        scale = mod.distill_reduction_scale(student, labels, ignore_index, reduction)
-    norms = mod.distill_combine(_all_gather(local_norms, group), 0)[0]
-    terms, gs, gt = mod.distill_phase(1, student, teacher, *common, norms, None, scale, want_s, want_t,
-                                      grad_student_out)
+    peers = _peer_route(student, group)
+    if peers is not None:  # the normalisers through peer memory (and forward KL's logits read once)
+        if scale is None:
+            scale = mod.distill_reduction_scale(student, labels, ignore_index, reduction)
+        terms, norms, gs, gt = mod.distill_peer_terms(student, teacher, *common, scale, want_s, want_t,
+                                                      grad_student_out, peers.slots, peers.epoch, peers.rank,
+                                                      peers.cap)
+    else:
+        local_norms = mod.distill_phase(0, student, teacher, *common, None, None, None, False, False)[0]
+        if scale is None:  # after phase 0's launch: the host's time before the first kernel is the step's latency
+            scale = mod.distill_reduction_scale(student, labels, ignore_index, reduction)
+        norms = mod.distill_combine(_all_gather(local_norms, group), 0)[0]
+        terms, gs, gt = mod.distill_phase(1, student, teacher, *common, norms, None, scale, want_s, want_t,
+                                          grad_student_out)
     ksums, loss = mod.distill_combine(_all_gather(terms, group), reduction, scale)
-    if _needs_phase2(beta, want_s, want_t):
+    if _needs_phase2(beta, want_s, want_t):  # (never after the one-read kernel: forward KL, the student's only)
         _, gs2, gt2 = mod.distill_phase(2, student, teacher, *common, norms, ksums, scale, want_s, want_t,
                                         grad_student_out)
         gs = gs if gs is not None else gs2

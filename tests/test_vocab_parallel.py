@@ -459,7 +459,48 @@ def _gpu_body(rank, world, device, seed):
     for beta in (0.0, 0.5, 1.0):  # a served teacher's top 64 over a real vocabulary
         _topk_case(rank, device, group, gen, widths=(64128, 64128), k=64, lead=(40,), dtype=torch.bfloat16, beta=beta)
     _graph_case(rank, device, group, gen, widths=(3001, 77))  # rows off the 16-byte grid: rows_kernel's phases
-    _graph_case(rank, device, group, gen, widths=(4096, 4096))  # aligned: phase_norms_kernel, phase_stream_kernel
+    _graph_case(rank, device, group, gen, widths=(4096, 4096))  # aligned: forward KL's one-read kernel, the phases
+    _peer_cases(rank, device, group, gen)
+
+
+def _peer_cases(rank, device, group, gen):
+    """The normalisers through peer memory (vocab_parallel's peer route, which the cases above took too): the two
+    local forms meeting in one call (rank 0's slice aligned and on chip: the one-read kernel; rank 1's off the
+    16-byte grid: phase 0, the exchange alone, phase 1), per token; a slice of padding; the forward alone; and the
+    one-read kernel seen running."""
+    from kldiv_inline import vocab_parallel
+    for dtype in (torch.bfloat16, torch.float32):
+        for reduction in ("batchmean", "none"):
+            _one_case(rank, device, group, gen, widths=(64128, 3001), lead=(33,), dtype=dtype, beta=0.0,
+                      reduction=reduction)
+        _one_case(rank, device, group, gen, widths=(4096, 4096), lead=(17,), dtype=dtype, beta=0.0, pad_rank=1,
+                  reduction="none")
+        for widths in ((64128, 64128), (64128, 3001)):
+            _forward_alone_case(rank, device, group, gen, widths=widths, dtype=dtype)
+    assert any(isinstance(p, vocab_parallel._Peers) for p in vocab_parallel._PEERS.values()), \
+        "the two GPUs never took the peer route"
+    s = _logits((33, 64128), torch.bfloat16, device, gen).requires_grad_()
+    t = _logits((33, 64128), torch.bfloat16, device, gen)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        K.generalized_jsd(s, t, beta=0.0, group=group).backward()
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events()}
+    assert any("split_rows_kernel" in n for n in names), sorted(names)
+
+
+def _forward_alone_case(rank, device, group, gen, *, widths, dtype, lead=(21,)):
+    """Forward KL without gradients, per token and batchmean, against the one-process op."""
+    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
+    vocab = sum(widths)
+    s, t = _logits(lead + (vocab,), dtype, device, gen), _logits(lead + (vocab,), dtype, device, gen)
+    lab = torch.randint(0, vocab, lead, generator=gen).to(device).masked_fill_(
+        torch.rand(lead, generator=gen).to(device) < 0.3, -100)
+    with torch.no_grad():
+        for reduction in ("none", "batchmean"):
+            kw = dict(beta=0.0, temperature=1.5, labels=lab, reduction=reduction)
+            ref = K.generalized_jsd(s, t, **kw)
+            out = K.generalized_jsd(s[..., lo:hi], t[..., lo:hi], group=group, **kw)
+            _close(out, ref, TOL[dtype], f"forward alone {dtype} widths={widths} {reduction}")
 
 
 def _graph_case(rank, device, group, gen, *, widths, lead=(33,)):

@@ -1,0 +1,151 @@
+// The rows' normalisers exchanged through peer memory, for a vocabulary split across the GPUs of one machine
+// (included by distill_fast.cuh, inside distill.cu; not a standalone header). vocab_parallel.py sets it up.
+//
+// Why: split, each rank must know every row's normalisers over the whole vocabulary before any term or gradient,
+// and through torch.distributed that is a collective between two kernels: every rank reads its slices twice
+// (once for the normalisers, once for the terms and gradients) and the host queues two kernels and a collective
+// where one device queues one kernel. With the records exchanged through memory that the ranks' GPUs map from
+// each other, a kernel can wait for the other ranks' records of a row itself: fast_rows keeps its slice of the row
+// in shared memory across the wait (one read of the logits), and a rank whose slices do not fit its fast kernel
+// runs phase 0, then peer_norms_kernel (the exchange alone, in place of the collective), then phase 1.
+//
+// The protocol. Every rank holds a buffer of 64-bit words, slots[2][world][cap][4]; rank j's record of row i in
+// call e, the (max, log2 sum) pairs of its slice (phase_norms_kernel's four floats), goes into slots[e & 1][j][i]
+// of every rank's buffer (its own included), each float in one 64-bit store with e in its upper half. A reader
+// polls its own buffer until all four words of every rank's record carry e: a 64-bit aligned store and load are
+// single-copy atomic, so a word that carries e carries this call's value, and no fence orders one word against
+// another. Then every rank combines the same records in rank order (combine_norm, as distill_combine does after
+// an all-gather): the same bits on every rank. e is a per-rank counter on the device, bumped by a one-thread
+// kernel before each exchanging call (so a replayed CUDA graph counts its calls too); every rank makes the same
+// calls, so the counters agree. Two parities: a rank may start call e + 1 while another still reads call e's
+// records, never call e + 2 (the call's loss all-gather sits between, and it waits for every rank's kernel of
+// call e + 1, which follows its kernel of call e).
+//
+// A rank that never publishes (another rank raised before its kernel, or called with other rows) would leave the
+// waiting kernel spinning: after kPeerTimeoutNs it prints which rank and row it waited for and traps (the CUDA
+// context is lost, so the process fails loudly rather than hanging).
+
+#pragma once
+
+constexpr int kMaxPeers = 8;                                          // ranks an exchange serves (vocab_parallel.py)
+constexpr unsigned long long kPeerTimeoutNs = 60ull * 1000000000ull;  // a minute, as the tests' collective timeout
+
+struct PeerRows {
+  // [world] on the device: rank r's buffer's address as this process maps it (its own at rank). In device memory,
+  // not in the kernel's parameters: a parameter array indexed by the lane is copied to the stack first.
+  const long long* slots;
+  const unsigned* epoch;  // this rank's call counter, on its device
+  int world, rank;
+  int64_t cap;  // rows a buffer holds
+};
+
+// The word index of rank `from`'s record of `row` in call e, in any rank's buffer.
+__device__ __forceinline__ int64_t peer_slot(const PeerRows& pr, unsigned e, int from, int64_t row) {
+  return ((static_cast<int64_t>(e & 1u) * pr.world + from) * pr.cap + row) * 4;
+}
+
+__device__ __forceinline__ void peer_store(unsigned long long* at, float v, unsigned e) {
+  const unsigned long long w = (static_cast<unsigned long long>(e) << 32) | __float_as_uint(v);
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(at), "l"(w) : "memory");
+}
+__device__ __forceinline__ unsigned long long peer_load(const unsigned long long* at) {
+  unsigned long long w;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(w) : "l"(at) : "memory");
+  return w;
+}
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// This rank's record of `row` into every rank's buffer.
+__device__ __forceinline__ void peer_publish(const PeerRows& pr, unsigned e, int64_t row, float4 rec, int to) {
+  unsigned long long* at = reinterpret_cast<unsigned long long*>(pr.slots[to]) + peer_slot(pr, e, pr.rank, row);
+  peer_store(at, rec.x, e);
+  peer_store(at + 1, rec.y, e);
+  peer_store(at + 2, rec.z, e);
+  peer_store(at + 3, rec.w, e);
+}
+
+// Out of line, so that the message's code stays out of the waiting loop's kernels.
+__device__ __noinline__ void peer_timeout(int rank, int from, int64_t row, unsigned e) {
+  printf(
+      "kldiv_inline distill: rank %d waited %llu s for rank %d's normalisers of row %lld (call %u): a rank did "
+      "not make the same call\n",
+      rank, kPeerTimeoutNs / 1000000000ull, from, static_cast<long long>(row), e);
+  __trap();
+}
+
+// Rank `from`'s record of `row` in call e, from this rank's buffer once it has arrived.
+__device__ __forceinline__ float4 peer_wait(const PeerRows& pr, unsigned e, int64_t row, int from) {
+  const unsigned long long* at =
+      reinterpret_cast<const unsigned long long*>(pr.slots[pr.rank]) + peer_slot(pr, e, from, row);
+  unsigned long long w[4];
+  const unsigned long long t0 = global_ns();
+  for (unsigned spin = 0;; ++spin) {
+    bool all = true;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      w[q] = peer_load(at + q);
+      all = all && static_cast<unsigned>(w[q] >> 32) == e;
+    }
+    if (all) break;
+    if ((spin & 1023u) == 1023u && global_ns() - t0 > kPeerTimeoutNs) peer_timeout(pr.rank, from, row, e);
+  }
+  return make_float4(__uint_as_float(static_cast<unsigned>(w[0])), __uint_as_float(static_cast<unsigned>(w[1])),
+                     __uint_as_float(static_cast<unsigned>(w[2])), __uint_as_float(static_cast<unsigned>(w[3])));
+}
+
+// The whole row's normalisers from the ranks' records recs[0 .. world) (each phase_norms_kernel's four floats), in
+// rank order: combine_row_norms' arithmetic, so the same bits as the all-gather route's distill_combine.
+__device__ __forceinline__ float4 peer_combine(const float4* recs, int world) {
+  const float* parts = reinterpret_cast<const float*>(recs);
+  const Norm<float> s = usable(combine_norm(parts, 4, world));
+  const Norm<float> t = usable(combine_norm(parts + 2, 4, world));
+  return make_float4(s.mx, s.lz, t.mx, t.lz);
+}
+
+// The counter of exchanging calls, bumped before each (0 is skipped: a zeroed buffer's words carry it).
+__global__ void peer_bump_kernel(unsigned* epoch) {
+  const unsigned e = epoch[0] + 1u;
+  epoch[0] = e == 0u ? 1u : e;
+}
+
+// The exchange alone, one thread a row, for a rank whose phase 0 wrote its records (local [n, 4]): out [n, 4] the
+// rows' normalisers over the whole vocabulary, as distill_combine's. Masked rows exchange nothing (every rank
+// masks the same rows) and get phase 0's no-mass record.
+__global__ void __launch_bounds__(
+    128) peer_norms_kernel(const float4* __restrict__ local, const PeerRows pr,
+                                          const int64_t* __restrict__ labels, int64_t ignore_index, int64_t n,
+                                          float4* __restrict__ out) {
+  const int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (row >= n) return;
+  if (labels && labels[row] == ignore_index) {
+    out[row] = make_float4(ninf<float>(), ninf<float>(), ninf<float>(), ninf<float>());
+    return;
+  }
+  const unsigned e = *pr.epoch;
+  const float4 mine = local[row];
+  for (int j = 0; j < pr.world; ++j) peer_publish(pr, e, row, mine, j);
+  float4 recs[kMaxPeers];
+  for (int j = 0; j < pr.world; ++j) recs[j] = peer_wait(pr, e, row, j);
+  out[row] = peer_combine(recs, pr.world);
+}
+
+// fast_rows' exchange (SPLIT): the cluster's record of this slice (`mine`, the same in every block) published by
+// warp 0 of the cluster's first block, every block's warp 0 waiting for the ranks' records (lane j rank j's), lane
+// 0 combining them; the result reaches the block's warps through `recs[kMaxPeers]` and a block barrier.
+__device__ __forceinline__ float4 peer_exchange_block(const PeerRows& pr, int64_t row, float4 mine, bool publisher,
+                                                      float4 (&recs)[kMaxPeers + 1]) {
+  if (threadIdx.x < 32) {
+    const int lane = static_cast<int>(threadIdx.x);
+    const unsigned e = *pr.epoch;
+    if (publisher && lane < pr.world) peer_publish(pr, e, row, mine, lane);
+    if (lane < pr.world) recs[lane] = peer_wait(pr, e, row, lane);
+    __syncwarp();
+    if (lane == 0) recs[kMaxPeers] = peer_combine(recs, pr.world);
+  }
+  __syncthreads();
+  return recs[kMaxPeers];
+}
