@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 # NVLink multicast off in every process this launches (before NCCL starts).
@@ -205,7 +206,7 @@ def _part(prob: Problem, grads: tuple, split_by_me: bool) -> list[torch.Tensor]:
             for i, g in zip(prob.grads, grads)]
 
 
-def run_beta(args, prob: Problem, beta: float, device: str, rank: int, world: int) -> list[dict]:
+def run_beta(args, prob: Problem, beta: float, device: str, rank: int, world: int, progress) -> list[dict]:
     group = dist.group.WORLD
     provs = [(*p, False) for p in providers(prob, beta, args.temperature, group, world)]
     if args.graph and device == "cuda" and prob.form == "logits":
@@ -247,6 +248,7 @@ def run_beta(args, prob: Problem, beta: float, device: str, rank: int, world: in
                 gbps = per_gpu_bytes / med / 1e6
                 row.update(bytes=per_gpu_bytes, gbps=gbps, pct_of_peak=100 * gbps / peak if peak else None)
         rows.append(row)
+        progress(row)
     return rows
 
 
@@ -287,15 +289,27 @@ def main(argv=None) -> int:
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         rows = []
+        out = Path(args.out) if args.out else (Path(args.results) / f"{envinfo.device_slug(device)}-x{world}"
+                                               / "bench.csv")
+        start, done = time.monotonic(), []
+
+        def progress(row):
+            """Rank 0: a line a row as it is done, and the CSV so far (a run cut short keeps what it measured;
+            env.json comes with the whole run only)."""
+            if rank != 0:
+                return
+            print(f"[{time.monotonic() - start:6.0f} s] {row['form']} beta={row['beta']} {row['impl']} world "
+                  f"{row['world']}: {row.get('median_ms', float('nan')):.4f} ms, {row['status'][:60]}", flush=True)
+            done.append(row)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            pd.DataFrame(done).reindex(columns=COLUMNS + EXTRA_COLUMNS).to_csv(out, index=False)
+
         for form in args.forms:
             prob = Problem(form, args, device, rank, world)
             for beta in (float(b) for b in args.betas.split(",")):
-                rows += run_beta(args, prob, beta, device, rank, world)
+                rows += run_beta(args, prob, beta, device, rank, world, progress)
             del prob
         if rank == 0:
-            out = Path(args.out) if args.out else (Path(args.results) / f"{envinfo.device_slug(device)}-x{world}"
-                                                   / "bench.csv")
-            out.parent.mkdir(parents=True, exist_ok=True)
             pd.DataFrame(rows).reindex(columns=COLUMNS + EXTRA_COLUMNS).to_csv(out, index=False)
             envinfo.write_env(out.parent, device, {
                 "world": world, "command": f"torchrun --nproc-per-node {world} tools/bench_vocab_parallel.py "
