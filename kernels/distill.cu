@@ -921,27 +921,36 @@ void launch_fast_phase(int mode, int phase, bool grad, int64_t n, const Params<T
   }
 }
 
-// The split's one-read kernel for forward KL (distill_fast.cuh's split_rows kernels; distill_peer.cuh): each row's
-// slice kept in shared memory while the ranks exchange the normalisers, then its terms and the student's gradient;
-// its rows' losses into column 0 of terms [n, 3] (zeroed: forward KL has no K sums).
+// The split's one-read kernels (distill_fast.cuh's split_rows kernels; distill_peer.cuh): each row's slice kept
+// in shared memory while the ranks exchange the normalisers, then its terms and the student's gradient. Forward
+// KL: its rows' losses into column 0 of terms [n, 3] (zeroed: forward KL has no K sums), for stage 1. The JSD's
+// training rows exchange their sums in the kernel (stages 1 and 2) and write the rows' losses into rows_loss.
 template <typename T, typename A>
-void launch_split_rows(const Launch& plan, bool want_student, int64_t n, Params<T, A> p, const PeerRows& pr,
-                       at::Tensor& terms, cudaStream_t stream) {
+void launch_split_rows(const Launch& plan, int mode, bool want_student, int64_t n, Params<T, A> p, PeerRows pr,
+                       at::Tensor& terms, at::Tensor& rows_loss, cudaStream_t stream) {
   if constexpr (std::is_same<A, double>::value) {
     TORCH_CHECK(false, "distill: no peer exchange for float64 logits");  // distill_peer_terms refuses them first
   } else {
     Launch l = plan;
-    l.threads = sizeof(T) == 2 && want_student ? kNarrowThreads : kFastThreads;  // as launch_fast's forward KL
+    l.threads = sizeof(T) == 2 && want_student ? kNarrowThreads : kFastThreads;  // as launch_fast's
     p.staged = staged_copy();
     const int per_row = l.cluster * (l.threads / 32);
-    at::Tensor partial = at::empty({n * per_row}, terms.options());
+    at::Tensor partial = at::empty({n * per_row}, rows_loss.options());  // the warps' losses
     p.out = partial.data_ptr<float>();
+    pr.rows_loss = rows_loss.data_ptr<float>();
+    if (mode == JSD) {
+      TORCH_CHECK(want_student, "distill: the JSD's one-read kernel is its training rows'");
+      if constexpr (sizeof(T) == 2) launch_rows(split_rows_kernel_narrow<T, JSD>, l, n, &p, stream, &pr);
+      else launch_rows(split_rows_kernel<T, JSD, true>, l, n, &p, stream, &pr);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
     if constexpr (sizeof(T) == 2) {
-      if (want_student) launch_rows(split_rows_kernel_narrow<T>, l, n, &p, stream, &pr);
+      if (want_student) launch_rows(split_rows_kernel_narrow<T, FORWARD_KL>, l, n, &p, stream, &pr);
       else launch_rows(split_rows_kernel_16<T, false>, l, n, &p, stream, &pr);
     } else {
-      if (want_student) launch_rows(split_rows_kernel<T, true>, l, n, &p, stream, &pr);
-      else launch_rows(split_rows_kernel<T, false>, l, n, &p, stream, &pr);
+      if (want_student) launch_rows(split_rows_kernel<T, FORWARD_KL, true>, l, n, &p, stream, &pr);
+      else launch_rows(split_rows_kernel<T, FORWARD_KL, false>, l, n, &p, stream, &pr);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     C10_CUDA_CHECK(cudaMemsetAsync(terms.data_ptr<float>(), 0, static_cast<size_t>(n) * 3 * sizeof(float), stream));
@@ -949,6 +958,16 @@ void launch_split_rows(const Launch& plan, bool want_student, int64_t n, Params<
                                                                                       per_row, terms.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+}
+
+// Stage 1 (and 2) of the split's peer exchange from this rank's terms [n, 3]: the rows' losses and (ks, kt).
+void peer_terms(const at::Tensor& terms, const PeerRows& pr, const Rows& r, int64_t ignore_index, bool series_round,
+                at::Tensor& rows_loss, at::Tensor& ksums, cudaStream_t stream) {
+  if (r.n == 0) return;
+  peer_terms_kernel<<<static_cast<unsigned>((r.n + 127) / 128), 128, 0, stream>>>(
+      terms.data_ptr<float>(), pr, r.labels.defined() ? r.labels.data_ptr<int64_t>() : nullptr, ignore_index, r.n,
+      series_round, rows_loss.data_ptr<float>(), ksums.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void check_device(const at::Tensor& x) {
@@ -1279,12 +1298,12 @@ int64_t distill_peer_map(const at::Tensor& handle, int64_t device) {
 
 std::vector<at::Tensor> distill_peer_terms(const at::Tensor& student, const at::Tensor& teacher,
                                            const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
-                                           double temperature, const at::Tensor& scale, bool want_student,
-                                           bool want_teacher, const c10::optional<at::Tensor>& grad_student_out,
-                                           const at::Tensor& peers, const at::Tensor& epoch, int64_t rank,
-                                           int64_t cap) {
+                                           double temperature, int64_t reduction, const at::Tensor& scale,
+                                           bool want_student, bool want_teacher,
+                                           const c10::optional<at::Tensor>& grad_student_out, const at::Tensor& peers,
+                                           const at::Tensor& epoch, int64_t rank, int64_t cap) {
   check_device(student);
-  check_scalars(beta, temperature, RED_SUM);
+  check_scalars(beta, temperature, reduction);
   const Rows r = prepare_rows(student, teacher, c10::nullopt, c10::nullopt, labels);
   const int64_t world = peers.numel();
   TORCH_CHECK(peers.device() == r.s.device() && peers.scalar_type() == at::kLong && peers.dim() == 1 &&
@@ -1308,27 +1327,40 @@ std::vector<at::Tensor> distill_peer_terms(const at::Tensor& student, const at::
   peer_bump_kernel<<<1, 1, 0, stream>>>(reinterpret_cast<unsigned*>(epoch.data_ptr<int>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int mode = mode_of(beta);
-  std::vector<at::Tensor> result;
+  // The JSD's 16-bit training rows may be summed again with the series (stage 2): every rank of the call takes
+  // that round alike, whichever local form its slices take (the condition is the same on every rank).
+  const bool series_round = mode == JSD && r.s.element_size() == 2 && want_student && !want_teacher;
+  at::Tensor rows_loss = at::empty({r.n}, r.s.options().dtype(at::kFloat));
+  at::Tensor ksums = at::empty({r.n, 2}, rows_loss.options());
+  std::vector<at::Tensor> result;  // {norms or undefined, gs, gt}
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.s.scalar_type(), "distill_peer_terms", [&] {
     using T = scalar_t;
     using A = typename AccOf<T>::type;
     const Launch l = plan_launch(r.v, 2 * sizeof(T), false);
     const at::Tensor given = want_student && grad_student_out.has_value() ? *grad_student_out : at::Tensor();
-    if (mode == FORWARD_KL && !want_teacher && fast_path_ok(r, l, given, false)) {  // one read of the logits
+    // One read of the logits: forward KL, and the JSD's training rows (which exchange their sums in the kernel)
+    const bool one_read = mode == FORWARD_KL || (mode == JSD && want_student);
+    if (one_read && !want_teacher && fast_path_ok(r, l, given, false)) {
       at::Tensor gs = want_student ? grad_buffer(grad_student_out, r) : at::Tensor();
       check_in_place(gs, r, l);
-      at::Tensor terms = at::empty({r.n, 3}, r.s.options().dtype(at::kFloat));
+      at::Tensor terms;  // forward KL's: this slice's terms, for stage 1
+      if (mode == FORWARD_KL) terms = at::empty({r.n, 3}, rows_loss.options());
       if (r.n > 0) {
         Params<T, A> p = base_params<T, A>(r, ignore_index, beta, temperature, l);
         p.gs = want_student ? gs.data_ptr<T>() : nullptr;
         p.gs_stride = want_student ? gs.stride(0) : 0;
         p.scale_dev = want_student ? device_scale(scale, r) : nullptr;
-        launch_split_rows(l, want_student, r.n, p, pr, terms, stream);
+        launch_split_rows(l, mode, want_student, r.n, p, pr, terms, rows_loss, stream);
       }
-      result = {terms, at::Tensor(), gs, at::Tensor()};
+      if (mode == FORWARD_KL) {
+        peer_terms(terms, pr, r, ignore_index, false, rows_loss, ksums, stream);
+      } else {  // the kernel's stages 1 and 2 gave it the rows' losses; no phase 2 needs the K sums
+        C10_CUDA_CHECK(cudaMemsetAsync(ksums.data_ptr<float>(), 0, ksums.numel() * sizeof(float), stream));
+      }
+      result = {at::Tensor(), gs, at::Tensor()};
       return;
     }
-    // Phase 0, the exchange alone, phase 1 (the same records and combination as the one-read kernel's ranks)
+    // Phase 0, the exchange alone, phase 1, stage 1 (the same records and combinations as a one-read rank's)
     const at::Tensor local = distill_phase(PHASE_NORMS, student, teacher, labels, ignore_index, beta, temperature,
                                            c10::nullopt, c10::nullopt, c10::nullopt, false, false, c10::nullopt)[0];
     at::Tensor norms = at::empty({r.n, 4}, local.options());
@@ -1342,9 +1374,17 @@ std::vector<at::Tensor> distill_peer_terms(const at::Tensor& student, const at::
     std::vector<at::Tensor> ph =
         distill_phase(PHASE_TERMS, student, teacher, labels, ignore_index, beta, temperature, norms, c10::nullopt,
                       scale, want_student, want_teacher, grad_student_out);
-    result = {ph[0], norms, ph[1], ph[2]};
+    peer_terms(ph[0], pr, r, ignore_index, series_round, rows_loss, ksums, stream);
+    result = {norms, ph[1], ph[2]};
   });
-  return result;
+  at::Tensor loss = rows_loss;
+  if (reduction != RED_NONE) {
+    loss = at::empty({}, rows_loss.options());
+    total_kernel<float>
+        <<<1, 1024, 0, stream>>>(rows_loss.data_ptr<float>(), r.n, device_scale(scale, r), 1.0, loss.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return {loss, ksums, result[0], result[1], result[2]};
 }
 
 bool distill_in_place_ok(int64_t vocab, int64_t element_size, bool topk) {

@@ -61,19 +61,21 @@ std::vector<at::Tensor> distill_peer_alloc(int64_t bytes, int64_t device);
 // distill_peer_map: another process's buffer (its distill_peer_alloc handle) mapped on `device`: its address
 // here, or 0 where this GPU cannot map it (no peer access between the two GPUs; the caller takes the all-gathers).
 int64_t distill_peer_map(const at::Tensor& handle, int64_t device);
-// distill_peer_terms: phases 0 and 1 of a split with the rows' normalisers exchanged through the peer buffers
-// instead of an all-gather (every rank of the group calls it for the same rows): peers int64 [world] on the
-// logits' device, every rank's buffer as this process maps it (its own at `rank`), each holding slots for `cap` rows;
-// epoch one int32 on the logits' device, this rank's call counter (zero at first). 16-bit and float32 logits. Returns
-// {[n, 3] this slice's (loss, ks, kt), [n, 4] the rows' normalisers or undefined, the student's gradient or
-// undefined, the teacher's or undefined}: as distill_phase 1's, after the normalisers. Forward KL without a
-// teacher's gradient, on rows the fast kernel takes, runs one kernel that reads the logits once (its normalisers
-// stay undefined: no phase 2 needs them); any other call runs phase 0, the exchange, then phase 1.
+// distill_peer_terms: phases 0 and 1 of a split with the rows' statistics exchanged through the peer buffers
+// instead of all-gathers (every rank of the group calls it for the same rows): peers int64 [world] on the
+// logits' device, every rank's buffer as this process maps it (its own at `rank`), each holding slots for `cap`
+// rows; epoch one int32 on the logits' device, this rank's call counter (zero at first). 16-bit and float32
+// logits. Returns {the loss (as distill_combine's: [n] for reduction none, else 0-d, the rows' sum times scale),
+// [n, 2] the rows' (ks, kt), [n, 4] the rows' normalisers or undefined, the student's gradient or undefined, the
+// teacher's or undefined}: distill_phase 1's gradients, and distill_combine's results after it. Forward KL
+// without a teacher's gradient, on rows the fast kernel takes, runs one kernel that reads the logits once (its
+// normalisers stay undefined: no phase 2 needs them); any other call runs phase 0, the exchange, then phase 1.
 std::vector<at::Tensor> distill_peer_terms(const at::Tensor& student, const at::Tensor& teacher,
                                            const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
-                                           double temperature, const at::Tensor& scale, bool want_student,
-                                           bool want_teacher, const c10::optional<at::Tensor>& grad_student_out,
-                                           const at::Tensor& peers, const at::Tensor& epoch, int64_t rank, int64_t cap);
+                                           double temperature, int64_t reduction, const at::Tensor& scale,
+                                           bool want_student, bool want_teacher,
+                                           const c10::optional<at::Tensor>& grad_student_out, const at::Tensor& peers,
+                                           const at::Tensor& epoch, int64_t rank, int64_t cap);
 
 // A reduction's divisor's reciprocal as a 0-d float64 tensor on the device of rows [n, ...]: for batchmean 1 /
 // the rows whose label is not ignore_index (all n without labels; 0 when none is), else 1. Counted on the device:

@@ -21,9 +21,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("device"));
   m.def("distill_peer_map", &distill_peer_map, "another process's peer buffer mapped here (0: cannot)",
         py::arg("handle"), py::arg("device"));
-  m.def("distill_peer_terms", &distill_peer_terms, "a split's phases 0 and 1, normalisers exchanged in peer memory",
-        py::arg("student"), py::arg("teacher"), py::arg("labels"), py::arg("ignore_index"), py::arg("beta"),
-        py::arg("temperature"), py::arg("scale"), py::arg("want_student"), py::arg("want_teacher"),
+  m.def("distill_peer_terms", &distill_peer_terms,
+        "a split's phases 0 and 1 and its rows' statistics, exchanged in peer memory", py::arg("student"),
+        py::arg("teacher"), py::arg("labels"), py::arg("ignore_index"), py::arg("beta"), py::arg("temperature"),
+        py::arg("reduction"), py::arg("scale"), py::arg("want_student"), py::arg("want_teacher"),
         py::arg("grad_student_out"), py::arg("peers"), py::arg("epoch"), py::arg("rank"), py::arg("cap"));
   m.def("distill_reduction_scale", &distill_reduction_scale, "a reduction's divisor's reciprocal, on the device",
         py::arg("rows"), py::arg("labels"), py::arg("ignore_index"), py::arg("reduction"));

@@ -416,7 +416,7 @@ int64_t distill_peer_map(const at::Tensor&, int64_t) {
 }
 
 std::vector<at::Tensor> distill_peer_terms(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
-                                           int64_t, double, double, const at::Tensor&, bool, bool,
+                                           int64_t, double, double, int64_t, const at::Tensor&, bool, bool,
                                            const c10::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
                                            int64_t, int64_t) {
   TORCH_CHECK(false, "distill (cpu backend): peer buffers are CUDA memory; CPU ranks exchange by all-gather");

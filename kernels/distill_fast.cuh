@@ -265,9 +265,12 @@ struct FoldSum {
 // phase_stream_kernel, below: fast_rows' phases, which copied the slices into shared memory too, were slower;
 // kernels/NOTES.md, version 14.)
 // THREADS: the block's threads (kFastThreads, or kNarrowThreads for the instances kNarrowKsBlocks names).
-// SPLIT (forward KL only): this device holds a slice of every row, and the cluster's normalisers of its slice are
-// exchanged with the other ranks' through peer memory (*pr; distill_peer.cuh) before the terms: the row's slice
-// stays in shared memory across the wait, so a split reads its logits once, and every rank's loss is its slice's.
+// SPLIT (forward KL, the JSD's training rows): this device holds a slice of every row, and the cluster's
+// normalisers of its slice are exchanged with the other ranks' through peer memory (*pr; distill_peer.cuh) before
+// the terms: the row's slice stays in shared memory across the wait, so a split reads its logits once. Forward
+// KL's warps' losses are its slice's (stage 1 follows in peer_terms_kernel); the JSD exchanges its slice's
+// (loss, ks) too (stage 1; stage 2 where the row is summed again with the series) before the gradient needs ks,
+// and writes the row's loss over the whole vocabulary into pr->rows_loss.
 template <typename T, int MODE, bool GRAD, int THREADS = kFastThreads, bool SPLIT = false>
 __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerRows* pr = nullptr) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -284,8 +287,12 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   // its forward alone -1.4%) and the JSD's training rows (-1.4%). Reverse KL (its step +1.1%, its forward alone
   // -0.7%) and the JSD's forward alone (+1.3%) keep the one-level exchanges.
   constexpr bool TWO_LEVEL = kTwoLevelExchange && (MODE == FORWARD_KL || (MODE == JSD && GRAD));
-  static_assert(!SPLIT || (MODE == FORWARD_KL && TWO_LEVEL), "the split's one-read kernel is forward KL's");
+  static_assert(!SPLIT || (TWO_LEVEL && (MODE == FORWARD_KL || GRAD)),
+                "the split's one-read kernels: forward KL, "
+                "the JSD's training rows");
+  __shared__ float4 peer_recs[kMaxPeers + 1];  // SPLIT: the ranks' records (unused, so not allocated, elsewhere)
   constexpr int SLOTS = TWO_LEVEL ? WARPS + 1 : WARPS;  // a record a warp (and the block's: cluster_fold)
+  __shared__ float2 slot_split[SLOTS];                  // SPLIT: float32 JSD's (ks, loss) cluster fold
   __shared__ float4 slot_norms[SLOTS];
   __shared__ float slot_ks[SLOTS];
   __shared__ float bcast[4];
@@ -301,6 +308,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   if (p.labels && p.labels[sl.row] == p.ignore_index) {  // masked: zeros, and no barrier (the cluster agrees)
     if (GRAD) zero_slice<THREADS>(gs, count);
     if (threadIdx.x < WARPS) partial[threadIdx.x] = 0.f;
+    if (SPLIT && MODE == JSD && sl.rank == 0 && threadIdx.x == 0) pr->rows_loss[sl.row] = 0.f;
     return;
   }
 
@@ -369,9 +377,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
           cluster_fold<WARPS>(cluster, slot_norms, make_float4(mx[0], sm[0], mx[1], sm[1]),
                               make_float4(ninf<float>(), 0.f, ninf<float>(), 0.f), ranks, lane, warp, FoldPairs{});
       if constexpr (SPLIT) {  // this slice's record, as phase_norms_kernel writes it, for the ranks' combination
-        __shared__ float4 peer_recs[kMaxPeers + 1];
-        const float4 w =
-            peer_exchange_block(*pr, sl.row, make_float4(r.x, d_log2(r.y), r.z, d_log2(r.w)), sl.rank == 0, peer_recs);
+        const float4 w = peer_exchange_block(*pr, 0, sl.row, make_float4(r.x, d_log2(r.y), r.z, d_log2(r.w)),
+                                             sl.rank == 0, peer_recs, PeerNorms{});
         norm[0] = Norm<float>{w.x, w.y};  // (peer_combine's, usable already)
         norm[1] = Norm<float>{w.z, w.w};
       } else {
@@ -537,7 +544,14 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
     if (lane == 0) partial[warp] = loss;
     if (KS && !JSD_DIRECT) {
       const float k = warp_sum(acc.ks);
-      if constexpr (TWO_LEVEL) {
+      if constexpr (SPLIT) {  // float32's JSD: the slice's (ks, loss), then the ranks' (stage 1)
+        const float2 v = cluster_fold<WARPS>(cluster, slot_split, make_float2(k, loss), make_float2(0.f, 0.f), ranks,
+                                             lane, warp, FoldSum{});
+        const float4 w =
+            peer_exchange_block(*pr, 1, sl.row, make_float4(v.y, v.x, 0.f, 0.f), sl.rank == 0, peer_recs, PeerSums{});
+        ks = w.y;
+        if (sl.rank == 0 && threadIdx.x == 0) pr->rows_loss[sl.row] = w.x;
+      } else if constexpr (TWO_LEVEL) {
         ks = cluster_fold<WARPS>(cluster, slot_ks, k, 0.f, ranks, lane, warp, FoldSum{});
       } else {
         if (lane == 0) slot_ks[warp] = k;
@@ -589,6 +603,17 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
         const float w = 1.f - p.c.beta;
         sums.x = w > 0.f ? sums.x / w : 0.f;  // (beta rounded to 1 in float32: no student gradient, ks unused)
       }
+      // SPLIT: the ranks' (loss, ks) records of their slices combined, at stage 1 (then 2 after the series)
+      auto over_ranks = [&](int stage, float2 v) {
+        if constexpr (SPLIT) {
+          const float4 w = peer_exchange_block(*pr, stage, sl.row, make_float4(v.y, v.x, 0.f, 0.f), sl.rank == 0,
+                                               peer_recs, PeerSums{});
+          return make_float2(w.y, w.x);
+        } else {
+          return v;
+        }
+      };
+      sums = over_ranks(1, sums);
       if (!(sums.y >= static_cast<float>(kJsdDirectMin))) {  // the row again, with the series
         Terms<float> exact{0.f, 0.f, 0.f};
         if constexpr (KEEP_US) {  // the teacher's logits from device memory (shared memory holds u_s now)
@@ -635,9 +660,10 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
         }
         const float loss2 = warp_sum(exact.loss);
         if (lane == 0) partial[warp] = loss2;
-        sums = row_sums(slot_kl[1], warp_sum(exact.ks), loss2);
+        sums = over_ranks(2, row_sums(slot_kl[1], warp_sum(exact.ks), loss2));
       }
       ks = sums.x;
+      if (SPLIT && sl.rank == 0 && threadIdx.x == 0) pr->rows_loss[sl.row] = sums.y;
       arrive_to_leave(sums.x + sums.y);
     }
   }
@@ -689,23 +715,23 @@ __global__ void __launch_bounds__(kNarrowThreads, 7) fast_rows_kernel_narrow(con
   fast_rows<T, MODE, true, kNarrowThreads>(p);
 }
 
-// The split's one-read kernels (SPLIT; forward KL, distill_peer_terms): as fast_rows_kernel_narrow (16-bit training
-// rows), fast_rows_kernel_16 (16-bit, no gradient) and fast_rows_kernel (float32).
-template <typename T>
+// The split's one-read kernels (SPLIT; forward KL and the JSD's training rows, distill_peer_terms): as
+// fast_rows_kernel_narrow (16-bit training rows), fast_rows_kernel_16 (16-bit forward KL, no gradient) and
+// fast_rows_kernel (float32).
+template <typename T, int MODE>
 __global__ void __launch_bounds__(kNarrowThreads, 7)
     split_rows_kernel_narrow(const Params<T, float> p, const PeerRows pr) {
-  fast_rows<T, FORWARD_KL, true, kNarrowThreads, true>(p, &pr);
+  fast_rows<T, MODE, true, kNarrowThreads, true>(p, &pr);
 }
 template <typename T, bool GRAD>
 __global__ void __maxnreg__(32) split_rows_kernel_16(const Params<T, float> p, const PeerRows pr) {
   fast_rows<T, FORWARD_KL, GRAD, kFastThreads, true>(p, &pr);
 }
-template <typename T, bool GRAD>
+template <typename T, int MODE, bool GRAD>
 __global__ void __launch_bounds__(kFastThreads) split_rows_kernel(const Params<T, float> p, const PeerRows pr) {
-  fast_rows<T, FORWARD_KL, GRAD, kFastThreads, true>(p, &pr);
+  fast_rows<T, MODE, GRAD, kFastThreads, true>(p, &pr);
 }
 
-// A row's loss from its blocks' warps' partial sums, in a fixed order: one warp per row.
 // STRIDE: the rows' losses' spacing in `rows` (3: column 0 of the split's [n, 3] terms).
 template <int STRIDE = 1>
 __global__ void __launch_bounds__(256) fast_rows_total_kernel(const float* __restrict__ partial, int64_t n, int per_row,

@@ -1,25 +1,30 @@
-// The rows' normalisers exchanged through peer memory, for a vocabulary split across the GPUs of one machine
+// The rows' statistics exchanged through peer memory, for a vocabulary split across the GPUs of one machine
 // (included by distill_fast.cuh, inside distill.cu; not a standalone header). vocab_parallel.py sets it up.
 //
 // Why: split, each rank must know every row's normalisers over the whole vocabulary before any term or gradient,
 // and through torch.distributed that is a collective between two kernels: every rank reads its slices twice
-// (once for the normalisers, once for the terms and gradients) and the host queues two kernels and a collective
-// where one device queues one kernel. With the records exchanged through memory that the ranks' GPUs map from
-// each other, a kernel can wait for the other ranks' records of a row itself: fast_rows keeps its slice of the row
-// in shared memory across the wait (one read of the logits), and a rank whose slices do not fit its fast kernel
-// runs phase 0, then peer_norms_kernel (the exchange alone, in place of the collective), then phase 1.
+// (once for the normalisers, once for the terms and gradients) and the host queues the kernels and two
+// collectives where one device queues one kernel. With the records exchanged through memory that the ranks' GPUs
+// map from each other, a kernel can wait for the other ranks' records of a row itself: fast_rows keeps its slice
+// of the row in shared memory across the wait (one read of the logits), and a rank whose slices do not fit its
+// fast kernel runs phase 0, then peer_norms_kernel (the exchange alone, in place of the collective), then phase 1.
+// The rows' terms go the same way (peer_terms_kernel, or the JSD's one-read kernel itself): no collective at all.
 //
-// The protocol. Every rank holds a buffer of 64-bit words, slots[2][world][cap][4]; rank j's record of row i in
-// call e, the (max, log2 sum) pairs of its slice (phase_norms_kernel's four floats), goes into slots[e & 1][j][i]
-// of every rank's buffer (its own included), each float in one 64-bit store with e in its upper half. A reader
-// polls its own buffer until all four words of every rank's record carry e: a 64-bit aligned store and load are
-// single-copy atomic, so a word that carries e carries this call's value, and no fence orders one word against
-// another. Then every rank combines the same records in rank order (combine_norm, as distill_combine does after
-// an all-gather): the same bits on every rank. e is a per-rank counter on the device, bumped by a one-thread
-// kernel before each exchanging call (so a replayed CUDA graph counts its calls too); every rank makes the same
-// calls, so the counters agree. Two parities: a rank may start call e + 1 while another still reads call e's
-// records, never call e + 2 (the call's loss all-gather sits between, and it waits for every rank's kernel of
-// call e + 1, which follows its kernel of call e).
+// The protocol. Every rank holds a buffer of 64-bit words, slots[kPeerStages][2][world][cap][4]; rank j's record
+// of row i in call e at stage g goes into slots[g][e & 1][j][i] of every rank's buffer (its own included), each
+// float in one 64-bit store with e in its upper half. Stage 0: the (max, log2 sum) pairs of its slice
+// (phase_norms_kernel's four floats). Stage 1: its slice's (loss, ks, kt) sums (phase 1's terms). Stage 2, the
+// JSD's 16-bit training rows only: the same sums again where the row's JSD came out below kJsdDirectMin (fast_rows
+// sums its slice again with the series there; a rank whose slices took the phases, summed with the series
+// already, publishes its record again). A reader polls its own buffer until all four words of every rank's record
+// carry e: a 64-bit aligned store and load are single-copy atomic, so a word that carries e carries this call's
+// value, and no fence orders one word against another. Then every rank combines the same records in rank order
+// (combine_norm, as distill_combine does after an all-gather; combine_terms' additions for the sums): the same
+// bits on every rank. e is a per-rank counter on the device, bumped by a one-thread kernel before each exchanging
+// call (so a replayed CUDA graph counts its calls too); every rank makes the same calls, so the counters agree.
+// Two parities: a rank may start call e + 1 while another still reads call e's records, never call e + 2 (a rank
+// finishes call e + 1 only once every rank has published its stage-1 records of call e + 1, which each does
+// after its work of call e).
 //
 // A rank that never publishes (another rank raised before its kernel, or called with other rows) would leave the
 // waiting kernel spinning: after kPeerTimeoutNs it prints which rank and row it waited for and traps (the CUDA
@@ -27,7 +32,9 @@
 
 #pragma once
 
-constexpr int kMaxPeers = 8;                                          // ranks an exchange serves (vocab_parallel.py)
+// Ranks an exchange serves, and records a row and call (vocab_parallel.py sizes the buffers from both).
+constexpr int kMaxPeers = 8;
+constexpr int kPeerStages = 3;
 constexpr unsigned long long kPeerTimeoutNs = 60ull * 1000000000ull;  // a minute, as the tests' collective timeout
 
 struct PeerRows {
@@ -36,12 +43,13 @@ struct PeerRows {
   const long long* slots;
   const unsigned* epoch;  // this rank's call counter, on its device
   int world, rank;
-  int64_t cap;  // rows a buffer holds
+  int64_t cap;       // rows a buffer holds
+  float* rows_loss;  // the JSD's one-read kernel: the rows' losses over the whole vocabulary [n]
 };
 
-// The word index of rank `from`'s record of `row` in call e, in any rank's buffer.
-__device__ __forceinline__ int64_t peer_slot(const PeerRows& pr, unsigned e, int from, int64_t row) {
-  return ((static_cast<int64_t>(e & 1u) * pr.world + from) * pr.cap + row) * 4;
+// The word index of rank `from`'s record of `row` at `stage` in call e, in any rank's buffer.
+__device__ __forceinline__ int64_t peer_slot(const PeerRows& pr, int stage, unsigned e, int from, int64_t row) {
+  return (((static_cast<int64_t>(stage) * 2 + (e & 1u)) * pr.world + from) * pr.cap + row) * 4;
 }
 
 __device__ __forceinline__ void peer_store(unsigned long long* at, float v, unsigned e) {
@@ -60,8 +68,9 @@ __device__ __forceinline__ unsigned long long global_ns() {
 }
 
 // This rank's record of `row` into every rank's buffer.
-__device__ __forceinline__ void peer_publish(const PeerRows& pr, unsigned e, int64_t row, float4 rec, int to) {
-  unsigned long long* at = reinterpret_cast<unsigned long long*>(pr.slots[to]) + peer_slot(pr, e, pr.rank, row);
+__device__ __forceinline__ void peer_publish(const PeerRows& pr, int stage, unsigned e, int64_t row, float4 rec,
+                                             int to) {
+  unsigned long long* at = reinterpret_cast<unsigned long long*>(pr.slots[to]) + peer_slot(pr, stage, e, pr.rank, row);
   peer_store(at, rec.x, e);
   peer_store(at + 1, rec.y, e);
   peer_store(at + 2, rec.z, e);
@@ -78,9 +87,9 @@ __device__ __noinline__ void peer_timeout(int rank, int from, int64_t row, unsig
 }
 
 // Rank `from`'s record of `row` in call e, from this rank's buffer once it has arrived.
-__device__ __forceinline__ float4 peer_wait(const PeerRows& pr, unsigned e, int64_t row, int from) {
+__device__ __forceinline__ float4 peer_wait(const PeerRows& pr, int stage, unsigned e, int64_t row, int from) {
   const unsigned long long* at =
-      reinterpret_cast<const unsigned long long*>(pr.slots[pr.rank]) + peer_slot(pr, e, from, row);
+      reinterpret_cast<const unsigned long long*>(pr.slots[pr.rank]) + peer_slot(pr, stage, e, from, row);
   unsigned long long w[4];
   const unsigned long long t0 = global_ns();
   for (unsigned spin = 0;; ++spin) {
@@ -127,24 +136,79 @@ __global__ void __launch_bounds__(
   }
   const unsigned e = *pr.epoch;
   const float4 mine = local[row];
-  for (int j = 0; j < pr.world; ++j) peer_publish(pr, e, row, mine, j);
+  for (int j = 0; j < pr.world; ++j) peer_publish(pr, 0, e, row, mine, j);
   float4 recs[kMaxPeers];
-  for (int j = 0; j < pr.world; ++j) recs[j] = peer_wait(pr, e, row, j);
+  for (int j = 0; j < pr.world; ++j) recs[j] = peer_wait(pr, 0, e, row, j);
   out[row] = peer_combine(recs, pr.world);
 }
 
-// fast_rows' exchange (SPLIT): the cluster's record of this slice (`mine`, the same in every block) published by
-// warp 0 of the cluster's first block, every block's warp 0 waiting for the ranks' records (lane j rank j's), lane
-// 0 combining them; the result reaches the block's warps through `recs[kMaxPeers]` and a block barrier.
-__device__ __forceinline__ float4 peer_exchange_block(const PeerRows& pr, int64_t row, float4 mine, bool publisher,
-                                                      float4 (&recs)[kMaxPeers + 1]) {
+// Stage 1, one thread a row, for every rank once its terms [n, 3] (phase 1's, or forward KL's one-read kernel's)
+// are written: the rows' losses [n] and (ks, kt) [n, 2] over the whole vocabulary, combined in rank order as
+// distill_combine's combine_terms (masked rows: zeros, as there, with nothing exchanged). series_round: stage 2
+// where the row's JSD is below kJsdDirectMin (the calls whose other ranks may run the JSD's one-read kernel).
+__global__ void __launch_bounds__(
+    128) peer_terms_kernel(const float* __restrict__ terms, const PeerRows pr,
+                                          const int64_t* __restrict__ labels, int64_t ignore_index, int64_t n,
+                                          bool series_round, float* __restrict__ rows_loss, float* __restrict__ ksums) {
+  const int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (row >= n) return;
+  if (labels && labels[row] == ignore_index) {
+    rows_loss[row] = 0.f;
+    ksums[2 * row] = ksums[2 * row + 1] = 0.f;
+    return;
+  }
+  const unsigned e = *pr.epoch;
+  const float4 mine = make_float4(terms[3 * row], terms[3 * row + 1], terms[3 * row + 2], 0.f);
+  float parts[3 * kMaxPeers];
+  float loss = 0.f, ks = 0.f, kt = 0.f;
+  for (int stage = 1; stage <= 2; ++stage) {
+    for (int j = 0; j < pr.world; ++j) peer_publish(pr, stage, e, row, mine, j);
+    for (int j = 0; j < pr.world; ++j) {
+      const float4 r = peer_wait(pr, stage, e, row, j);
+      parts[3 * j] = r.x;
+      parts[3 * j + 1] = r.y;
+      parts[3 * j + 2] = r.z;
+    }
+    combine_terms(parts, 3, pr.world, loss, ks, kt);
+    if (!series_round || loss >= static_cast<float>(kJsdDirectMin)) break;  // as fast_rows decides, on these bits
+  }
+  rows_loss[row] = loss;
+  ksums[2 * row] = ks;
+  ksums[2 * row + 1] = kt;
+}
+
+// The rows' (loss, ks) from the ranks' stage-1 (or 2) records (loss, ks, kt, -), in rank order as combine_terms
+// adds them (so the same bits as peer_terms_kernel's, on a rank whose slices took the phases).
+struct PeerSums {
+  __device__ __forceinline__ float4 operator()(const float4* recs, int world) const {
+    float loss = recs[0].x, ks = recs[0].y;
+    for (int j = 1; j < world; ++j) {
+      loss = loss + recs[j].x;
+      ks = ks + recs[j].y;
+    }
+    return make_float4(loss, ks, 0.f, 0.f);
+  }
+};
+struct PeerNorms {
+  __device__ __forceinline__ float4 operator()(const float4* recs, int world) const {
+    return peer_combine(recs, world);
+  }
+};
+
+// fast_rows' exchanges (SPLIT): the cluster's record of this slice at `stage` (`mine`, the same in every block)
+// published by warp 0 of the cluster's first block, every block's warp 0 waiting for the ranks' records (lane j
+// rank j's), lane 0 combining them; the result reaches the block's warps through `recs[kMaxPeers]` and a block
+// barrier (the block's barriers between two exchanges keep the later from overwriting `recs` while it is read).
+template <typename Combine>
+__device__ __forceinline__ float4 peer_exchange_block(const PeerRows& pr, int stage, int64_t row, float4 mine,
+                                                      bool publisher, float4 (&recs)[kMaxPeers + 1], Combine combine) {
   if (threadIdx.x < 32) {
     const int lane = static_cast<int>(threadIdx.x);
     const unsigned e = *pr.epoch;
-    if (publisher && lane < pr.world) peer_publish(pr, e, row, mine, lane);
-    if (lane < pr.world) recs[lane] = peer_wait(pr, e, row, lane);
+    if (publisher && lane < pr.world) peer_publish(pr, stage, e, row, mine, lane);
+    if (lane < pr.world) recs[lane] = peer_wait(pr, stage, e, row, lane);
     __syncwarp();
-    if (lane == 0) recs[kMaxPeers] = peer_combine(recs, pr.world);
+    if (lane == 0) recs[kMaxPeers] = combine(recs, pr.world);
   }
   __syncthreads();
   return recs[kMaxPeers];

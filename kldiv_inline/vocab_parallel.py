@@ -18,13 +18,14 @@ collectives run on the current stream (NCCL on GPUs, gloo on CPUs) and nothing w
 divisor is counted from the labels on the device. As in the one-device op, the forward pass writes the
 gradients (of the reduced loss) and backward only rescales them by grad_output, with no communication.
 
-On the GPUs of one machine that can map each other's memory, the rows' normalisers go through peer memory
-instead of the first all-gather (the module's distill_peer_terms; kernels/distill_peer.cuh has the protocol):
-forward KL without a teacher's gradient then runs one kernel that keeps each row's slice on chip while the ranks'
-normalisers meet, so each rank reads its logits once, where the phases read them twice; other calls run phase 0,
-the exchange alone, then phase 1. The buffers are set up on a call's first use (one all-gather of their handles,
-which the host waits for) and grow with the rows; KLDIV_DISTILL_PEER=0 (the same on every rank) keeps the
-all-gathers, to compare.
+On the GPUs of one machine that can map each other's memory, the rows' statistics (the normalisers, then the
+terms) go through peer memory instead of the all-gathers (the module's distill_peer_terms; kernels/distill_peer.cuh
+has the protocol), so the step makes no collective call at all: forward KL without a teacher's gradient, and the JSD's
+training rows without one, then run one kernel that keeps each row's slice on chip while the ranks' statistics
+meet, so each rank reads its logits once, where the phases read them two or three times; other calls (and a
+rank whose slices the fast kernel does not take) run phase 0, the exchange alone, phase 1 (and 2). The
+buffers are set up on a call's first use (one all-gather of their handles, which the host waits for) and grow
+with the rows; KLDIV_DISTILL_PEER=0 (the same on every rank) keeps the all-gathers, to compare.
 
 A top-k teacher (global indices) takes another route (topk_rows): the student's normalisers (phase 0), one
 all-gather of each token's k + 1 bucket values, and the one-device kernel over the buckets on every rank; its
@@ -78,6 +79,7 @@ def _sum_in_rank_order(parts: Tensor) -> Tensor:
 _MAX_PEERS = 8  # ranks one exchange serves (kernels/distill_peer.cuh's kMaxPeers)
 _PEER_ROWS_MIN = 4096  # rows a first buffer holds (it grows to the next power of two above a call's rows)
 _PEER_SLOT_BYTES = 32  # a rank's record of a row: four floats, each in a 64-bit word with the call's counter
+_PEER_STAGES = 2  # records a row and call: the normalisers, the terms (kernels/distill_peer.cuh's kPeerStages)
 
 
 @dataclass
@@ -121,7 +123,7 @@ def _setup_peers(key: tuple, device: torch.device, group, n: int) -> _Peers | No
     mod = distill._module(device)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     cap = max(_PEER_ROWS_MIN, 1 << max(0, n - 1).bit_length())
-    handle, address = mod.distill_peer_alloc(2 * world * cap * _PEER_SLOT_BYTES, device.index)
+    handle, address = mod.distill_peer_alloc(_PEER_STAGES * 2 * world * cap * _PEER_SLOT_BYTES, device.index)
     handles = _all_gather(handle.to(device).view(1, -1), group).cpu()  # [world, 1, 64]
     addresses = [int(address) if j == rank else mod.distill_peer_map(handles[j].flatten().contiguous(), device.index)
                  for j in range(world)]
@@ -153,12 +155,12 @@ def divergence_rows(student: Tensor, teacher: Tensor, labels: Tensor | None, ign
     mod = distill._module(student.device)
     common = (labels, ignore_index, beta, temperature)
     peers = _peer_route(student, group)
-    if peers is not None:  # the normalisers through peer memory (and forward KL's logits read once)
+    if peers is not None:  # the rows' statistics through peer memory (and forward KL's logits read once)
         if scale is None:
             scale = mod.distill_reduction_scale(student, labels, ignore_index, reduction)
-        terms, norms, gs, gt = mod.distill_peer_terms(student, teacher, *common, scale, want_s, want_t,
-                                                      grad_student_out, peers.slots, peers.epoch, peers.rank,
-                                                      peers.cap)
+        loss, ksums, norms, gs, gt = mod.distill_peer_terms(student, teacher, *common, reduction, scale, want_s,
+                                                            want_t, grad_student_out, peers.slots, peers.epoch,
+                                                            peers.rank, peers.cap)
     else:
         local_norms = mod.distill_phase(0, student, teacher, *common, None, None, None, False, False)[0]
         if scale is None:  # after phase 0's launch: the host's time before the first kernel is the step's latency
@@ -166,8 +168,8 @@ def divergence_rows(student: Tensor, teacher: Tensor, labels: Tensor | None, ign
         norms = mod.distill_combine(_all_gather(local_norms, group), 0)[0]
         terms, gs, gt = mod.distill_phase(1, student, teacher, *common, norms, None, scale, want_s, want_t,
                                           grad_student_out)
-    ksums, loss = mod.distill_combine(_all_gather(terms, group), reduction, scale)
-    if _needs_phase2(beta, want_s, want_t):  # (never after the one-read kernel: forward KL, the student's only)
+        ksums, loss = mod.distill_combine(_all_gather(terms, group), reduction, scale)
+    if norms is not None and _needs_phase2(beta, want_s, want_t):  # (the one-read kernels wrote every gradient)
         _, gs2, gt2 = mod.distill_phase(2, student, teacher, *common, norms, ksums, scale, want_s, want_t,
                                         grad_student_out)
         gs = gs if gs is not None else gs2

@@ -470,22 +470,52 @@ def _peer_cases(rank, device, group, gen):
     one-read kernel seen running."""
     from kldiv_inline import vocab_parallel
     for dtype in (torch.bfloat16, torch.float32):
-        for reduction in ("batchmean", "none"):
-            _one_case(rank, device, group, gen, widths=(64128, 3001), lead=(33,), dtype=dtype, beta=0.0,
-                      reduction=reduction)
-        _one_case(rank, device, group, gen, widths=(4096, 4096), lead=(17,), dtype=dtype, beta=0.0, pad_rank=1,
-                  reduction="none")
+        for beta in (0.0, 0.5):  # forward KL's and the JSD's one-read kernels (the student's gradient only)
+            for reduction in ("batchmean", "none"):
+                _one_case(rank, device, group, gen, widths=(64128, 3001), lead=(33,), dtype=dtype, beta=beta,
+                          reduction=reduction)
+            _one_case(rank, device, group, gen, widths=(4096, 4096), lead=(17,), dtype=dtype, beta=beta, pad_rank=1,
+                      reduction="none")
+            for widths in ((4096, 4096), (64128, 3001)):  # rows whose JSD is below kJsdDirectMin: stage 2
+                _nearly_agreeing_case(rank, device, group, gen, widths=widths, dtype=dtype, beta=beta)
         for widths in ((64128, 64128), (64128, 3001)):
             _forward_alone_case(rank, device, group, gen, widths=widths, dtype=dtype)
     assert any(isinstance(p, vocab_parallel._Peers) for p in vocab_parallel._PEERS.values()), \
         "the two GPUs never took the peer route"
-    s = _logits((33, 64128), torch.bfloat16, device, gen).requires_grad_()
-    t = _logits((33, 64128), torch.bfloat16, device, gen)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        K.generalized_jsd(s, t, beta=0.0, group=group).backward()
-        torch.cuda.synchronize()
-    names = {e.name for e in prof.events()}
-    assert any("split_rows_kernel" in n for n in names), sorted(names)
+    for beta in (0.0, 0.5):
+        s = _logits((33, 64128), torch.bfloat16, device, gen).requires_grad_()
+        t = _logits((33, 64128), torch.bfloat16, device, gen)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            K.generalized_jsd(s, t, beta=beta, group=group).backward()
+            torch.cuda.synchronize()
+        names = {e.name for e in prof.events()}
+        assert any("split_rows_kernel" in n for n in names), (beta, sorted(names))
+
+
+def _nearly_agreeing_case(rank, device, group, gen, *, widths, dtype, beta, lead=(19,)):
+    """Teacher = student + noise of 1e-2: the rows' divergences are ~1e-5, below kJsdDirectMin, so the JSD's
+    16-bit rows are summed again with the series on every rank (stage 2 of the peer exchange); loss per token and
+    the student's gradient against the one-process op's."""
+    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
+    vocab = sum(widths)
+    s = _logits(lead + (vocab,), torch.float64, device, gen)
+    t = (s + torch.randn(s.shape, dtype=torch.float64, generator=gen).to(device) * 1e-2).to(dtype)
+    s = s.to(dtype)
+    for reduction in ("none", "sum"):
+        kw = dict(beta=beta, temperature=1.0, reduction=reduction)
+
+        def run(x, y, group_=None, kw=kw):
+            x = x.clone().requires_grad_()
+            loss = K.generalized_jsd(x, y, group=group_, **kw)
+            loss.sum().backward()
+            return loss.detach(), x.grad
+
+        ref, ref_g = run(s, t)
+        truth, truth_g = run(s.double(), t.double()) if dtype == torch.float32 else (None, None)
+        out, out_g = run(s[..., lo:hi], t[..., lo:hi], group)
+        what = f"nearly agreeing {dtype} widths={widths} beta={beta} {reduction}"
+        _close(out, ref, TOL[dtype], f"loss ({what})", truth)
+        _close_slice(out_g, ref_g, (..., slice(lo, hi)), TOL[dtype], f"student grad ({what})", group, truth_g)
 
 
 def _forward_alone_case(rank, device, group, gen, *, widths, dtype, lead=(21,)):
