@@ -105,7 +105,8 @@ def _peer_route(student: Tensor, group) -> _Peers | None:
     world = dist.get_world_size(group)
     if world > _MAX_PEERS:
         return None
-    key = (group_name(group, "generalized_jsd"), str(student.device))
+    # (the group object too: a group made again under the same name, by other processes, maps other buffers)
+    key = (group_name(group, "generalized_jsd"), id(group), str(student.device))
     known = _PEERS.get(key)
     if known is False:
         return None

@@ -658,6 +658,16 @@ def test_benchmark_runs_under_torchrun(tmp_path):
     assert last[:4] == ["fused_linear", "megatron_style", "2", "0.5"] and last[-1] == "ok"
 
 
+def test_peer_buffers_are_cuda_only():
+    # The CPU twin has the peer functions (the module's contract is one header) and refuses them with a reason;
+    # CPU ranks never call them (vocab_parallel takes the all-gathers there).
+    mod = K.load("cpu", extension="distill")
+    handle = torch.zeros(64, dtype=torch.uint8)
+    for call in (lambda: mod.distill_peer_alloc(64, 0), lambda: mod.distill_peer_map(handle, 0)):
+        with pytest.raises(RuntimeError, match="peer buffers are CUDA memory"):
+            call()
+
+
 def test_group_must_be_a_process_group():
     s = torch.randn(3, 8)
     with pytest.raises(TypeError, match="ProcessGroup"):
