@@ -78,11 +78,11 @@ __device__ __forceinline__ void peer_publish(const PeerRows& pr, int stage, unsi
 }
 
 // Out of line, so that the message's code stays out of the waiting loop's kernels.
-__device__ __noinline__ void peer_timeout(int rank, int from, int64_t row, unsigned e) {
+__device__ __noinline__ void peer_timeout(int rank, int from, int64_t row, int stage, unsigned e) {
   printf(
-      "kldiv_inline distill: rank %d waited %llu s for rank %d's normalisers of row %lld (call %u): a rank did "
-      "not make the same call\n",
-      rank, kPeerTimeoutNs / 1000000000ull, from, static_cast<long long>(row), e);
+      "kldiv_inline distill: rank %d waited %llu s for rank %d's statistics of row %lld (stage %d, call %u): a "
+      "rank did not make the same call\n",
+      rank, kPeerTimeoutNs / 1000000000ull, from, static_cast<long long>(row), stage, e);
   __trap();
 }
 
@@ -100,7 +100,7 @@ __device__ __forceinline__ float4 peer_wait(const PeerRows& pr, int stage, unsig
       all = all && static_cast<unsigned>(w[q] >> 32) == e;
     }
     if (all) break;
-    if ((spin & 1023u) == 1023u && global_ns() - t0 > kPeerTimeoutNs) peer_timeout(pr.rank, from, row, e);
+    if ((spin & 1023u) == 1023u && global_ns() - t0 > kPeerTimeoutNs) peer_timeout(pr.rank, from, row, stage, e);
   }
   return make_float4(__uint_as_float(static_cast<unsigned>(w[0])), __uint_as_float(static_cast<unsigned>(w[1])),
                      __uint_as_float(static_cast<unsigned>(w[2])), __uint_as_float(static_cast<unsigned>(w[3])));
@@ -115,10 +115,11 @@ __device__ __forceinline__ float4 peer_combine(const float4* recs, int world) {
   return make_float4(s.mx, s.lz, t.mx, t.lz);
 }
 
-// The counter of exchanging calls, bumped before each (0 is skipped: a zeroed buffer's words carry it).
+// The counter of exchanging calls, bumped before each. 0 is skipped (a zeroed buffer's words carry it), by going
+// on at 2, so that the parity still alternates from call to call when the counter wraps.
 __global__ void peer_bump_kernel(unsigned* epoch) {
   const unsigned e = epoch[0] + 1u;
-  epoch[0] = e == 0u ? 1u : e;
+  epoch[0] = e == 0u ? 2u : e;
 }
 
 // The exchange alone, one thread a row, for a rank whose phase 0 wrote its records (local [n, 4]): out [n, 4] the
