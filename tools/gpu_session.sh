@@ -13,10 +13,12 @@
 #   tools/gpu_session.sh topk      # two GPUs: the same with the teacher's top 100 log-probabilities (time, memory)
 #   tools/gpu_session.sh graph     # two GPUs: the two-GPU tests (a captured split step among them), then the split
 #                                  #   step captured in a CUDA graph at full size, timed against eager
+#   tools/gpu_session.sh x2        # two GPUs: the two-GPU tests, then the committed run of the split
+#                                  #   (bench_vocab_parallel --reps 10 --warmup 3 --graph) -> ${RESULTS:-results}/<card>-x2/
 # Two GPUs: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2 \
 #   tools/bench_vocab_parallel.py    # the vocabulary split across GPUs -> results/<card>-x2/
 set -euo pipefail
-mode=${1:?test|results|notebooks|sweep|errors|split|topk|graph}
+mode=${1:?test|results|notebooks|sweep|errors|split|topk|graph|x2}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -40,6 +42,11 @@ case $mode in
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     python3 -m pytest -q tests/test_vocab_parallel.py -k gpus
     torchrun --standalone --nproc-per-node 2 tools/probe_split_graph.py ;;
+  x2)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    python3 -m pytest -q -x -m gpu tests/test_vocab_parallel.py
+    torchrun --standalone --nproc-per-node 2 tools/bench_vocab_parallel.py --reps 10 --warmup 3 --graph \
+      --results "${RESULTS:-results}" ;;
   notebooks)
     for nb in notebooks/0*.ipynb; do
       python3 - "$nb" <<'PY'
