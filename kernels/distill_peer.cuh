@@ -26,9 +26,14 @@
 // finishes call e + 1 only once every rank has published its stage-1 records of call e + 1, which each does
 // after its work of call e).
 //
-// A rank that never publishes (another rank raised before its kernel, or called with other rows) would leave the
-// waiting kernel spinning: after kPeerTimeoutNs it prints which rank and row it waited for and traps (the CUDA
-// context is lost, so the process fails loudly rather than hanging).
+// Progress: every block publishes its row's record before it waits, and the blocks of a grid start in ascending
+// order, so the lowest row resident on either rank always finds the other rank's record published or its block
+// resident: some row always completes. But a grid of waiting blocks fills its GPU: a rank whose split kernel waits
+// while the other rank's stream waits for some other communication of this rank (queued on another stream, which
+// cannot start here) is stuck, as with NCCL's collectives queued in different orders (vocab_parallel.py's
+// KLDIV_DISTILL_PEER=0 is the way out). A rank that never publishes (another rank raised before its kernel, or
+// called with other rows) would leave the waiting kernel spinning: after kPeerTimeoutNs it prints which rank and
+// row it waited for and traps (the CUDA context is lost, so the process fails loudly rather than hanging).
 
 #pragma once
 

@@ -25,7 +25,9 @@ training rows without one, then run one kernel that keeps each row's slice on ch
 meet, so each rank reads its logits once, where the phases read them two or three times; other calls (and a
 rank whose slices the fast kernel does not take) run phase 0, the exchange alone, phase 1 (and 2). The
 buffers are set up on a call's first use (one all-gather of their handles, which the host waits for) and grow
-with the rows; KLDIV_DISTILL_PEER=0 (the same on every rank) keeps the all-gathers, to compare.
+with the rows; KLDIV_DISTILL_PEER=0 (the same on every rank) keeps the all-gathers, to compare, or where the
+ranks cannot queue their calls in the same order relative to their other communication (a kernel that waits for
+another rank's GPU occupies its own; see kernels/distill_peer.cuh for the timeout).
 
 A top-k teacher (global indices) takes another route (topk_rows): the student's normalisers (phase 0), one
 all-gather of each token's k + 1 bucket values, and the one-device kernel over the buckets on every rank; its
