@@ -1265,8 +1265,11 @@ at::Tensor distill_topk_slice_grad(const at::Tensor& student, const at::Tensor& 
 }
 
 // ------------------------------------------------------------------ peer memory (distill_peer.cuh)
-std::vector<at::Tensor> distill_peer_alloc(int64_t bytes, int64_t device) {
-  TORCH_CHECK(bytes > 0 && bytes % 8 == 0, "distill: a peer buffer's size must be a positive multiple of 8 bytes");
+std::vector<at::Tensor> distill_peer_alloc(int64_t world, int64_t cap, int64_t device) {
+  TORCH_CHECK(world >= 1 && world <= kMaxPeers && cap >= 1, "distill: a peer buffer serves 1 to ", kMaxPeers,
+              " ranks and at least one row, got ", world, " ranks and ", cap, " rows");
+  // distill_peer.cuh's layout: slots[kPeerStages][2][world][cap][4] of 64-bit words
+  const int64_t bytes = kPeerStages * 2 * world * cap * 4 * static_cast<int64_t>(sizeof(unsigned long long));
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   void* ptr = nullptr;
   C10_CUDA_CHECK(cudaMalloc(&ptr, static_cast<size_t>(bytes)));

@@ -55,9 +55,10 @@ std::vector<at::Tensor> distill_combine(const at::Tensor& parts, int64_t reducti
 
 // Peer memory for a vocabulary split across the GPUs of one machine (distill_peer.cuh has the protocol;
 // vocab_parallel.py sets it up). CUDA only: the CPU twin refuses these three.
-// distill_peer_alloc: a zeroed buffer of `bytes` on CUDA device `device` (kept for the process's life: other
-// processes map it), returned as {its IPC handle, uint8 [64] on the CPU; its address, int64 [1] on the CPU}.
-std::vector<at::Tensor> distill_peer_alloc(int64_t bytes, int64_t device);
+// distill_peer_alloc: a zeroed buffer on CUDA device `device` holding the records of `world` ranks (at most 8) for
+// `cap` rows (the layout is distill_peer.cuh's; kept for the process's life: other processes map it), returned as
+// {its IPC handle, uint8 [64] on the CPU; its address, int64 [1] on the CPU}.
+std::vector<at::Tensor> distill_peer_alloc(int64_t world, int64_t cap, int64_t device);
 // distill_peer_map: another process's buffer (its distill_peer_alloc handle) mapped on `device`: its address
 // here, or 0 where this GPU cannot map it (no peer access between the two GPUs; the caller takes the all-gathers).
 int64_t distill_peer_map(const at::Tensor& handle, int64_t device);

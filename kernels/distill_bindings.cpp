@@ -17,8 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("want_teacher"), py::arg("grad_student_out") = py::none());
   m.def("distill_combine", &distill_combine, "the ranks' gathered per-row statistics combined in rank order",
         py::arg("parts"), py::arg("reduction"), py::arg("scale") = py::none());
-  m.def("distill_peer_alloc", &distill_peer_alloc, "a zeroed peer buffer: its IPC handle and address", py::arg("bytes"),
-        py::arg("device"));
+  m.def("distill_peer_alloc", &distill_peer_alloc, "a zeroed peer buffer: its IPC handle and address", py::arg("world"),
+        py::arg("cap"), py::arg("device"));
   m.def("distill_peer_map", &distill_peer_map, "another process's peer buffer mapped here (0: cannot)",
         py::arg("handle"), py::arg("device"));
   m.def("distill_peer_terms", &distill_peer_terms,

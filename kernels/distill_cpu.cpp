@@ -407,7 +407,7 @@ std::vector<at::Tensor> distill_combine(const at::Tensor& parts, int64_t reducti
 
 // Peer memory is GPU memory that other processes map: nothing of it on the CPU (vocab_parallel.py's CPU ranks
 // exchange the normalisers by all-gather).
-std::vector<at::Tensor> distill_peer_alloc(int64_t, int64_t) {
+std::vector<at::Tensor> distill_peer_alloc(int64_t, int64_t, int64_t) {
   TORCH_CHECK(false, "distill (cpu backend): peer buffers are CUDA memory; CPU ranks exchange by all-gather");
 }
 

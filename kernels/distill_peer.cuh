@@ -37,7 +37,7 @@
 
 #pragma once
 
-// Ranks an exchange serves, and records a row and call (vocab_parallel.py sizes the buffers from both).
+// Ranks an exchange serves, and records a row and call (distill_peer_alloc sizes the buffers from both).
 constexpr int kMaxPeers = 8;
 constexpr int kPeerStages = 3;
 constexpr unsigned long long kPeerTimeoutNs = 60ull * 1000000000ull;  // a minute, as the tests' collective timeout

@@ -80,8 +80,6 @@ def _sum_in_rank_order(parts: Tensor) -> Tensor:
 # ------------------------------------------------------------------------------------------- peer memory
 _MAX_PEERS = 8  # ranks one exchange serves (kernels/distill_peer.cuh's kMaxPeers)
 _PEER_ROWS_MIN = 4096  # rows a first buffer holds (it grows to the next power of two above a call's rows)
-_PEER_SLOT_BYTES = 32  # a rank's record of a row: four floats, each in a 64-bit word with the call's counter
-_PEER_STAGES = 2  # records a row and call: the normalisers, the terms (kernels/distill_peer.cuh's kPeerStages)
 
 
 @dataclass
@@ -126,7 +124,7 @@ def _setup_peers(key: tuple, device: torch.device, group, n: int) -> _Peers | No
     mod = distill._module(device)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     cap = max(_PEER_ROWS_MIN, 1 << max(0, n - 1).bit_length())
-    handle, address = mod.distill_peer_alloc(_PEER_STAGES * 2 * world * cap * _PEER_SLOT_BYTES, device.index)
+    handle, address = mod.distill_peer_alloc(world, cap, device.index)  # (the module knows the records' layout)
     handles = _all_gather(handle.to(device).view(1, -1), group).cpu()  # [world, 1, 64]
     addresses = [int(address) if j == rank else mod.distill_peer_map(handles[j].flatten().contiguous(), device.index)
                  for j in range(world)]

@@ -663,7 +663,7 @@ def test_peer_buffers_are_cuda_only():
     # CPU ranks never call them (vocab_parallel takes the all-gathers there).
     mod = K.load("cpu", extension="distill")
     handle = torch.zeros(64, dtype=torch.uint8)
-    for call in (lambda: mod.distill_peer_alloc(64, 0), lambda: mod.distill_peer_map(handle, 0)):
+    for call in (lambda: mod.distill_peer_alloc(2, 4096, 0), lambda: mod.distill_peer_map(handle, 0)):
         with pytest.raises(RuntimeError, match="peer buffers are CUDA memory"):
             call()
 
