@@ -114,10 +114,9 @@ __device__ __forceinline__ float4 peer_wait(const PeerRows& pr, int stage, unsig
 // The whole row's normalisers from the ranks' records recs[0 .. world) (each phase_norms_kernel's four floats), in
 // rank order: combine_row_norms' arithmetic, so the same bits as the all-gather route's distill_combine.
 __device__ __forceinline__ float4 peer_combine(const float4* recs, int world) {
-  const float* parts = reinterpret_cast<const float*>(recs);
-  const Norm<float> s = usable(combine_norm(parts, 4, world));
-  const Norm<float> t = usable(combine_norm(parts + 2, 4, world));
-  return make_float4(s.mx, s.lz, t.mx, t.lz);
+  float4 out;  // (the records as parts [world, 1, 4]: row 0 of one)
+  combine_row_norms(reinterpret_cast<const float*>(recs), 0, 1, world, reinterpret_cast<float*>(&out));
+  return out;
 }
 
 // The counter of exchanging calls, bumped before each. 0 is skipped (a zeroed buffer's words carry it), by going
