@@ -147,6 +147,17 @@ __global__ void __launch_bounds__(
   out[row] = peer_combine(recs, pr.world);
 }
 
+// The rows' (loss, ks) from the ranks' stage-1 (or 2) records (loss, ks, -, -) of the JSD's one-read kernel:
+// combine_terms over them, as distill_combine adds an all-gather's (the same bits on a one-read rank as on a rank
+// whose slices took the phases). The third sum is dropped, so the compiler drops its additions.
+struct PeerSums {
+  __device__ __forceinline__ float4 operator()(const float4* recs, int world) const {
+    float loss, ks, kt;
+    combine_terms(reinterpret_cast<const float*>(recs), 4, world, loss, ks, kt);
+    return make_float4(loss, ks, 0.f, 0.f);
+  }
+};
+
 // Stage 1, one thread a row, for every rank once its terms [n, 3] (phase 1's, or forward KL's one-read kernel's)
 // are written: the rows' losses [n] and (ks, kt) [n, 2] over the whole vocabulary, combined in rank order as
 // distill_combine's combine_terms (masked rows: zeros, as there, with nothing exchanged). series_round: stage 2
@@ -164,17 +175,12 @@ __global__ void __launch_bounds__(
   }
   const unsigned e = *pr.epoch;
   const float4 mine = make_float4(terms[3 * row], terms[3 * row + 1], terms[3 * row + 2], 0.f);
-  float parts[3 * kMaxPeers];
+  float4 recs[kMaxPeers];
   float loss = 0.f, ks = 0.f, kt = 0.f;
   for (int stage = 1; stage <= 2; ++stage) {
     for (int j = 0; j < pr.world; ++j) peer_publish(pr, stage, e, row, mine, j);
-    for (int j = 0; j < pr.world; ++j) {
-      const float4 r = peer_wait(pr, stage, e, row, j);
-      parts[3 * j] = r.x;
-      parts[3 * j + 1] = r.y;
-      parts[3 * j + 2] = r.z;
-    }
-    combine_terms(parts, 3, pr.world, loss, ks, kt);
+    for (int j = 0; j < pr.world; ++j) recs[j] = peer_wait(pr, stage, e, row, j);
+    combine_terms(reinterpret_cast<const float*>(recs), 4, pr.world, loss, ks, kt);
     if (!series_round || loss >= static_cast<float>(kJsdDirectMin)) break;  // as fast_rows decides, on these bits
   }
   rows_loss[row] = loss;
@@ -182,18 +188,6 @@ __global__ void __launch_bounds__(
   ksums[2 * row + 1] = kt;
 }
 
-// The rows' (loss, ks) from the ranks' stage-1 (or 2) records (loss, ks, kt, -), in rank order as combine_terms
-// adds them (so the same bits as peer_terms_kernel's, on a rank whose slices took the phases).
-struct PeerSums {
-  __device__ __forceinline__ float4 operator()(const float4* recs, int world) const {
-    float loss = recs[0].x, ks = recs[0].y;
-    for (int j = 1; j < world; ++j) {
-      loss = loss + recs[j].x;
-      ks = ks + recs[j].y;
-    }
-    return make_float4(loss, ks, 0.f, 0.f);
-  }
-};
 struct PeerNorms {
   __device__ __forceinline__ float4 operator()(const float4* recs, int world) const {
     return peer_combine(recs, world);
