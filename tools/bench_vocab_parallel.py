@@ -20,7 +20,7 @@ each timed as
 Each provider is checked first and a wrong one is not timed: its loss against float64 PyTorch (logits) or the
 one-device op's (fused_linear, whose logits are rounded to bfloat16 by the matrix product), its gradients (this
 rank's slice) against the one-device op's. Times follow kldiv_inline.timing: CUDA events around each call after
-warm-up, the L2 flushed before each, the ranks aligned by a barrier outside the timed region; a world-N call's
+warm-up, the L2 flushed before each, the ranks aligned outside the timed region (--align); a world-N call's
 time is its slowest rank's. Rows as bench.csv's plus `world`, `beta`, `temperature`, `hidden`; for the logits
 form `bytes` and `gbps` are per GPU (both logits read, the gradient written once). Rank 0 writes the CSV and
 env.json and prints a table last: each time over the one-device op's (`/ world 1`) and the peer's over it.
@@ -73,6 +73,11 @@ def parse(argv=None):
     ap.add_argument("--results", default=str(envinfo.REPO_ROOT / "results"),
                     help="the results folder: the CSV goes to <results>/<device>-x<world>/bench.csv")
     ap.add_argument("--out", default=None, help="the CSV's path instead (env.json beside it)")
+    ap.add_argument("--align", choices=["stream", "host"], default="stream",
+                    help="how a world-N call's ranks start together: stream (default), a one-float all-reduce "
+                         "queued before each call, so the GPUs wait for each other while each host queues the call "
+                         "ahead, as the world-1 rows' host does; host, a barrier that blocks the hosts, so each "
+                         "GPU idles while its host queues the call's first kernels (that latency in the time)")
     ap.add_argument("--graph", action="store_true",
                     help="also time the logits form's steps captured in a CUDA graph (kldiv_inline_graph; GPUs only)")
     args = ap.parse_args(argv)
@@ -180,9 +185,14 @@ def reference_loss(prob: Problem, beta: float, temperature: float) -> float:
 
 
 def time_it(fn, prob: Problem, inputs, args, device: str, aligned: bool) -> list[float]:
-    """Per-call milliseconds of this rank (CUDA events, or a wall clock on the CPU)."""
+    """Per-call milliseconds of this rank (CUDA events, or a wall clock on the CPU). aligned: every rank runs the
+    call, each call's start aligned across the ranks outside the timed region (--align)."""
+    token = torch.zeros(1, device=device) if aligned and device == "cuda" and args.align == "stream" else None
+
     def prepare(*x):
-        if aligned:
+        if token is not None:
+            dist.all_reduce(token)  # the GPUs wait for each other; the hosts queue on (NCCL's stream order)
+        elif aligned:
             dist.barrier()
         return prob.prepare(*x)
 
