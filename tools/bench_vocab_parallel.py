@@ -55,6 +55,7 @@ FORMS = ("logits", "fused_linear")
 LOSS_TOL = {"logits": 1e-4, "fused_linear": 2e-3}
 GRAD_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5, torch.float64: 1e-9}
 REFERENCE_ROWS = 256  # rows per float64 chunk of the reference loss
+HEAD_START_CYCLES = 2_000_000  # GPU clock cycles (~1 ms at an H100's or H200's ~1.8-2 GHz) before each aligned call
 
 
 def parse(argv=None):
@@ -75,9 +76,10 @@ def parse(argv=None):
     ap.add_argument("--out", default=None, help="the CSV's path instead (env.json beside it)")
     ap.add_argument("--align", choices=["stream", "host"], default="stream",
                     help="how a world-N call's ranks start together: stream (default), a one-float all-reduce "
-                         "queued before each call, so the GPUs wait for each other while each host queues the call "
-                         "ahead, as the world-1 rows' host does; host, a barrier that blocks the hosts, so each "
-                         "GPU idles while its host queues the call's first kernels (that latency in the time)")
+                         "and a ~1 ms GPU sleep queued before each call (outside the timed region), so the GPUs "
+                         "wait for each other while each host queues the call ahead, as the world-1 rows' host "
+                         "does; host, a barrier that blocks the hosts, so each GPU idles while its host queues the "
+                         "call's first kernels (that latency in the time: +0.11 ms for forward KL on two H200s)")
     ap.add_argument("--graph", action="store_true",
                     help="also time the logits form's steps captured in a CUDA graph (kldiv_inline_graph; GPUs only)")
     args = ap.parse_args(argv)
@@ -192,6 +194,10 @@ def time_it(fn, prob: Problem, inputs, args, device: str, aligned: bool) -> list
     def prepare(*x):
         if token is not None:
             dist.all_reduce(token)  # the GPUs wait for each other; the hosts queue on (NCCL's stream order)
+            # A head start for the host: the split step's host path (~0.5 ms a call on an H200 host) is close to
+            # forward KL's device time (~0.58 ms), so without it the host catches up only after several calls and
+            # the early calls' times carry its queueing, which the one-device rows' (host far ahead) never do.
+            torch.cuda._sleep(HEAD_START_CYCLES)
         elif aligned:
             dist.barrier()
         return prob.prepare(*x)
