@@ -843,6 +843,16 @@ bool staged_copy() {
   return !(env && std::atoi(env) == 0);
 }
 
+// fast_rows' instance for rows without a gradient, or none where launch_fast sends such rows to
+// stream_forward_kernel (forward and reverse KL, kStreamForward): those instances are not made at all (six kernels
+// fewer to compile, none that could be launched by mistake).
+template <typename T, int MODE> constexpr auto rows_alone_kernel() {
+  using Kernel = void (*)(Params<T, float>);
+  if constexpr (kStreamForward && MODE != JSD) return Kernel{nullptr};
+  else if constexpr (sizeof(T) == 2) return Kernel{fast_rows_kernel_16<T, MODE, false>};
+  else return Kernel{fast_rows_kernel<T, MODE, false>};
+}
+
 // A fast kernel: fast_topk_kernel (distill_fast_topk.cuh) for a top-k teacher, whose cluster's rank 0 writes each
 // row's loss into rows_loss; else fast_rows_kernel (distill_fast.cuh), then each row's loss from its warps'
 // partial sums (fast_rows_total_kernel).
@@ -876,8 +886,13 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
     dispatch_mode(mode, [&](auto mode_c) {
       constexpr int MODE = decltype(mode_c)::value;
       auto launch = [&](auto with_grad, auto without_grad) {
-        if (want_student) launch_rows(with_grad, l, n, &p, stream);
-        else launch_rows(without_grad, l, n, &p, stream);
+        if (want_student) {
+          launch_rows(with_grad, l, n, &p, stream);
+        } else {
+          TORCH_CHECK(without_grad != nullptr, "distill: rows without a gradient of mode ", MODE,
+                      " take stream_forward_kernel");  // (launch_fast's first branch: never reached)
+          launch_rows(without_grad, l, n, &p, stream);
+        }
       };
       if (topk) {
         if constexpr (sizeof(T) == 2 && kTopkNarrow)
@@ -887,9 +902,9 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
         // Where the mode's training rows are narrow (narrow == want_student here), the capped training instance
         // is not instantiated at all: a kernel fewer to compile, none that could be launched by mistake.
         if constexpr (MODE == FORWARD_KL ? kDirectStepTerms : kNarrowKsBlocks)
-          launch(fast_rows_kernel_narrow<T, MODE>, fast_rows_kernel_16<T, MODE, false>);
-        else launch(fast_rows_kernel_16<T, MODE, true>, fast_rows_kernel_16<T, MODE, false>);
-      } else launch(fast_rows_kernel<T, MODE, true>, fast_rows_kernel<T, MODE, false>);
+          launch(fast_rows_kernel_narrow<T, MODE>, rows_alone_kernel<T, MODE>());
+        else launch(fast_rows_kernel_16<T, MODE, true>, rows_alone_kernel<T, MODE>());
+      } else launch(fast_rows_kernel<T, MODE, true>, rows_alone_kernel<T, MODE>());
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (!topk) {
