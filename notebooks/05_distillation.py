@@ -235,7 +235,7 @@ assert relative_error(loss, whole.detach()) < 1e-5 and relative_error(grad, leaf
 # device, the kit split over the ranks, a Megatron-style PyTorch peer) against float64 and times it; on the CPU
 # at a toy size with gloo (a smoke run, no performance claim), on a machine with two GPUs at the goals' size
 # (`NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2
-# tools/bench_vocab_parallel.py`, several minutes, results in `results/<device>-x2/`).
+# tools/bench_vocab_parallel.py`, two to three minutes after the build, results in `results/<device>-x2/`).
 
 # %%
 import subprocess  # noqa: E402
