@@ -23,7 +23,8 @@ rank's slice) against the one-device op's. Times follow kldiv_inline.timing: CUD
 warm-up, the L2 flushed before each, the ranks aligned outside the timed region (--align); a world-N call's
 time is its slowest rank's. Rows as bench.csv's plus `world`, `beta`, `temperature`, `hidden`; for the logits
 form `bytes` and `gbps` are per GPU (both logits read, the gradient written once). Rank 0 writes the CSV and
-env.json and prints a table last: each time over the one-device op's (`/ world 1`) and the peer's over it.
+env.json (`align`: how the ranks were aligned) and prints a table last: each time over the one-device op's
+(`/ world 1`) and the peer's over it.
 """
 from __future__ import annotations
 
@@ -328,7 +329,8 @@ def main(argv=None) -> int:
         if rank == 0:
             pd.DataFrame(rows).reindex(columns=COLUMNS + EXTRA_COLUMNS).to_csv(out, index=False)
             envinfo.write_env(out.parent, device, {
-                "world": world, "command": f"torchrun --nproc-per-node {world} tools/bench_vocab_parallel.py "
+                "world": world, "align": args.align if device == "cuda" else "host",
+                "command": f"torchrun --nproc-per-node {world} tools/bench_vocab_parallel.py "
                 + " ".join(sys.argv[1:])})
             print(f"-> {out}")
             print(table(rows))
