@@ -48,7 +48,7 @@ from .distill import (
     is_topk_pair,
     refuse_transforms,
 )
-from .vocab_parallel import divergence_rows, group_name, resolve_group, topk_rows, vocab_slice
+from .vocab_parallel import divergence_rows, group_name, learnt_widths, resolve_group, topk_rows, vocab_slice
 
 __all__ = ["fused_linear_generalized_jsd", "FusedLinearGeneralizedJSDLoss", "default_chunk_size"]
 
@@ -429,7 +429,11 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     logits), in rank order, and the same hidden states and labels; every rank returns the global loss and gets
     its slice's weight and bias gradients and the full gradient of the hidden states (summed over the group).
     Each chunk's divergence then runs as ``generalized_jsd(..., group=group)`` does; ``teacher_topk``'s indices
-    are then global vocabulary ids (each rank finds those in its rows).
+    are then global vocabulary ids (each rank finds those in its rows). Every rank cuts the tokens into the same
+    chunks (each chunk's divergence is collective): ``chunk_size`` None picks it from the widest rank's slice, from
+    the ranks' widths learnt on the group's first call (the host waits for them then; later calls check them
+    without waiting on the step, and run again, every rank alike, if they changed); to capture such a call in a CUDA
+    graph, pass ``chunk_size`` (the same on every rank).
 
     ``skip_masked=True`` (with ``labels``): the chunks hold the tokens whose label is not ``ignore_index``, so no
     matrix product is spent on masked tokens (their loss and gradient are 0 anyway): a step with 10% of its tokens
@@ -486,10 +490,22 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     accum_dtype = _check_accum_dtype(accum_dtype, dtype)
     skip_masked = _check_skip_masked(skip_masked, lab)
     n = lead.numel()
+    settled = None  # with a group and the default chunk: whether the ranks' widths were the layout learnt
     if chunk_size is None:
         # Two logit buffers where the teacher's logits are made (hidden states) or gathered (skip_masked) per chunk.
         two = t_hidden is not None or (skip_masked and t_logits is not None)
-        chunk_size = default_chunk_size(n, vocab, student_hidden.element_size(), 2 if two else 1)
+        widest = vocab
+        if group is not None:
+            # Each chunk's divergence is collective, so every rank must cut the tokens alike: the chunk from the
+            # widest slice (each rank's own width gave ranks with uneven slices different chunks, and their
+            # collectives did not match). The ranks' widths as learnt on the group's first call (the host waits
+            # then only); if they changed since, every rank runs the call again with the new ones (below).
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(_err("with a group, pass chunk_size when capturing in a CUDA graph: the default "
+                                        "is cut from every rank's slice width, which the host reads back"))
+            widths, settled = learnt_widths(vocab, device, group)
+            widest = max(widths)
+        chunk_size = default_chunk_size(n, widest, student_hidden.element_size(), 2 if two else 1)
 
     hidden = student_hidden.reshape(n, hidden_size)  # n, not -1: a hidden size of 0 is legal (logits = bias)
     grad_on = torch.is_grad_enabled()
@@ -498,8 +514,16 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
             int(ignore_index), beta, temperature, reduction == "batchmean", int(chunk_size), accum_dtype, name,
             skip_masked)
     if not any(wants) and not _is_tracing(hidden):
-        return _fused(*args, False, False, False)[0]
-    return _fused_op(*args, *wants)[0]
+        loss = _fused(*args, False, False, False)[0]
+    else:
+        loss = _fused_op(*args, *wants)[0]
+    if settled is not None and not settled():  # the slices' widths changed: again, with the new layout (all ranks)
+        return fused_linear_generalized_jsd(
+            student_hidden, student_weight, teacher_hidden, teacher_weight, teacher_logits=teacher_logits,
+            teacher_topk=teacher_topk, student_bias=student_bias, teacher_bias=teacher_bias, beta=beta,
+            temperature=temperature, labels=labels, ignore_index=ignore_index, reduction=reduction, chunk_size=None,
+            accum_dtype=accum_dtype, group=group, skip_masked=skip_masked)
+    return loss
 
 
 class FusedLinearGeneralizedJSDLoss(torch.nn.Module):

@@ -51,8 +51,8 @@ from torch import Tensor
 
 from . import distill
 
-__all__ = ["generalized_jsd_vocab_parallel", "divergence_rows", "topk_rows", "vocab_slice", "group_name",
-           "resolve_group"]
+__all__ = ["generalized_jsd_vocab_parallel", "divergence_rows", "topk_rows", "vocab_slice", "learnt_widths",
+           "group_name", "resolve_group"]
 
 
 _LN2 = math.log(2)
@@ -283,22 +283,23 @@ def vocab_slice(width: int, device, group) -> tuple[int, int]:
 _LAYOUTS: dict[tuple, tuple[list[int], Tensor]] = {}
 
 
-def learnt_vocab_slice(width: int, device, group, least: int = 0) -> tuple[int, int, Callable[[], bool]]:
-    """vocab_slice without waiting for the widths once they have been seen: the layout learnt from an earlier call
-    (the host waits on the first call only), and ``settled()``, True when the widths gathered now are that layout.
-    False means the layout changed: it is learnt now, and the caller must run its step again (call ``settled()``
-    once the step's kernels are queued: it waits for the gather only). Every rank gathers the same widths and has
-    learnt the same layout (the calls are collective), so every rank sees the same answer and runs again alike.
-    ``least``: a learnt vocabulary smaller than this is not used (the host waits for the widths instead): a top-k
-    teacher's k, which its eager checks compare with the vocabulary before any kernel runs. It must be the same
-    on every rank (k is), so that every rank decides alike."""
+def learnt_widths(width: int, device, group, least: int = 0) -> tuple[list[int], Callable[[], bool]]:
+    """Every rank's slice width without waiting for them once they have been seen: the layout learnt from an
+    earlier call (the host waits on the first call only), and ``settled()``, True when the widths gathered now are
+    that layout. False means the layout changed: it is learnt now, and the caller must run its step again (call
+    ``settled()`` once the step's kernels are queued: it waits for the gather only). Every rank gathers the same
+    widths and has learnt the same layout (the calls are collective), so every rank sees the same answer and runs
+    again alike, and a step cut by the learnt layout (stale or not) is cut alike on every rank. ``least``: a learnt
+    vocabulary smaller than this is not used (the host waits for the widths instead): a top-k teacher's k, which
+    its eager checks compare with the vocabulary before any kernel runs. It must be the same on every rank (k is),
+    so that every rank decides alike."""
     widths = _gathered_widths(width, device, group)
     key = (group_name(group, "generalized_jsd"), str(widths.device))
     known = _LAYOUTS.get(key)
     if known is None or known[1].shape != widths.shape or sum(known[0]) < least:
         listed = widths.tolist()
         _LAYOUTS[key] = (listed, widths)
-        return (*_placed(listed, group), lambda: True)
+        return listed, lambda: True
     listed, learnt = known
     read = distill.read_back_later((widths != learnt).any())
 
@@ -308,6 +309,12 @@ def learnt_vocab_slice(width: int, device, group, least: int = 0) -> tuple[int, 
         _LAYOUTS[key] = (widths.tolist(), widths)
         return False
 
+    return listed, settled
+
+
+def learnt_vocab_slice(width: int, device, group, least: int = 0) -> tuple[int, int, Callable[[], bool]]:
+    """vocab_slice from learnt_widths' layout: this rank's offset, the vocabulary's size, and ``settled()``."""
+    listed, settled = learnt_widths(width, device, group, least)
     return (*_placed(listed, group), settled)
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kldiv_inline as K
-from kldiv_inline import timing
+from kldiv_inline import fused_linear, timing
 from kldiv_inline.peers import megatron_style_generalized_jsd
 from kldiv_inline.reference import relative_error
 
@@ -393,10 +393,29 @@ def _fused_body(rank, world, device, seed, widths):
     for teacher in ("hidden", "logits", "topk"):  # only the unmasked tokens in the chunks, on every rank alike
         _fused_case(rank, device, group, gen, widths=widths, teacher=teacher, mask=0.5, skip_masked=True)
     _fused_case(rank, device, group, gen, widths=widths, mask=1.1, skip_masked=True)
+    _fused_default_chunk_cases(rank, device, group, gen, widths)
     with pytest.raises(ValueError, match=rf"in \[0, {sum(widths)}\)"):  # checked against the whole vocabulary
         idx = torch.full((2, 1), sum(widths), dtype=torch.long, device=device)
         K.fused_linear_generalized_jsd(torch.randn(2, 4, device=device), torch.randn(widths[rank], 4, device=device),
                                        teacher_topk=(idx, torch.zeros((2, 1), device=device)), group=group)
+
+
+def _fused_default_chunk_cases(rank, device, group, gen, widths):
+    """chunk_size None with a group: every rank must cut the tokens into the same chunks (each chunk's divergence
+    is collective), where each rank's default from its own slice's width differs (the logit buffers' budget made
+    small so that it does: the ranks' chunks mismatched and gloo aborted before the default came from the widest
+    slice). Then the slices widen on every rank but rank 0 (another head on the same group): the layout learnt on
+    the first call is stale there, and every rank learns the new one and runs again alike."""
+    saved = fused_linear.BUFFER_BYTES
+    fused_linear.BUFFER_BYTES = 3 * 4 * 2 * max(widths)  # float32 logits, two buffers (a teacher as hidden states)
+    try:
+        own = {fused_linear.default_chunk_size(7, w, 4, 2) for w in widths}
+        assert len(own) > 1, own  # (the case this checks: the ranks' own defaults differ)
+        _fused_case(rank, device, group, gen, widths=widths, chunk_size=None)
+        wider = (widths[0],) + tuple(w + 7 for w in widths[1:])
+        _fused_case(rank, device, group, gen, widths=wider, chunk_size=None)
+    finally:
+        fused_linear.BUFFER_BYTES = saved
 
 
 def _fused_case_no_grad(rank, device, group, gen, widths):
