@@ -48,7 +48,15 @@ from .distill import (
     is_topk_pair,
     refuse_transforms,
 )
-from .vocab_parallel import divergence_rows, group_name, learnt_widths, resolve_group, topk_rows, vocab_slice
+from .vocab_parallel import (
+    check_same_call,
+    divergence_rows,
+    group_name,
+    learnt_widths,
+    resolve_group,
+    topk_rows,
+    vocab_slice,
+)
 
 __all__ = ["fused_linear_generalized_jsd", "FusedLinearGeneralizedJSDLoss", "default_chunk_size"]
 
@@ -506,6 +514,12 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
             widths, settled = learnt_widths(vocab, device, group)
             widest = max(widths)
         chunk_size = default_chunk_size(n, widest, student_hidden.element_size(), 2 if two else 1)
+    if group is not None and device.type == "cpu":
+        check_same_call(group, "fused_linear_generalized_jsd", {
+            "beta": beta, "temperature": temperature, "ignore_index": int(ignore_index),
+            "reduction": int(reduction == "batchmean"), "rows": n, "chunk_size": int(chunk_size),
+            "teacher form": forms.index(True), "teacher_topk k": idx.shape[-1] if idx is not None else -1,
+            "skip_masked": int(skip_masked)}, lab)
 
     hidden = student_hidden.reshape(n, hidden_size)  # n, not -1: a hidden size of 0 is legal (logits = bias)
     grad_on = torch.is_grad_enabled()

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ from torch import Tensor
 from . import distill
 
 __all__ = ["generalized_jsd_vocab_parallel", "divergence_rows", "topk_rows", "vocab_slice", "learnt_widths",
-           "group_name", "resolve_group"]
+           "check_same_call", "group_name", "resolve_group"]
 
 
 _LN2 = math.log(2)
@@ -318,6 +319,35 @@ def learnt_vocab_slice(width: int, device, group, least: int = 0) -> tuple[int, 
     return (*_placed(listed, group), settled)
 
 
+def check_same_call(group, who: str, fields: dict, labels: Tensor | None) -> None:
+    """CPU ranks: every rank of the group passed the same settings (``fields``: name -> int or float) and labels,
+    else a ValueError on every rank saying what differs (one small all-gather, which the host waits for anyway on
+    gloo's CPU tensors). Without it a rank called with another temperature, beta or labels than the others would
+    combine its statistics with theirs into a wrong loss, silently. GPU ranks are not checked: that would make the
+    host wait for the device on every call (there every rank must pass the same, as the docstrings say)."""
+    words = [struct.unpack("<q", struct.pack("<d", float(v)))[0] if isinstance(v, float) else int(v)
+             for v in fields.values()]
+    if labels is None:
+        words.append(-1)
+    else:  # a checksum of the labels in their order (int64 arithmetic wraps alike on every rank)
+        flat = labels.reshape(-1).to(torch.int64)
+        words.append(int(((flat + 3) * torch.arange(1, flat.numel() + 1, dtype=torch.int64)).sum()) & (2**62 - 1))
+    mine = torch.tensor([words], dtype=torch.int64)
+    every = _all_gather(mine, group).view(-1, len(words))
+    names = list(fields) + ["labels"]
+    for j, name in enumerate(names):
+        column = every[:, j].tolist()
+        if any(v != column[0] for v in column):
+            if name == "labels":
+                told = "the ranks' labels differ"
+            else:
+                as_float = isinstance(list(fields.values())[j], float)
+                shown = [struct.unpack("<d", struct.pack("<q", v))[0] if as_float else v for v in column]
+                told = ", ".join(f"{v} on rank {r}" for r, v in enumerate(shown))
+            raise ValueError(f"{who}: the ranks of the group were called with different {name}: {told}; every "
+                             "rank must pass the same rows, labels and settings (only the vocabulary is split)")
+
+
 def _check_group(group, who: str = "generalized_jsd") -> None:
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{who}: group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
@@ -350,6 +380,10 @@ def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tenso
     args, lead, check = distill._prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, labels,
                                          ignore_index, reduction, topk_vocab=vocab, defer_check=True)
     student, teacher, idx, lp, lab, ignore_index, beta, temperature, code = args
+    if student.device.type == "cpu":
+        check_same_call(group, "generalized_jsd", {
+            "beta": beta, "temperature": temperature, "ignore_index": ignore_index, "reduction": code,
+            "rows": student.shape[0], "teacher_topk k": idx.shape[-1] if idx is not None else -1}, lab)
     settings = (ignore_index, beta, temperature, code, group, offset, vocab)
     grad_on = torch.is_grad_enabled()
     want_s = bool(grad_on and student.requires_grad)

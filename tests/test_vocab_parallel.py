@@ -445,6 +445,33 @@ def test_three_ranks_uneven_match_one(_fresh_seed):
     spawn(_every_form_body, 3, _fresh_seed, [(9, 30, 2)], (7, 1, 12), (5, 1, 17))
 
 
+def _mismatch_body(rank, world, device, seed):
+    # Ranks called with different settings or labels (only the vocabulary may be split): on CPU ranks every rank
+    # raises, naming what differs, where they would otherwise combine their statistics into a wrong loss.
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(seed)
+    s, t = torch.randn(6, 10, generator=gen), torch.randn(6, 10, generator=gen)
+    lab = torch.randint(0, 20, (6,), generator=gen)
+    for kw, what in ((dict(temperature=2.0 if rank == 0 else 1.5), "temperature"),
+                     (dict(beta=0.5 if rank == 0 else 0.3), "beta"),
+                     (dict(labels=lab if rank == 0 else (lab + 1) % 20), "labels"),
+                     (dict(labels=lab if rank == 0 else None), "labels"),
+                     (dict(reduction="sum" if rank == 0 else "batchmean"), "reduction")):
+        with pytest.raises(ValueError, match=f"different {what}"):
+            K.generalized_jsd(s, t, group=group, **kw)
+    h, w = torch.randn(6, 4, generator=gen), torch.randn(10, 4, generator=gen)
+    with pytest.raises(ValueError, match="different chunk_size"):
+        K.fused_linear_generalized_jsd(h, w, teacher_logits=t, chunk_size=2 if rank == 0 else 3, group=group)
+    with pytest.raises(ValueError, match="different temperature"):
+        K.fused_linear_generalized_jsd(h, w, teacher_logits=t, temperature=1.0 + rank, group=group)
+    loss = K.generalized_jsd(s, t, group=group, labels=lab)  # the group still serves a call made alike
+    assert torch.isfinite(loss)
+
+
+def test_ranks_called_differently_raise_on_every_rank(_fresh_seed):
+    spawn(_mismatch_body, 2, _fresh_seed)
+
+
 def test_three_ranks_topk_draw_that_once_failed():
     # A draw of the three-rank test's top-k cases (its seed fixed): float32, k = 1, reverse KL, where the split
     # student gradient was 3.7e-5 off float64 against the one-process result's 2.4e-6 while the split route
