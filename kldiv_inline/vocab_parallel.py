@@ -319,14 +319,18 @@ def learnt_vocab_slice(width: int, device, group, least: int = 0) -> tuple[int, 
     return (*_placed(listed, group), settled)
 
 
-def check_same_call(group, who: str, fields: dict, labels: Tensor | None) -> None:
-    """CPU ranks: every rank of the group passed the same settings (``fields``: name -> int or float) and labels,
-    else a ValueError on every rank saying what differs (one small all-gather, which the host waits for anyway on
-    gloo's CPU tensors). Without it a rank called with another temperature, beta or labels than the others would
-    combine its statistics with theirs into a wrong loss, silently. GPU ranks are not checked: that would make the
-    host wait for the device on every call (there every rank must pass the same, as the docstrings say)."""
-    words = [struct.unpack("<q", struct.pack("<d", float(v)))[0] if isinstance(v, float) else int(v)
-             for v in fields.values()]
+def check_same_call(group, who: str, fields: dict, labels: Tensor | None, refused: bool = False) -> None:
+    """CPU ranks: every rank of the group passed the same settings (``fields``: name -> int or float, the same
+    names in the same order on every rank) and labels, else a ValueError on every rank saying what differs (one
+    small all-gather, which the host waits for anyway on gloo's CPU tensors). Without it a rank called with
+    another temperature, beta or labels than the others would combine its statistics with theirs into a wrong
+    loss, silently. ``refused``: this rank's own inputs were refused (it raises its own error after this, and the
+    other ranks raise one that names it, where they would have waited for it in their next collective). GPU ranks
+    are not checked: that would make the host wait for the device on every call (there every rank must pass the
+    same, as the docstrings say)."""
+    words = [0 if refused else 1]
+    words += [struct.unpack("<q", struct.pack("<d", float(v)))[0] if isinstance(v, float) else int(v)
+              for v in fields.values()]
     if labels is None:
         words.append(-1)
     else:  # a checksum of the labels in their order (int64 arithmetic wraps alike on every rank)
@@ -334,18 +338,30 @@ def check_same_call(group, who: str, fields: dict, labels: Tensor | None) -> Non
         words.append(int(((flat + 3) * torch.arange(1, flat.numel() + 1, dtype=torch.int64)).sum()) & (2**62 - 1))
     mine = torch.tensor([words], dtype=torch.int64)
     every = _all_gather(mine, group).view(-1, len(words))
+    refusing = [r for r, ok in enumerate(every[:, 0].tolist()) if not ok]
+    if refusing:
+        if refused:
+            return  # (the caller raises this rank's own error)
+        raise ValueError(f"{who}: rank {', '.join(map(str, refusing))} of the group refused its inputs (its own "
+                         "error says why), so the call is refused on every rank")
     names = list(fields) + ["labels"]
-    for j, name in enumerate(names):
+    for j, name in enumerate(names, start=1):
         column = every[:, j].tolist()
         if any(v != column[0] for v in column):
             if name == "labels":
                 told = "the ranks' labels differ"
             else:
-                as_float = isinstance(list(fields.values())[j], float)
+                as_float = isinstance(list(fields.values())[j - 1], float)
                 shown = [struct.unpack("<d", struct.pack("<q", v))[0] if as_float else v for v in column]
                 told = ", ".join(f"{v} on rank {r}" for r, v in enumerate(shown))
             raise ValueError(f"{who}: the ranks of the group were called with different {name}: {told}; every "
                              "rank must pass the same rows, labels and settings (only the vocabulary is split)")
+
+
+def _call_fields(beta: float, temperature: float, ignore_index: int, code: int, rows: int, k: int) -> dict:
+    """generalized_jsd's settings as check_same_call compares them (the same names, in order, on every rank)."""
+    return {"beta": beta, "temperature": temperature, "ignore_index": ignore_index, "reduction": code,
+            "rows": rows, "teacher_topk k": k}
 
 
 def _check_group(group, who: str = "generalized_jsd") -> None:
@@ -377,13 +393,19 @@ def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tenso
         offset, vocab, settled = learnt_vocab_slice(student_logits.shape[-1], student_logits.device, group, least=k)
     # The top-k teacher's checks are read back once the step's kernels are queued (as on one device), and after
     # every collective: a rank that raised before one would leave the others waiting in it.
-    args, lead, check = distill._prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, labels,
-                                         ignore_index, reduction, topk_vocab=vocab, defer_check=True)
+    on_cpu = isinstance(student_logits, Tensor) and student_logits.device.type == "cpu"
+    try:
+        args, lead, check = distill._prepare(student_logits, teacher_logits, teacher_topk, beta, temperature,
+                                             labels, ignore_index, reduction, topk_vocab=vocab, defer_check=True)
+    except Exception:
+        if on_cpu:  # the other ranks learn it in the check below instead of waiting for this rank
+            check_same_call(group, "generalized_jsd", _call_fields(0.0, 0.0, 0, 0, 0, 0), None, refused=True)
+        raise
     student, teacher, idx, lp, lab, ignore_index, beta, temperature, code = args
-    if student.device.type == "cpu":
-        check_same_call(group, "generalized_jsd", {
-            "beta": beta, "temperature": temperature, "ignore_index": ignore_index, "reduction": code,
-            "rows": student.shape[0], "teacher_topk k": idx.shape[-1] if idx is not None else -1}, lab)
+    if on_cpu:
+        k = idx.shape[-1] if idx is not None else -1
+        check_same_call(group, "generalized_jsd",
+                        _call_fields(beta, temperature, ignore_index, code, student.shape[0], k), lab)
     settings = (ignore_index, beta, temperature, code, group, offset, vocab)
     grad_on = torch.is_grad_enabled()
     want_s = bool(grad_on and student.requires_grad)

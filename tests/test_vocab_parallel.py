@@ -447,7 +447,8 @@ def test_three_ranks_uneven_match_one(_fresh_seed):
 
 def _mismatch_body(rank, world, device, seed):
     # Ranks called with different settings or labels (only the vocabulary may be split): on CPU ranks every rank
-    # raises, naming what differs, where they would otherwise combine their statistics into a wrong loss.
+    # raises, naming what differs, where they would otherwise combine their statistics into a wrong loss (or wait
+    # for a rank that raised).
     group = dist.group.WORLD
     gen = torch.Generator().manual_seed(seed)
     s, t = torch.randn(6, 10, generator=gen), torch.randn(6, 10, generator=gen)
@@ -459,6 +460,9 @@ def _mismatch_body(rank, world, device, seed):
                      (dict(reduction="sum" if rank == 0 else "batchmean"), "reduction")):
         with pytest.raises(ValueError, match=f"different {what}"):
             K.generalized_jsd(s, t, group=group, **kw)
+    # One rank's own inputs refused: it raises its error, the others one that names it (not a wait for it)
+    with pytest.raises(ValueError, match="same shape" if rank == 1 else "rank 1 of the group refused its inputs"):
+        K.generalized_jsd(s, t[:, :9] if rank == 1 else t, group=group)
     h, w = torch.randn(6, 4, generator=gen), torch.randn(10, 4, generator=gen)
     with pytest.raises(ValueError, match="different chunk_size"):
         K.fused_linear_generalized_jsd(h, w, teacher_logits=t, chunk_size=2 if rank == 0 else 3, group=group)
