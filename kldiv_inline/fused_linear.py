@@ -54,6 +54,7 @@ from .vocab_parallel import (
     group_name,
     learnt_widths,
     resolve_group,
+    slice_widths,
     topk_rows,
     vocab_slice,
 )
@@ -440,8 +441,9 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     are then global vocabulary ids (each rank finds those in its rows). Every rank cuts the tokens into the same
     chunks (each chunk's divergence is collective): ``chunk_size`` None picks it from the widest rank's slice, from
     the ranks' widths learnt on the group's first call (the host waits for them then; later calls check them
-    without waiting on the step, and run again, every rank alike, if they changed); to capture such a call in a CUDA
-    graph, pass ``chunk_size`` (the same on every rank).
+    without waiting on the step, and run again, every rank alike, if they changed; a top-k teacher's calls gather
+    them anyway, for its indices); to capture such a call in a CUDA graph, pass ``chunk_size`` (the same on every
+    rank).
 
     ``skip_masked=True`` (with ``labels``): the chunks hold the tokens whose label is not ``ignore_index``, so no
     matrix product is spent on masked tokens (their loss and gradient are 0 anyway): a step with 10% of its tokens
@@ -474,6 +476,7 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
         raise ValueError(_err("teacher_bias needs teacher_hidden and teacher_weight"))
     lab = _check_labels(labels, lead, device)
     t_hidden = t_weight = t_bias = t_logits = idx = lp = None
+    widths = None  # with a group: every rank's slice width, where this call has gathered them (a top-k teacher)
     if forms[0]:
         if teacher_hidden is None or teacher_weight is None:
             raise ValueError(_err("a teacher given as hidden states needs both teacher_hidden and teacher_weight"))
@@ -492,7 +495,9 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
         if is_topk_pair(pair):
             pair = (pair[0], pair[1].detach())
         # With a group the indices are global: checked against the whole vocabulary (every rank's rows).
-        whole = vocab if group is None else vocab_slice(vocab, device, group)[1]
+        if group is not None:
+            widths = slice_widths(vocab, device, group)
+        whole = vocab if widths is None else sum(widths)
         idx, lp = _validate_topk(pair, student_hidden, lead, whole, lab, ignore_index)
     _check_chunk_size(chunk_size)
     accum_dtype = _check_accum_dtype(accum_dtype, dtype)
@@ -508,10 +513,12 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
             # widest slice (each rank's own width gave ranks with uneven slices different chunks, and their
             # collectives did not match). The ranks' widths as learnt on the group's first call (the host waits
             # then only); if they changed since, every rank runs the call again with the new ones (below).
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(_err("with a group, pass chunk_size when capturing in a CUDA graph: the default "
-                                        "is cut from every rank's slice width, which the host reads back"))
-            widths, settled = learnt_widths(vocab, device, group)
+            if widths is None:  # (a top-k teacher's call has them exactly: gathered above for its indices)
+                if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError(_err("with a group, pass chunk_size when capturing in a CUDA graph: the "
+                                            "default is cut from every rank's slice width, which the host reads "
+                                            "back"))
+                widths, settled = learnt_widths(vocab, device, group)
             widest = max(widths)
         chunk_size = default_chunk_size(n, widest, student_hidden.element_size(), 2 if two else 1)
     if group is not None and device.type == "cpu":

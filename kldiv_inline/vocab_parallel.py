@@ -52,8 +52,8 @@ from torch import Tensor
 
 from . import distill
 
-__all__ = ["generalized_jsd_vocab_parallel", "divergence_rows", "topk_rows", "vocab_slice", "learnt_widths",
-           "check_same_call", "group_name", "resolve_group"]
+__all__ = ["generalized_jsd_vocab_parallel", "divergence_rows", "topk_rows", "vocab_slice", "slice_widths",
+           "learnt_widths", "check_same_call", "group_name", "resolve_group"]
 
 
 _LN2 = math.log(2)
@@ -274,10 +274,15 @@ def _placed(widths: list[int], group) -> tuple[int, int]:
     return sum(widths[:rank]), sum(widths)
 
 
+def slice_widths(width: int, device, group) -> list[int]:
+    """Every rank's slice width, in rank order (one small all-gather and one host synchronisation)."""
+    return _gathered_widths(width, device, group).tolist()
+
+
 def vocab_slice(width: int, device, group) -> tuple[int, int]:
     """This rank's offset in the vocabulary and the vocabulary's size, from every rank's slice width (one small
     all-gather and one host synchronisation: only top-k indices need them)."""
-    return _placed(_gathered_widths(width, device, group).tolist(), group)
+    return _placed(slice_widths(width, device, group), group)
 
 
 # The ranks' slice widths (a list, and on the device) by (group, device), as learnt_vocab_slice last saw them.

@@ -409,9 +409,10 @@ def _fused_default_chunk_cases(rank, device, group, gen, widths):
     saved = fused_linear.BUFFER_BYTES
     fused_linear.BUFFER_BYTES = 3 * 4 * 2 * max(widths)  # float32 logits, two buffers (a teacher as hidden states)
     try:
-        own = {fused_linear.default_chunk_size(7, w, 4, 2) for w in widths}
-        assert len(own) > 1, own  # (the case this checks: the ranks' own defaults differ)
-        _fused_case(rank, device, group, gen, widths=widths, chunk_size=None)
+        for teacher, buffers in (("hidden", 2), ("topk", 1)):  # (a top-k teacher's call gathers the widths itself)
+            own = {fused_linear.default_chunk_size(7, w, 4, buffers) for w in widths}
+            assert len(own) > 1, own  # (the case this checks: the ranks' own defaults differ)
+            _fused_case(rank, device, group, gen, widths=widths, chunk_size=None, teacher=teacher)
         wider = (widths[0],) + tuple(w + 7 for w in widths[1:])
         _fused_case(rank, device, group, gen, widths=wider, chunk_size=None)
     finally:
