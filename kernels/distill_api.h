@@ -68,9 +68,10 @@ int64_t distill_peer_map(const at::Tensor& handle, int64_t device);
 // rows; epoch one int32 on the logits' device, this rank's call counter (zero at first). 16-bit and float32
 // logits. Returns {the loss (as distill_combine's: [n] for reduction none, else 0-d, the rows' sum times scale),
 // [n, 2] the rows' (ks, kt), [n, 4] the rows' normalisers or undefined, the student's gradient or undefined, the
-// teacher's or undefined}: distill_phase 1's gradients, and distill_combine's results after it. Forward KL
-// without a teacher's gradient, on rows the fast kernel takes, runs one kernel that reads the logits once (its
-// normalisers stay undefined: no phase 2 needs them); any other call runs phase 0, the exchange, then phase 1.
+// teacher's or undefined}: distill_phase 1's gradients, and distill_combine's results after it. Forward KL, and
+// the JSD's training rows, without a teacher's gradient, on rows the fast kernel takes, run one kernel that reads
+// the logits once (their normalisers stay undefined: no phase 2 needs them); any other call runs phase 0, the
+// exchange, then phase 1.
 std::vector<at::Tensor> distill_peer_terms(const at::Tensor& student, const at::Tensor& teacher,
                                            const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
                                            double temperature, int64_t reduction, const at::Tensor& scale,
