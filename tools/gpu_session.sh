@@ -14,8 +14,7 @@
 #   tools/gpu_session.sh graph     # two GPUs: the two-GPU tests (a captured split step among them), then the split
 #                                  #   step captured in a CUDA graph at full size, timed against eager
 #   tools/gpu_session.sh x2        # two GPUs: the two-GPU tests, then the committed run of the split
-#                                  #   (bench_vocab_parallel --reps 10 --warmup 3 --graph) -> ${RESULTS:-results}/<card>-x2/,
-#                                  #   then its logits form with 64 KB blocks (KLDIV_DISTILL_SMEM_KIB) -> $OUT/smem64/
+#                                  #   (bench_vocab_parallel --reps 10 --warmup 3 --graph) -> ${RESULTS:-results}/<card>-x2/
 # Two GPUs: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2 \
 #   tools/bench_vocab_parallel.py    # the vocabulary split across GPUs -> results/<card>-x2/
 set -euo pipefail
@@ -47,10 +46,7 @@ case $mode in
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     python3 -m pytest -q -x -m gpu tests/test_vocab_parallel.py
     torchrun --standalone --nproc-per-node 2 tools/bench_vocab_parallel.py --reps 10 --warmup 3 --graph \
-      --results "${RESULTS:-results}"
-    # fewer, larger blocks a row: do the split's waits for the other rank cost less? (compare the split rows only)
-    KLDIV_DISTILL_SMEM_KIB=64 torchrun --standalone --nproc-per-node 2 tools/bench_vocab_parallel.py --forms logits \
-      --reps 10 --warmup 3 --out "${OUT:-/tmp}/smem64/bench.csv" ;;
+      --results "${RESULTS:-results}" ;;
   notebooks)
     for nb in notebooks/0*.ipynb; do
       python3 - "$nb" <<'PY'
