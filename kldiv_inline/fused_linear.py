@@ -26,6 +26,7 @@ The teacher is a constant: no gradient flows to it, whether or not its tensors r
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,7 @@ from .vocab_parallel import (
     learnt_widths,
     resolve_group,
     slice_widths,
+    topk_also,
     topk_rows,
     vocab_slice,
 )
@@ -398,6 +400,91 @@ def _check_skip_masked(skip_masked, labels: Tensor | None) -> bool:
     return skip_masked and labels is not None
 
 
+_WHO = "fused_linear_generalized_jsd"
+
+
+@dataclass
+class _Checked:
+    """fused_linear_generalized_jsd's arguments as its local checks leave them (nothing communicated yet)."""
+    device: torch.device
+    lead: torch.Size
+    n: int
+    beta: float
+    temperature: float
+    form: int  # the teacher: 0 hidden states and weight, 1 logits, 2 top-k
+    lab: Tensor | None
+    t_hidden: Tensor | None
+    t_weight: Tensor | None
+    t_bias: Tensor | None
+    t_logits: Tensor | None
+    pair: object  # the top-k teacher as given (checked once the whole vocabulary is known: it may be global)
+    accum_dtype: torch.dtype | None
+    skip_masked: bool
+    name: str | None
+
+
+def _checked_locally(student_hidden, student_weight, teacher_hidden, teacher_weight, teacher_logits, teacher_topk,
+                     student_bias, teacher_bias, beta, temperature, labels, ignore_index, reduction, chunk_size,
+                     accum_dtype, group, skip_masked) -> _Checked:
+    """Every check of the arguments that needs no other rank (a top-k teacher's indices are checked later)."""
+    _check_linear("student", student_hidden, student_weight, student_bias, None, None, None)
+    pair = teacher_topk if isinstance(teacher_topk, (tuple, list)) else ()
+    refuse_transforms(_WHO, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                      teacher_bias, teacher_logits, labels, *pair)
+    name = group_name(group, _WHO) if group is not None else None
+    dtype, device = student_hidden.dtype, student_hidden.device
+    vocab = student_weight.shape[0]
+    lead = student_hidden.shape[:-1]
+    beta, temperature = _check_settings(beta, temperature, ignore_index, reduction)
+    if reduction == "none":
+        raise ValueError(_err("reduction='none' is not supported: the gradients are summed over the tokens as "
+                              "they are made; use 'batchmean' or 'sum', or generalized_jsd on logits for per-token "
+                              "losses"))
+    forms = [teacher_hidden is not None or teacher_weight is not None, teacher_logits is not None,
+             teacher_topk is not None]
+    if sum(forms) != 1:
+        raise ValueError(_err("give exactly one teacher: teacher_hidden with teacher_weight, teacher_logits, or "
+                              "teacher_topk"))
+    if teacher_bias is not None and not forms[0]:
+        raise ValueError(_err("teacher_bias needs teacher_hidden and teacher_weight"))
+    lab = _check_labels(labels, lead, device)
+    t_hidden = t_weight = t_bias = t_logits = None
+    pair = teacher_topk
+    if forms[0]:
+        if teacher_hidden is None or teacher_weight is None:
+            raise ValueError(_err("a teacher given as hidden states needs both teacher_hidden and teacher_weight"))
+        _check_linear("teacher", teacher_hidden, teacher_weight, teacher_bias, dtype, device, vocab)
+        if teacher_hidden.shape[:-1] != lead:
+            raise ValueError(_err(f"teacher_hidden {tuple(teacher_hidden.shape)} must have the student's leading "
+                                  f"dims {tuple(lead)}"))
+        t_hidden = teacher_hidden.detach().reshape(lead.numel(), teacher_hidden.shape[-1])  # (numel: H_t may be 0)
+        t_weight = teacher_weight.detach()
+        t_bias = teacher_bias.detach() if teacher_bias is not None else None
+    elif forms[1]:
+        _check_teacher_logits(teacher_logits, lead + (vocab,), dtype, device)
+        t_logits = _rows(teacher_logits.detach(), vocab)
+    elif is_topk_pair(pair):
+        pair = (pair[0], pair[1].detach())
+    else:  # (its form here; its values once the vocabulary is known)
+        _validate_topk(pair, student_hidden, lead, vocab, lab, ignore_index)
+    _check_chunk_size(chunk_size)
+    accum_dtype = _check_accum_dtype(accum_dtype, dtype)
+    skip_masked = _check_skip_masked(skip_masked, lab)
+    return _Checked(device, lead, lead.numel(), beta, temperature, forms.index(True), lab, t_hidden, t_weight,
+                    t_bias, t_logits, pair, accum_dtype, skip_masked, name)
+
+
+def _same_call_fields(beta=0.0, temperature=0.0, ignore_index=0, reduction="", rows=0, chunk_size=None, form=0,
+                      itemsize=0, skip_masked=False) -> dict:
+    """The settings every rank of a group must pass alike, as check_same_call compares them (the same names in the
+    same order on every rank; a refusing rank's are the defaults). chunk_size as given: None cuts the chunks from
+    the ranks' widths and dtype, so ranks that give None and ranks that give a number would communicate apart."""
+    return {"beta": beta, "temperature": temperature, "ignore_index": int(ignore_index),
+            "reduction": int(reduction == "batchmean"), "rows": rows,
+            "chunk_size": None if chunk_size is None else int(chunk_size), "teacher form": form,
+            "dtype's size": itemsize, "skip_masked": int(skip_masked)}
+
+
 def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
                                  teacher_hidden: Tensor | None = None, teacher_weight: Tensor | None = None, *,
                                  teacher_logits: Tensor | None = None,
@@ -454,59 +541,37 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     chunk of tokens, unmasked first: so the products cover at least one chunk's tokens, masked or not), and such a
     call cannot be captured in a CUDA graph (an error). The default, False, never synchronises.
     """
-    _check_linear("student", student_hidden, student_weight, student_bias, None, None, None)
-    pair = teacher_topk if isinstance(teacher_topk, (tuple, list)) else ()
-    refuse_transforms("fused_linear_generalized_jsd", student_hidden, student_weight, student_bias, teacher_hidden,
-                      teacher_weight, teacher_bias, teacher_logits, labels, *pair)
-    name = group_name(group, "fused_linear_generalized_jsd") if group is not None else None
-    dtype, device = student_hidden.dtype, student_hidden.device
-    hidden_size, vocab = student_hidden.shape[-1], student_weight.shape[0]
-    lead = student_hidden.shape[:-1]
-    beta, temperature = _check_settings(beta, temperature, ignore_index, reduction)
-    if reduction == "none":
-        raise ValueError(_err("reduction='none' is not supported: the gradients are summed over the tokens as "
-                              "they are made; use 'batchmean' or 'sum', or generalized_jsd on logits for per-token "
-                              "losses"))
-    forms = [teacher_hidden is not None or teacher_weight is not None, teacher_logits is not None,
-             teacher_topk is not None]
-    if sum(forms) != 1:
-        raise ValueError(_err("give exactly one teacher: teacher_hidden with teacher_weight, teacher_logits, or "
-                              "teacher_topk"))
-    if teacher_bias is not None and not forms[0]:
-        raise ValueError(_err("teacher_bias needs teacher_hidden and teacher_weight"))
-    lab = _check_labels(labels, lead, device)
-    t_hidden = t_weight = t_bias = t_logits = idx = lp = None
+    # On CPU ranks of a group every rank learns whether the others' inputs were refused before the call's first
+    # collective (check_same_call), so the local checks come first and a rank that refuses its own inputs says so
+    # there: where it raised alone, the others waited for it in that collective or paired it with a later one.
+    on_cpu_group = (isinstance(group, dist.ProcessGroup) and isinstance(student_hidden, Tensor)
+                    and student_hidden.device.type == "cpu")
+    try:
+        c = _checked_locally(student_hidden, student_weight, teacher_hidden, teacher_weight, teacher_logits,
+                             teacher_topk, student_bias, teacher_bias, beta, temperature, labels, ignore_index,
+                             reduction, chunk_size, accum_dtype, group, skip_masked)
+    except Exception:
+        if on_cpu_group:
+            check_same_call(group, _WHO, _same_call_fields(), None, refused=True, also=topk_also(None))
+        raise
+    if on_cpu_group:
+        check_same_call(group, _WHO, _same_call_fields(c.beta, c.temperature, ignore_index, reduction, c.n,
+                                                       chunk_size, c.form, student_hidden.element_size(),
+                                                       c.skip_masked),
+                        c.lab, also=topk_also(c.pair))
+    vocab, device, n = student_weight.shape[0], c.device, c.n
+    idx = lp = None
     widths = None  # with a group: every rank's slice width, where this call has gathered them (a top-k teacher)
-    if forms[0]:
-        if teacher_hidden is None or teacher_weight is None:
-            raise ValueError(_err("a teacher given as hidden states needs both teacher_hidden and teacher_weight"))
-        _check_linear("teacher", teacher_hidden, teacher_weight, teacher_bias, dtype, device, vocab)
-        if teacher_hidden.shape[:-1] != lead:
-            raise ValueError(_err(f"teacher_hidden {tuple(teacher_hidden.shape)} must have the student's leading "
-                                  f"dims {tuple(lead)}"))
-        t_hidden = teacher_hidden.detach().reshape(lead.numel(), teacher_hidden.shape[-1])  # (numel: H_t may be 0)
-        t_weight = teacher_weight.detach()
-        t_bias = teacher_bias.detach() if teacher_bias is not None else None
-    elif forms[1]:
-        _check_teacher_logits(teacher_logits, lead + (vocab,), dtype, device)
-        t_logits = _rows(teacher_logits.detach(), vocab)
-    else:
-        pair = teacher_topk
-        if is_topk_pair(pair):
-            pair = (pair[0], pair[1].detach())
+    if c.form == 2:
         # With a group the indices are global: checked against the whole vocabulary (every rank's rows).
         if group is not None:
             widths = slice_widths(vocab, device, group)
         whole = vocab if widths is None else sum(widths)
-        idx, lp = _validate_topk(pair, student_hidden, lead, whole, lab, ignore_index)
-    _check_chunk_size(chunk_size)
-    accum_dtype = _check_accum_dtype(accum_dtype, dtype)
-    skip_masked = _check_skip_masked(skip_masked, lab)
-    n = lead.numel()
+        idx, lp = _validate_topk(c.pair, student_hidden, c.lead, whole, c.lab, ignore_index)
     settled = None  # with a group and the default chunk: whether the ranks' widths were the layout learnt
     if chunk_size is None:
         # Two logit buffers where the teacher's logits are made (hidden states) or gathered (skip_masked) per chunk.
-        two = t_hidden is not None or (skip_masked and t_logits is not None)
+        two = c.t_hidden is not None or (c.skip_masked and c.t_logits is not None)
         widest = vocab
         if group is not None:
             # Each chunk's divergence is collective, so every rank must cut the tokens alike: the chunk from the
@@ -521,19 +586,13 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
                 widths, settled = learnt_widths(vocab, device, group)
             widest = max(widths)
         chunk_size = default_chunk_size(n, widest, student_hidden.element_size(), 2 if two else 1)
-    if group is not None and device.type == "cpu":
-        check_same_call(group, "fused_linear_generalized_jsd", {
-            "beta": beta, "temperature": temperature, "ignore_index": int(ignore_index),
-            "reduction": int(reduction == "batchmean"), "rows": n, "chunk_size": int(chunk_size),
-            "teacher form": forms.index(True), "teacher_topk k": idx.shape[-1] if idx is not None else -1,
-            "skip_masked": int(skip_masked)}, lab)
 
-    hidden = student_hidden.reshape(n, hidden_size)  # n, not -1: a hidden size of 0 is legal (logits = bias)
+    hidden = student_hidden.reshape(n, student_hidden.shape[-1])  # n, not -1: a hidden size of 0 is legal
     grad_on = torch.is_grad_enabled()
     wants = [bool(grad_on and t is not None and t.requires_grad) for t in (hidden, student_weight, student_bias)]
-    args = (hidden, student_weight, student_bias, t_hidden, t_weight, t_bias, t_logits, idx, lp, lab,
-            int(ignore_index), beta, temperature, reduction == "batchmean", int(chunk_size), accum_dtype, name,
-            skip_masked)
+    args = (hidden, student_weight, student_bias, c.t_hidden, c.t_weight, c.t_bias, c.t_logits, idx, lp, c.lab,
+            int(ignore_index), c.beta, c.temperature, reduction == "batchmean", int(chunk_size), c.accum_dtype,
+            c.name, c.skip_masked)
     if not any(wants) and not _is_tracing(hidden):
         loss = _fused(*args, False, False, False)[0]
     else:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 import os
 import struct
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,7 +54,7 @@ from torch import Tensor
 from . import distill
 
 __all__ = ["generalized_jsd_vocab_parallel", "divergence_rows", "topk_rows", "vocab_slice", "slice_widths",
-           "learnt_widths", "check_same_call", "group_name", "resolve_group"]
+           "learnt_widths", "check_same_call", "topk_also", "group_name", "resolve_group"]
 
 
 _LN2 = math.log(2)
@@ -324,23 +325,39 @@ def learnt_vocab_slice(width: int, device, group, least: int = 0) -> tuple[int, 
     return (*_placed(listed, group), settled)
 
 
-def check_same_call(group, who: str, fields: dict, labels: Tensor | None, refused: bool = False) -> None:
-    """CPU ranks: every rank of the group passed the same settings (``fields``: name -> int or float, the same
-    names in the same order on every rank) and labels, else a ValueError on every rank saying what differs (one
-    small all-gather, which the host waits for anyway on gloo's CPU tensors). Without it a rank called with
-    another temperature, beta or labels than the others would combine its statistics with theirs into a wrong
-    loss, silently. ``refused``: this rank's own inputs were refused (it raises its own error after this, and the
-    other ranks raise one that names it, where they would have waited for it in their next collective). GPU ranks
-    are not checked: that would make the host wait for the device on every call (there every rank must pass the
-    same, as the docstrings say)."""
+_NONE_WORD = -(2**62)  # check_same_call's word for a setting given as None
+
+
+def _checksum(t) -> int:
+    """A word that differs between tensors of different shapes or values (in order), the same on every rank for
+    the same tensor (int64 arithmetic wraps alike); -1 for None, -2 for anything else."""
+    if t is None:
+        return -1
+    if not isinstance(t, Tensor):
+        return -2
+    flat = t.detach().reshape(-1)
+    flat = (flat.to(torch.float64).view(torch.int64) if flat.is_floating_point() else flat.to(torch.int64))
+    total = int(((flat + 3) * torch.arange(1, flat.numel() + 1, dtype=torch.int64)).sum())
+    # (crc32, not hash(): str hashes differ between processes)
+    return (total + zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode())) & (2**62 - 1)
+
+
+def check_same_call(group, who: str, fields: dict, labels: Tensor | None, refused: bool = False,
+                    also: tuple = ()) -> None:
+    """CPU ranks: every rank of the group passed the same settings (``fields``: name -> int, float or None, the
+    same names in the same order on every rank), labels and ``also``'s tensors ((name, tensor or None) pairs),
+    else a ValueError on every rank saying what differs (one small all-gather, which the host waits for anyway on
+    gloo's CPU tensors). Without it a rank called with another temperature, beta or labels than the others would
+    combine its statistics with theirs into a wrong loss, silently. ``refused``: this rank's own inputs were
+    refused (it raises its own error after this, and the other ranks raise one that names it, where they would
+    have waited for it in their next collective); it must be the call's first collective, and a refusing rank
+    passes the same names (``also``'s included) with any values. GPU ranks are not checked: that would make
+    the host wait for the device on every call (there every rank must pass the same, as the docstrings say)."""
     words = [0 if refused else 1]
-    words += [struct.unpack("<q", struct.pack("<d", float(v)))[0] if isinstance(v, float) else int(v)
-              for v in fields.values()]
-    if labels is None:
-        words.append(-1)
-    else:  # a checksum of the labels in their order (int64 arithmetic wraps alike on every rank)
-        flat = labels.reshape(-1).to(torch.int64)
-        words.append(int(((flat + 3) * torch.arange(1, flat.numel() + 1, dtype=torch.int64)).sum()) & (2**62 - 1))
+    words += [_NONE_WORD if v is None else struct.unpack("<q", struct.pack("<d", float(v)))[0]
+              if isinstance(v, float) else int(v) for v in fields.values()]
+    words.append(_checksum(labels))
+    words += [_checksum(t) for _, t in also]
     mine = torch.tensor([words], dtype=torch.int64)
     every = _all_gather(mine, group).view(-1, len(words))
     refusing = [r for r, ok in enumerate(every[:, 0].tolist()) if not ok]
@@ -349,15 +366,16 @@ def check_same_call(group, who: str, fields: dict, labels: Tensor | None, refuse
             return  # (the caller raises this rank's own error)
         raise ValueError(f"{who}: rank {', '.join(map(str, refusing))} of the group refused its inputs (its own "
                          "error says why), so the call is refused on every rank")
-    names = list(fields) + ["labels"]
+    names = list(fields) + ["labels"] + [name for name, _ in also]
     for j, name in enumerate(names, start=1):
         column = every[:, j].tolist()
         if any(v != column[0] for v in column):
-            if name == "labels":
-                told = "the ranks' labels differ"
+            if j > len(fields):
+                told = f"the ranks' {name} differ"
             else:
                 as_float = isinstance(list(fields.values())[j - 1], float)
-                shown = [struct.unpack("<d", struct.pack("<q", v))[0] if as_float else v for v in column]
+                shown = [None if v == _NONE_WORD else struct.unpack("<d", struct.pack("<q", v))[0] if as_float
+                         else v for v in column]
                 told = ", ".join(f"{v} on rank {r}" for r, v in enumerate(shown))
             raise ValueError(f"{who}: the ranks of the group were called with different {name}: {told}; every "
                              "rank must pass the same rows, labels and settings (only the vocabulary is split)")
@@ -367,6 +385,13 @@ def _call_fields(beta: float, temperature: float, ignore_index: int, code: int, 
     """generalized_jsd's settings as check_same_call compares them (the same names, in order, on every rank)."""
     return {"beta": beta, "temperature": temperature, "ignore_index": ignore_index, "reduction": code,
             "rows": rows, "teacher_topk k": k}
+
+
+def topk_also(pair) -> tuple:
+    """check_same_call's `also` for a top-k teacher as given (the same on every rank: its indices are global):
+    its two tensors, or None where it is not a pair."""
+    given = pair if isinstance(pair, (tuple, list)) and len(pair) == 2 else (pair, None)
+    return (("teacher_topk", given[0]), ("teacher_topk", given[1]))
 
 
 def _check_group(group, who: str = "generalized_jsd") -> None:
@@ -404,13 +429,15 @@ def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tenso
                                              labels, ignore_index, reduction, topk_vocab=vocab, defer_check=True)
     except Exception:
         if on_cpu:  # the other ranks learn it in the check below instead of waiting for this rank
-            check_same_call(group, "generalized_jsd", _call_fields(0.0, 0.0, 0, 0, 0, 0), None, refused=True)
+            check_same_call(group, "generalized_jsd", _call_fields(0.0, 0.0, 0, 0, 0, 0), None, refused=True,
+                            also=topk_also(None))
         raise
     student, teacher, idx, lp, lab, ignore_index, beta, temperature, code = args
     if on_cpu:
         k = idx.shape[-1] if idx is not None else -1
         check_same_call(group, "generalized_jsd",
-                        _call_fields(beta, temperature, ignore_index, code, student.shape[0], k), lab)
+                        _call_fields(beta, temperature, ignore_index, code, student.shape[0], k), lab,
+                        also=topk_also((idx, lp)))
     settings = (ignore_index, beta, temperature, code, group, offset, vocab)
     grad_on = torch.is_grad_enabled()
     want_s = bool(grad_on and student.requires_grad)

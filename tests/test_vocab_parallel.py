@@ -464,6 +464,12 @@ def _mismatch_body(rank, world, device, seed):
     # One rank's own inputs refused: it raises its error, the others one that names it (not a wait for it)
     with pytest.raises(ValueError, match="same shape" if rank == 1 else "rank 1 of the group refused its inputs"):
         K.generalized_jsd(s, t[:, :9] if rank == 1 else t, group=group)
+    # Top-k teachers (global indices over the two ranks' 20 entries) that differ between the ranks
+    idx = torch.stack([torch.randperm(20, generator=gen)[:3] for _ in range(6)])
+    lp = torch.log_softmax(torch.randn(6, 3, generator=gen), -1) - 0.1
+    for pair in ((idx.flip(-1), lp), (idx, lp - 0.01)):
+        with pytest.raises(ValueError, match="different teacher_topk"):
+            K.generalized_jsd(s, teacher_topk=pair if rank == 1 else (idx, lp), group=group)
     h, w = torch.randn(6, 4, generator=gen), torch.randn(10, 4, generator=gen)
     with pytest.raises(ValueError, match="different chunk_size"):
         K.fused_linear_generalized_jsd(h, w, teacher_logits=t, chunk_size=2 if rank == 0 else 3, group=group)
@@ -475,6 +481,40 @@ def _mismatch_body(rank, world, device, seed):
 
 def test_ranks_called_differently_raise_on_every_rank(_fresh_seed):
     spawn(_mismatch_body, 2, _fresh_seed)
+
+
+def _fused_refusal_body(rank, world, device, seed):
+    # The fused head with a group on CPU ranks: a rank whose own inputs are refused, or whose top-k teacher differs,
+    # must not leave the others waiting in the call's first collective (the widths' gather of the default chunk or
+    # of a top-k teacher's indices): every rank raises. Each call is the group's first of its kind or not.
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(seed)
+    h, w, t = torch.randn(6, 4, generator=gen), torch.randn(10, 4, generator=gen), torch.randn(6, 10, generator=gen)
+    refused = "rank 1 of the group refused its inputs"
+    for chunk in (None, 2):
+        with pytest.raises(TypeError if rank == 1 else ValueError, match="student_weight is" if rank == 1 else refused):
+            K.fused_linear_generalized_jsd(h, w.double() if rank == 1 else w, teacher_logits=t, chunk_size=chunk,
+                                           group=group)
+        with pytest.raises(ValueError, match="must have the student's leading dims" if rank == 1 else refused):
+            K.fused_linear_generalized_jsd(h, w, teacher_hidden=h[:5] if rank == 1 else h, teacher_weight=w,
+                                           chunk_size=chunk, group=group)
+    # A top-k teacher (global indices: rank 0 holds entries 0-9 and rank 1 10-19): ranks given different ones
+    idx = torch.stack([torch.randperm(20, generator=gen)[:3] for _ in range(6)])
+    lp = torch.log_softmax(torch.randn(6, 3, generator=gen), -1) - 0.1
+    other = idx.flip(-1) if rank == 1 else idx
+    with pytest.raises(ValueError, match="different teacher_topk"):
+        K.fused_linear_generalized_jsd(h, w, teacher_topk=(other, lp), group=group)
+    with pytest.raises(TypeError if rank == 1 else ValueError, match="must be a pair" if rank == 1 else refused):
+        K.fused_linear_generalized_jsd(h, w, teacher_topk=idx if rank == 1 else (idx, lp), group=group)
+    # The same bad indices on every rank: every rank raises the same error after the widths' gather
+    with pytest.raises(ValueError, match=r"indices must lie in \[0, 20\)"):
+        K.fused_linear_generalized_jsd(h, w, teacher_topk=(idx + 20, lp), group=group)
+    loss = K.fused_linear_generalized_jsd(h, w, teacher_topk=(idx, lp), group=group)  # the group still serves
+    assert torch.isfinite(loss)
+
+
+def test_fused_refused_inputs_raise_on_every_rank(_fresh_seed):
+    spawn(_fused_refusal_body, 2, _fresh_seed)
 
 
 def test_three_ranks_topk_draw_that_once_failed():
