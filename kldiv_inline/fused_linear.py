@@ -51,6 +51,7 @@ from .distill import (
 )
 from .vocab_parallel import (
     check_same_call,
+    cpu_ranks,
     divergence_rows,
     group_name,
     learnt_widths,
@@ -544,8 +545,7 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     # On CPU ranks of a group every rank learns whether the others' inputs were refused before the call's first
     # collective (check_same_call), so the local checks come first and a rank that refuses its own inputs says so
     # there: where it raised alone, the others waited for it in that collective or paired it with a later one.
-    on_cpu_group = (isinstance(group, dist.ProcessGroup) and isinstance(student_hidden, Tensor)
-                    and student_hidden.device.type == "cpu")
+    on_cpu_group = isinstance(group, dist.ProcessGroup) and cpu_ranks(student_hidden, group)
     try:
         c = _checked_locally(student_hidden, student_weight, teacher_hidden, teacher_weight, teacher_logits,
                              teacher_topk, student_bias, teacher_bias, beta, temperature, labels, ignore_index,

@@ -54,7 +54,7 @@ from torch import Tensor
 from . import distill
 
 __all__ = ["generalized_jsd_vocab_parallel", "divergence_rows", "topk_rows", "vocab_slice", "slice_widths",
-           "learnt_widths", "check_same_call", "topk_also", "group_name", "resolve_group"]
+           "learnt_widths", "check_same_call", "topk_also", "cpu_ranks", "group_name", "resolve_group"]
 
 
 _LN2 = math.log(2)
@@ -410,6 +410,40 @@ def resolve_group(name: str):
     return dist.distributed_c10d._resolve_process_group(name)
 
 
+def cpu_ranks(student, group) -> bool:
+    """Whether this call takes the CPU ranks' checks (check_same_call): its logits (or hidden states) are on the
+    CPU, or, where they are no tensor at all, the group is gloo's (the other ranks' tensors are then on the CPU:
+    this rank must take part in their checks to refuse its inputs without leaving them waiting)."""
+    if isinstance(student, Tensor):
+        return student.device.type == "cpu"
+    return dist.get_backend(group) == dist.Backend.GLOO
+
+
+def _cpu_call_header(student_logits, teacher_topk, group) -> tuple[int, int]:
+    """CPU ranks, before anything else is communicated: every rank's slice width and whether it was given a top-k
+    teacher, in one small all-gather (the host waits for gloo's anyway). Returns this rank's offset and the
+    vocabulary's size. Every rank raises alike where the forms differ or a rank's logits are no [..., V] tensor
+    (that rank with its own error): otherwise a top-k call's gather of the widths would meet another rank's
+    check_same_call and pair unrelated collectives."""
+    ok = isinstance(student_logits, Tensor) and student_logits.dim() >= 1
+    mine = torch.tensor([[int(ok), int(teacher_topk is not None), student_logits.shape[-1] if ok else 0]],
+                        dtype=torch.int64)
+    every = _all_gather(mine, group).view(-1, 3)
+    bad = [r for r, v in enumerate(every[:, 0].tolist()) if not v]
+    if bad:
+        if not ok:  # this rank's own error, as generalized_jsd gives it on one device
+            distill._prepare(student_logits, None, None, 0.0, 1.0, None, -100, "batchmean")
+            raise TypeError("generalized_jsd: student_logits must be a [..., V] tensor")
+        raise ValueError(f"generalized_jsd: rank {', '.join(map(str, bad))} of the group refused its inputs (its own "
+                         "error says why), so the call is refused on every rank")
+    forms = every[:, 1].tolist()
+    if any(f != forms[0] for f in forms):
+        told = ", ".join(f"{'top-k' if f else 'logits'} on rank {r}" for r, f in enumerate(forms))
+        raise ValueError(f"generalized_jsd: the ranks of the group were called with different teachers: {told}; "
+                         "every rank must pass the same rows, labels and settings (only the vocabulary is split)")
+    return _placed(every[:, 2].tolist(), group)
+
+
 def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tensor | None, *, teacher_topk,
                                    beta: float, temperature: float, labels: Tensor | None, ignore_index: int,
                                    reduction: str, group) -> Tensor:
@@ -418,12 +452,16 @@ def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tenso
     and settings (a collective)."""
     _check_group(group)
     offset, vocab, settled = 0, None, None
-    if teacher_topk is not None and isinstance(student_logits, Tensor) and student_logits.dim() >= 1:
+    on_cpu = cpu_ranks(student_logits, group)
+    if on_cpu:  # the ranks' widths and teacher forms first, so that every rank takes the same collectives after
+        offset, vocab = _cpu_call_header(student_logits, teacher_topk, group)
+        if teacher_topk is None:
+            offset, vocab = 0, None  # (only a top-k teacher's global indices need them)
+    elif teacher_topk is not None and isinstance(student_logits, Tensor) and student_logits.dim() >= 1:
         k = teacher_topk[0].shape[-1] if distill.is_topk_pair(teacher_topk) and teacher_topk[0].dim() else 0
         offset, vocab, settled = learnt_vocab_slice(student_logits.shape[-1], student_logits.device, group, least=k)
     # The top-k teacher's checks are read back once the step's kernels are queued (as on one device), and after
     # every collective: a rank that raised before one would leave the others waiting in it.
-    on_cpu = isinstance(student_logits, Tensor) and student_logits.device.type == "cpu"
     try:
         args, lead, check = distill._prepare(student_logits, teacher_logits, teacher_topk, beta, temperature,
                                              labels, ignore_index, reduction, topk_vocab=vocab, defer_check=True)

@@ -470,6 +470,13 @@ def _mismatch_body(rank, world, device, seed):
     for pair in ((idx.flip(-1), lp), (idx, lp - 0.01)):
         with pytest.raises(ValueError, match="different teacher_topk"):
             K.generalized_jsd(s, teacher_topk=pair if rank == 1 else (idx, lp), group=group)
+    # A top-k teacher on one rank and logits on the other, or no logits tensor on one: every rank raises (a top-k
+    # call's first collective, its widths' gather, used to meet the other rank's check and abort the process)
+    with pytest.raises(ValueError, match="different teachers: top-k on rank 0, logits on rank 1"):
+        K.generalized_jsd(s, t if rank == 1 else None, teacher_topk=None if rank == 1 else (idx, lp), group=group)
+    with pytest.raises(TypeError if rank == 1 else ValueError,
+                       match="must be a tensor" if rank == 1 else "rank 1 of the group refused its inputs"):
+        K.generalized_jsd(s.tolist() if rank == 1 else s, teacher_topk=(idx, lp), group=group)
     h, w = torch.randn(6, 4, generator=gen), torch.randn(10, 4, generator=gen)
     with pytest.raises(ValueError, match="different chunk_size"):
         K.fused_linear_generalized_jsd(h, w, teacher_logits=t, chunk_size=2 if rank == 0 else 3, group=group)
@@ -498,6 +505,9 @@ def _fused_refusal_body(rank, world, device, seed):
         with pytest.raises(ValueError, match="must have the student's leading dims" if rank == 1 else refused):
             K.fused_linear_generalized_jsd(h, w, teacher_hidden=h[:5] if rank == 1 else h, teacher_weight=w,
                                            chunk_size=chunk, group=group)
+        with pytest.raises(TypeError if rank == 1 else ValueError, match="must be a tensor" if rank == 1 else refused):
+            K.fused_linear_generalized_jsd(h.tolist() if rank == 1 else h, w, teacher_logits=t, chunk_size=chunk,
+                                           group=group)
     # A top-k teacher (global indices: rank 0 holds entries 0-9 and rank 1 10-19): ranks given different ones
     idx = torch.stack([torch.randperm(20, generator=gen)[:3] for _ in range(6)])
     lp = torch.log_softmax(torch.randn(6, 3, generator=gen), -1) - 0.1
