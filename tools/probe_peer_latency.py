@@ -7,7 +7,9 @@ The buffers are the vocabulary split's own (kldiv_inline.vocab_parallel: every r
 written and read with the protocol's instructions (distill_peer.cuh: 64-bit st.relaxed.sys stores carrying the
 call's tag in their upper half, ld.relaxed.sys polls). One thread a GPU, ITERS rounds each, timed by %globaltimer:
   pingpong 1 / 4 words: rank 0 stores, rank 1 polls until it lands and stores back (a round trip; half is the
-      latency of one record, 1 word or a whole record of 4 as peer_publish writes it);
+      latency of one record, 1 word or a whole record of 4 as peer_publish writes it and peer_wait polls it: four
+      8-byte stores, four loads issued before any is tested; "2 x 16 B": the record in two 16-byte stores and
+      loads instead);
   exchange 4 words: both ranks store their record into the other's buffer and poll for the other's, round after
       round (the split kernel's pattern with no skew between the ranks: one latency a round);
   local 4 words: a rank stores into its own buffer and polls it (what a wait costs with nothing to travel).
@@ -42,19 +44,46 @@ __device__ __forceinline__ unsigned long long now() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
-// Polls `words` words at `at` until every one carries tag i; false after 2 s.
+__device__ __forceinline__ void st_sys2(unsigned long long* at, unsigned long long a, unsigned long long b) {
+  asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(at), "l"(a), "l"(b) : "memory");
+}
+__device__ __forceinline__ void ld_sys2(const unsigned long long* at, unsigned long long& a, unsigned long long& b) {
+  asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(at) : "memory");
+}
+// Polls until every word of the record carries tag i (words 1 or 4, every load issued before any is tested, as
+// distill_peer.cuh's peer_wait; VEC: 16-byte loads); false after 2 s.
+template <bool VEC>
 __device__ __forceinline__ bool wait_tag(const unsigned long long* at, int words, unsigned i, unsigned long long t0) {
   for (unsigned spin = 0;; ++spin) {
+    unsigned long long w[4] = {0, 0, 0, 0};
+    if (VEC) {
+      ld_sys2(at, w[0], w[1]);
+      ld_sys2(at + 2, w[2], w[3]);
+    } else if (words == 1) {
+      w[0] = ld_sys(at);
+    } else {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) w[q] = ld_sys(at + q);
+    }
     bool all = true;
-    for (int q = 0; q < words; ++q) all = all && static_cast<unsigned>(ld_sys(at + q) >> 32) == i;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) all = all && (q >= words || static_cast<unsigned>(w[q] >> 32) == i);
     if (all) return true;
     if ((spin & 1023u) == 1023u && now() - t0 > 2000000000ull) return false;
   }
 }
+template <bool VEC>
 __device__ __forceinline__ void put(unsigned long long* at, int words, unsigned i) {
-  for (int q = 0; q < words; ++q) st_sys(at + q, (static_cast<unsigned long long>(i) << 32) | q);
+  const unsigned long long tag = static_cast<unsigned long long>(i) << 32;
+  if (VEC) {
+    st_sys2(at, tag | 0, tag | 1);
+    st_sys2(at + 2, tag | 2, tag | 3);
+  } else {
+    for (int q = 0; q < words; ++q) st_sys(at + q, tag | q);
+  }
 }
 // kind 0: pingpong (rank 0 starts), 1: exchange (both store, then both poll), 2: local (own buffer).
+template <bool VEC>
 __global__ void probe_kernel(unsigned long long* mine, unsigned long long* peer, int rank, int kind, int words,
                              int iters, long long* out) {
   const unsigned long long t0 = now();
@@ -66,22 +95,24 @@ __global__ void probe_kernel(unsigned long long* mine, unsigned long long* peer,
     unsigned long long* mine_r = mine + (r & 1) * 8;
     unsigned long long* peer_r = peer + (r & 1) * 8;
     if (kind == 0) {
-      if (rank == 0) { put(peer_r, words, i); ok = wait_tag(mine_r, words, i, t0); }
-      else { ok = wait_tag(mine_r, words, i, t0); put(peer_r, words, i); }
+      if (rank == 0) { put<VEC>(peer_r, words, i); ok = wait_tag<VEC>(mine_r, words, i, t0); }
+      else { ok = wait_tag<VEC>(mine_r, words, i, t0); put<VEC>(peer_r, words, i); }
     } else if (kind == 1) {
-      put(peer_r, words, i);
-      ok = wait_tag(mine_r, words, i, t0);
+      put<VEC>(peer_r, words, i);
+      ok = wait_tag<VEC>(mine_r, words, i, t0);
     } else {
-      put(mine_r, words, i);
-      ok = wait_tag(mine_r, words, i, t0);
+      put<VEC>(mine_r, words, i);
+      ok = wait_tag<VEC>(mine_r, words, i, t0);
     }
   }
   out[0] = ok ? static_cast<long long>(now() - t0) : -1;
 }
+// words 1, 4, or -4 for 4 in two 16-byte stores and loads.
 torch::Tensor probe(int64_t mine, int64_t peer, int64_t rank, int64_t kind, int64_t words, int64_t iters) {
   auto out = torch::zeros({1}, torch::dtype(torch::kInt64).device(torch::kCUDA));
-  probe_kernel<<<1, 1>>>(reinterpret_cast<unsigned long long*>(mine), reinterpret_cast<unsigned long long*>(peer),
-                         static_cast<int>(rank), static_cast<int>(kind), static_cast<int>(words),
+  auto k = words < 0 ? probe_kernel<true> : probe_kernel<false>;
+  k<<<1, 1>>>(reinterpret_cast<unsigned long long*>(mine), reinterpret_cast<unsigned long long*>(peer),
+                         static_cast<int>(rank), static_cast<int>(kind), static_cast<int>(words < 0 ? -words : words),
                          static_cast<int>(iters), reinterpret_cast<long long*>(out.data_ptr<int64_t>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -115,7 +146,8 @@ def main() -> None:
     mod = build()
     rows = []
     # Each case its own words of the buffers (tags restart at 1 in every case): 64 words apart.
-    for case, (kind, words) in enumerate([(0, 1), (0, 4), (1, 4), (2, 4)]):
+    cases = [(0, 1), (0, 4), (0, -4), (1, 4), (1, -4), (2, 4), (2, -4)]
+    for case, (kind, words) in enumerate(cases):  # each case its own words of the buffers (tags restart at 1)
         base = case * 64 * 8
         dist.barrier()
         torch.cuda.synchronize()
@@ -123,11 +155,12 @@ def main() -> None:
         ns = int(out.item())
         name = ["pingpong", "exchange", "local"][kind]
         per = ns / ITERS / (2 if kind == 0 else 1) / 1e3 if ns >= 0 else float("nan")
-        rows.append((f"{name} {words} word{'s' if words > 1 else ''}", per))
+        shape = "1 word" if words == 1 else "4 words" if words == 4 else "4 words, 2 x 16 B"
+        rows.append((f"{name} {shape}", per))
     if rank == 0:
         print(torch.cuda.get_device_name(), torch.__version__, torch.version.cuda, f"{ITERS} rounds")
         for name, us in rows:
-            print(f"{name:18s} {us:.3f} us" + (" (half the round trip)" if name.startswith("pingpong") else ""))
+            print(f"{name:28s} {us:.3f} us" + (" (half the round trip)" if name.startswith("pingpong") else ""))
     dist.destroy_process_group()
 
 
