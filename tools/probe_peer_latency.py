@@ -14,6 +14,8 @@ call's tag in their upper half, ld.relaxed.sys polls). One thread a GPU, ITERS r
       round (the split kernel's pattern with no skew between the ranks: one latency a round);
   local 4 words: a rank stores into its own buffer and polls it (what a wait costs with nothing to travel).
 A split kernel's wait over these is the skew between the two GPUs' schedules of the same row (kernels/NOTES.md).
+Measured on two H200s (commit 8fae943): 0.73-0.74 us one way (1 or 4 words, 8- or 16-byte accesses), 0.79 us a
+symmetric exchange, 0.29 us for a rank's own buffer.
 """
 import os
 import sys
