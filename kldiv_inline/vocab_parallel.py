@@ -351,8 +351,9 @@ def check_same_call(group, who: str, fields: dict, labels: Tensor | None, refuse
     combine its statistics with theirs into a wrong loss, silently. ``refused``: this rank's own inputs were
     refused (it raises its own error after this, and the other ranks raise one that names it, where they would
     have waited for it in their next collective); it must come before any collective a refusing rank would skip,
-    and a refusing rank passes the same names (``also``'s included) with any values. GPU ranks are not checked: that would make
-    the host wait for the device on every call (there every rank must pass the same, as the docstrings say)."""
+    and a refusing rank passes the same names (``also``'s included) with any values. GPU ranks are not checked:
+    that would make the host wait for the device on every call (there every rank must pass the same, as the
+    docstrings say)."""
     words = [0 if refused else 1]
     words += [_NONE_WORD if v is None else struct.unpack("<q", struct.pack("<d", float(v)))[0]
               if isinstance(v, float) else int(v) for v in fields.values()]
