@@ -51,11 +51,11 @@ from .distill import (
 )
 from .vocab_parallel import (
     check_same_call,
-    cpu_ranks,
     divergence_rows,
     group_name,
     learnt_widths,
     resolve_group,
+    same_call_due,
     slice_widths,
     topk_also,
     topk_rows,
@@ -542,23 +542,24 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     chunk of tokens, unmasked first: so the products cover at least one chunk's tokens, masked or not), and such a
     call cannot be captured in a CUDA graph (an error). The default, False, never synchronises.
     """
-    # On CPU ranks of a group every rank learns whether the others' inputs were refused before the call's first
-    # collective (check_same_call), so the local checks come first and a rank that refuses its own inputs says so
-    # there: where it raised alone, the others waited for it in that collective or paired it with a later one.
-    on_cpu_group = isinstance(group, dist.ProcessGroup) and cpu_ranks(student_hidden, group)
+    # With a group every rank learns whether the others' inputs were refused before the call's first collective
+    # (check_same_call, where same_call_due says: every call on CPU ranks, now and then on GPU ranks), so the local
+    # checks come first and a refusing rank says so there: where it raised alone, the others waited for it in that
+    # collective or paired it with a later one.
+    due, on = same_call_due(student_hidden, group) if isinstance(group, dist.ProcessGroup) else (False, None)
     try:
         c = _checked_locally(student_hidden, student_weight, teacher_hidden, teacher_weight, teacher_logits,
                              teacher_topk, student_bias, teacher_bias, beta, temperature, labels, ignore_index,
                              reduction, chunk_size, accum_dtype, group, skip_masked)
     except Exception:
-        if on_cpu_group:
-            check_same_call(group, _WHO, _same_call_fields(), None, refused=True, also=topk_also(None))
+        if due:
+            check_same_call(group, _WHO, _same_call_fields(), None, refused=True, also=topk_also(None), device=on)
         raise
-    if on_cpu_group:
+    if due:
         check_same_call(group, _WHO, _same_call_fields(c.beta, c.temperature, ignore_index, reduction, c.n,
                                                        chunk_size, c.form, student_hidden.element_size(),
                                                        c.skip_masked),
-                        c.lab, also=topk_also(c.pair))
+                        c.lab, also=topk_also(c.pair), device=on)
     vocab, device, n = student_weight.shape[0], c.device, c.n
     idx = lp = None
     widths = None  # with a group: every rank's slice width, where this call has gathered them (a top-k teacher)

@@ -54,7 +54,7 @@ from torch import Tensor
 from . import distill
 
 __all__ = ["generalized_jsd_vocab_parallel", "divergence_rows", "topk_rows", "vocab_slice", "slice_widths",
-           "learnt_widths", "check_same_call", "topk_also", "cpu_ranks", "group_name", "resolve_group"]
+           "learnt_widths", "check_same_call", "topk_also", "cpu_ranks", "same_call_due", "group_name", "resolve_group"]
 
 
 _LN2 = math.log(2)
@@ -337,30 +337,29 @@ def _checksum(t) -> int:
         return -2
     flat = t.detach().reshape(-1)
     flat = (flat.to(torch.float64).view(torch.int64) if flat.is_floating_point() else flat.to(torch.int64))
-    total = int(((flat + 3) * torch.arange(1, flat.numel() + 1, dtype=torch.int64)).sum())
+    total = int(((flat + 3) * torch.arange(1, flat.numel() + 1, dtype=torch.int64, device=flat.device)).sum())
     # (crc32, not hash(): str hashes differ between processes)
     return (total + zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode())) & (2**62 - 1)
 
 
 def check_same_call(group, who: str, fields: dict, labels: Tensor | None, refused: bool = False,
-                    also: tuple = ()) -> None:
-    """CPU ranks: every rank of the group passed the same settings (``fields``: name -> int, float or None, the
-    same names in the same order on every rank), labels and ``also``'s tensors ((name, tensor or None) pairs),
-    else a ValueError on every rank saying what differs (one small all-gather, which the host waits for anyway on
-    gloo's CPU tensors). Without it a rank called with another temperature, beta or labels than the others would
-    combine its statistics with theirs into a wrong loss, silently. ``refused``: this rank's own inputs were
-    refused (it raises its own error after this, and the other ranks raise one that names it, where they would
-    have waited for it in their next collective); it must come before any collective a refusing rank would skip,
-    and a refusing rank passes the same names (``also``'s included) with any values. GPU ranks are not checked:
-    that would make the host wait for the device on every call (there every rank must pass the same, as the
-    docstrings say)."""
+                    also: tuple = (), device=None) -> None:
+    """Every rank of the group passed the same settings (``fields``: name -> int, float or None, the same names in
+    the same order on every rank), labels and ``also``'s tensors ((name, tensor or None) pairs), else a ValueError
+    on every rank saying what differs (one small all-gather of a record a rank, on ``device``: None for gloo's
+    CPU, a CUDA device for NCCL; the host waits for it). Without it a rank called with another temperature, beta
+    or labels than the others would combine its statistics with theirs into a wrong loss, silently. ``refused``:
+    this rank's own inputs were refused (it raises its own error after this, and the other ranks raise one that
+    names it, where they would have waited for it in their next collective); it must come before any collective a
+    refusing rank would skip, and a refusing rank passes the same names (``also``'s included) with any values.
+    Callers run it where same_call_due says (every call on CPU ranks; now and then on GPU ranks)."""
     words = [0 if refused else 1]
     words += [_NONE_WORD if v is None else struct.unpack("<q", struct.pack("<d", float(v)))[0]
               if isinstance(v, float) else int(v) for v in fields.values()]
     words.append(_checksum(labels))
     words += [_checksum(t) for _, t in also]
-    mine = torch.tensor([words], dtype=torch.int64)
-    every = _all_gather(mine, group).view(-1, len(words))
+    mine = torch.tensor([words], dtype=torch.int64, device=device)
+    every = _all_gather(mine, group).view(-1, len(words)).cpu()
     refusing = [r for r, ok in enumerate(every[:, 0].tolist()) if not ok]
     if refusing:
         if refused:
@@ -420,6 +419,27 @@ def cpu_ranks(student, group) -> bool:
     return dist.get_backend(group) == dist.Backend.GLOO
 
 
+# GPU ranks check that every rank made the same call (check_same_call) on a group's first call and every this many
+# after: the check waits for the device, which every call cannot afford, while a rank set up with other settings
+# than the others (the usual way ranks differ) is caught at its first call.
+GPU_CHECK_EVERY = 1000
+_CALLS: dict[tuple, int] = {}  # calls made on each group by this process, by (name, group object)
+
+
+def same_call_due(student, group) -> tuple[bool, torch.device | None]:
+    """Whether this call runs check_same_call, and on which device (None: the CPU): every call on CPU ranks; on GPU
+    ranks the group's first and every GPU_CHECK_EVERY-th call, not while capturing a CUDA graph (a capture cannot
+    wait). Every rank counts the same calls, so every rank decides alike."""
+    if cpu_ranks(student, group):
+        return True, None
+    key = (group_name(group, "generalized_jsd"), id(group))
+    made = _CALLS.get(key, 0)
+    _CALLS[key] = made + 1
+    if made % GPU_CHECK_EVERY or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return False, None
+    return True, student.device if isinstance(student, Tensor) else torch.device("cuda", torch.cuda.current_device())
+
+
 def _cpu_call_header(student_logits, teacher_topk, group) -> tuple[int, int]:
     """CPU ranks, before anything else is communicated: every rank's slice width and whether it was given a top-k
     teacher, in one small all-gather (the host waits for gloo's anyway). Returns this rank's offset and the
@@ -463,20 +483,21 @@ def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tenso
         offset, vocab, settled = learnt_vocab_slice(student_logits.shape[-1], student_logits.device, group, least=k)
     # The top-k teacher's checks are read back once the step's kernels are queued (as on one device), and after
     # every collective: a rank that raised before one would leave the others waiting in it.
+    due, on = same_call_due(student_logits, group)
     try:
         args, lead, check = distill._prepare(student_logits, teacher_logits, teacher_topk, beta, temperature,
                                              labels, ignore_index, reduction, topk_vocab=vocab, defer_check=True)
     except Exception:
-        if on_cpu:  # the other ranks learn it in the check below instead of waiting for this rank
+        if due:  # the other ranks learn it in the check below instead of waiting for this rank
             check_same_call(group, "generalized_jsd", _call_fields(0.0, 0.0, 0, 0, 0, 0), None, refused=True,
-                            also=topk_also(None))
+                            also=topk_also(None), device=on)
         raise
     student, teacher, idx, lp, lab, ignore_index, beta, temperature, code = args
-    if on_cpu:
+    if due:
         k = idx.shape[-1] if idx is not None else -1
         check_same_call(group, "generalized_jsd",
                         _call_fields(beta, temperature, ignore_index, code, student.shape[0], k), lab,
-                        also=topk_also((idx, lp)))
+                        also=topk_also((idx, lp)), device=on)
     settings = (ignore_index, beta, temperature, code, group, offset, vocab)
     grad_on = torch.is_grad_enabled()
     want_s = bool(grad_on and student.requires_grad)

@@ -490,6 +490,36 @@ def test_ranks_called_differently_raise_on_every_rank(_fresh_seed):
     spawn(_mismatch_body, 2, _fresh_seed)
 
 
+def _cadence_body(rank, world, device, seed):
+    # GPU ranks check the call on a group's first call and every GPU_CHECK_EVERY-th after (here the CPU ranks' rule
+    # is turned off to see it): the same decisions on every rank, from a count of the group's calls.
+    from kldiv_inline import vocab_parallel as VP
+    VP.cpu_ranks = lambda student, group: False
+    group = dist.new_group(list(range(world)))
+    x = torch.zeros(1)
+    due = [VP.same_call_due(x, group)[0] for _ in range(2 * VP.GPU_CHECK_EVERY + 1)]
+    assert [i for i, d in enumerate(due) if d] == [0, VP.GPU_CHECK_EVERY, 2 * VP.GPU_CHECK_EVERY]
+    assert VP.same_call_due(x, dist.new_group(list(range(world)))) == (True, x.device)  # a new group: its first
+
+
+def test_gpu_ranks_check_the_call_now_and_then(_fresh_seed):
+    spawn(_cadence_body, 1, _fresh_seed)
+
+
+def _gpu_mismatch_case(rank, device):
+    """GPU ranks: a group's first call is checked, so ranks set up with different settings raise (NCCL)."""
+    gen = torch.Generator().manual_seed(5)
+    s, t = (torch.randn(6, 4096, generator=gen).to(device) for _ in range(2))
+    group = dist.new_group([0, 1])
+    with pytest.raises(ValueError, match="different temperature"):
+        K.generalized_jsd(s, t, temperature=1.0 + rank, group=group)
+    assert torch.isfinite(K.generalized_jsd(s, t, group=group))  # the group serves a call made alike
+    h, w = torch.randn(6, 8, generator=gen).to(device), torch.randn(4096, 8, generator=gen).to(device)
+    group = dist.new_group([0, 1])
+    with pytest.raises(ValueError, match="different chunk_size"):
+        K.fused_linear_generalized_jsd(h, w, teacher_logits=t, chunk_size=2 + rank, group=group)
+
+
 def _fused_refusal_body(rank, world, device, seed):
     # The fused head with a group on CPU ranks: a rank whose own inputs are refused, or whose top-k teacher differs,
     # must not leave the others waiting in the call's first collective (the widths' gather of the default chunk or
@@ -562,6 +592,7 @@ def _gpu_body(rank, world, device, seed):
     _graph_case(rank, device, group, gen, widths=(3001, 77))  # rows off the 16-byte grid: rows_kernel's phases
     _graph_case(rank, device, group, gen, widths=(4096, 4096))  # aligned: forward KL's one-read kernel, the phases
     _peer_cases(rank, device, group, gen)
+    _gpu_mismatch_case(rank, device)
 
 
 def _peer_cases(rank, device, group, gen):
