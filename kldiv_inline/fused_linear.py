@@ -52,6 +52,7 @@ from .distill import (
 from .vocab_parallel import (
     check_same_call,
     divergence_rows,
+    dtype_code,
     group_name,
     learnt_widths,
     resolve_group,
@@ -476,14 +477,14 @@ def _checked_locally(student_hidden, student_weight, teacher_hidden, teacher_wei
 
 
 def _same_call_fields(beta=0.0, temperature=0.0, ignore_index=0, reduction="", rows=0, chunk_size=None, form=0,
-                      itemsize=0, skip_masked=False) -> dict:
+                      dtype=-1, skip_masked=False) -> dict:
     """The settings every rank of a group must pass alike, as check_same_call compares them (the same names in the
     same order on every rank; a refusing rank's are the defaults). chunk_size as given: None cuts the chunks from
     the ranks' widths and dtype, so ranks that give None and ranks that give a number would communicate apart."""
     return {"beta": beta, "temperature": temperature, "ignore_index": int(ignore_index),
             "reduction": int(reduction == "batchmean"), "rows": rows,
             "chunk_size": None if chunk_size is None else int(chunk_size), "teacher form": form,
-            "dtype's size": itemsize, "skip_masked": int(skip_masked)}
+            "dtype (0 float16, 1 bfloat16, 2 float32, 3 float64)": dtype, "skip_masked": int(skip_masked)}
 
 
 def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
@@ -557,7 +558,7 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
         raise
     if due:
         check_same_call(group, _WHO, _same_call_fields(c.beta, c.temperature, ignore_index, reduction, c.n,
-                                                       chunk_size, c.form, student_hidden.element_size(),
+                                                       chunk_size, c.form, dtype_code(student_hidden.dtype),
                                                        c.skip_masked),
                         c.lab, also=topk_also(c.pair), device=on)
     vocab, device, n = student_weight.shape[0], c.device, c.n

@@ -54,7 +54,8 @@ from torch import Tensor
 from . import distill
 
 __all__ = ["generalized_jsd_vocab_parallel", "divergence_rows", "topk_rows", "vocab_slice", "slice_widths",
-           "learnt_widths", "check_same_call", "topk_also", "cpu_ranks", "same_call_due", "group_name", "resolve_group"]
+           "learnt_widths", "check_same_call", "topk_also", "cpu_ranks", "same_call_due", "dtype_code", "group_name",
+           "resolve_group"]
 
 
 _LN2 = math.log(2)
@@ -381,10 +382,21 @@ def check_same_call(group, who: str, fields: dict, labels: Tensor | None, refuse
                              "rank must pass the same rows, labels and settings (only the vocabulary is split)")
 
 
-def _call_fields(beta: float, temperature: float, ignore_index: int, code: int, rows: int, k: int) -> dict:
-    """generalized_jsd's settings as check_same_call compares them (the same names, in order, on every rank)."""
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def dtype_code(dtype) -> int:
+    """A dtype as check_same_call compares it: its place in (float16, bfloat16, float32, float64), else -1 (ranks
+    whose logits differ in dtype exchange statistics of different sizes, which gloo aborts on)."""
+    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
+
+
+def _call_fields(beta: float, temperature: float, ignore_index: int, code: int, rows: int, k: int,
+                 dtype: int = -1) -> dict:
+    """generalized_jsd's settings as check_same_call compares them (the same names, in order, on every rank);
+    ``dtype``: dtype_code of the logits."""
     return {"beta": beta, "temperature": temperature, "ignore_index": ignore_index, "reduction": code,
-            "rows": rows, "teacher_topk k": k}
+            "rows": rows, "teacher_topk k": k, "dtype (0 float16, 1 bfloat16, 2 float32, 3 float64)": dtype}
 
 
 def topk_also(pair) -> tuple:
@@ -496,7 +508,8 @@ def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tenso
     if due:
         k = idx.shape[-1] if idx is not None else -1
         check_same_call(group, "generalized_jsd",
-                        _call_fields(beta, temperature, ignore_index, code, student.shape[0], k), lab,
+                        _call_fields(beta, temperature, ignore_index, code, student.shape[0], k,
+                                     dtype_code(student.dtype)), lab,
                         also=topk_also((idx, lp)), device=on)
     settings = (ignore_index, beta, temperature, code, group, offset, vocab)
     grad_on = torch.is_grad_enabled()

@@ -461,6 +461,10 @@ def _mismatch_body(rank, world, device, seed):
                      (dict(reduction="sum" if rank == 0 else "batchmean"), "reduction")):
         with pytest.raises(ValueError, match=f"different {what}"):
             K.generalized_jsd(s, t, group=group, **kw)
+    # Logits of different dtypes (their statistics differ in size: gloo aborted the process)
+    with pytest.raises(ValueError, match=r"different dtype \(0 float16, 1 bfloat16, 2 float32, 3 float64\): 2 on rank "
+                                         r"0, 3 on rank 1"):
+        K.generalized_jsd(s.double() if rank else s, t.double() if rank else t, group=group)
     # One rank's own inputs refused: it raises its error, the others one that names it (not a wait for it)
     with pytest.raises(ValueError, match="same shape" if rank == 1 else "rank 1 of the group refused its inputs"):
         K.generalized_jsd(s, t[:, :9] if rank == 1 else t, group=group)
@@ -482,6 +486,9 @@ def _mismatch_body(rank, world, device, seed):
         K.fused_linear_generalized_jsd(h, w, teacher_logits=t, chunk_size=2 if rank == 0 else 3, group=group)
     with pytest.raises(ValueError, match="different temperature"):
         K.fused_linear_generalized_jsd(h, w, teacher_logits=t, temperature=1.0 + rank, group=group)
+    with pytest.raises(ValueError, match="different dtype"):
+        K.fused_linear_generalized_jsd(h.double() if rank else h, w.double() if rank else w,
+                                       teacher_logits=t.double() if rank else t, group=group)
     loss = K.generalized_jsd(s, t, group=group, labels=lab)  # the group still serves a call made alike
     assert torch.isfinite(loss)
 
