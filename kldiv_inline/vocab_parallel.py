@@ -392,11 +392,12 @@ def dtype_code(dtype) -> int:
 
 
 def _call_fields(beta: float, temperature: float, ignore_index: int, code: int, rows: int, k: int,
-                 dtype: int = -1) -> dict:
+                 dtype: int = -1, wanted: int = 0) -> dict:
     """generalized_jsd's settings as check_same_call compares them (the same names, in order, on every rank);
-    ``dtype``: dtype_code of the logits."""
+    ``dtype``: dtype_code of the logits; ``wanted``: the gradients the call makes (they decide its exchanges)."""
     return {"beta": beta, "temperature": temperature, "ignore_index": ignore_index, "reduction": code,
-            "rows": rows, "teacher_topk k": k, "dtype (0 float16, 1 bfloat16, 2 float32, 3 float64)": dtype}
+            "rows": rows, "teacher_topk k": k, "dtype (0 float16, 1 bfloat16, 2 float32, 3 float64)": dtype,
+            "gradients (1 the student's, 2 the teacher's, 3 both)": wanted}
 
 
 def topk_also(pair) -> tuple:
@@ -505,16 +506,16 @@ def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tenso
                             also=topk_also(None), device=on)
         raise
     student, teacher, idx, lp, lab, ignore_index, beta, temperature, code = args
+    grad_on = torch.is_grad_enabled()
+    want_s = bool(grad_on and student.requires_grad)
+    want_t = bool(grad_on and teacher is not None and teacher.requires_grad)
     if due:
         k = idx.shape[-1] if idx is not None else -1
         check_same_call(group, "generalized_jsd",
                         _call_fields(beta, temperature, ignore_index, code, student.shape[0], k,
-                                     dtype_code(student.dtype)), lab,
+                                     dtype_code(student.dtype), want_s + 2 * want_t), lab,
                         also=topk_also((idx, lp)), device=on)
     settings = (ignore_index, beta, temperature, code, group, offset, vocab)
-    grad_on = torch.is_grad_enabled()
-    want_s = bool(grad_on and student.requires_grad)
-    want_t = bool(grad_on and teacher is not None and teacher.requires_grad)
     if want_s or want_t:
         loss = _VocabParallelDivergence.apply(student, teacher, idx, lp, lab, settings, want_s, want_t)
     else:

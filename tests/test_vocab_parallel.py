@@ -489,6 +489,11 @@ def _mismatch_body(rank, world, device, seed):
     with pytest.raises(ValueError, match="different dtype"):
         K.fused_linear_generalized_jsd(h.double() if rank else h, w.double() if rank else w,
                                        teacher_logits=t.double() if rank else t, group=group)
+    # Gradients made on one rank only (their exchanges are that rank's only: the other ranks waited, or returned)
+    with pytest.raises(ValueError, match="different student_hidden's gradient"):
+        K.fused_linear_generalized_jsd(h.clone().requires_grad_(rank == 0), w, teacher_logits=t, group=group)
+    with pytest.raises(ValueError, match=r"different gradients \(1 the student's"):
+        K.generalized_jsd(s.clone().requires_grad_(rank == 0), t, beta=0.5, group=group)
     loss = K.generalized_jsd(s, t, group=group, labels=lab)  # the group still serves a call made alike
     assert torch.isfinite(loss)
 
