@@ -489,6 +489,13 @@ def _same_call_fields(beta=0.0, temperature=0.0, ignore_index=0, reduction="", r
             "student_hidden's gradient": int(hidden_grad)}
 
 
+def _replicated(hidden, t_hidden, pair) -> tuple:
+    """check_same_call's `also` for the fused head: what every rank holds whole (the hidden states, a top-k
+    teacher's global pairs). Hidden states that differ between the ranks (sequence-parallel activations not
+    gathered before the head, say) would give each rank's slice other tokens: a wrong loss, silently."""
+    return (("student_hidden", hidden), ("teacher_hidden", t_hidden)) + topk_also(pair)
+
+
 def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
                                  teacher_hidden: Tensor | None = None, teacher_weight: Tensor | None = None, *,
                                  teacher_logits: Tensor | None = None,
@@ -556,14 +563,15 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
                              reduction, chunk_size, accum_dtype, group, skip_masked)
     except Exception:
         if due:
-            check_same_call(group, _WHO, _same_call_fields(), None, refused=True, also=topk_also(None), device=on)
+            check_same_call(group, _WHO, _same_call_fields(), None, refused=True, also=_replicated(None, None, None),
+                            device=on)
         raise
     if due:
         check_same_call(group, _WHO, _same_call_fields(c.beta, c.temperature, ignore_index, reduction, c.n,
                                                        chunk_size, c.form, dtype_code(student_hidden.dtype),
                                                        c.skip_masked,
                                                        torch.is_grad_enabled() and student_hidden.requires_grad),
-                        c.lab, also=topk_also(c.pair), device=on)
+                        c.lab, also=_replicated(student_hidden, c.t_hidden, c.pair), device=on)
     vocab, device, n = student_weight.shape[0], c.device, c.n
     idx = lp = None
     widths = None  # with a group: every rank's slice width, where this call has gathered them (a top-k teacher)

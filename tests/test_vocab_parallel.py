@@ -396,7 +396,8 @@ def _fused_body(rank, world, device, seed, widths):
     _fused_default_chunk_cases(rank, device, group, gen, widths)
     with pytest.raises(ValueError, match=rf"in \[0, {sum(widths)}\)"):  # checked against the whole vocabulary
         idx = torch.full((2, 1), sum(widths), dtype=torch.long, device=device)
-        K.fused_linear_generalized_jsd(torch.randn(2, 4, device=device), torch.randn(widths[rank], 4, device=device),
+        hidden = torch.randn(2, 4, generator=gen).to(device)  # (the same on every rank, as the head needs)
+        K.fused_linear_generalized_jsd(hidden, torch.randn(widths[rank], 4, device=device),
                                        teacher_topk=(idx, torch.zeros((2, 1), device=device)), group=group)
 
 
@@ -489,6 +490,11 @@ def _mismatch_body(rank, world, device, seed):
     with pytest.raises(ValueError, match="different dtype"):
         K.fused_linear_generalized_jsd(h.double() if rank else h, w.double() if rank else w,
                                        teacher_logits=t.double() if rank else t, group=group)
+    # Hidden states that differ between the ranks (they must be replicated: the loss would mix other tokens)
+    with pytest.raises(ValueError, match="different student_hidden"):
+        K.fused_linear_generalized_jsd(h + rank, w, teacher_logits=t, group=group)
+    with pytest.raises(ValueError, match="different teacher_hidden"):
+        K.fused_linear_generalized_jsd(h, w, teacher_hidden=h * (1 + rank), teacher_weight=w, group=group)
     # Gradients made on one rank only (their exchanges are that rank's only: the other ranks waited, or returned)
     with pytest.raises(ValueError, match="different student_hidden's gradient"):
         K.fused_linear_generalized_jsd(h.clone().requires_grad_(rank == 0), w, teacher_logits=t, group=group)
