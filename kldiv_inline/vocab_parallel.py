@@ -329,6 +329,9 @@ def learnt_vocab_slice(width: int, device, group, least: int = 0) -> tuple[int, 
 _NONE_WORD = -(2**62)  # check_same_call's word for a setting given as None
 
 
+_CHECKSUM_CHUNK = 1 << 20  # entries a step of _checksum
+
+
 def _checksum(t) -> int:
     """A word that differs between tensors of different shapes or values (in order), the same on every rank for
     the same tensor (int64 arithmetic wraps alike); -1 for None, -2 for anything else."""
@@ -337,8 +340,12 @@ def _checksum(t) -> int:
     if not isinstance(t, Tensor):
         return -2
     flat = t.detach().reshape(-1)
-    flat = (flat.to(torch.float64).view(torch.int64) if flat.is_floating_point() else flat.to(torch.int64))
-    total = int(((flat + 3) * torch.arange(1, flat.numel() + 1, dtype=torch.int64, device=flat.device)).sum())
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for lo in range(0, flat.numel(), _CHECKSUM_CHUNK):  # in chunks: a few MiB of temporaries, whatever the size
+        part = flat[lo:lo + _CHECKSUM_CHUNK]
+        part = part.to(torch.float64).view(torch.int64) if part.is_floating_point() else part.to(torch.int64)
+        total += ((part + 3) * torch.arange(lo + 1, lo + part.numel() + 1, dtype=torch.int64, device=part.device)).sum()
+    total = int(total)
     # (crc32, not hash(): str hashes differ between processes)
     return (total + zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode())) & (2**62 - 1)
 

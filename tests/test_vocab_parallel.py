@@ -891,3 +891,16 @@ def test_topk_slices_match_float64(device, dtype):
     with pytest.raises(RuntimeError, match="bucket sums"):
         mod.distill_topk_slice_grad(x.to(**dev), norms.to(**dev), idx.to(**dev), 0, temp, gb.to(**dev),
                                     whole[:, :k].contiguous().to(**dev), False, None, -100, None)
+
+
+def test_checksum_is_chunk_free_and_sees_every_entry(monkeypatch):
+    # check_same_call's checksum of a tensor sums it in chunks (bounded temporaries): the same word for any chunk
+    # size, and a different one where any entry, the order or the shape differs.
+    from kldiv_inline import vocab_parallel as VP
+    x = torch.randn(10_007, dtype=torch.float32)
+    monkeypatch.setattr(VP, "_CHECKSUM_CHUNK", 1000)
+    small = VP._checksum(x)
+    monkeypatch.setattr(VP, "_CHECKSUM_CHUNK", 1 << 30)
+    assert VP._checksum(x) == small
+    for other in (x.clone().index_fill_(0, torch.tensor([10_006]), 0.5), x.flip(0), x.reshape(1, -1), x.double()):
+        assert VP._checksum(other) != small
