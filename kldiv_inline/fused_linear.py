@@ -566,11 +566,13 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
             check_same_call(group, _WHO, _same_call_fields(), None, refused=True, also=_replicated(None, None, None),
                             device=on)
         raise
+    grad_on = torch.is_grad_enabled()  # the gradients this call makes: hidden (summed over a group), weight, bias
+    wants = [bool(grad_on and t is not None and t.requires_grad)
+             for t in (student_hidden, student_weight, student_bias)]
     if due:
         check_same_call(group, _WHO, _same_call_fields(c.beta, c.temperature, ignore_index, reduction, c.n,
                                                        chunk_size, c.form, dtype_code(student_hidden.dtype),
-                                                       c.skip_masked,
-                                                       torch.is_grad_enabled() and student_hidden.requires_grad),
+                                                       c.skip_masked, wants[0]),
                         c.lab, also=_replicated(student_hidden, c.t_hidden, c.pair), device=on)
     vocab, device, n = student_weight.shape[0], c.device, c.n
     idx = lp = None
@@ -601,8 +603,6 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
         chunk_size = default_chunk_size(n, widest, student_hidden.element_size(), 2 if two else 1)
 
     hidden = student_hidden.reshape(n, student_hidden.shape[-1])  # n, not -1: a hidden size of 0 is legal
-    grad_on = torch.is_grad_enabled()
-    wants = [bool(grad_on and t is not None and t.requires_grad) for t in (hidden, student_weight, student_bias)]
     args = (hidden, student_weight, student_bias, c.t_hidden, c.t_weight, c.t_bias, c.t_logits, idx, lp, c.lab,
             int(ignore_index), c.beta, c.temperature, reduction == "batchmean", int(chunk_size), c.accum_dtype,
             c.name, c.skip_masked)
