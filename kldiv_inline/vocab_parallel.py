@@ -350,6 +350,21 @@ def _checksum(t) -> int:
     return (total + zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode())) & (2**62 - 1)
 
 
+def _refused(every_status: list) -> list[int]:
+    """The ranks whose status word (0: this rank refused its inputs) says so, from a gathered column."""
+    return [r for r, ok in enumerate(every_status) if not ok]
+
+
+def _refused_error(who: str, ranks: list[int]) -> ValueError:
+    return ValueError(f"{who}: rank {', '.join(map(str, ranks))} of the group refused its inputs (its own error "
+                      "says why), so the call is refused on every rank")
+
+
+def _differ_error(who: str, what: str, told: str) -> ValueError:
+    return ValueError(f"{who}: the ranks of the group were called with different {what}: {told}; every rank must "
+                      "pass the same rows, labels and settings (only the vocabulary is split)")
+
+
 def check_same_call(group, who: str, fields: dict, labels: Tensor | None, refused: bool = False,
                     also: tuple = (), device=None) -> None:
     """Every rank of the group passed the same settings (``fields``: name -> int, float or None, the same names in
@@ -368,12 +383,11 @@ def check_same_call(group, who: str, fields: dict, labels: Tensor | None, refuse
     words += [_checksum(t) for _, t in also]
     mine = torch.tensor([words], dtype=torch.int64, device=device)
     every = _all_gather(mine, group).view(-1, len(words)).cpu()
-    refusing = [r for r, ok in enumerate(every[:, 0].tolist()) if not ok]
+    refusing = _refused(every[:, 0].tolist())
     if refusing:
         if refused:
             return  # (the caller raises this rank's own error)
-        raise ValueError(f"{who}: rank {', '.join(map(str, refusing))} of the group refused its inputs (its own "
-                         "error says why), so the call is refused on every rank")
+        raise _refused_error(who, refusing)
     names = list(fields) + ["labels"] + [name for name, _ in also]
     for j, name in enumerate(names, start=1):
         column = every[:, j].tolist()
@@ -385,8 +399,7 @@ def check_same_call(group, who: str, fields: dict, labels: Tensor | None, refuse
                 shown = [None if v == _NONE_WORD else struct.unpack("<d", struct.pack("<q", v))[0] if as_float
                          else v for v in column]
                 told = ", ".join(f"{v} on rank {r}" for r, v in enumerate(shown))
-            raise ValueError(f"{who}: the ranks of the group were called with different {name}: {told}; every "
-                             "rank must pass the same rows, labels and settings (only the vocabulary is split)")
+            raise _differ_error(who, name, told)
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -470,18 +483,16 @@ def _cpu_call_header(student_logits, teacher_topk, group) -> tuple[int, int]:
     mine = torch.tensor([[int(ok), int(teacher_topk is not None), student_logits.shape[-1] if ok else 0]],
                         dtype=torch.int64)
     every = _all_gather(mine, group).view(-1, 3)
-    bad = [r for r, v in enumerate(every[:, 0].tolist()) if not v]
+    bad = _refused(every[:, 0].tolist())
     if bad:
         if not ok:  # this rank's own error, as generalized_jsd gives it on one device
             distill._prepare(student_logits, None, None, 0.0, 1.0, None, -100, "batchmean")
             raise TypeError("generalized_jsd: student_logits must be a [..., V] tensor")
-        raise ValueError(f"generalized_jsd: rank {', '.join(map(str, bad))} of the group refused its inputs (its own "
-                         "error says why), so the call is refused on every rank")
+        raise _refused_error("generalized_jsd", bad)
     forms = every[:, 1].tolist()
     if any(f != forms[0] for f in forms):
         told = ", ".join(f"{'top-k' if f else 'logits'} on rank {r}" for r, f in enumerate(forms))
-        raise ValueError(f"generalized_jsd: the ranks of the group were called with different teachers: {told}; "
-                         "every rank must pass the same rows, labels and settings (only the vocabulary is split)")
+        raise _differ_error("generalized_jsd", "teachers", told)
     return _placed(every[:, 2].tolist(), group)
 
 
