@@ -61,11 +61,8 @@ def main() -> None:
             end.record()
             host.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
-        mine = torch.tensor([s.elapsed_time(e) for s, e in events], device="cuda", dtype=torch.float64)
-        parts = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(parts, mine)
-        return (timing.quantiles(torch.stack(parts).amax(0).tolist()), timing.quantiles(mine.tolist()),
-                timing.quantiles(host))
+        mine = [s.elapsed_time(e) for s, e in events]
+        return timing.quantiles(bench.slowest(mine, "cuda")), timing.quantiles(mine), timing.quantiles(host)
 
     if rank == 0:
         print(torch.cuda.get_device_name(), torch.__version__, torch.version.cuda, flush=True)
