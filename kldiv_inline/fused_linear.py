@@ -55,12 +55,12 @@ from .vocab_parallel import (
     dtype_code,
     group_name,
     learnt_widths,
+    placed,
     resolve_group,
     same_call_due,
     slice_widths,
     topk_also,
     topk_rows,
-    vocab_slice,
 )
 
 __all__ = ["fused_linear_generalized_jsd", "FusedLinearGeneralizedJSDLoss", "default_chunk_size"]
@@ -145,11 +145,14 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
            t_weight: Tensor | None, t_bias: Tensor | None, t_logits: Tensor | None,
            topk_idx: Tensor | None, topk_lp: Tensor | None, labels: Tensor | None, ignore_index: int,
            beta: float, temperature: float, batchmean: bool, chunk_size: int, accum_dtype: torch.dtype | None,
-           group_name: str | None, skip_masked: bool, want_hidden: bool, want_weight: bool, want_bias: bool):
+           group_name: str | None, skip_masked: bool, offset: int, whole: int, want_hidden: bool, want_weight: bool,
+           want_bias: bool):
     """The loss (batchmean or sum) and its gradients w.r.t. hidden [n, H], weight and bias (each only if wanted,
     else an empty tensor). With ``group_name``, the vocabulary (weight's rows, bias, teacher logits) is this rank's
     slice: each chunk's divergence runs in kldiv_inline.vocab_parallel's phases, and grad hidden is summed over
-    the group at the end. ``skip_masked`` (with labels): the chunks run over the tokens in _unmasked_first's order
+    the group at the end; with a top-k teacher too, ``offset`` is where this rank's rows start in the vocabulary of
+    ``whole`` entries (the front end gathered every rank's width to check the global indices: no second gather
+    here), else both are -1. ``skip_masked`` (with labels): the chunks run over the tokens in _unmasked_first's order
     and stop after the unmasked ones; the first chunk's products are queued before their count is known, so where
     fewer tokens than a chunk are unmasked, that chunk holds masked ones too (their labels mask them)."""
     n, vocab = hidden.shape[0], weight.shape[0]
@@ -220,8 +223,9 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
         g_buf = torch.empty_like(s_buf)
     ones = torch.ones((), dtype=torch.float64, device=hidden.device) if group is not None else None
     sum_code = _REDUCTION_CODE["sum"]
-    if group is not None and topk_idx is not None:
-        offset, whole = vocab_slice(vocab, hidden.device, group)  # where this rank's rows sit among all ranks'
+    if group is not None and topk_idx is not None and not 0 <= offset <= offset + vocab <= whole:
+        raise RuntimeError(_err(f"a top-k teacher with a group needs this rank's place in the vocabulary: offset "
+                                f"{offset} and {vocab} rows in {whole}"))
     for r0 in range(0, m, chunk_size):
         r1, h, logits, teacher, idx, lp = first if r0 == 0 else products(r0)
         # Unmasked tokens need no labels (batchmean's divisor above counted the whole batch's), but a first chunk
@@ -276,16 +280,17 @@ def _fused_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Ten
               t_weight: Tensor | None, t_bias: Tensor | None, t_logits: Tensor | None,
               topk_idx: Tensor | None, topk_lp: Tensor | None, labels: Tensor | None, ignore_index: int,
               beta: float, temperature: float, batchmean: bool, chunk_size: int, accum_dtype: torch.dtype | None,
-              group_name: str | None, skip_masked: bool, want_hidden: bool, want_weight: bool,
-              want_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+              group_name: str | None, skip_masked: bool, offset: int, whole: int, want_hidden: bool,
+              want_weight: bool, want_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _fused(hidden, weight, bias, t_hidden, t_weight, t_bias, t_logits, topk_idx, topk_lp, labels,
                   ignore_index, beta, temperature, batchmean, chunk_size, accum_dtype, group_name, skip_masked,
-                  want_hidden, want_weight, want_bias)
+                  offset, whole, want_hidden, want_weight, want_bias)
 
 
 @_fused_op.register_fake
 def _(hidden, weight, bias, t_hidden, t_weight, t_bias, t_logits, topk_idx, topk_lp, labels, ignore_index, beta,
-      temperature, batchmean, chunk_size, accum_dtype, group_name, skip_masked, want_hidden, want_weight, want_bias):
+      temperature, batchmean, chunk_size, accum_dtype, group_name, skip_masked, offset, whole, want_hidden,
+      want_weight, want_bias):
     acc_t = _acc_dtype(hidden.dtype)
     empty = hidden.new_empty((0,))
     return (hidden.new_empty((), dtype=acc_t), hidden.new_empty(hidden.shape) if want_hidden else empty,
@@ -293,13 +298,13 @@ def _(hidden, weight, bias, t_hidden, t_weight, t_bias, t_logits, topk_idx, topk
             bias.new_empty(bias.shape) if want_bias else empty.clone())
 
 
-_N_INPUTS = 21
+_N_INPUTS = 23
 
 
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:10])
-    ctx.args = inputs[10:18]
-    ctx.wanted = inputs[18:21]
+    ctx.args = inputs[10:20]  # (ignore_index ... whole)
+    ctx.wanted = inputs[20:23]
     _, g_hidden, g_weight, g_bias = output
     # Held outside save_for_backward: backward rescales them in place and hands them over as the gradients.
     ctx.fused = tuple(g.detach() for g in (g_hidden, g_weight, g_bias))
@@ -605,7 +610,7 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     hidden = student_hidden.reshape(n, student_hidden.shape[-1])  # n, not -1: a hidden size of 0 is legal
     args = (hidden, student_weight, student_bias, c.t_hidden, c.t_weight, c.t_bias, c.t_logits, idx, lp, c.lab,
             int(ignore_index), c.beta, c.temperature, reduction == "batchmean", int(chunk_size), c.accum_dtype,
-            c.name, c.skip_masked)
+            c.name, c.skip_masked, *(placed(widths, group) if c.form == 2 and widths is not None else (-1, -1)))
     if not any(wants) and not _is_tracing(hidden):
         loss = _fused(*args, False, False, False)[0]
     else:

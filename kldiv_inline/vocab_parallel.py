@@ -53,7 +53,7 @@ from torch import Tensor
 
 from . import distill
 
-__all__ = ["generalized_jsd_vocab_parallel", "divergence_rows", "topk_rows", "vocab_slice", "slice_widths",
+__all__ = ["generalized_jsd_vocab_parallel", "divergence_rows", "topk_rows", "placed", "slice_widths",
            "learnt_widths", "check_same_call", "topk_also", "cpu_ranks", "same_call_due", "dtype_code", "group_name",
            "resolve_group"]
 
@@ -271,7 +271,8 @@ def _gathered_widths(width: int, device, group) -> Tensor:
     return _all_gather(torch.full((1, 1), width, dtype=torch.int64, device=device), group).flatten()
 
 
-def _placed(widths: list[int], group) -> tuple[int, int]:
+def placed(widths: list[int], group) -> tuple[int, int]:
+    """This rank's offset in the vocabulary and the vocabulary's size, from every rank's slice width."""
     rank = dist.get_rank(group)
     return sum(widths[:rank]), sum(widths)
 
@@ -279,12 +280,6 @@ def _placed(widths: list[int], group) -> tuple[int, int]:
 def slice_widths(width: int, device, group) -> list[int]:
     """Every rank's slice width, in rank order (one small all-gather and one host synchronisation)."""
     return _gathered_widths(width, device, group).tolist()
-
-
-def vocab_slice(width: int, device, group) -> tuple[int, int]:
-    """This rank's offset in the vocabulary and the vocabulary's size, from every rank's slice width (one small
-    all-gather and one host synchronisation: only top-k indices need them)."""
-    return _placed(slice_widths(width, device, group), group)
 
 
 # The ranks' slice widths (a list, and on the device) by (group, device), as learnt_vocab_slice last saw them.
@@ -321,9 +316,9 @@ def learnt_widths(width: int, device, group, least: int = 0) -> tuple[list[int],
 
 
 def learnt_vocab_slice(width: int, device, group, least: int = 0) -> tuple[int, int, Callable[[], bool]]:
-    """vocab_slice from learnt_widths' layout: this rank's offset, the vocabulary's size, and ``settled()``."""
+    """placed() of learnt_widths' layout: this rank's offset, the vocabulary's size, and ``settled()``."""
     listed, settled = learnt_widths(width, device, group, least)
-    return (*_placed(listed, group), settled)
+    return (*placed(listed, group), settled)
 
 
 _NONE_WORD = -(2**62)  # check_same_call's word for a setting given as None
@@ -493,7 +488,7 @@ def _cpu_call_header(student_logits, teacher_topk, group) -> tuple[int, int]:
     if any(f != forms[0] for f in forms):
         told = ", ".join(f"{'top-k' if f else 'logits'} on rank {r}" for r, f in enumerate(forms))
         raise _differ_error("generalized_jsd", "teachers", told)
-    return _placed(every[:, 2].tolist(), group)
+    return placed(every[:, 2].tolist(), group)
 
 
 def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tensor | None, *, teacher_topk,

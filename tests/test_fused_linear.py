@@ -547,16 +547,16 @@ def test_opcheck(device):
     th, tw, _ = head((6,), 5, 11, torch.float32, device, bias=False)
     lab = torch.tensor([1, -100, 2, 3, 4, 5], device=device)
     op = torch.ops.kldiv_inline.fused_linear_distill.default
-    # (..., chunk_size, accum_dtype, group_name, skip_masked, want_hidden, want_weight, want_bias)
+    # (..., chunk_size, accum_dtype, group_name, skip_masked, offset, whole, want_hidden, want_weight, want_bias)
     torch.library.opcheck(op, (h, w, b, None, None, None, t, None, None, lab, -100, 0.5, 2.0, True, 4, None, None,
-                               False, True, True, True))
+                               False, -1, -1, True, True, True))
     torch.library.opcheck(op, (h, w, None, th, tw, None, None, None, None, None, -100, 0.0, 1.0, False, 100, None,
-                               None, False, True, False, False))
+                               None, False, -1, -1, True, False, False))
     idx, lp = topk_teacher((6,), 11, 3, device)
     torch.library.opcheck(op, (h, w, b, None, None, None, None, idx, lp, lab, -100, 1.0, 1.5, True, 5, None, None,
-                               False, False, True, True))
+                               False, -1, -1, False, True, True))
     torch.library.opcheck(op, (h, w, b, th, tw, None, None, None, None, lab, -100, 0.5, 2.0, True, 4, None, None,
-                               True, True, True, True))  # skip_masked
+                               True, -1, -1, True, True, True))  # skip_masked
 
 
 @pytest.mark.slow

@@ -394,6 +394,7 @@ def _fused_body(rank, world, device, seed, widths):
         _fused_case(rank, device, group, gen, widths=widths, teacher=teacher, mask=0.5, skip_masked=True)
     _fused_case(rank, device, group, gen, widths=widths, mask=1.1, skip_masked=True)
     _fused_default_chunk_cases(rank, device, group, gen, widths)
+    _fused_topk_widths_gathered_once(rank, device, group, gen, widths)
     with pytest.raises(ValueError, match=rf"in \[0, {sum(widths)}\)"):  # checked against the whole vocabulary
         idx = torch.full((2, 1), sum(widths), dtype=torch.long, device=device)
         hidden = torch.randn(2, 4, generator=gen).to(device)  # (the same on every rank, as the head needs)
@@ -418,6 +419,30 @@ def _fused_default_chunk_cases(rank, device, group, gen, widths):
         _fused_case(rank, device, group, gen, widths=wider, chunk_size=None)
     finally:
         fused_linear.BUFFER_BYTES = saved
+
+
+def _fused_topk_widths_gathered_once(rank, device, group, gen, widths):
+    """A top-k teacher's fused call gathers the ranks' widths once (for its global indices, its default chunk and
+    each rank's place in the vocabulary), forward and backward: each gather is a collective and a host wait."""
+    from kldiv_inline import vocab_parallel as VP
+    real, calls = VP._gathered_widths, []
+
+    def counted(*args):
+        calls.append(args)
+        return real(*args)
+    h = torch.randn(5, 4, generator=gen).to(device)  # (the same on every rank, as the head needs)
+    lp, idx = torch.log_softmax(torch.randn(5, sum(widths), generator=gen), -1).topk(3, dim=-1)
+    w = torch.randn(widths[rank], 4, device=device, requires_grad=True)
+    VP._gathered_widths = counted
+    try:
+        for chunk_size in (2, None):
+            calls.clear()
+            loss = K.fused_linear_generalized_jsd(h, w, teacher_topk=(idx.to(device), lp.to(device)), group=group,
+                                                  chunk_size=chunk_size)
+            loss.backward()
+            assert len(calls) == 1, f"chunk_size={chunk_size}: the widths gathered {len(calls)} times"
+    finally:
+        VP._gathered_widths = real
 
 
 def _fused_case_no_grad(rank, device, group, gen, widths):
