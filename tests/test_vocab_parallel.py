@@ -443,6 +443,10 @@ def _fused_topk_widths_gathered_once(rank, device, group, gen, widths):
             assert len(calls) == 1, f"chunk_size={chunk_size}: the widths gathered {len(calls)} times"
     finally:
         VP._gathered_widths = real
+    op = torch.ops.kldiv_inline.fused_linear_distill.default  # the op called without its place: refused (no gather)
+    with pytest.raises(RuntimeError, match="place in the vocabulary"):
+        op(h, w.detach(), None, None, None, None, None, idx.to(device), lp.to(device), None, -100, 0.0, 1.0, True, 2,
+           None, group.group_name, False, -1, -1, False, False, False)
 
 
 def _fused_case_no_grad(rank, device, group, gen, widths):
