@@ -303,6 +303,17 @@ template <typename A> DS_HD A jsd_entry_weighted(const Point<A>& e, const RowCon
   return jsd_summand(a, b);
 }
 
+// jsd_entry_weighted where |d| < kJsdLogSpace (fast_rows' kJsdPlainChunks): every value is finite there, so the z
+// form needs no log-space branch and a probability of 0 no guard (0 times a finite u is 0), and the summand, finite,
+// is clamped at 0 as jsd_summand does.
+template <typename A> DS_HD A jsd_entry_plain(const Point<A>& e, const RowConst<A>& c, A& us, A& b) {
+  const A lz = mixture_log_z(e.d, c);
+  us = -lz;
+  b = e.ps * us;
+  const A sum = e.pt * (e.d - lz) + b;
+  return sum > A(0) ? sum : A(0);
+}
+
 // Sums over a row (or the part of it held here): the loss, and what the gradients need beside it,
 // ks = sum ps u_s and kt = sum pt u_t (the KL of student, teacher to what it is compared with, in the plain form
 // p log(p / q); the gradient is p (u - K); a zero p contributes 0).
@@ -438,6 +449,12 @@ template <bool CLOSE, typename A> DS_HD Point<A> make_point(A xs, A xt, A k2, co
   // and dd ln 2 are the row's constants, hoisted out of the entries' loop).
   e.d = CLOSE ? d_fma(xt - xs, k2 * A(kLn2), -(r.dd * A(kLn2))) : ((at - as) - r.dlz) * A(kLn2);
   return e;
+}
+// make_point's d alone, by the same operations (the two must stay alike: a chunk's test on d, fast_rows'
+// kJsdPlainChunks, vouches for the points made after it).
+template <bool CLOSE, typename A> DS_HD A point_d(A xs, A xt, A k2, const RowNorms<A>& r) {
+  return CLOSE ? d_fma(xt - xs, k2 * A(kLn2), -(r.dd * A(kLn2)))
+               : (((xt * k2 - r.t.mx) - (xs * k2 - r.s.mx)) - r.dlz) * A(kLn2);
 }
 
 // A vocabulary split across ranks: each rank's statistics of its slice of every row, gathered as parts

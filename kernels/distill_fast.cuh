@@ -58,6 +58,13 @@ constexpr bool kKeptUsDirect = true;
 // the student's part, (1 - beta) ps u_s, which it needs anyway, divided by 1 - beta once a row. The weights' logs
 // add one rounding common to a row's probabilities (~1e-7 relative, as ex2.approx's). false: compiles as before.
 constexpr bool kJsdWeightedPoints = true;
+// The JSD's bfloat16 terms pass (kJsdWeightedPoints) takes a chunk whose every entry has |d| < kJsdLogSpace through
+// jsd_entry_plain: there every value is finite (the logits, the rows' normalisers, z >= min(1, e^d) > 2^-93), so
+// the z form's log-space branch for d >= kJsdLogSpace and the summand's guards for a probability of 0 are no-ops
+// that every entry issued anyway (predicated: ~8 of the loop's ~35 instructions an entry, cuobjdump); a chunk with
+// one entry outside (a -inf or NaN logit, a far tail) takes jsd_entry_weighted, as every chunk did before. The
+// chunk's test is one comparison an entry on d, which the points form anyway. false: compiles as before.
+constexpr bool kJsdPlainChunks = true;
 // Forward KL's 16-bit training rows in kNarrowThreads blocks too, summing the direct form of the summand with its
 // mass (kl_term_direct, as the forward alone does; 4 instructions an entry against kl_term's ~13): capped at 32
 // registers the mass had been a register too many (measured slower, kernels/NOTES.md, version 20). A thread whose
@@ -503,10 +510,36 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
         };
         for (int c = threadIdx.x; c < chunks; c += THREADS) {
           const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
-          KeptVec kept;
+          static_assert(N == 8, "a chunk of 16-bit logits: eight kept u_s in one 16-byte store");
+          bool plain = kJsdPlainChunks && kJsdWeightedPoints;
+          if constexpr (kJsdPlainChunks && kJsdWeightedPoints) {
 #pragma unroll
-          for (int q = 0; q < N; ++q) kept.v[q] = static_cast<c10::Half>(entry(entry_float(vs, q), entry_float(vt, q)));
-          *reinterpret_cast<KeptVec*>(xt + c * N) = kept;  // this thread's own chunk, just read
+            for (int q = 0; q < N; ++q)
+              plain &= fabsf(point_d<CLOSE>(entry_float(vs, q), entry_float(vt, q), k2, rw)) < float(kJsdLogSpace);
+          }
+          // Each branch packs its kept u_s into words (fp16 pairs, round to nearest as the cast): halves set one by
+          // one in a vector that both branches write were packed, unpacked and packed again at the join (PRMTs).
+          float kf[N];
+          if (plain) {
+#pragma unroll
+            for (int q = 0; q < N; ++q) {
+              const Point<float> e = make_point<CLOSE>(entry_float(vs, q), entry_float(vt, q), k2, rw);
+              float us, b;
+              acc.loss += jsd_entry_plain(e, p.c, us, b);
+              acc.ks += b;
+              kf[q] = kept_us(e, us);
+            }
+          } else {
+#pragma unroll
+            for (int q = 0; q < N; ++q) kf[q] = entry(entry_float(vs, q), entry_float(vt, q));
+          }
+          uint32_t words[N / 2];
+#pragma unroll
+          for (int q = 0; q < N / 2; ++q) {
+            const __half2 h = __floats2half2_rn(kf[2 * q], kf[2 * q + 1]);
+            words[q] = *reinterpret_cast<const uint32_t*>(&h);
+          }
+          *reinterpret_cast<uint4*>(xt + c * N) = make_uint4(words[0], words[1], words[2], words[3]);  // its own chunk
         }
         if (has_tail) us_tail = entry(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]));
       };

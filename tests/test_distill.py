@@ -663,6 +663,34 @@ def test_jsd_training_rows_per_token(device, dtype, beta):
         assert_grad_close(gs[row], rs[row], dtype, f"row {row}")
 
 
+@pytest.mark.parametrize("beta", [0.3, 0.5])
+def test_jsd_training_rows_with_special_entries_scattered(device, beta):
+    # The JSD's bfloat16 training rows on CUDA take a chunk of 8 entries whose every |d| is below 64 through a form
+    # without the log-space branch and the guards for probabilities of 0 (kernels/distill_fast.cuh,
+    # kJsdPlainChunks); a chunk with one entry outside takes the general form. Scattered over rows of 50000 (many
+    # chunks, several blocks a row): student logits at -inf (d = +inf) and far below (d ~ +80), teacher logits at
+    # -inf (a probability of 0, d = -inf) and far below (d ~ -80), both at -inf; each token's loss against
+    # float64 and its gradient within bf16 rounding (taking such a chunk the plain way gives NaN or a wrong row).
+    n, v = 12, 50000
+    t = logits((n, v), torch.float64, device, scale=2.0)
+    s = t + torch.randn_like(t)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for x, value in ((s, float("-inf")), (s, -80.0), (t, float("-inf")), (t, -80.0)):
+        cols = torch.randperm(v, generator=gen)[:40].to(device)
+        x[:, cols] = value
+    both = torch.randperm(v, generator=gen)[:9].to(device)
+    s[:, both] = t[:, both] = float("-inf")
+    s, t = s.to(torch.bfloat16).requires_grad_(), t.to(torch.bfloat16)
+    out, (gs,) = run(s, t, beta=beta, temperature=1.0, reduction="none")
+    ref, (rs,) = reference(s, t, grad_out=torch.ones(n, device=device), beta=beta, temperature=1.0,
+                           reduction="none")
+    assert torch.isfinite(out).all() and torch.isfinite(gs).all()
+    per_token = ((out.double() - ref) / ref).abs()
+    assert per_token.max() <= 2e-5, (per_token.max(), ref[per_token.argmax()])
+    for row in range(n):
+        assert_grad_close(gs[row], rs[row], torch.bfloat16, f"row {row}")
+
+
 # --------------------------------------------------------------------------- 3b. the forward alone
 def accurate_kl(s, t, temperature, beta):
     """Forward (beta 0) or reverse (beta 1) KL of each row of finite logits in float64, summed as p phi(u) with
