@@ -21,8 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kldiv_inline as K  # noqa: E402
 from kldiv_inline import timing  # noqa: E402
+from kldiv_inline.bench_distill import make_inputs  # noqa: E402
 
-T = 2.0
+T = 2.0  # the suite's temperature
 SUM = 1  # the module's reduction code for sum
 
 
@@ -41,11 +42,7 @@ def main():
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, torch.version.cuda, flush=True)
     n, v = args.tokens, args.vocab
-    g = torch.Generator(device="cuda").manual_seed(0)
-    s = (torch.randn(n, v, device="cuda", generator=g) * 2).bfloat16()
-    t = (torch.randn(n, v, device="cuda", generator=g) * 2).bfloat16()
-    lab = torch.randint(0, v, (n,), device="cuda", generator=g)
-    lab[torch.rand(n, device="cuda", generator=g) < 0.1] = -100
+    s, t, lab, _, _ = make_inputs(n, v, "cuda", seed=0)  # the distillation suite's inputs
     mod = K.load("cuda", extension="distill")
     one = torch.ones((), dtype=torch.float64, device="cuda")
     grad = torch.empty_like(s)
