@@ -39,6 +39,26 @@ template <bool LOWP> KL_HD float kl_log_p(float v) {
 }
 template <bool LOWP> KL_HD double kl_log_p(double v) { return kl_log(v); }
 
+// The hot case's ratio t / p (FORM_PROBS). float on the GPU: the hardware reciprocal (rcp.approx) and one
+// correction of the quotient, q + (t - p q) / p by two FMAs: within 1 ulp of t / p wherever the quotient is a
+// normal number and no step over- or underflows; elsewhere (p = 0, subnormal or infinite, a quotient out of
+// range) it comes out inf, 0 or NaN, which kl_is_hot sends to kl_literal like the exact quotient's. 4 instructions
+// where IEEE division takes ~10 (its range check and slow-path branch are issued for every element): the
+// probability form's loop is bound by issue on an H200 (kernels/NOTES.md). With kRatioApprox false, IEEE division.
+constexpr bool kRatioApprox = true;
+KL_HD float kl_ratio(float t, float p) {
+#if defined(__CUDA_ARCH__)
+  if (kRatioApprox) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(p));
+    const float q = t * r;
+    return fmaf(fmaf(-p, q, t), r, q);
+  }
+#endif
+  return t / p;
+}
+KL_HD double kl_ratio(double t, double p) { return t / p; }
+
 template <typename T> KL_HD T kl_nan() { return std::numeric_limits<T>::quiet_NaN(); }
 template <typename T> KL_HD bool kl_isfinite(T v) { return (v - v) == T(0); }  // inf - inf and NaN give NaN
 
@@ -67,7 +87,7 @@ KL_HD bool kl_is_hot(T t, T arg) {
 // (`log` must accept any argument), so that a vectorising caller can select without branching.
 template <typename T, int FORM, typename Log>
 KL_HD bool kl_hot(T x, T t, Log log, T& value, T& arg) {
-  arg = FORM == FORM_PROBS ? t / x : t;
+  arg = FORM == FORM_PROBS ? kl_ratio(t, x) : t;
   value = FORM == FORM_PROBS ? t * log(arg) : t * (log(arg) - x);
   return kl_is_hot<T, FORM>(t, arg);
 }
@@ -106,7 +126,7 @@ KL_HD T kl_hot_grad(T t, T arg, T g) {
 template <typename T, int FORM, bool LOG_TARGET>
 KL_HD T kl_grad_input(T x, T t, T g) {
   if (FORM == FORM_PROBS && !LOG_TARGET) {
-    const T r = t / x;
+    const T r = kl_ratio(t, x);  // (kl_hot's: a recomputed gradient has the fused pass's bits)
     if (kl_is_hot<T, FORM>(t, r)) return kl_hot_grad<T, FORM>(t, r, g);
   }
   const T w = LOG_TARGET ? kl_exp(t) : t;  // d loss / d logp = -w
