@@ -240,9 +240,12 @@ template <typename A> DS_HD void mixture_u_series(const Point<A>& e, const RowCo
   us = e.d * horner<jsd_terms<A>()>(&c.us[0], e.d);
   ut = e.d + us;
 }
-// log z = log(1 - beta + beta e^d), for d below kJsdLogSpace.
+// log z = log(1 - beta + beta e^d), for d below kJsdLogSpace; mixture_log_z_of takes e^d.
+template <typename A> DS_HD A mixture_log_z_of(A ed, const RowConst<A>& c) {
+  return d_log_normal(d_fma(c.beta, ed, A(1) - c.beta));
+}
 template <typename A> DS_HD A mixture_log_z(A d, const RowConst<A>& c) {
-  return d_log_normal(d_fma(c.beta, d_exp2(d * A(kLog2e)), A(1) - c.beta));
+  return mixture_log_z_of(d_exp2(d * A(kLog2e)), c);
 }
 template <typename A> DS_HD void mixture_u_direct(const Point<A>& e, const RowConst<A>& c, A& us, A& ut) {
   if (e.d >= A(kJsdLogSpace)) {
@@ -311,6 +314,20 @@ template <typename A> DS_HD A jsd_entry_plain(const Point<A>& e, const RowConst<
   us = -lz;
   b = e.ps * us;
   const A sum = e.pt * (e.d - lz) + b;
+  return sum > A(0) ? sum : A(0);
+}
+
+// jsd_entry_plain with the teacher's weighted probability made from the student's, beta pt = (1 - beta) ps e^d
+// beta / (1 - beta) (`pt_per_ps` is the last factor), where the z form needs e^d anyway: one exponential an entry
+// fewer (fast_rows' kJsdPtFromPs). Only where (1 - beta) ps is a normal number: were it flushed to 0, beta pt
+// (up to 2^-34 there, |d| < 64) would be too, where its own exponential keeps it.
+template <typename A>
+DS_HD A jsd_entry_plain_from_ps(A ps, A d, A pt_per_ps, const RowConst<A>& c, A& us, A& b) {
+  const A ed = d_exp2(d * A(kLog2e));
+  const A lz = mixture_log_z_of(ed, c);
+  us = -lz;
+  b = ps * us;
+  const A sum = ps * (ed * pt_per_ps) * (d - lz) + b;
   return sum > A(0) ? sum : A(0);
 }
 

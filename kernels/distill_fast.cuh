@@ -65,6 +65,12 @@ constexpr bool kJsdWeightedPoints = true;
 // one entry outside (a -inf or NaN logit, a far tail) takes jsd_entry_weighted, as every chunk did before. The
 // chunk's test is one comparison an entry on d, which the points form anyway. false: compiles as before.
 constexpr bool kJsdPlainChunks = true;
+// The plain chunks' teacher probability from the student's and e^d (jsd_entry_plain_from_ps): 3 exponentials an entry
+// where the terms pass took 4, in a loop whose MUFU work (4 an entry: 32 cycles of a scheduler's MUFU a warp's
+// chunk, against ~26 issue cycles) bounds it. A chunk is plain only where also every (1 - beta) ps is a normal
+// number, tested on the student's logits against one threshold a row. Prepared, not yet measured (kernels/NOTES.md,
+// version 35): false compiles the kernels as version 34.
+constexpr bool kJsdPtFromPs = false;
 // Forward KL's 16-bit training rows in kNarrowThreads blocks too, summing the direct form of the summand with its
 // mass (kl_term_direct, as the forward alone does; 4 instructions an entry against kl_term's ~13): capped at 32
 // registers the mass had been a register too many (measured slower, kernels/NOTES.md, version 20). A thread whose
@@ -508,14 +514,22 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
             return kept_us(e, us);
           }
         };
+        constexpr bool PT_FROM_PS = kJsdPtFromPs && kJsdPlainChunks && kJsdWeightedPoints;
+        static_assert(!PT_FROM_PS || kKeptUsDirect, "the plain chunks keep the terms' own u_s");
+        // PT_FROM_PS: (1 - beta) ps is normal (2^-120 and up) where a student logit lies above this
+        [[maybe_unused]] const float xs_normal = PT_FROM_PS ? ((rw.s.mx + rw.s.lz) - 120.f) / k2 : 0.f;
+        [[maybe_unused]] const float pt_per_ps = PT_FROM_PS ? p.c.beta / (1.f - p.c.beta) : 0.f;
         for (int c = threadIdx.x; c < chunks; c += THREADS) {
           const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
           static_assert(N == 8, "a chunk of 16-bit logits: eight kept u_s in one 16-byte store");
           bool plain = kJsdPlainChunks && kJsdWeightedPoints;
           if constexpr (kJsdPlainChunks && kJsdWeightedPoints) {
 #pragma unroll
-            for (int q = 0; q < N; ++q)
-              plain &= fabsf(point_d<CLOSE>(entry_float(vs, q), entry_float(vt, q), k2, rw)) < float(kJsdLogSpace);
+            for (int q = 0; q < N; ++q) {
+              const float xsv = entry_float(vs, q);
+              plain &= fabsf(point_d<CLOSE>(xsv, entry_float(vt, q), k2, rw)) < float(kJsdLogSpace);
+              if constexpr (PT_FROM_PS) plain &= xsv > xs_normal;
+            }
           }
           // Each branch packs its kept u_s into words (fp16 pairs, round to nearest as the cast): halves set one by
           // one in a vector that both branches write were packed, unpacked and packed again at the join (PRMTs).
@@ -523,11 +537,19 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
           if (plain) {
 #pragma unroll
             for (int q = 0; q < N; ++q) {
-              const Point<float> e = make_point<CLOSE>(entry_float(vs, q), entry_float(vt, q), k2, rw);
               float us, b;
-              acc.loss += jsd_entry_plain(e, p.c, us, b);
+              if constexpr (PT_FROM_PS) {
+                const float xsv = entry_float(vs, q);
+                const float d = point_d<CLOSE>(xsv, entry_float(vt, q), k2, rw);
+                const float ps = d_exp2((xsv * k2 - rw.s.mx) - rw.s.lz);  // (make_point's)
+                acc.loss += jsd_entry_plain_from_ps(ps, d, pt_per_ps, p.c, us, b);
+                kf[q] = us * kKeptUsScale;
+              } else {
+                const Point<float> e = make_point<CLOSE>(entry_float(vs, q), entry_float(vt, q), k2, rw);
+                acc.loss += jsd_entry_plain(e, p.c, us, b);
+                kf[q] = kept_us(e, us);
+              }
               acc.ks += b;
-              kf[q] = kept_us(e, us);
             }
           } else {
 #pragma unroll
