@@ -521,15 +521,21 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
         [[maybe_unused]] const float pt_per_ps = PT_FROM_PS ? p.c.beta / (1.f - p.c.beta) : 0.f;
         for (int c = threadIdx.x; c < chunks; c += THREADS) {
           const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
-          static_assert(N == 8, "a chunk of 16-bit logits: eight kept u_s in one 16-byte store");
-          bool plain = kJsdPlainChunks && kJsdWeightedPoints;
-          if constexpr (kJsdPlainChunks && kJsdWeightedPoints) {
+          if constexpr (!(kJsdPlainChunks && kJsdWeightedPoints)) {  // (as before version 34)
+            KeptVec kept;
 #pragma unroll
-            for (int q = 0; q < N; ++q) {
-              const float xsv = entry_float(vs, q);
-              plain &= fabsf(point_d<CLOSE>(xsv, entry_float(vt, q), k2, rw)) < float(kJsdLogSpace);
-              if constexpr (PT_FROM_PS) plain &= xsv > xs_normal;
-            }
+            for (int q = 0; q < N; ++q)
+              kept.v[q] = static_cast<c10::Half>(entry(entry_float(vs, q), entry_float(vt, q)));
+            *reinterpret_cast<KeptVec*>(xt + c * N) = kept;  // this thread's own chunk, just read
+            continue;
+          }
+          static_assert(N == 8, "a chunk of 16-bit logits: eight kept u_s in one 16-byte store");
+          bool plain = true;
+#pragma unroll
+          for (int q = 0; q < N; ++q) {
+            const float xsv = entry_float(vs, q);
+            plain &= fabsf(point_d<CLOSE>(xsv, entry_float(vt, q), k2, rw)) < float(kJsdLogSpace);
+            if constexpr (PT_FROM_PS) plain &= xsv > xs_normal;
           }
           // Each branch packs its kept u_s into words (fp16 pairs, round to nearest as the cast): halves set one by
           // one in a vector that both branches write were packed, unpacked and packed again at the join (PRMTs).
