@@ -21,13 +21,12 @@ tests for that (`pytest -m gpu tests/test_distill.py`).
 """
 import argparse
 import math
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tree_timing import build, print_table, time_rounds
+
 CASES = [(beta, grad) for beta in (0.0, 0.5, 1.0) for grad in (False, True)]
 
 
@@ -66,13 +65,6 @@ def child(reps: int, spreads: list[float], near: float | None) -> None:
         time_spread(spread, f" x{spread:g}" if len(spreads) > 1 else "")
 
 
-def tree_env(tree: Path) -> dict[str, str]:
-    """The environment of a process that builds or times `tree`: the kit from this checkout, its kernels from
-    `tree`."""
-    return {**os.environ, "KLDIV_INLINE_KERNELS": str(tree.resolve()),
-            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trees", nargs="*", type=Path, help="kernels/ directories (the first is the baseline)")
@@ -92,34 +84,10 @@ def main() -> None:
     for tree in args.trees:
         if not (tree / "distill.cu").exists():
             ap.error(f"{tree}: no distill.cu there")
-    build = "import kldiv_inline as K; K.load('cuda', extension='distill')"
-    procs = [subprocess.Popen([sys.executable, "-c", build], cwd=ROOT, env=tree_env(t)) for t in args.trees]
-    if any(p.wait() for p in procs):
-        sys.exit("a tree failed to build (its error is above)")
-    times: dict[tuple[str, Path], list[float]] = {}
-    for _ in range(args.rounds):
-        for tree in args.trees:
-            cmd = [sys.executable, __file__, "--child", "--reps", str(args.reps), "--spreads",
-                   *(str(x) for x in args.spreads), *(["--near", str(args.near)] if args.near is not None else [])]
-            out = subprocess.run(cmd, env=tree_env(tree), capture_output=True, text=True)
-            if out.returncode:
-                sys.exit(f"{tree}: {out.stderr[-2000:]}")
-            for line in out.stdout.splitlines():
-                case, ms = line.rsplit(" ", 1)
-                times.setdefault((case, tree), []).append(float(ms))
-    import torch
-
-    print(torch.cuda.get_device_name(), torch.__version__)
-    cases = list(dict.fromkeys(case for case, _ in times))
-    names = [str(t) for t in args.trees]
-    print(f"{'case':<22}" + "".join(f"{n[-24:]:>26}" for n in names) + ("   last / first" if len(names) > 1 else ""))
-    for case in cases:
-        cols = [times[(case, t)] for t in args.trees]
-        row = f"{case:<22}" + "".join(f"{' / '.join(f'{x:.3f}' for x in c):>26}" for c in cols)
-        if len(cols) > 1:
-            row += f"   {statistics.median(cols[-1]) / statistics.median(cols[0]) - 1:+.1%}"
-        print(row)
-
+    build(args.trees, "import kldiv_inline as K; K.load('cuda', extension='distill')")
+    cmd = [sys.executable, __file__, "--child", "--reps", str(args.reps), "--spreads",
+           *(str(x) for x in args.spreads), *(["--near", str(args.near)] if args.near is not None else [])]
+    print_table(args.trees, time_rounds(args.trees, cmd, args.rounds), 22)
 
 if __name__ == "__main__":
     main()

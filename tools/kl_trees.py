@@ -5,20 +5,17 @@ tools/distill_trees.py does for the distillation kernels): the probability form'
     git archive HEAD~1 kernels | tar -x -C /tmp/old
     python tools/kl_trees.py /tmp/old/kernels kernels [--rounds 2] [--reps 20]
 
-Each tree is built first, all at once (one process each, through KLDIV_INLINE_KERNELS), then timed in a process of
-its own, the trees alternating for ``--rounds`` rounds. Prints each case's medians (ms) per tree and the read
-floor of the bench's Floor (bytes / the best read bandwidth measured in that process). Checks nothing: run
+Each tree is built first, all at once, then timed in a process of its own, the trees alternating for ``--rounds``
+rounds (tools/tree_timing.py, as distill_trees.py). Prints each case's times (ms) per tree, and after each case a
+row of its read floor as each process measured it (bytes / the bandwidth of a sum over 1 GiB). Checks nothing: run
 `pytest -m gpu tests/test_ops.py tests/test_ops_reliability.py` for that.
 """
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from tree_timing import build, print_table, time_rounds
 
 
 def child(reps: int) -> None:
@@ -52,12 +49,13 @@ def child(reps: int) -> None:
         ms = statistics.median(timing.time_cuda(fn, [()], reps, 3))
         tensors = 3 if train else 2
         floor = tensors * p.numel() * p.element_size() / read_gbps / 1e6
-        print(f"{name} {ms:.4f} {floor:.4f}", flush=True)
+        print(f"{name} {ms:.4f}")
+        print(f"{name}, its floor {floor:.4f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("trees", nargs="+", type=Path)
+    ap.add_argument("trees", nargs="*", type=Path, help="kernels/ directories (the first is the baseline)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -65,29 +63,11 @@ def main() -> None:
     if args.child:
         child(args.reps)
         return
-    envs = [{**os.environ, "KLDIV_INLINE_KERNELS": str(tree.resolve())} for tree in args.trees]
-    build = "import torch, kldiv_inline.ops as o; o._module(torch.device('cuda'))"
-    for proc in [subprocess.Popen([sys.executable, "-c", build], env=env, cwd=ROOT) for env in envs]:
-        if proc.wait():
-            sys.exit("a tree failed to build")
-    import torch
-    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    times: dict[str, list[list[float]]] = {}
-    floors: dict[str, float] = {}
-    for _ in range(args.rounds):
-        for k, env in enumerate(envs):
-            out = subprocess.run([sys.executable, __file__, "--child", "--reps", str(args.reps), "x"], env=env,
-                                 cwd=ROOT, check=True, capture_output=True, text=True).stdout
-            for line in out.splitlines():
-                *name, ms, floor = line.split()
-                key = " ".join(name)
-                times.setdefault(key, [[] for _ in envs])[k].append(float(ms))
-                floors[key] = float(floor)
-    print(f"{'case':<28}" + "".join(f"{str(t):>26}" for t in args.trees) + "   last / first   floor")
-    for key, per_tree in times.items():
-        cols = "".join(f"{' / '.join(f'{v:.4f}' for v in ms):>26}" for ms in per_tree)
-        change = statistics.median(per_tree[-1]) / statistics.median(per_tree[0]) - 1
-        print(f"{key:<28}{cols}   {change:+.1%}   {floors[key]:.4f}")
+    if not args.trees:
+        ap.error("name at least one kernels/ directory")
+    build(args.trees, "import torch, kldiv_inline.ops as o; o._module(torch.device('cuda'))")
+    cmd = [sys.executable, __file__, "--child", "--reps", str(args.reps)]
+    print_table(args.trees, time_rounds(args.trees, cmd, args.rounds), 36)
 
 
 if __name__ == "__main__":
