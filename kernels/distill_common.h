@@ -308,13 +308,15 @@ template <typename A> DS_HD A jsd_entry_weighted(const Point<A>& e, const RowCon
 
 // jsd_entry_weighted where |d| < kJsdLogSpace (fast_rows' kJsdPlainChunks): every value is finite there, so the z
 // form needs no log-space branch and a probability of 0 no guard (0 times a finite u is 0), and the summand, finite,
-// is clamped at 0 as jsd_summand does.
-template <typename A> DS_HD A jsd_entry_plain(const Point<A>& e, const RowConst<A>& c, A& us, A& b) {
-  const A lz = mixture_log_z(e.d, c);
+// is clamped at 0 as jsd_summand does. jsd_plain_summand is the summand from the weighted probabilities and log z.
+template <typename A> DS_HD A jsd_plain_summand(A ps, A pt, A d, A lz, A& us, A& b) {
   us = -lz;
-  b = e.ps * us;
-  const A sum = e.pt * (e.d - lz) + b;
+  b = ps * us;
+  const A sum = pt * (d - lz) + b;
   return sum > A(0) ? sum : A(0);
+}
+template <typename A> DS_HD A jsd_entry_plain(const Point<A>& e, const RowConst<A>& c, A& us, A& b) {
+  return jsd_plain_summand(e.ps, e.pt, e.d, mixture_log_z(e.d, c), us, b);
 }
 
 // jsd_entry_plain with the teacher's weighted probability made from the student's, beta pt = (1 - beta) ps e^d
@@ -324,11 +326,7 @@ template <typename A> DS_HD A jsd_entry_plain(const Point<A>& e, const RowConst<
 template <typename A>
 DS_HD A jsd_entry_plain_from_ps(A ps, A d, A pt_per_ps, const RowConst<A>& c, A& us, A& b) {
   const A ed = d_exp2(d * A(kLog2e));
-  const A lz = mixture_log_z_of(ed, c);
-  us = -lz;
-  b = ps * us;
-  const A sum = ps * (ed * pt_per_ps) * (d - lz) + b;
-  return sum > A(0) ? sum : A(0);
+  return jsd_plain_summand(ps, ps * (ed * pt_per_ps), d, mixture_log_z_of(ed, c), us, b);
 }
 
 // Sums over a row (or the part of it held here): the loss, and what the gradients need beside it,
