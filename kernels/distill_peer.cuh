@@ -37,6 +37,8 @@
 
 #pragma once
 
+#include "distill_peer_words.cuh"  // (peer_store, peer_load, global_ns: one word of a record)
+
 // Ranks an exchange serves, and records a row and call (distill_peer_alloc sizes the buffers from both).
 constexpr int kMaxPeers = 8;
 constexpr int kPeerStages = 3;
@@ -55,21 +57,6 @@ struct PeerRows {
 // The word index of rank `from`'s record of `row` at `stage` in call e, in any rank's buffer.
 __device__ __forceinline__ int64_t peer_slot(const PeerRows& pr, int stage, unsigned e, int from, int64_t row) {
   return (((static_cast<int64_t>(stage) * 2 + (e & 1u)) * pr.world + from) * pr.cap + row) * 4;
-}
-
-__device__ __forceinline__ void peer_store(unsigned long long* at, float v, unsigned e) {
-  const unsigned long long w = (static_cast<unsigned long long>(e) << 32) | __float_as_uint(v);
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(at), "l"(w) : "memory");
-}
-__device__ __forceinline__ unsigned long long peer_load(const unsigned long long* at) {
-  unsigned long long w;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(w) : "l"(at) : "memory");
-  return w;
-}
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
 }
 
 // This rank's record of `row` into every rank's buffer.

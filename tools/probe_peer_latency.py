@@ -4,8 +4,9 @@ around it: the part of a split kernel's wait that no schedule can remove. Two pr
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 2 tools/probe_peer_latency.py
 
 The buffers are the vocabulary split's own (kldiv_inline.vocab_parallel: every rank's, mapped into every rank),
-written and read with the protocol's instructions (distill_peer.cuh: 64-bit st.relaxed.sys stores carrying the
-call's tag in their upper half, ld.relaxed.sys polls). One thread a GPU, ITERS rounds each, timed by %globaltimer:
+written and read with the protocol's own functions (kernels/distill_peer_words.cuh, included: 64-bit
+st.relaxed.sys stores carrying the call's tag in their upper half, ld.relaxed.sys polls). One thread a GPU, ITERS
+rounds each, timed by %globaltimer:
   pingpong 1 / 4 words: rank 0 stores, rank 1 polls until it lands and stores back (a round trip; half is the
       latency of one record, 1 word or a whole record of 4 as peer_publish writes it and peer_wait polls it: four
       8-byte stores, four loads issued before any is tested; "2 x 16 B": the record in two 16-byte stores and
@@ -30,22 +31,13 @@ from kldiv_inline import load_sources, vocab_parallel  # noqa: E402
 
 ITERS = 20000
 
+KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+
 CUDA_SRC = r"""
 #include <torch/extension.h>
 #include <c10/cuda/CUDAException.h>
-__device__ __forceinline__ void st_sys(unsigned long long* at, unsigned long long w) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(at), "l"(w) : "memory");
-}
-__device__ __forceinline__ unsigned long long ld_sys(const unsigned long long* at) {
-  unsigned long long w;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(w) : "l"(at) : "memory");
-  return w;
-}
-__device__ __forceinline__ unsigned long long now() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+#include "distill_peer_words.cuh"  // peer_store, peer_load, global_ns: the kit's own
+// The record in two 16-byte accesses (an alternative the kit does not use).
 __device__ __forceinline__ void st_sys2(unsigned long long* at, unsigned long long a, unsigned long long b) {
   asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(at), "l"(a), "l"(b) : "memory");
 }
@@ -62,16 +54,16 @@ __device__ __forceinline__ bool wait_tag(const unsigned long long* at, int words
       ld_sys2(at, w[0], w[1]);
       ld_sys2(at + 2, w[2], w[3]);
     } else if (words == 1) {
-      w[0] = ld_sys(at);
+      w[0] = peer_load(at);
     } else {
 #pragma unroll
-      for (int q = 0; q < 4; ++q) w[q] = ld_sys(at + q);
+      for (int q = 0; q < 4; ++q) w[q] = peer_load(at + q);
     }
     bool all = true;
 #pragma unroll
     for (int q = 0; q < 4; ++q) all = all && (q >= words || static_cast<unsigned>(w[q] >> 32) == i);
     if (all) return true;
-    if ((spin & 1023u) == 1023u && now() - t0 > 2000000000ull) return false;
+    if ((spin & 1023u) == 1023u && global_ns() - t0 > 2000000000ull) return false;
   }
 }
 template <bool VEC>
@@ -81,14 +73,14 @@ __device__ __forceinline__ void put(unsigned long long* at, int words, unsigned 
     st_sys2(at, tag | 0, tag | 1);
     st_sys2(at + 2, tag | 2, tag | 3);
   } else {
-    for (int q = 0; q < words; ++q) st_sys(at + q, tag | q);
+    for (int q = 0; q < words; ++q) peer_store(at + q, 0.f, i);  // (tag i in the upper half)
   }
 }
 // kind 0: pingpong (rank 0 starts), 1: exchange (both store, then both poll), 2: local (own buffer).
 template <bool VEC>
 __global__ void probe_kernel(unsigned long long* mine, unsigned long long* peer, int rank, int kind, int words,
                              int iters, long long* out) {
-  const unsigned long long t0 = now();
+  const unsigned long long t0 = global_ns();
   bool ok = true;
   for (int r = 1; r <= iters && ok; ++r) {
     const unsigned i = static_cast<unsigned>(r);
@@ -107,7 +99,7 @@ __global__ void probe_kernel(unsigned long long* mine, unsigned long long* peer,
       ok = wait_tag<VEC>(mine_r, words, i, t0);
     }
   }
-  out[0] = ok ? static_cast<long long>(now() - t0) : -1;
+  out[0] = ok ? static_cast<long long>(global_ns() - t0) : -1;
 }
 // words 1, 4, or -4 for 4 in two 16-byte stores and loads.
 torch::Tensor probe(int64_t mine, int64_t peer, int64_t rank, int64_t kind, int64_t words, int64_t iters) {
@@ -130,7 +122,8 @@ def build():
     folder = Path(tempfile.mkdtemp(prefix="probe_peer_latency_"))
     (folder / "probe_peer_latency.cu").write_text(CUDA_SRC)
     (folder / "probe_peer_latency.cpp").write_text(CPP_SRC)
-    return load_sources([folder / "probe_peer_latency.cu", folder / "probe_peer_latency.cpp"], functions=["probe"])
+    return load_sources([folder / "probe_peer_latency.cu", folder / "probe_peer_latency.cpp"], functions=["probe"],
+                        include_dirs=[KERNELS])
 
 
 def main() -> None:
