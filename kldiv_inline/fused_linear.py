@@ -415,7 +415,6 @@ class _Checked:
     """fused_linear_generalized_jsd's arguments as its local checks leave them (nothing communicated yet)."""
     device: torch.device
     lead: torch.Size
-    n: int
     beta: float
     temperature: float
     form: int  # the teacher: 0 hidden states and weight, 1 logits, 2 top-k
@@ -428,6 +427,11 @@ class _Checked:
     accum_dtype: torch.dtype | None
     skip_masked: bool
     name: str | None
+
+    @property
+    def n(self) -> int:
+        """The tokens (the leading dims' product)."""
+        return self.lead.numel()
 
 
 def _checked_locally(student_hidden, student_weight, teacher_hidden, teacher_weight, teacher_logits, teacher_topk,
@@ -477,7 +481,7 @@ def _checked_locally(student_hidden, student_weight, teacher_hidden, teacher_wei
     _check_chunk_size(chunk_size)
     accum_dtype = _check_accum_dtype(accum_dtype, dtype)
     skip_masked = _check_skip_masked(skip_masked, lab)
-    return _Checked(device, lead, lead.numel(), beta, temperature, forms.index(True), lab, t_hidden, t_weight,
+    return _Checked(device, lead, beta, temperature, forms.index(True), lab, t_hidden, t_weight,
                     t_bias, t_logits, pair, accum_dtype, skip_masked, name)
 
 
