@@ -68,9 +68,10 @@ constexpr bool kJsdPlainChunks = true;
 // The plain chunks' teacher probability from the student's and e^d (jsd_entry_plain_from_ps): 3 exponentials an entry
 // where the terms pass took 4, in a loop whose MUFU work (4 an entry: 32 cycles of a scheduler's MUFU a warp's
 // chunk, against ~26 issue cycles) bounds it. A chunk is plain only where also every (1 - beta) ps is a normal
-// number, tested on the student's logits against one threshold a row. Prepared, not yet measured (kernels/NOTES.md,
-// version 35): false compiles the kernels as version 34.
-constexpr bool kJsdPtFromPs = false;
+// number, tested on the student's logits against one threshold a row. Measured (one H200, kernels/NOTES.md, version
+// 35): the JSD step -2.7% (logits of spread 3) and -2.2% (spread 2), every other kernel within +-0.4%. false
+// compiles the kernels as version 34.
+constexpr bool kJsdPtFromPs = true;
 // Forward KL's 16-bit training rows in kNarrowThreads blocks too, summing the direct form of the summand with its
 // mass (kl_term_direct, as the forward alone does; 4 instructions an entry against kl_term's ~13): capped at 32
 // registers the mass had been a register too many (measured slower, kernels/NOTES.md, version 20). A thread whose

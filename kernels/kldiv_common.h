@@ -44,10 +44,10 @@ template <bool LOWP> KL_HD double kl_log_p(double v) { return kl_log(v); }
 // normal number and no step over- or underflows; elsewhere (p = 0, subnormal or infinite, a quotient out of
 // range) it comes out inf, 0 or NaN, which kl_is_hot sends to kl_literal like the exact quotient's. 4 instructions
 // where IEEE division takes ~10 (its range check and slow-path branch are issued for every element): the
-// probability form's forward sits at 1.07 x its floor on an H200, where 16-byte loads alone reach 1.0 (P1 goal
-// 1.05). Prepared, not yet timed (kernels/NOTES.md, "Ideas not taken (yet)"): false compiles every kernel of
-// kldiv.cu to the instructions it had (IEEE division); true passed the op's GPU tests on an H200.
-constexpr bool kRatioApprox = false;
+// probability form's forward sat at 1.07 x its floor on an H200 with it, bound by issue. Measured (one H200,
+// tools/kl_trees.py, kernels/NOTES.md "Versions"): the float32 forward -4.5%, its training step -1.2%, the bf16
+// log-probability forward unchanged. false compiles every kernel of kldiv.cu to the instructions it had.
+constexpr bool kRatioApprox = true;
 KL_HD float kl_ratio(float t, float p) {
 #if defined(__CUDA_ARCH__)
   if (kRatioApprox) {
