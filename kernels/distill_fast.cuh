@@ -828,6 +828,17 @@ __device__ __forceinline__ void load_chunk_pairs(const T* s, const T* t, int c0,
 // any is used. fast_rows' normalisers copy the slices into shared memory and meet at a cluster barrier between
 // the maximum and the sums; a phase that keeps nothing needs neither (kernels/NOTES.md, version 13).
 constexpr int kNormThreads = 256, kNormUnroll = 4;
+// float32 logits: each thread's normaliser sums in double (running_norm's double overload, each call's 16 terms
+// summed in float first). In float, a thread of a peaked row adds its ~400 small terms one by one to a sum near 1
+// (the top entry's), each addition rounded at 2^-24: the row's normaliser ends up ~1e-6 off, and the gradients' K
+// sums move with it (ks = Sum ps u_s times that error), where u_s - ks cancels to ~1e-3 at a peaked row's top
+// entries: the split's float32 JSD student gradient (a teacher gradient wanted, so the phases) measured up to 8.7 x
+// the one-process error, and 1.1e-4 of its float64 truth at one seed of the two-GPU test, on two H200s
+// (tools/probe_split_accuracy.py); tools/emulate_split_norms.py reproduces those errors on the CPU and predicts the
+// one-process level with the double sums (kernels/NOTES.md, version 36). 16-bit logits compile as before either way
+// (their gradients round at 2^-8). Prepared, not yet measured on a GPU: false compiles every kernel as before.
+constexpr bool kNormDoubleSums = false;
+template <typename T> using NormSum = std::conditional_t<kNormDoubleSums && sizeof(T) == 4, double, float>;
 
 // A thread's running normaliser after `valid` more chunks: mr is the largest raw logit so far, l the sum of
 // 2^(x k2 - mr k2) (rescaled when mr grows; a pair with no mass, l = 0, stays 0).
@@ -849,6 +860,27 @@ __device__ __forceinline__ void running_norm(const Vec<T> (&v)[U], int valid, fl
       for (int q = 0; q < Vec<T>::N; ++q) l += d_exp2(entry_float(v[u], q) * k2 - o);
   l = part_sum(l, o);  // entries so far beyond the lanes' range (padding): a stand-in
 }
+// The same with the sum in double (kNormDoubleSums): this call's terms summed in float, then added to l.
+template <typename T, int U>
+__device__ __forceinline__ void running_norm(const Vec<T> (&v)[U], int valid, float k2, float& mr, double& l) {
+  float g = ninf<float>();
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (u < valid) g = fmaxf(g, chunk_max(v[u]));
+  if (g > mr) {
+    l = l == 0.0 ? 0.0 : l * static_cast<double>(d_exp2((mr - g) * k2));
+    mr = g;
+  }
+  const float o = mr == ninf<float>() ? 0.f : scaled_max(mr, k2);
+  float part = 0.f;
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (u < valid)
+#pragma unroll
+      for (int q = 0; q < Vec<T>::N; ++q) part += d_exp2(entry_float(v[u], q) * k2 - o);
+  l += static_cast<double>(part);
+  if (!(offset_ok(o) || l != l)) l = 1.0;  // (part_sum's stand-in, at float's offset limit)
+}
 
 template <typename T> __global__ void __launch_bounds__(kNormThreads) phase_norms_kernel(const Params<T, float> p) {
   constexpr int N = Vec<T>::N, U = kNormUnroll;
@@ -862,7 +894,10 @@ template <typename T> __global__ void __launch_bounds__(kNormThreads) phase_norm
   const T* t = p.t + row * p.t_stride;
   const float k2 = p.k2;
   const int chunks = static_cast<int>(p.v / N);
-  float ms = ninf<float>(), ls = 0.f, mt = ninf<float>(), lt = 0.f;
+  float ms = ninf<float>();
+  NormSum<T> ls = 0.f;  // (see kNormDoubleSums)
+  float mt = ninf<float>();
+  NormSum<T> lt = 0.f;
   for (int c0 = threadIdx.x; c0 < chunks; c0 += kNormThreads * U) {
     Vec<T> vs[U], vt[U];
     load_chunk_pairs<kNormThreads>(s, t, c0, chunks, vs, vt);
@@ -881,15 +916,16 @@ template <typename T> __global__ void __launch_bounds__(kNormThreads) phase_norm
     running_norm(vs, 1, k2, ms, ls);
     running_norm(vt, 1, k2, mt, lt);
   }
+  float ls_f = static_cast<float>(ls), lt_f = static_cast<float>(lt);
   // (max x k2, sum) pairs combined over the warp, then the block's warps in a fixed order (deterministic).
   ms = scaled_max(ms, k2);  // k2 > 0: the max of the scaled logits
   mt = scaled_max(mt, k2);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
-    combine_pair(ms, ls, __shfl_xor_sync(0xffffffffu, ms, o), __shfl_xor_sync(0xffffffffu, ls, o));
-    combine_pair(mt, lt, __shfl_xor_sync(0xffffffffu, mt, o), __shfl_xor_sync(0xffffffffu, lt, o));
+    combine_pair(ms, ls_f, __shfl_xor_sync(0xffffffffu, ms, o), __shfl_xor_sync(0xffffffffu, ls_f, o));
+    combine_pair(mt, lt_f, __shfl_xor_sync(0xffffffffu, mt, o), __shfl_xor_sync(0xffffffffu, lt_f, o));
   }
-  if ((threadIdx.x & 31) == 0) slots[threadIdx.x >> 5] = make_float4(ms, ls, mt, lt);
+  if ((threadIdx.x & 31) == 0) slots[threadIdx.x >> 5] = make_float4(ms, ls_f, mt, lt_f);
   __syncthreads();
   if (threadIdx.x == 0) {
     float4 a = slots[0];
