@@ -840,19 +840,25 @@ constexpr int kNormThreads = 256, kNormUnroll = 4;
 constexpr bool kNormDoubleSums = false;
 template <typename T> using NormSum = std::conditional_t<kNormDoubleSums && sizeof(T) == 4, double, float>;
 
-// A thread's running normaliser after `valid` more chunks: mr is the largest raw logit so far, l the sum of
-// 2^(x k2 - mr k2) (rescaled when mr grows; a pair with no mass, l = 0, stays 0).
-template <typename T, int U>
-__device__ __forceinline__ void running_norm(const Vec<T> (&v)[U], int valid, float k2, float& mr, float& l) {
+// running_norm's first half: mr raised to the chunks' largest raw logit and l rescaled to it; returns the offset.
+template <typename T, int U, typename L>
+__device__ __forceinline__ float running_max(const Vec<T> (&v)[U], int valid, float k2, float& mr, L& l) {
   float g = ninf<float>();
 #pragma unroll
   for (int u = 0; u < U; ++u)
     if (u < valid) g = fmaxf(g, chunk_max(v[u]));
   if (g > mr) {
-    l = l == 0.f ? 0.f : l * d_exp2((mr - g) * k2);
+    l = l == L(0) ? L(0) : l * static_cast<L>(d_exp2((mr - g) * k2));
     mr = g;
   }
-  const float o = mr == ninf<float>() ? 0.f : scaled_max(mr, k2);
+  return mr == ninf<float>() ? 0.f : scaled_max(mr, k2);
+}
+
+// A thread's running normaliser after `valid` more chunks: mr is the largest raw logit so far, l the sum of
+// 2^(x k2 - mr k2) (rescaled when mr grows; a pair with no mass, l = 0, stays 0).
+template <typename T, int U>
+__device__ __forceinline__ void running_norm(const Vec<T> (&v)[U], int valid, float k2, float& mr, float& l) {
+  const float o = running_max(v, valid, k2, mr, l);
 #pragma unroll
   for (int u = 0; u < U; ++u)
     if (u < valid)
@@ -863,15 +869,7 @@ __device__ __forceinline__ void running_norm(const Vec<T> (&v)[U], int valid, fl
 // The same with the sum in double (kNormDoubleSums): this call's terms summed in float, then added to l.
 template <typename T, int U>
 __device__ __forceinline__ void running_norm(const Vec<T> (&v)[U], int valid, float k2, float& mr, double& l) {
-  float g = ninf<float>();
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-    if (u < valid) g = fmaxf(g, chunk_max(v[u]));
-  if (g > mr) {
-    l = l == 0.0 ? 0.0 : l * static_cast<double>(d_exp2((mr - g) * k2));
-    mr = g;
-  }
-  const float o = mr == ninf<float>() ? 0.f : scaled_max(mr, k2);
+  const float o = running_max(v, valid, k2, mr, l);
   float part = 0.f;
 #pragma unroll
   for (int u = 0; u < U; ++u)
