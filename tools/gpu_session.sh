@@ -13,12 +13,14 @@
 #   tools/gpu_session.sh topk      # two GPUs: the same with the teacher's top 100 log-probabilities (time, memory)
 #   tools/gpu_session.sh graph     # two GPUs: the two-GPU tests (a captured split step among them), then the split
 #                                  #   step captured in a CUDA graph at full size, timed against eager
+#   tools/gpu_session.sh accuracy  # two GPUs: the split's float32 gradients against float64 beside one process's
+#                                  #   (tools/probe_split_accuracy.py), with kernels/ and with kNormDoubleSums on
 #   tools/gpu_session.sh x2        # two GPUs: the two-GPU tests, then the committed run of the split
 #                                  #   (bench_vocab_parallel --reps 10 --warmup 3 --graph) -> ${RESULTS:-results}/<card>-x2/
 # Two GPUs: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2 \
 #   tools/bench_vocab_parallel.py    # the vocabulary split across GPUs -> results/<card>-x2/
 set -euo pipefail
-mode=${1:?test|results|notebooks|sweep|errors|split|topk|graph|x2}
+mode=${1:?test|results|notebooks|sweep|errors|split|topk|graph|accuracy|x2}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -42,6 +44,14 @@ case $mode in
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     python3 -m pytest -q tests/test_vocab_parallel.py -k gpus
     torchrun --standalone --nproc-per-node 2 tools/probe_split_graph.py ;;
+  accuracy)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    on=$(mktemp -d) && cp -r kernels "$on/"
+    sed -i 's/constexpr bool kNormDoubleSums = false;/constexpr bool kNormDoubleSums = true;/' "$on/kernels/distill_fast.cuh"
+    grep -q "kNormDoubleSums = true" "$on/kernels/distill_fast.cuh"
+    torchrun --standalone --nproc-per-node 2 tools/probe_split_accuracy.py
+    KLDIV_INLINE_KERNELS="$on/kernels" torchrun --standalone --nproc-per-node 2 tools/probe_split_accuracy.py
+    KLDIV_INLINE_KERNELS="$on/kernels" python3 -m pytest -q -m gpu tests/test_vocab_parallel.py ;;
   x2)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     python3 -m pytest -q -x -m gpu tests/test_vocab_parallel.py

@@ -5,6 +5,7 @@ test's inputs (33 tokens, the vocabulary split 100000 / 28256, logits N(0, s^2) 
 [0.5, 2.5], 30% of labels masked), a fresh draw per trial (seeds 7000 + trial, the same on every run):
 
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 2 tools/probe_split_accuracy.py [--trials 24]
+    KLDIV_INLINE_KERNELS=/tmp/on/kernels NCCL_NVLS_ENABLE=0 torchrun ...   # the same with another kernels/ tree
 
 Per trial and setting: the student gradient's relative error (norm) against float64 for one process and for the
 split, their ratio, and the split's two worst rows with the one process's error of the same rows; then the worst
