@@ -548,7 +548,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
               if constexpr (PT_FROM_PS) {
                 const float xsv = entry_float(vs, q);
                 const float d = point_d<CLOSE>(xsv, entry_float(vt, q), k2, rw);
-                const float ps = d_exp2((xsv * k2 - rw.s.mx) - rw.s.lz);  // (make_point's)
+                const float ps = d_exp2(log2_prob(xsv, k2, rw.s));  // (make_point's e.ps)
                 acc.loss += jsd_entry_plain_from_ps(ps, d, pt_per_ps, p.c, us, b);
                 kf[q] = us * kKeptUsScale;
               } else {
