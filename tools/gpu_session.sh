@@ -15,12 +15,15 @@
 #                                  #   step captured in a CUDA graph at full size, timed against eager
 #   tools/gpu_session.sh accuracy  # two GPUs: the split's float32 gradients against float64 beside one process's
 #                                  #   (tools/probe_split_accuracy.py), with kernels/ and with kNormDoubleSums on
+#   tools/gpu_session.sh profile   # Nsight Compute of fast_rows' three launches in distill_probe.py --once (forward
+#                                  #   KL's and the JSD's training rows, forward KL's forward alone): stall reasons
+#                                  #   and instructions per SASS line -> ${OUT:-/tmp}/fast_rows_{details,source}.csv
 #   tools/gpu_session.sh x2        # two GPUs: the two-GPU tests, then the committed run of the split
 #                                  #   (bench_vocab_parallel --reps 10 --warmup 3 --graph) -> ${RESULTS:-results}/<card>-x2/
 # Two GPUs: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2 \
 #   tools/bench_vocab_parallel.py    # the vocabulary split across GPUs -> results/<card>-x2/
 set -euo pipefail
-mode=${1:?test|results|notebooks|sweep|errors|split|topk|graph|accuracy|x2}
+mode=${1:?test|results|notebooks|sweep|errors|split|topk|graph|accuracy|profile|x2}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -52,6 +55,14 @@ case $mode in
     torchrun --standalone --nproc-per-node 2 tools/probe_split_accuracy.py
     KLDIV_INLINE_KERNELS="$on/kernels" torchrun --standalone --nproc-per-node 2 tools/probe_split_accuracy.py
     KLDIV_INLINE_KERNELS="$on/kernels" python3 -m pytest -q -m gpu tests/test_vocab_parallel.py ;;
+  profile)
+    out=${OUT:-/tmp}
+    # --clock-control none: the clocks as the timings saw them; one launch each of 4096 x 128256 bf16, T = 2
+    ncu --clock-control none -k regex:fast_rows_kernel -c 3 --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section SchedulerStats --section WarpStateStats --section SourceCounters \
+      -f -o "$out/fast_rows" python3 tools/distill_probe.py --once --no-peers
+    ncu -i "$out/fast_rows.ncu-rep" --page details --csv > "$out/fast_rows_details.csv"
+    ncu -i "$out/fast_rows.ncu-rep" --page source --print-source sass --csv > "$out/fast_rows_source.csv" ;;
   x2)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     python3 -m pytest -q -x -m gpu tests/test_vocab_parallel.py
