@@ -879,6 +879,49 @@ def test_benchmark_runs_under_torchrun(tmp_path):
     assert last[:4] == ["fused_linear", "megatron_style", "2", "0.5"] and last[-1] == "ok"
 
 
+def readme_torchrun_example() -> str:
+    """The README's copyable `torchrun` example (the python block that starts with its torchrun comment)."""
+    text = (REPO / "README.md").read_text()
+    start = text.index("# torchrun --nproc-per-node 2 distill_tp.py")
+    return text[start:text.index("```", start)]
+
+
+def test_readme_torchrun_example_on_cpu_ranks(tmp_path, _fresh_seed):
+    # The example a user copies, run as written but on 2 CPU processes with gloo, small, under the test's seed:
+    # both ranks print the one-process loss, and their gradient slices concatenate to the one-process gradient.
+    # Every substitution must find its text, so a README edit that changes the example breaks this test loudly.
+    script = readme_torchrun_example()
+    for old, new, count in (('torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))\n', "", 1),
+                            ('dist.init_process_group("nccl")', 'dist.init_process_group("gloo")', 1),
+                            ('device="cuda"', 'device="cpu"', 3), ("vocab = 128256", "vocab = 1001", 1),
+                            ("4096", "24", 3), ("torch.manual_seed(0)", f"torch.manual_seed({_fresh_seed})", 1),
+                            ("dist.destroy_process_group()",
+                             f'torch.save((loss.item(), student.grad), r"{tmp_path}" + f"/rank{{rank}}.pt")\n'
+                             "dist.destroy_process_group()", 1)):
+        assert script.count(old) == count, (old, script)
+        script = script.replace(old, new)
+    (tmp_path / "distill_tp.py").write_text(script)
+    K.load("cpu", extension="distill")
+    env = {**os.environ, **NCCL_ENV, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(tmp_path / "distill_tp.py")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SPAWN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torch.manual_seed(_fresh_seed)  # the example's draws, in one process
+    student = torch.randn(24, 1001, dtype=torch.bfloat16).requires_grad_()
+    teacher = torch.randn(24, 1001, dtype=torch.bfloat16)
+    labels = torch.randint(0, 1001, (24,))
+    loss = K.generalized_jsd(student, teacher, beta=0.5, temperature=2.0, labels=labels)
+    loss.backward()
+    # (read from the files the ranks saved: their prints interleave on the shared stdout)
+    (loss0, grad0), (loss1, grad1) = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    for got in (loss0, loss1):
+        assert abs(got - loss.item()) <= 2e-5 * loss.item(), (loss0, loss1, loss.item())
+    grad = torch.cat([grad0, grad1], dim=1)
+    assert grad.shape == student.shape and grad.dtype == torch.bfloat16
+    torch.testing.assert_close(grad.float(), student.grad.float(), rtol=2 ** -7, atol=0.0)  # (one bf16 ulp)
+
+
 def test_peer_buffers_are_cuda_only():
     # The CPU twin has the peer functions (the module's contract is one header) and refuses them with a reason;
     # CPU ranks never call them (vocab_parallel takes the all-gathers there).
