@@ -1018,3 +1018,20 @@ def test_checksum_is_chunk_free_and_sees_every_entry(monkeypatch):
     assert VP._checksum(x) == small
     for other in (x.clone().index_fill_(0, torch.tensor([10_006]), 0.5), x.flip(0), x.reshape(1, -1), x.double()):
         assert VP._checksum(other) != small
+
+
+def test_checksum_sees_changes_whose_position_weighted_sums_agree():
+    # The checksum once weighted position i by i + 1, blind to every change with sum (x_i - y_i) (i + 1) = 0: the
+    # top-k refusal test drew one (seed 3581503217: each row of three indices flipped on one rank, the rows' sums
+    # of last minus first index 0), and then a rank with another teacher passed as the same. Pairs of that kind,
+    # each shown to collide under those weights, must differ now.
+    from kldiv_inline import vocab_parallel as VP
+    idx = torch.stack([torch.randperm(20)[:3] for _ in range(6)])
+    idx[-1, 2] = idx[-1, 0] + (idx[:-1, 0] - idx[:-1, 2]).sum()  # the rows' sum of (last - first) made 0
+    pairs = [(idx, idx.flip(-1)),
+             (torch.tensor([5, 1, 1, 5]), torch.tensor([6, -1, 2, 5])),  # + (1, -2, 1, 0): 1 - 4 + 3 = 0
+             (torch.tensor([0, 2, 7, 5]), torch.tensor([2, 0, 5, 7]))]   # two swaps: -2 + 2 = 0
+    for a, b in pairs:
+        weights = torch.arange(1, a.numel() + 1)
+        assert not torch.equal(a, b) and int(((a - b).reshape(-1) * weights).sum()) == 0
+        assert VP._checksum(a) != VP._checksum(b), (a, b)
