@@ -340,4 +340,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Done and the group destroyed: leave without the interpreter's finalisation, where gloo's leftover worker
+    # threads can abort a process that did everything right ("terminate called without an active exception", seen
+    # now and then on CPU ranks), which torchrun would report as this rank's failure.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
