@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_readme import python_block
 
 import kldiv_inline as K
 from kldiv_inline import fused_linear, timing
@@ -879,13 +880,6 @@ def test_benchmark_runs_under_torchrun(tmp_path):
     assert last[:4] == ["fused_linear", "megatron_style", "2", "0.5"] and last[-1] == "ok"
 
 
-def readme_torchrun_example() -> str:
-    """The README's copyable `torchrun` example (the python block that starts with its torchrun comment)."""
-    text = (REPO / "README.md").read_text()
-    start = text.index("# torchrun --nproc-per-node 2 distill_tp.py")
-    return text[start:text.index("```", start)]
-
-
 def test_readme_torchrun_example_on_cpu_ranks(tmp_path, _fresh_seed):
     # The example a user copies, run as written but on 2 CPU processes with gloo, small, under the test's seed:
     # both ranks print the one-process loss, and their gradient slices concatenate to the one-process gradient.
@@ -893,7 +887,7 @@ def test_readme_torchrun_example_on_cpu_ranks(tmp_path, _fresh_seed):
     # After its last line the ranks save what they computed and leave without the interpreter's finalisation,
     # where gloo's leftover threads can abort a finished rank (as _entry; once in 11 runs here: "terminate called
     # without an active exception", both losses printed), which torchrun would report as a failure.
-    script = readme_torchrun_example()
+    script = python_block("# torchrun --nproc-per-node 2 distill_tp.py")  # (the README's copyable example)
     for old, new, count in (('torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))\n', "", 1),
                             ('dist.init_process_group("nccl")', 'dist.init_process_group("gloo")', 1),
                             ('device="cuda"', 'device="cpu"', 3), ("vocab = 128256", "vocab = 1001", 1),
