@@ -805,15 +805,35 @@ Params<T, A> base_params(const Rows& r, int64_t ignore_index, double beta, doubl
 // fast_topk_kernel (distill_fast_topk.cuh) for a top-k teacher; no teacher gradient, 16-bit or float32 logits,
 // slices in shared memory, every row of student, teacher and gradient starting on a 16-byte boundary.
 // KLDIV_DISTILL_FAST=0 (a research knob) sends every call to rows_kernel, to compare the two.
+// KLDIV_DISTILL_FAST=0 (a research knob): the general kernels everywhere.
+bool fast_allowed() {
+  const char* env = std::getenv("KLDIV_DISTILL_FAST");
+  return !(env && std::atoi(env) == 0);
+}
+
+// Every row of x [n, v] starts on the 16-byte grid (the fast kernels' vector loads and stores).
+bool rows_on_grid(const at::Tensor& x) {
+  const int64_t vec = 16 / static_cast<int64_t>(x.element_size());
+  return aligned16(x.data_ptr()) && (x.size(0) <= 1 || x.stride(0) % vec == 0);
+}
+
 bool fast_path_ok(const Rows& r, const Launch& l, const at::Tensor& gs, bool want_teacher) {
-  if (const char* env = std::getenv("KLDIV_DISTILL_FAST"))
-    if (std::atoi(env) == 0) return false;
+  if (!fast_allowed()) return false;
   if (want_teacher || !l.use_smem || r.s.scalar_type() == at::kDouble) return false;
-  const int64_t vec = 16 / static_cast<int64_t>(r.s.element_size());
-  auto rows_aligned = [&](const at::Tensor& x) {
-    return aligned16(x.data_ptr()) && (x.size(0) <= 1 || x.stride(0) % vec == 0);
-  };
-  return rows_aligned(r.s) && (r.topk() || rows_aligned(r.t)) && (!gs.defined() || rows_aligned(gs));
+  return rows_on_grid(r.s) && (r.topk() || rows_on_grid(r.t)) && (!gs.defined() || rows_on_grid(gs));
+}
+
+// x [n, v] itself when its rows are on the 16-byte grid, else an uninitialised [n, v] view of a buffer whose rows
+// are padded to it (copy_ fills it).
+at::Tensor on_grid_like(const at::Tensor& x) {
+  if (rows_on_grid(x)) return x;
+  const int64_t vec = 16 / static_cast<int64_t>(x.element_size());
+  return at::empty({x.size(0), (x.size(1) + vec - 1) / vec * vec}, x.options()).narrow(1, 0, x.size(1));
+}
+at::Tensor on_grid(const at::Tensor& x) {
+  at::Tensor y = on_grid_like(x);
+  if (!y.is_same(x)) y.copy_(x);
+  return y;
 }
 
 // Calls f(mode, grad, phase), each a std::integral_constant, for the kernel instance a split's terms or gradient
@@ -1355,21 +1375,39 @@ std::vector<at::Tensor> distill_peer_terms(const at::Tensor& student, const at::
     using T = scalar_t;
     using A = typename AccOf<T>::type;
     const Launch l = plan_launch(r.v, 2 * sizeof(T), false);
-    const at::Tensor given = want_student && grad_student_out.has_value() ? *grad_student_out : at::Tensor();
-    // One read of the logits: forward KL, and the JSD's training rows (which exchange their sums in the kernel)
+    const at::Tensor given =
+        want_student && grad_student_out.has_value() ? grad_buffer(grad_student_out, r) : at::Tensor();  // (checked)
+    // One read of the logits: forward KL, and the JSD's training rows (which exchange their sums in the kernel).
+    // The JSD's training rows take it on every rank whose slice fits on chip, rows off the 16-byte grid copied
+    // onto it first: inside the one-read kernel a row waits for every rank's terms (stage 1), so against a rank
+    // that took the phases it deadlocks once the rows outnumber the clusters its GPU holds at once (that rank's
+    // peer_norms_kernel needs every row's stage-0 record before its phase 1 can publish any terms, and the
+    // one-read rank's rows not yet resident have published none). distill_peer.cuh, "Progress".
     const bool one_read = mode == FORWARD_KL || (mode == JSD && want_student);
-    if (one_read && !want_teacher && fast_path_ok(r, l, given, false)) {
-      at::Tensor gs = want_student ? grad_buffer(grad_student_out, r) : at::Tensor();
-      check_in_place(gs, r, l);
+    const bool jsd_rows = mode == JSD && want_student && !want_teacher;
+    Rows rr = r;
+    at::Tensor gs_at = given;  // where the kernel writes the student's gradient (undefined: a new buffer)
+    if (jsd_rows && fast_allowed() && l.use_smem && !fast_path_ok(r, l, given, false)) {
+      rr.s = on_grid(r.s);
+      rr.t = on_grid(r.t);
+      // Without a given buffer the padded one is the gradient (a view [n, v]); a given one gets it copied.
+      gs_at = on_grid_like(given.defined() ? given : at::empty({r.n, r.v}, r.s.options()));
+      TORCH_CHECK(fast_path_ok(rr, l, gs_at, false), "distill: internal: rows copied onto the grid still refused");
+    }
+    if (one_read && !want_teacher && fast_path_ok(rr, l, gs_at, false)) {
+      at::Tensor gs = gs_at;
+      if (want_student && !gs.defined()) gs = grad_buffer(grad_student_out, r);  // (a new one)
+      check_in_place(given, r, l);
       at::Tensor terms;  // forward KL's: this slice's terms, for stage 1
       if (mode == FORWARD_KL) terms = at::empty({r.n, 3}, rows_loss.options());
       if (r.n > 0) {
-        Params<T, A> p = base_params<T, A>(r, ignore_index, beta, temperature, l);
+        Params<T, A> p = base_params<T, A>(rr, ignore_index, beta, temperature, l);
         p.gs = want_student ? gs.data_ptr<T>() : nullptr;
         p.gs_stride = want_student ? gs.stride(0) : 0;
         p.scale_dev = want_student ? device_scale(scale, r) : nullptr;
         launch_split_rows(l, mode, want_student, r.n, p, pr, terms, rows_loss, stream);
       }
+      if (given.defined() && !gs.is_same(given)) gs = given.copy_(gs);
       if (mode == FORWARD_KL) {
         peer_terms(terms, pr, r, ignore_index, false, rows_loss, ksums, stream);
       } else {  // the kernel's stages 1 and 2 gave it the rows' losses; no phase 2 needs the K sums

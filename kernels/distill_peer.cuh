@@ -28,7 +28,18 @@
 //
 // Progress: every block publishes its row's record before it waits, and the blocks of a grid start in ascending
 // order, so the lowest row resident on either rank always finds the other rank's record published or its block
-// resident: some row always completes. But a grid of waiting blocks fills its GPU: a rank whose split kernel waits
+// resident: some row always completes. That holds between one-read kernels, and between ranks that take the
+// phases (peer_norms_kernel's and peer_terms_kernel's threads publish before they wait, rows in the same order),
+// and for forward KL's one-read kernel against the phases (it waits for stage 0 only; stage 1 follows in
+// peer_terms_kernel). It does not hold for the JSD's one-read kernel, whose rows also wait for stage 1 inside it,
+// against a rank that took the phases: that rank's stage-1 records follow its peer_norms_kernel, which needs every
+// row's stage-0 record, and the one-read rank's rows beyond the clusters its GPU holds at once publish theirs only
+// after the resident rows have finished (measured: two H200s, float32, 33 rows of 64128 | 3001 entries, the last
+// two rows never resident). So the JSD's training rows take the one-read kernel on every rank whose slice fits
+// on chip, rows off the 16-byte grid copied onto it first (distill_peer_terms); only a slice too wide for a
+// cluster's shared memory (over 409600 float32 or 819200 16-bit entries) or KLDIV_DISTILL_FAST=0 on some ranks
+// alone still pairs the two forms, and then a call with more rows than fit at once hits the timeout below
+// (loudly). But a grid of waiting blocks fills its GPU: a rank whose split kernel waits
 // while the other rank's stream waits for some other communication of this rank (queued on another stream, which
 // cannot start here) is stuck, as with NCCL's collectives queued in different orders (vocab_parallel.py's
 // KLDIV_DISTILL_PEER=0 is the way out). A rank that never publishes (another rank raised before its kernel, or

@@ -645,6 +645,38 @@ def _gpu_body(rank, world, device, seed):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_jsd_rows_off_the_grid_beyond_residency(_fresh_seed):
+    # The JSD's training rows wait inside the one-read kernel for every rank's terms; a rank whose rows are off the
+    # 16-byte grid (a slice of 3001 16-bit or float32 entries) used to take the phases instead, whose exchange needs
+    # every row's normalisers first: with more rows than the other rank's GPU holds at once the two waited on each
+    # other until the kernel's timeout trapped (two H200s: 33 float32 rows of 64128 | 3001 entries, almost no
+    # label masked). Now such rows are copied onto the grid and every rank takes the one-read kernel.
+    K.load("cuda", extension="distill")
+    spawn(_off_grid_body, 2, _fresh_seed, backend="nccl")
+
+
+def _off_grid_body(rank, world, device, seed):
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(seed)
+    for dtype in (torch.bfloat16, torch.float32):
+        _one_case(rank, device, group, gen, widths=(64128, 3001), lead=(300,), dtype=dtype, beta=0.5, mask=0.02)
+    _one_case(rank, device, group, gen, widths=(3001, 64127), lead=(300,), dtype=torch.bfloat16, beta=0.5,
+              reduction="none", mask=0.02)  # both ranks off the grid
+    _fused_case(rank, device, group, gen, widths=(64128, 3001), n=300, hidden=64, dtype=torch.bfloat16, beta=0.5,
+                chunk_size=300, mask=0.02, tol=2e-2)  # a given gradient buffer (the fused head's), off the grid
+    for widths in ((64128, 3001), (3001, 64127)):  # every rank in the one-read kernel, whatever its rows' grid
+        lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
+        s = _logits((300, sum(widths)), torch.bfloat16, device, gen)[:, lo:hi].contiguous().requires_grad_()
+        t = _logits((300, sum(widths)), torch.bfloat16, device, gen)[:, lo:hi].contiguous()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            K.generalized_jsd(s, t, beta=0.5, group=group).backward()
+            torch.cuda.synchronize()
+        names = {e.name for e in prof.events()}
+        assert any("split_rows_kernel" in n for n in names), (rank, widths, sorted(names))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.xfail(strict=True, reason="the split's float32 normalisers are summed in float (kernels/distill_fast.cuh, "
                    "kNormDoubleSums off): in this draw its JSD student gradient measured 8.7 x the one-process "
                    "error on two H200s; when the switch is on and this passes, remove this mark")
