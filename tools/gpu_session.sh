@@ -14,7 +14,7 @@
 #   tools/gpu_session.sh graph     # two GPUs: the two-GPU tests (a captured split step among them), then the split
 #                                  #   step captured in a CUDA graph at full size, timed against eager
 #   tools/gpu_session.sh accuracy  # two GPUs: the split's float32 gradients against float64 beside one process's
-#                                  #   (tools/probe_split_accuracy.py), with kernels/ and with kNormDoubleSums on
+#                                  #   (tools/probe_split_accuracy.py), with kernels/ and with kNormDoubleSums off
 #   tools/gpu_session.sh profile   # Nsight Compute of the training rows' fast_rows launches in distill_probe.py
 #                                  #   --once (forward KL's, the JSD's; its forward alone takes stream_forward_kernel):
 #                                  #   stall reasons and instructions per SASS line -> ${OUT:-/tmp}/fast_rows_*.csv
@@ -49,12 +49,12 @@ case $mode in
     torchrun --standalone --nproc-per-node 2 tools/probe_split_graph.py ;;
   accuracy)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-    on=$(mktemp -d) && cp -r kernels "$on/"
-    sed -i 's/constexpr bool kNormDoubleSums = false;/constexpr bool kNormDoubleSums = true;/' "$on/kernels/distill_fast.cuh"
-    grep -q "kNormDoubleSums = true" "$on/kernels/distill_fast.cuh"
+    off=$(mktemp -d) && cp -r kernels "$off/"
+    sed -i 's/constexpr bool kNormDoubleSums = true;/constexpr bool kNormDoubleSums = false;/' "$off/kernels/distill_fast.cuh"
+    grep -q "kNormDoubleSums = false" "$off/kernels/distill_fast.cuh"
     torchrun --standalone --nproc-per-node 2 tools/probe_split_accuracy.py
-    KLDIV_INLINE_KERNELS="$on/kernels" torchrun --standalone --nproc-per-node 2 tools/probe_split_accuracy.py
-    KLDIV_INLINE_KERNELS="$on/kernels" python3 -m pytest -q -m gpu tests/test_vocab_parallel.py ;;
+    KLDIV_INLINE_KERNELS="$off/kernels" torchrun --standalone --nproc-per-node 2 tools/probe_split_accuracy.py
+    python3 -m pytest -q -m gpu tests/test_vocab_parallel.py ;;
   profile)
     out=${OUT:-/tmp}
     # --clock-control none: the clocks as the timings saw them; one launch each of 4096 x 128256 bf16, T = 2

@@ -5,15 +5,16 @@ test's inputs (33 tokens, the vocabulary split 100000 / 28256, logits N(0, s^2) 
 [0.5, 2.5], 30% of labels masked), a fresh draw per trial (seeds 7000 + trial, the same on every run):
 
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 2 tools/probe_split_accuracy.py [--trials 24]
-    KLDIV_INLINE_KERNELS=/tmp/on/kernels NCCL_NVLS_ENABLE=0 torchrun ...   # the same with another kernels/ tree
+    KLDIV_INLINE_KERNELS=/tmp/off/kernels NCCL_NVLS_ENABLE=0 torchrun ...   # the same with another kernels/ tree
 
 Per trial and setting: the student gradient's relative error (norm) against float64 for one process and for the
 split, their ratio, and the split's two worst rows with the one process's error of the same rows; then the worst
 ratios and the median ratio per setting. The float32 gradient cancels at a peaked row's top entries (p (u - K) with
 u close to K), so an error of the row's normaliser or K sum of ~1e-6 shows as ~1e-5-1e-4 of the gradient there:
 at 22921b3 on two H200s the split with the teacher's gradient measured a median ratio of 1.28 and up to 8.7 (its
-normalisers summed in float, kernels/distill_fast.cuh's kNormDoubleSums), without it 1.05 (kernels/NOTES.md,
-version 36). Checks nothing itself: tests/test_vocab_parallel.py's two-GPU test holds the bound.
+normalisers summed in float), without it 1.05; at 48d270c with kNormDoubleSums on (kernels/distill_fast.cuh:
+those sums in double) a median of 1.19 and up to 2.30 (kernels/NOTES.md, version 36). Checks nothing itself:
+tests/test_vocab_parallel.py's two-GPU test holds the bound.
 """
 import argparse
 import os
