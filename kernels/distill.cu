@@ -828,7 +828,7 @@ bool fast_path_ok(const Rows& r, const Launch& l, const at::Tensor& gs, bool wan
 at::Tensor on_grid_like(const at::Tensor& x) {
   if (rows_on_grid(x)) return x;
   const int64_t vec = 16 / static_cast<int64_t>(x.element_size());
-  return at::empty({x.size(0), (x.size(1) + vec - 1) / vec * vec}, x.options()).narrow(1, 0, x.size(1));
+  return at::empty({x.size(0), round_up(x.size(1), vec)}, x.options()).narrow(1, 0, x.size(1));
 }
 at::Tensor on_grid(const at::Tensor& x) {
   at::Tensor y = on_grid_like(x);
