@@ -626,7 +626,10 @@ def test_retain_graph_second_backward_recomputes(device, dtype, form, reduction,
     loss.backward(go2, retain_graph=True)
     assert_grad_close(x.grad, ref(go2), x)
     loss.backward(go3, retain_graph=True)  # accumulates into x.grad
-    assert_grad_close(x.grad, ref(go2) + ref(go3), x)
+    # Against the size of what was added: go2 and go3 of opposite signs and nearly equal size leave a sum ~1e-3 of
+    # each term, below the terms' own float32 rounding (seed 263446835: go -1.9906 and 1.9927, a sum 1e-3 of each).
+    r2, r3 = ref(go2), ref(go3)
+    assert_grad_close(x.grad, r2 + r3, x, scale=float(r2.abs().max() + r3.abs().max()))
     (g4,) = torch.autograd.grad(loss, x, go1)
     assert_grad_close(g4, ref(go1), x)
     assert torch.equal(g1, g1_copy)  # a gradient handed out earlier is never rescaled behind our back
