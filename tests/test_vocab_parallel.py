@@ -637,7 +637,7 @@ def _gpu_body(rank, world, device, seed):
     _topk_body(rank, world, device, seed, (11, 19))
     for beta in (0.0, 0.5, 1.0):  # a served teacher's top 64 over a real vocabulary
         _topk_case(rank, device, group, gen, widths=(64128, 64128), k=64, lead=(40,), dtype=torch.bfloat16, beta=beta)
-    _graph_case(rank, device, group, gen, widths=(3001, 77))  # rows off the 16-byte grid: rows_kernel's phases
+    _graph_case(rank, device, group, gen, widths=(3001, 77))  # rows off the grid: forward KL's phases, the JSD's copied
     _graph_case(rank, device, group, gen, widths=(4096, 4096))  # aligned: forward KL's one-read kernel, the phases
     _peer_cases(rank, device, group, gen)
     _gpu_mismatch_case(rank, device)
@@ -717,10 +717,11 @@ def _peaked_body(rank, world, device):
 
 
 def _peer_cases(rank, device, group, gen):
-    """The normalisers through peer memory (vocab_parallel's peer route, which the cases above took too): the two
-    local forms meeting in one call (rank 0's slice aligned and on chip: the one-read kernel; rank 1's off the
-    16-byte grid: phase 0, the exchange alone, phase 1), per token; a slice of padding; the forward alone; and the
-    one-read kernel seen running."""
+    """The normalisers through peer memory (vocab_parallel's peer route, which the cases above took too): forward
+    KL's two local forms meeting in one call (rank 0's slice aligned and on chip: the one-read kernel; rank 1's off
+    the 16-byte grid: phase 0, the exchange alone, phase 1; the JSD's training rows are copied onto the grid
+    instead, so both ranks take the one-read kernel), per token; a slice of padding; the forward alone; the
+    phases' own series round; and the one-read kernel seen running."""
     from kldiv_inline import vocab_parallel
     for dtype in (torch.bfloat16, torch.float32):
         for beta in (0.0, 0.5):  # forward KL's and the JSD's one-read kernels (the student's gradient only)
@@ -733,6 +734,22 @@ def _peer_cases(rank, device, group, gen):
                 _nearly_agreeing_case(rank, device, group, gen, widths=widths, dtype=dtype, beta=beta)
         for widths in ((64128, 64128), (64128, 3001)):
             _forward_alone_case(rank, device, group, gen, widths=widths, dtype=dtype)
+    # The phases' series round (peer_terms_kernel's stage 2), which the JSD's 16-bit training rows reach only where
+    # some rank runs the phases: KLDIV_DISTILL_FAST=0 (read on every call) on both ranks, then on rank 1 alone beside
+    # rank 0's one-read kernel (19 rows, fewer than rank 0's GPU holds at once: the two forms meet without the
+    # deadlock that kernels/distill_peer.cuh describes for more rows).
+    before = os.environ.get("KLDIV_DISTILL_FAST")
+    for fast_off in ((0, 1), (1,)):
+        if rank in fast_off:
+            os.environ["KLDIV_DISTILL_FAST"] = "0"
+        try:
+            for widths in ((4096, 4096), (64128, 3001)):
+                _nearly_agreeing_case(rank, device, group, gen, widths=widths, dtype=torch.bfloat16, beta=0.5)
+        finally:
+            if before is None:
+                os.environ.pop("KLDIV_DISTILL_FAST", None)
+            else:
+                os.environ["KLDIV_DISTILL_FAST"] = before
     assert any(isinstance(p, vocab_parallel._Peers) for p in vocab_parallel._PEERS.values()), \
         "the two GPUs never took the peer route"
     for beta in (0.0, 0.5):
