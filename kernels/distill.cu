@@ -805,7 +805,6 @@ Params<T, A> base_params(const Rows& r, int64_t ignore_index, double beta, doubl
 // fast_topk_kernel (distill_fast_topk.cuh) for a top-k teacher; no teacher gradient, 16-bit or float32 logits,
 // slices in shared memory, every row of student, teacher and gradient starting on a 16-byte boundary.
 // KLDIV_DISTILL_FAST=0 (a research knob) sends every call to rows_kernel, to compare the two.
-// KLDIV_DISTILL_FAST=0 (a research knob): the general kernels everywhere.
 bool fast_allowed() {
   const char* env = std::getenv("KLDIV_DISTILL_FAST");
   return !(env && std::atoi(env) == 0);

@@ -668,11 +668,16 @@ def _off_grid_body(rank, world, device, seed):
         lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
         s = _logits((300, sum(widths)), torch.bfloat16, device, gen)[:, lo:hi].contiguous().requires_grad_()
         t = _logits((300, sum(widths)), torch.bfloat16, device, gen)[:, lo:hi].contiguous()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            K.generalized_jsd(s, t, beta=0.5, group=group).backward()
-            torch.cuda.synchronize()
-        names = {e.name for e in prof.events()}
-        assert any("split_rows_kernel" in n for n in names), (rank, widths, sorted(names))
+        _assert_one_read(s, t, 0.5, group, (rank, widths))
+
+
+def _assert_one_read(s, t, beta, group, what):
+    """A split training step of s and t (this rank's slices) ran the one-read kernel (split_rows_kernel)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        K.generalized_jsd(s, t, beta=beta, group=group).backward()
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events()}
+    assert any("split_rows_kernel" in n for n in names), (what, sorted(names))
 
 
 @pytest.mark.gpu
@@ -755,11 +760,7 @@ def _peer_cases(rank, device, group, gen):
     for beta in (0.0, 0.5):
         s = _logits((33, 64128), torch.bfloat16, device, gen).requires_grad_()
         t = _logits((33, 64128), torch.bfloat16, device, gen)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            K.generalized_jsd(s, t, beta=beta, group=group).backward()
-            torch.cuda.synchronize()
-        names = {e.name for e in prof.events()}
-        assert any("split_rows_kernel" in n for n in names), (beta, sorted(names))
+        _assert_one_read(s, t, beta, group, beta)
 
 
 def _nearly_agreeing_case(rank, device, group, gen, *, widths, dtype, beta, lead=(19,)):
