@@ -701,19 +701,27 @@ Launch plan_launch(int64_t v, size_t entry_bytes, bool topk) {
   auto bytes = [&](int64_t slice) {
     return static_cast<size_t>(slice) * entry_bytes + (topk ? static_cast<size_t>((slice + 31) / 32) * 4 : 0);
   };
-  for (size_t budget : {target, kSmemMax}) {
-    for (int c : {1, 2, 4, 8, 16}) {
-      const int64_t slice = round_up((v + c - 1) / c, kSliceAlign);
-      if (bytes(slice) <= budget) {
-        l.cluster = c;
-        l.slice = slice;
-        l.smem = bytes(slice);
-        l.threads = slice >= 8192 ? 512 : slice >= 2048 ? 256 : 128;
-        if (const char* env = std::getenv("KLDIV_DISTILL_THREADS")) l.threads = std::atoi(env);  // research knob
-        return l;
-      }
-    }
+  // The plan for clusters of c blocks where their slices fit `budget`.
+  auto fits = [&](int c, size_t budget) {
+    const int64_t slice = round_up((v + c - 1) / c, kSliceAlign);
+    if (bytes(slice) > budget) return false;
+    l.cluster = c;
+    l.slice = slice;
+    l.smem = bytes(slice);
+    l.threads = slice >= 8192 ? 512 : slice >= 2048 ? 256 : 128;
+    if (const char* env = std::getenv("KLDIV_DISTILL_THREADS")) l.threads = std::atoi(env);  // research knob
+    return true;
+  };
+  // A research knob: KLDIV_DISTILL_CLUSTER sets the cluster size (1-16, any size, not only the powers of 2 below:
+  // clusters of 16 leave the SMs of a GPC with fewer than 16 idle) where its slices fit the maximum.
+  if (const char* env = std::getenv("KLDIV_DISTILL_CLUSTER")) {
+    const int c = std::atoi(env);
+    TORCH_CHECK(c >= 1 && c <= 16, "distill: KLDIV_DISTILL_CLUSTER must be 1-16, got ", env);
+    if (fits(c, kSmemMax)) return l;
   }
+  for (size_t budget : {target, kSmemMax})
+    for (int c : {1, 2, 4, 8, 16})
+      if (fits(c, budget)) return l;
   l.use_smem = false;  // read each pass from device memory: a cluster of 16 keeps the row's passes in L2
   l.cluster = 16;
   l.slice = round_up((v + 15) / 16, kSliceAlign);
@@ -752,13 +760,20 @@ template <typename Kernel> void launch_rows(Kernel kernel, const Launch& l, int6
   cfg.blockDim = dim3(l.threads);
   cfg.dynamicSmemBytes = l.smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = l.cluster;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
+  // A research knob: KLDIV_DISTILL_CLUSTER_POLICY=1 asks for the load-balancing cluster scheduling policy (the
+  // default, spread, places a cluster's blocks on distinct SMs of a GPC).
+  if (const char* env = std::getenv("KLDIV_DISTILL_CLUSTER_POLICY"); env && std::atoi(env) == 1) {
+    attr[1].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
+    attr[1].val.clusterSchedulingPolicyPreference = cudaClusterSchedulingPolicyLoadBalancing;
+    cfg.numAttrs = 2;
+  }
   void* args[] = {const_cast<void*>(params), const_cast<void*>(params2)};
   C10_CUDA_CHECK(cudaLaunchKernelExC(&cfg, reinterpret_cast<const void*>(kernel), args));
 }

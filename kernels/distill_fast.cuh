@@ -103,6 +103,12 @@ constexpr bool kTwoLevelExchange = true;
 // -1.5%, the rest within +-1% (kernels/NOTES.md, version 30). false: the kernels compile as before.
 constexpr bool kRelaxedLeave = true;
 
+// fast_rows' scale (batchmean's device-side divisor, *p.scale_dev) loaded once the slices' copy is in flight, not
+// after the normalisers' cluster barrier: there the load came right before its first use, and the forward KL
+// step's warps stalled on it (the DMUL after the load: 3.7% of its warp stall samples on an H200, Nsight Compute,
+// kernels/NOTES.md, version 38). false: the kernels compile as before.
+constexpr bool kEarlyScale = true;
+
 // The two halves of a cluster barrier (cooperative_groups' cluster.sync() is both at once).
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
@@ -344,6 +350,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
       cp_async16(dt + i * (THREADS * 16u), t0 + i * (THREADS * N));
     });
   }
+  double scale_raw = 0.0;  // kEarlyScale: the scale before 1 / T, loaded while the copy is in flight
+  if constexpr (kEarlyScale) scale_raw = p.scale_dev ? *p.scale_dev : p.scale_host;
   // The last block's slice may end in a partial chunk: its entries are read from device memory in each pass by
   // threads 0 .. N-2 (no thread writes an entry another reads).
   const int tail = chunks * N + static_cast<int>(threadIdx.x);
@@ -424,7 +432,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
     else cluster_arrive();
   };
   if (!KS) arrive_to_leave(norm[0].mx + norm[1].mx);
-  const float scale = static_cast<float>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(p.inv_t));
+  if constexpr (!kEarlyScale) scale_raw = p.scale_dev ? *p.scale_dev : p.scale_host;
+  const float scale = static_cast<float>(scale_raw * static_cast<double>(p.inv_t));
   const RowNorms<float> rn = row_norms(norm[0], norm[1]);
   // Visits this thread's entries with their points: its chunks from shared memory, then its tail entry from device
   // memory, in a loop compiled for the row's offset choice (rn.close). WRITE: what `f` returns is the entry's

@@ -2,12 +2,13 @@
 The committed figures come from `python -m kldiv_inline bench`; this prints a table for one card and one run.
 
     python tools/distill_probe.py [--reps 15] [--tokens 4096] [--vocab 128256] [--smem-kib 40,72] [--threads 256]
-        [--fast 0] [--staged 0] [--topk-only]
+        [--fast 0] [--staged 0] [--cluster 12,14] [--topk-only]
     ncu --clock-control none -k regex:rows_kernel python tools/distill_probe.py --once   # one call per config
 
 Per case (bf16 logits, T = 2, 10% of tokens masked): the loss's relative error against float64 (first 512 rows),
 our training step (forward + backward), the kernel alone (also under the tuning knobs KLDIV_DISTILL_SMEM_KIB,
-KLDIV_DISTILL_THREADS, KLDIV_DISTILL_FAST=0 (the general kernel) and KLDIV_DISTILL_STAGED=0 (the fast kernel's
+KLDIV_DISTILL_THREADS, KLDIV_DISTILL_CLUSTER (a cluster size of 1-16), KLDIV_DISTILL_CLUSTER_POLICY=1 (clusters
+scheduled for load balance), KLDIV_DISTILL_FAST=0 (the general kernel) and KLDIV_DISTILL_STAGED=0 (the fast kernel's
 copy waited for whole); each with and without the gradient), the
 forward alone, and the TRL-style PyTorch
 peer eager and compiled; medians of kldiv_inline.timing's CUDA-event timings in ms, over the 3-tensor floor
@@ -57,6 +58,8 @@ def main():
     ap.add_argument("--threads", default="", help="comma list of KLDIV_DISTILL_THREADS values to sweep")
     ap.add_argument("--fast", default="", help="comma list of KLDIV_DISTILL_FAST values (0: the general kernel)")
     ap.add_argument("--staged", default="", help="comma list of KLDIV_DISTILL_STAGED values (0: unstaged copy)")
+    ap.add_argument("--cluster", default="", help="comma list of KLDIV_DISTILL_CLUSTER values (cluster sizes 1-16)")
+    ap.add_argument("--policy", default="", help="comma list of KLDIV_DISTILL_CLUSTER_POLICY values (1: balance)")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, torch.version.cuda, flush=True)
     x = torch.rand(1 << 28, device="cuda")
@@ -110,7 +113,8 @@ def main():
             add(f"ours fwd beta={beta}", timed(lambda kw=kw: K.generalized_jsd(s, t, **kw), args.reps), floor2)
         add(f"  kernel alone fwd beta={beta}", timed(kernel(t, None, beta, grad=False), args.reps), floor2)
         for var, values in (("KLDIV_DISTILL_SMEM_KIB", args.smem_kib), ("KLDIV_DISTILL_THREADS", args.threads),
-                            ("KLDIV_DISTILL_FAST", args.fast), ("KLDIV_DISTILL_STAGED", args.staged)):
+                            ("KLDIV_DISTILL_FAST", args.fast), ("KLDIV_DISTILL_STAGED", args.staged),
+                            ("KLDIV_DISTILL_CLUSTER", args.cluster), ("KLDIV_DISTILL_CLUSTER_POLICY", args.policy)):
             for val in filter(None, values.split(",")):
                 os.environ[var] = val
                 with torch.no_grad():
@@ -134,10 +138,13 @@ def main():
     add("ours topk k=100 fwd+bwd (eager checks)", timed(step, args.reps), floor2, f"rel err {e:.1e}")
     for beta in (0.0, 0.5, 1.0):
         add(f"  kernel alone topk beta={beta}", timed(kernel(None, (idx, lp), beta), args.reps), floor2)
-        for val in filter(None, args.fast.split(",")):
-            os.environ["KLDIV_DISTILL_FAST"] = val
-            add(f"  kernel topk fast={val} beta={beta}", timed(kernel(None, (idx, lp), beta), args.reps), floor2)
-            os.environ.pop("KLDIV_DISTILL_FAST")
+        for var, values in (("KLDIV_DISTILL_FAST", args.fast), ("KLDIV_DISTILL_CLUSTER", args.cluster),
+                            ("KLDIV_DISTILL_CLUSTER_POLICY", args.policy)):
+            for val in filter(None, values.split(",")):
+                os.environ[var] = val
+                knob = f"{var[len('KLDIV_DISTILL_'):].lower()}={val}"
+                add(f"  kernel topk {knob} beta={beta}", timed(kernel(None, (idx, lp), beta), args.reps), floor2)
+                os.environ.pop(var)
     # The host's path per training step (wall clock, back to back, 8 tokens: the GPU's share is small there): a
     # step whose kernel is shorter than this is bound by the host.
     small = sw[:8].detach().requires_grad_()
