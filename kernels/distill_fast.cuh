@@ -105,9 +105,12 @@ constexpr bool kRelaxedLeave = true;
 
 // fast_rows' scale (batchmean's device-side divisor, *p.scale_dev) loaded once the slices' copy is in flight, not
 // after the normalisers' cluster barrier: there the load came right before its first use, and the forward KL
-// step's warps stalled on it (the DMUL after the load: 3.7% of its warp stall samples on an H200, Nsight Compute,
-// kernels/NOTES.md, version 38). false: the kernels compile as before.
+// step's warps stalled on it (the DMUL after the load: 3.7% of its warp stall samples on an H200, Nsight Compute;
+// the step -4%: kernels/NOTES.md, version 38). false: the kernels compile as before.
 constexpr bool kEarlyScale = true;
+// The same in fast_topk_kernel (distill_fast_topk.cuh), whose gradient pass loaded it after its second barrier.
+// false: those kernels compile as before.
+constexpr bool kEarlyScaleTopk = false;
 
 // The two halves of a cluster barrier (cooperative_groups' cluster.sync() is both at once).
 __device__ __forceinline__ void cluster_arrive() {

@@ -55,6 +55,8 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     const T* s0 = pinned(gsrc + threadIdx.x * N);
     issue_copy(mine, p.staged, [&](int i) { cp_async16(ds + i * (THREADS * 16u), s0 + i * (THREADS * N)); });
   }
+  [[maybe_unused]] double scale_raw = 0.0;  // kEarlyScaleTopk: the scale before 1 / T, loaded during the copy
+  if constexpr (kEarlyScaleTopk) scale_raw = p.scale_dev ? *p.scale_dev : p.scale_host;
   // The last block's partial chunk: threads 0 .. N-2 copy one entry each, by plain loads (the members' pass and
   // the gradient read every logit from shared memory: the gradient may overwrite the logits in device memory).
   const int tail = chunks * N + static_cast<int>(threadIdx.x);
@@ -182,7 +184,8 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
 
   // ---- 3. the gradient: a tail entry's share of its bucket's (p_v / p_tail), then the members' own over it
   if constexpr (GRAD) {
-    const float scale = static_cast<float>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(p.inv_t));
+    if constexpr (!kEarlyScaleTopk) scale_raw = p.scale_dev ? *p.scale_dev : p.scale_host;
+    const float scale = static_cast<float>(scale_raw * static_cast<double>(p.inv_t));
     const float coef = bad ? std::numeric_limits<float>::quiet_NaN()
                            : (tp.ps > 0.f ? student_grad<MODE>(tp, p.c, ks) / tp.ps : 0.f) * scale;
     for (int c = threadIdx.x; c < chunks; c += THREADS) {
