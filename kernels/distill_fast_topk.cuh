@@ -16,6 +16,13 @@
 // A gradient written over the student's own logits (the fused head) is safe: after the copy every logit is read
 // from shared memory, and a block's own slice is all it writes.
 
+// The arrive before leaving relaxed (as fast_rows' kRelaxedLeave): a block's last remote reads are its members'
+// logits, whose terms it sums, and the arrive takes that sum as an operand, so the reads have completed; the
+// release arrive's device-wide fence (MEMBAR.ALL.GPU) was 3.5% of the bf16 training instance's warp stall samples
+// on an H200 (Nsight Compute, kernels/NOTES.md, version 38). Prepared, not measured. false: the kernels compile as
+// before.
+constexpr bool kTopkRelaxedLeave = false;
+
 // THREADS: the block's threads (kFastThreads, or kNarrowThreads where kTopkNarrow says).
 template <typename T, int MODE, bool GRAD, int THREADS = kFastThreads>
 __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
@@ -150,6 +157,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     const float ls2 = log2_prob(x, k2, ns);
     return bucket_point(d_exp2(ls2), ls2 * static_cast<float>(kLn2), d_exp(lp[j]), lp[j]);
   };
+  float leave_after = 0.f;  // kTopkRelaxedLeave: a value that depends on every remote read of this thread
   {
     Terms<float> acc{0.f, 0.f, 0.f};
     for (int64_t j = threadIdx.x; j < p.k; j += THREADS) {
@@ -161,8 +169,11 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     }
     const float l = warp_sum(acc.loss), k = KS ? warp_sum(acc.ks) : 0.f;
     if (lane == 0) slot_terms[warp] = make_float2(l, k);
+    leave_after = l + k;  // (the warp's sums: every lane's reads)
   }
-  cluster_arrive();  // this block reads no other's shared memory any more; wait before leaving
+  // this block reads no other's shared memory any more; wait before leaving
+  if constexpr (kTopkRelaxedLeave) cluster_arrive_relaxed(leave_after);
+  else cluster_arrive();
   __syncthreads();
   float loss = 0.f, ks = 0.f;
 #pragma unroll

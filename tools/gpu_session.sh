@@ -16,8 +16,9 @@
 #   tools/gpu_session.sh accuracy  # two GPUs: the split's float32 gradients against float64 beside one process's
 #                                  #   (tools/probe_split_accuracy.py), with kernels/ and with kNormDoubleSums off
 #   tools/gpu_session.sh profile   # Nsight Compute of the training rows' fast_rows launches in distill_probe.py
-#                                  #   --once (forward KL's, the JSD's; its forward alone takes stream_forward_kernel):
-#                                  #   stall reasons and instructions per SASS line -> ${OUT:-/tmp}/fast_rows_*.csv
+#                                  #   --once (forward KL's, the JSD's; its forward alone takes stream_forward_kernel)
+#                                  #   and the top-k teacher's fast_topk_kernel launch: stall reasons and
+#                                  #   instructions per SASS line -> ${OUT:-/tmp}/fast_rows_*.csv
 #   tools/gpu_session.sh x2        # two GPUs: the two-GPU tests, then the committed run of the split
 #                                  #   (bench_vocab_parallel --reps 10 --warmup 3 --graph) -> ${RESULTS:-results}/<card>-x2/
 # Two GPUs: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2 \
@@ -58,7 +59,7 @@ case $mode in
   profile)
     out=${OUT:-/tmp}
     # --clock-control none: the clocks as the timings saw them; one launch each of 4096 x 128256 bf16, T = 2
-    ncu --clock-control none -k regex:fast_rows_kernel -c 2 --section SpeedOfLight --section Occupancy \
+    ncu --clock-control none -k "regex:fast_rows_kernel|fast_topk_kernel" -c 3 --section SpeedOfLight --section Occupancy \
       --section LaunchStats --section SchedulerStats --section WarpStateStats --section SourceCounters \
       -f -o "$out/fast_rows" python3 tools/distill_probe.py --once --no-peers
     ncu -i "$out/fast_rows.ncu-rep" --page details --csv > "$out/fast_rows_details.csv"
