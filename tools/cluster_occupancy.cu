@@ -42,24 +42,24 @@ int main() {
     for (int sm : smems)
       for (int c : clusters)
         for (int policy : {0, 1}) {
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(c * 4096);
-        cfg.blockDim = dim3(t);
-        cfg.dynamicSmemBytes = sm;
-        cudaLaunchAttribute a[2];
-        a[0].id = cudaLaunchAttributeClusterDimension;
-        a[0].val.clusterDim.x = c;
-        a[0].val.clusterDim.y = 1;
-        a[0].val.clusterDim.z = 1;
-        a[1].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
-        a[1].val.clusterSchedulingPolicyPreference =
-            policy ? cudaClusterSchedulingPolicyLoadBalancing : cudaClusterSchedulingPolicySpread;
-        cfg.attrs = a;
-        cfg.numAttrs = 2;
-        int n = 0, b = 0;
-        CHECK(cudaOccupancyMaxActiveClusters(&n, probe, &cfg));
-        CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, probe, t, sm));
-        std::printf("%d %d %d %d %d %d %d\n", t, sm, c, policy, n, n * c, b * pr.multiProcessorCount);
-      }
+          cudaLaunchConfig_t cfg = {};
+          cfg.gridDim = dim3(c * 4096);
+          cfg.blockDim = dim3(t);
+          cfg.dynamicSmemBytes = sm;
+          cudaLaunchAttribute a[2];
+          a[0].id = cudaLaunchAttributeClusterDimension;
+          a[0].val.clusterDim.x = c;
+          a[0].val.clusterDim.y = 1;
+          a[0].val.clusterDim.z = 1;
+          a[1].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
+          a[1].val.clusterSchedulingPolicyPreference =
+              policy ? cudaClusterSchedulingPolicyLoadBalancing : cudaClusterSchedulingPolicySpread;
+          cfg.attrs = a;
+          cfg.numAttrs = 2;
+          int n = 0, b = 0;
+          CHECK(cudaOccupancyMaxActiveClusters(&n, probe, &cfg));
+          CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, probe, t, sm));
+          std::printf("%d %d %d %d %d %d %d\n", t, sm, c, policy, n, n * c, b * pr.multiProcessorCount);
+        }
   return 0;
 }
