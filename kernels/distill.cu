@@ -89,6 +89,9 @@ template <typename T, typename A> struct Params {
   const A* k_in;      // [n, 2], PHASE_GRAD
   A* out;             // -1: loss per row [n]; PHASE_NORMS: [n, 4]; PHASE_TERMS: [n, 3]
   bool staged;        // the fast kernels: the copy in four groups, each thread's maximum taken as they land
+
+  // The loss's scale before the 1 / T of the gradients: batchmean's from the device, else the host's.
+  __device__ __forceinline__ double base_scale() const { return scale_dev ? *scale_dev : scale_host; }
 };
 
 // ------------------------------------------------------------------------------------------ reductions
@@ -391,7 +394,7 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
     norm[0] = Norm<A>{nr[0], nr[1]};
     norm[1] = Norm<A>{nr[2], nr[3]};
   }
-  const A scale = static_cast<A>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(p.inv_t));
+  const A scale = static_cast<A>(p.base_scale() * static_cast<double>(p.inv_t));
 
   if constexpr (TOPK) {
     // ---- 2'. a top-k teacher: buckets are the k tokens and the tail (see distill_cpu.cpp's row_topk).
@@ -686,6 +689,7 @@ struct Launch {
   int64_t slice = 0;
   size_t smem = 0;
   bool use_smem = true;
+  bool balance = false;  // the load-balancing cluster scheduling policy (a research knob, below)
 };
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -694,6 +698,9 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // passes for rows longer than a cluster of 16 can hold.
 Launch plan_launch(int64_t v, size_t entry_bytes, bool topk) {
   Launch l;
+  // A research knob: KLDIV_DISTILL_CLUSTER_POLICY=1 asks for the load-balancing cluster scheduling policy (the
+  // default, spread, places a cluster's blocks on distinct SMs of a GPC).
+  if (const char* env = std::getenv("KLDIV_DISTILL_CLUSTER_POLICY")) l.balance = std::atoi(env) == 1;
   // A research knob: KLDIV_DISTILL_SMEM_KIB sets the shared-memory target per block (so the cluster size) for
   // tuning runs; unset, the target above.
   size_t target = kSmemTarget;
@@ -767,9 +774,7 @@ template <typename Kernel> void launch_rows(Kernel kernel, const Launch& l, int6
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  // A research knob: KLDIV_DISTILL_CLUSTER_POLICY=1 asks for the load-balancing cluster scheduling policy (the
-  // default, spread, places a cluster's blocks on distinct SMs of a GPC).
-  if (const char* env = std::getenv("KLDIV_DISTILL_CLUSTER_POLICY"); env && std::atoi(env) == 1) {
+  if (l.balance) {
     attr[1].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
     attr[1].val.clusterSchedulingPolicyPreference = cudaClusterSchedulingPolicyLoadBalancing;
     cfg.numAttrs = 2;

@@ -354,7 +354,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
     });
   }
   double scale_raw = 0.0;  // kEarlyScale: the scale before 1 / T, loaded while the copy is in flight
-  if constexpr (kEarlyScale) scale_raw = p.scale_dev ? *p.scale_dev : p.scale_host;
+  if constexpr (kEarlyScale) scale_raw = p.base_scale();
   // The last block's slice may end in a partial chunk: its entries are read from device memory in each pass by
   // threads 0 .. N-2 (no thread writes an entry another reads).
   const int tail = chunks * N + static_cast<int>(threadIdx.x);
@@ -435,7 +435,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
     else cluster_arrive();
   };
   if (!KS) arrive_to_leave(norm[0].mx + norm[1].mx);
-  if constexpr (!kEarlyScale) scale_raw = p.scale_dev ? *p.scale_dev : p.scale_host;
+  if constexpr (!kEarlyScale) scale_raw = p.base_scale();
   const float scale = static_cast<float>(scale_raw * static_cast<double>(p.inv_t));
   const RowNorms<float> rn = row_norms(norm[0], norm[1]);
   // Visits this thread's entries with their points: its chunks from shared memory, then its tail entry from device
@@ -978,7 +978,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4) phase_stream_kernel(const P
   const float* nr = p.norms_in + 4 * row;
   const RowNorms<float> rn = row_norms(Norm<float>{nr[0], nr[1]}, Norm<float>{nr[2], nr[3]});
   const float k2 = p.k2;
-  const float scale = static_cast<float>((p.scale_dev ? *p.scale_dev : p.scale_host) * static_cast<double>(p.inv_t));
+  const float scale = static_cast<float>(p.base_scale() * static_cast<double>(p.inv_t));
   const float ks = TERMS ? 0.f : p.k_in[2 * row];
   const int chunks = count / Vec<T>::N;
   // A thread's sums. ks and kt are plain sums whose terms change sign, and the gradients subtract them from

@@ -63,7 +63,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     issue_copy(mine, p.staged, [&](int i) { cp_async16(ds + i * (THREADS * 16u), s0 + i * (THREADS * N)); });
   }
   [[maybe_unused]] double scale_raw = 0.0;  // kEarlyScaleTopk: the scale before 1 / T, loaded during the copy
-  if constexpr (kEarlyScaleTopk) scale_raw = p.scale_dev ? *p.scale_dev : p.scale_host;
+  if constexpr (kEarlyScaleTopk) scale_raw = p.base_scale();
   // The last block's partial chunk: threads 0 .. N-2 copy one entry each, by plain loads (the members' pass and
   // the gradient read every logit from shared memory: the gradient may overwrite the logits in device memory).
   const int tail = chunks * N + static_cast<int>(threadIdx.x);
@@ -195,7 +195,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
 
   // ---- 3. the gradient: a tail entry's share of its bucket's (p_v / p_tail), then the members' own over it
   if constexpr (GRAD) {
-    if constexpr (!kEarlyScaleTopk) scale_raw = p.scale_dev ? *p.scale_dev : p.scale_host;
+    if constexpr (!kEarlyScaleTopk) scale_raw = p.base_scale();
     const float scale = static_cast<float>(scale_raw * static_cast<double>(p.inv_t));
     const float coef = bad ? std::numeric_limits<float>::quiet_NaN()
                            : (tp.ps > 0.f ? student_grad<MODE>(tp, p.c, ks) / tp.ps : 0.f) * scale;

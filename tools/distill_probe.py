@@ -16,6 +16,7 @@ peer eager and compiled; medians of kldiv_inline.timing's CUDA-event timings in 
 bandwidth measured at the start.
 """
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -35,6 +36,30 @@ T = 2.0
 
 def timed(fn, reps, warmup=3) -> float:
     return statistics.median(timing.time_cuda(lambda: fn(), [()], reps, warmup))
+
+
+def knob_settings(args, names):
+    """Yields (label, setting) for each value of each named research knob given on the command line; inside the
+    with-block of the setting the knob's environment variable holds that value, restored (unset) however it ends."""
+    given = {"KLDIV_DISTILL_SMEM_KIB": args.smem_kib, "KLDIV_DISTILL_THREADS": args.threads,
+             "KLDIV_DISTILL_FAST": args.fast, "KLDIV_DISTILL_STAGED": args.staged,
+             "KLDIV_DISTILL_CLUSTER": args.cluster, "KLDIV_DISTILL_CLUSTER_POLICY": args.policy}
+    for var in names:
+        for val in filter(None, given[var].split(",")):
+            yield f"{var[len('KLDIV_DISTILL_'):].lower()}={val}", knob_set(var, val)
+
+
+@contextlib.contextmanager
+def knob_set(var, val):
+    old = os.environ.get(var)
+    os.environ[var] = val
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = old
 
 
 def peak_mib(fn) -> float:
@@ -113,18 +138,15 @@ def main():
         with torch.no_grad():
             add(f"ours fwd beta={beta}", timed(lambda kw=kw: K.generalized_jsd(s, t, **kw), args.reps), floor2)
         add(f"  kernel alone fwd beta={beta}", timed(kernel(t, None, beta, grad=False), args.reps), floor2)
-        for var, values in (("KLDIV_DISTILL_SMEM_KIB", args.smem_kib), ("KLDIV_DISTILL_THREADS", args.threads),
-                            ("KLDIV_DISTILL_FAST", args.fast), ("KLDIV_DISTILL_STAGED", args.staged),
-                            ("KLDIV_DISTILL_CLUSTER", args.cluster), ("KLDIV_DISTILL_CLUSTER_POLICY", args.policy)):
-            for val in filter(None, values.split(",")):
-                os.environ[var] = val
+        for knob, setting in knob_settings(args, ("KLDIV_DISTILL_SMEM_KIB", "KLDIV_DISTILL_THREADS",
+                                                  "KLDIV_DISTILL_FAST", "KLDIV_DISTILL_STAGED",
+                                                  "KLDIV_DISTILL_CLUSTER", "KLDIV_DISTILL_CLUSTER_POLICY")):
+            with setting:
                 with torch.no_grad():
                     e = relative_error(K.generalized_jsd(s[:512], t[:512], **{**kw, "labels": lab[:512]}),
                                        generalized_jsd_reference(s[:512], t[:512], **{**kw, "labels": lab[:512]}))
-                knob = f"{var[len('KLDIV_DISTILL_'):].lower()}={val}"
                 add(f"  kernel {knob} beta={beta}", timed(kernel(t, None, beta), args.reps), floor3, f"rel err {e:.1e}")
                 add(f"  kernel fwd {knob} beta={beta}", timed(kernel(t, None, beta, grad=False), args.reps), floor2)
-                os.environ.pop(var)
         if not args.no_peers and beta in (0.0, 0.5):
             for name, f, reps in (("trl eager", trl_generalized_jsd, 3),
                                   ("trl compile", torch.compile(trl_generalized_jsd), args.reps)):
@@ -139,13 +161,10 @@ def main():
     add("ours topk k=100 fwd+bwd (eager checks)", timed(step, args.reps), floor2, f"rel err {e:.1e}")
     for beta in (0.0, 0.5, 1.0):
         add(f"  kernel alone topk beta={beta}", timed(kernel(None, (idx, lp), beta), args.reps), floor2)
-        for var, values in (("KLDIV_DISTILL_FAST", args.fast), ("KLDIV_DISTILL_CLUSTER", args.cluster),
-                            ("KLDIV_DISTILL_CLUSTER_POLICY", args.policy)):
-            for val in filter(None, values.split(",")):
-                os.environ[var] = val
-                knob = f"{var[len('KLDIV_DISTILL_'):].lower()}={val}"
+        for knob, setting in knob_settings(args, ("KLDIV_DISTILL_FAST", "KLDIV_DISTILL_CLUSTER",
+                                                  "KLDIV_DISTILL_CLUSTER_POLICY")):
+            with setting:
                 add(f"  kernel topk {knob} beta={beta}", timed(kernel(None, (idx, lp), beta), args.reps), floor2)
-                os.environ.pop(var)
     # The host's path per training step (wall clock, back to back, 8 tokens: the GPU's share is small there): a
     # step whose kernel is shorter than this is bound by the host.
     small = sw[:8].detach().requires_grad_()
