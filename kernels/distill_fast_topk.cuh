@@ -19,9 +19,20 @@
 // The arrive before leaving relaxed (as fast_rows' kRelaxedLeave): a block's last remote reads are its members'
 // logits, whose terms it sums, and the arrive takes that sum as an operand, so the reads have completed; the
 // release arrive's device-wide fence (MEMBAR.ALL.GPU) was 3.5% of the bf16 training instance's warp stall samples
-// on an H200 (Nsight Compute, kernels/NOTES.md, version 38). Prepared, not measured. false: the kernels compile as
-// before.
+// on an H200 (Nsight Compute, kernels/NOTES.md, version 38). Measured on an H200 (tools/distill_trees.py, two
+// rounds, spreads 2 and 3): the top-k step +4.2% / +4.5% alone, and nothing on top of kTopkMemberRegs (-1.5% / -1.8%
+// with both, -2.2% / -1.8% with that alone): not taken. false: the release arrive.
 constexpr bool kTopkRelaxedLeave = false;
+
+// Each thread's first member (j = threadIdx.x < k; every member where k <= THREADS, as k = 100 in blocks of 128)
+// loaded once into registers, before the label's check, so that its latency hides behind the label's and the copy's,
+// and not read again from device memory by each of the three loops over the members (their long-scoreboard waits
+// were ~14% of the kernel's warp stall samples on an H200: kernels/NOTES.md, version 38). The index is held as 32
+// bits (-1 for one outside the vocabulary) to keep the narrow instances within their 40 registers (no spill). Measured
+// on an H200 (tools/distill_trees.py, two rounds, spreads 2 and 3): the top-k step 0.626 / 0.621 -> 0.611 / 0.610 ms
+// and 0.623 / 0.628 -> 0.614 / 0.615 ms (-2.2% / -1.8%), every other case unchanged. false: every member read from
+// device memory in each loop.
+constexpr bool kTopkMemberRegs = true;
 
 // THREADS: the block's threads (kFastThreads, or kNarrowThreads where kTopkNarrow says).
 template <typename T, int MODE, bool GRAD, int THREADS = kFastThreads>
@@ -44,6 +55,27 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   const int64_t row = sl.row, lo = sl.lo;
   const T* gsrc = p.s + row * p.s_stride + lo;
   T* gs = GRAD ? p.gs + row * p.gs_stride + lo : nullptr;
+  const int64_t* idx = p.idx + row * p.k;
+  const float* lp = p.lp + row * p.k;
+  [[maybe_unused]] int x0 = -1;  // kTopkMemberRegs: member threadIdx.x's index (-1: outside the vocabulary)
+  [[maybe_unused]] float l0 = 0.f;
+  const bool has0 = threadIdx.x < p.k;
+  if constexpr (kTopkMemberRegs) {
+    if (has0) {
+      const int64_t x = idx[threadIdx.x];
+      x0 = x < 0 || x >= p.v ? -1 : static_cast<int>(x);  // (a row in a cluster's shared memory: v < 2^21)
+      l0 = lp[threadIdx.x];
+    }
+  }
+  // Visits this thread's members j = threadIdx.x, + THREADS, ...: f(index, teacher log-probability).
+  auto for_members = [&](auto f) {
+    int64_t j = threadIdx.x;
+    if constexpr (kTopkMemberRegs) {
+      if (has0) f(static_cast<int64_t>(x0), l0);
+      j += THREADS;
+    }
+    for (; j < p.k; j += THREADS) f(idx[j], lp[j]);
+  };
 
   if (p.labels && p.labels[row] == p.ignore_index) {  // masked: zeros, and no barrier (the cluster agrees)
     if (GRAD) zero_slice<THREADS>(gs, count);
@@ -80,21 +112,18 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   const int words = (count + 31) / 32;
   for (int w = threadIdx.x; w < words; w += THREADS) bits[w] = 0u;
   __syncthreads();
-  const int64_t* idx = p.idx + row * p.k;
-  const float* lp = p.lp + row * p.k;
   {
     float q = 0.f;
     bool bad = false;
-    for (int64_t j = threadIdx.x; j < p.k; j += THREADS) {
-      const int64_t x = idx[j];
-      q += d_exp(lp[j]);
+    for_members([&](int64_t x, float l) {
+      q += d_exp(l);
       if (x < 0 || x >= p.v) {
         bad = true;
       } else if (x >= lo && x < lo + count) {
         const unsigned bit = 1u << ((x - lo) & 31);
         if (atomicOr(&bits[(x - lo) >> 5], bit) & bit) bad = true;
       }
-    }
+    });
     q = warp_sum(q);
     bad = __any_sync(0xffffffffu, bad);
     if (lane == 0) slot_aux[warp] = make_float2(q, bad ? 1.f : 0.f);
@@ -153,20 +182,19 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   const bool bad = bcast[4] != 0.f;
 
   // ---- 2. every block: all members' terms (their logits from their owners' shared memory), then the tail's
-  auto member_point = [&](float x, int64_t j) {
+  auto member_point = [&](float x, float l) {
     const float ls2 = log2_prob(x, k2, ns);
-    return bucket_point(d_exp2(ls2), ls2 * static_cast<float>(kLn2), d_exp(lp[j]), lp[j]);
+    return bucket_point(d_exp2(ls2), ls2 * static_cast<float>(kLn2), d_exp(l), l);
   };
   float leave_after = 0.f;  // kTopkRelaxedLeave: a value that depends on every remote read of this thread
   {
     Terms<float> acc{0.f, 0.f, 0.f};
-    for (int64_t j = threadIdx.x; j < p.k; j += THREADS) {
-      const int64_t x = idx[j];
-      if (x < 0 || x >= p.v) continue;  // the row is NaN (bad)
+    for_members([&](int64_t x, float l) {
+      if (x < 0 || x >= p.v) return;  // the row is NaN (bad)
       const int owner = static_cast<int>(x / p.slice);
       const T xv = *cluster.map_shared_rank(xs + (x - static_cast<int64_t>(owner) * p.slice), owner);
-      point_terms<MODE, KS, false>(member_point(static_cast<float>(xv), j), p.c, acc);
-    }
+      point_terms<MODE, KS, false>(member_point(static_cast<float>(xv), l), p.c, acc);
+    });
     const float l = warp_sum(acc.loss), k = KS ? warp_sum(acc.ks) : 0.f;
     if (lane == 0) slot_terms[warp] = make_float2(l, k);
     leave_after = l + k;  // (the warp's sums: every lane's reads)
@@ -209,12 +237,11 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     if (has_tail) gs[tail] = static_cast<T>(d_exp2(log2_prob(x_tail, k2, ns)) * coef);
     if (!bad) {         // (a bad row stays NaN everywhere; `bad` is the block's common value)
       __syncthreads();  // the members' gradients overwrite the tail formula written above
-      for (int64_t j = threadIdx.x; j < p.k; j += THREADS) {
-        const int64_t x = idx[j];
+      for_members([&](int64_t x, float l) {
         if (x >= lo && x < lo + count)
           gs[x - lo] =
-              static_cast<T>(student_grad<MODE>(member_point(static_cast<float>(xs[x - lo]), j), p.c, ks) * scale);
-      }
+              static_cast<T>(student_grad<MODE>(member_point(static_cast<float>(xs[x - lo]), l), p.c, ks) * scale);
+      });
     }
   }
   cluster_wait();  // no block leaves while another may still read its shared memory
