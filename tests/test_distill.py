@@ -1146,6 +1146,35 @@ def test_topk_prepare_kernel_matches_the_traced_normalisation(device, dtype):
     assert mod.distill_topk_prepare(idx_long, lp_long, 309, None, -100, slack)[1].tolist() == [0, 1, 0]
 
 
+# Row lengths at the edges of distill_topk_prepare's CUDA kernels: one warp a row (k <= 128; 1, 33 and 100 hold a
+# partial last lane group), one block a row comparing pairs (129-256), sorted (beyond).
+@pytest.mark.parametrize("k", [1, 33, 100, 128, 129, 256, 257])
+def test_topk_prepare_flags_at_every_row_length(device, k):
+    mod = K.load(device, extension="distill")
+    slack = math.log1p(K.distill.TOPK_MASS_SLACK)
+    vocab, n = 2 * k + 7, 9  # (9 rows: the warp kernel's last block holds one row of four)
+    idx, lp = topk_teacher((n,), vocab, k, device)
+    lp[3] += 0.01 - lp[3].logsumexp(0)  # a little more than 1 of mass: divided out
+    labels = torch.randint(0, vocab, (n,), device=device)
+    out, flags = mod.distill_topk_prepare(idx, lp, vocab, labels, -100, slack)
+    torch.testing.assert_close(out, K.distill.traced_topk_normalisation(lp, False), rtol=1e-6, atol=1e-6)
+    assert flags.tolist() == [0, 0, 0]
+    for row in range(n):  # each flag from each row alone, the offending entries at a row's far ends
+        bad = idx.clone()
+        bad[row, k - 1] = vocab if row % 2 else -1
+        assert mod.distill_topk_prepare(bad, lp, vocab, labels, -100, slack)[1].tolist() == [1, 0, 0], row
+        if k > 1:
+            bad = idx.clone()
+            bad[row, k - 1] = bad[row, 0]
+            assert mod.distill_topk_prepare(bad, lp, vocab, labels, -100, slack)[1].tolist() == [0, 1, 0], row
+        heavy = lp.clone()
+        heavy[row] += 0.5 - heavy[row].logsumexp(0)
+        assert mod.distill_topk_prepare(idx, heavy, vocab, labels, -100, slack)[1].tolist() == [0, 0, 1], row
+        masked = labels.clone()
+        masked[row] = -100
+        assert mod.distill_topk_prepare(idx, heavy, vocab, masked, -100, slack)[1].tolist() == [0, 0, 0], row
+
+
 @pytest.mark.parametrize("vocab", [12, 20000])  # float32 x 20000: a cluster of blocks on CUDA, a slice each
 def test_topk_bad_row_is_nan_in_the_kernel(device, vocab):
     # The kernels' own net under the Python check (which torch.compile and graph capture skip): a row with a
