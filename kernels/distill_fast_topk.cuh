@@ -253,11 +253,12 @@ __global__ void __launch_bounds__(kFastThreads) fast_topk_kernel(const Params<T,
   fast_topk_rows<T, MODE, GRAD>(p);
 }
 // kTopkNarrow: the 16-bit training instances in blocks of kNarrowThreads threads, as fast_rows' narrow instances
-// (kNarrowKsBlocks): a block's ~17 KB of shared memory and 128 threads at up to 40 registers let 12 blocks share
-// an SM, so a cluster of 16 holds half the warps and twice the rows are in flight (where 256-thread blocks at the 40
-// registers ptxas chooses fit 6 an SM; capped at 32, 8 fit but ptxas spilled 56-68 bytes and the step ran 17%
-// slower on an H200: kernels/NOTES.md). Measured on an H200: the top-k step's kernel -1.9% (0.620 against 0.632
-// ms, two rounds, two spreads). false: the kernels compile as before.
+// (kNarrowKsBlocks). Written for slices of ~17 KB (clusters of 16), where 128 threads at up to 40 registers let 12
+// blocks share an SM; but at 128256 entries plan_launch takes clusters of 8 (a 32 KB slice and its 2 KB bitmap
+// under the 40 KB target), and shared memory lets 6 blocks share an SM (Nsight Compute on an H200: 24 warps an SM,
+// where 256-thread blocks had 48 at the same 6 blocks). Measured on an H200: the top-k step's kernel -1.9% (0.620
+// against 0.632 ms, two rounds, two spreads). Clusters of 16 for it (KLDIV_DISTILL_CLUSTER=16, so 12 blocks an SM)
+// were 19% slower (kernels/NOTES.md, version 40). false: the kernels compile as before.
 constexpr bool kTopkNarrow = true;
 template <typename T, int MODE>
 __global__ void __launch_bounds__(kNarrowThreads, 12) fast_topk_kernel_narrow(const Params<T, float> p) {
