@@ -34,6 +34,17 @@ constexpr bool kTopkRelaxedLeave = false;
 // device memory in each loop.
 constexpr bool kTopkMemberRegs = true;
 
+// Where the gradient needs no row sum (forward KL: KS false), the warps' member sums make only the row's loss,
+// which rank 0's thread 0 writes: so only warp 0 of rank 0 waits for them (a named barrier that the other warps
+// arrive at without waiting), and every other warp goes on to its gradient chunks, where the block barrier after
+// the arrive before leaving made all wait for the slowest warp's remote member reads (7.0% of the warp stall
+// samples of the bf16 forward KL training instance on an H200, the largest line: kernels/NOTES.md, version 40).
+// Measured on an H200 (tools/distill_trees.py, two rounds, spread 2): the top-k step 0.614 / 0.615 -> 0.612 / 0.611
+// ms (-0.5%): the wait moves to the block barrier before the members' gradients. Not taken; 88 top-k GPU tests
+// pass with it on. false: every thread waits at a block barrier and sums the warps' records.
+constexpr bool kTopkLossToRank0 = false;
+constexpr int kTopkLossBarrier = 1;  // the named barrier's id (0 is __syncthreads')
+
 // THREADS: the block's threads (kFastThreads, or kNarrowThreads where kTopkNarrow says).
 template <typename T, int MODE, bool GRAD, int THREADS = kFastThreads>
 __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
@@ -202,17 +213,29 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   // this block reads no other's shared memory any more; wait before leaving
   if constexpr (kTopkRelaxedLeave) cluster_arrive_relaxed(leave_after);
   else cluster_arrive();
-  __syncthreads();
+  constexpr bool LOSS_TO_RANK0 = kTopkLossToRank0 && !KS;  // (then ks stays 0: the gradient does not read it)
+  bool sums_here = true;  // whether this thread sums the warps' records (and the loss is its to write)
+  if constexpr (LOSS_TO_RANK0) {
+    sums_here = rank == 0 && warp == 0;
+    if (rank == 0) {  // the other ranks' losses are not written
+      if (warp == 0) asm volatile("bar.sync %0, %1;" ::"n"(kTopkLossBarrier), "n"(THREADS) : "memory");
+      else asm volatile("bar.arrive %0, %1;" ::"n"(kTopkLossBarrier), "n"(THREADS) : "memory");
+    }
+  } else {
+    __syncthreads();
+  }
   float loss = 0.f, ks = 0.f;
+  if (sums_here) {
 #pragma unroll
-  for (int w = 0; w < W; ++w) {  // the same order in every thread and block
-    loss += slot_terms[w].x;
-    ks += slot_terms[w].y;
+    for (int w = 0; w < W; ++w) {  // the same order in every thread and block
+      loss += slot_terms[w].x;
+      ks += slot_terms[w].y;
+    }
   }
   const float p_tail = bcast[2];
   const float q_tail = fmaxf(1.f - bcast[3], 0.f);
   const Point<float> tp = bucket_point(p_tail, d_log(p_tail), q_tail, d_log(q_tail));
-  if (p.k < p.v) {  // a tail bucket only where some of the vocabulary is outside the top-k
+  if (sums_here && p.k < p.v) {  // a tail bucket only where some of the vocabulary is outside the top-k
     Terms<float> ta{0.f, 0.f, 0.f};
     point_terms<MODE, KS, false>(tp, p.c, ta);
     loss += ta.loss;
