@@ -935,6 +935,23 @@ def test_topk_long_rows_cuda(beta):
     assert_close(gs, rs, GRAD_TOL[torch.bfloat16], "grad")
 
 
+# More members than the top-k kernel's block has threads (128 for 16-bit training rows, 256 otherwise): each
+# thread's first member is held in registers, the rest read in a loop (kTopkMemberRegs), in each of three passes.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_topk_more_members_than_threads(device, dtype, beta):
+    vocab, k = 1000, 300
+    s = logits((3, vocab), dtype, device, scale=3.0).requires_grad_()
+    topk = topk_teacher((3,), vocab, k, device)
+    lab = torch.tensor([5, -100, 9], device=device)
+    out, (gs,) = run(s, None, None, teacher_topk=topk, beta=beta, temperature=2.0, labels=lab, reduction="none")
+    ref, (rs,) = reference(s, None, torch.ones(3, dtype=torch.float64, device=device), teacher_topk=topk, beta=beta,
+                           temperature=2.0, labels=lab, reduction="none")
+    assert out[1] == 0 and (gs[1] == 0).all()
+    assert_close(out, ref, 2e-6, "loss")
+    assert_close(gs, rs, GRAD_TOL[dtype], "grad")
+
+
 # k = 300: above the CUDA preparation kernel's pair check (k <= 256), repeats found by sorting; k = 100: a repeat
 # 99 entries apart and one 32 apart (one lane's two, were a warp to take a row)
 @pytest.mark.parametrize("vocab,k", [(10, 3), (1000, 100), (400, 300)])
