@@ -16,14 +16,6 @@
 // A gradient written over the student's own logits (the fused head) is safe: after the copy every logit is read
 // from shared memory, and a block's own slice is all it writes.
 
-// The arrive before leaving relaxed (as fast_rows' kRelaxedLeave): a block's last remote reads are its members'
-// logits, whose terms it sums, and the arrive takes that sum as an operand, so the reads have completed; the
-// release arrive's device-wide fence (MEMBAR.ALL.GPU) was 3.5% of the bf16 training instance's warp stall samples
-// on an H200 (Nsight Compute, kernels/NOTES.md, version 38). Measured on an H200 (tools/distill_trees.py, two
-// rounds, spreads 2 and 3): the top-k step +4.2% / +4.5% alone, and nothing on top of kTopkMemberRegs (-1.5% / -1.8%
-// with both, -2.2% / -1.8% with that alone): not taken. false: the release arrive.
-constexpr bool kTopkRelaxedLeave = false;
-
 // Each thread's first member (j = threadIdx.x < k; every member where k <= THREADS, as k = 100 in blocks of 128)
 // loaded once into registers, before the label's check, so that its latency hides behind the label's and the copy's,
 // and not read again from device memory by each of the three loops over the members (their long-scoreboard waits
@@ -34,16 +26,9 @@ constexpr bool kTopkRelaxedLeave = false;
 // device memory in each loop.
 constexpr bool kTopkMemberRegs = true;
 
-// Where the gradient needs no row sum (forward KL: KS false), the warps' member sums make only the row's loss,
-// which rank 0's thread 0 writes: so only warp 0 of rank 0 waits for them (a named barrier that the other warps
-// arrive at without waiting), and every other warp goes on to its gradient chunks, where the block barrier after
-// the arrive before leaving made all wait for the slowest warp's remote member reads (7.0% of the warp stall
-// samples of the bf16 forward KL training instance on an H200, the largest line: kernels/NOTES.md, version 40).
-// Measured on an H200 (tools/distill_trees.py, two rounds, spread 2): the top-k step 0.614 / 0.615 -> 0.612 / 0.611
-// ms (-0.5%): the wait moves to the block barrier before the members' gradients. Not taken; 88 top-k GPU tests
-// pass with it on. false: every thread waits at a block barrier and sums the warps' records.
-constexpr bool kTopkLossToRank0 = false;
-constexpr int kTopkLossBarrier = 1;  // the named barrier's id (0 is __syncthreads')
+// Tried and not kept (kernels/NOTES.md; the code is in the commits named there): the arrive before leaving relaxed,
+// as fast_rows' kRelaxedLeave (+4% on the top-k step, version 39, 9c72496), and only rank 0's warp 0 waiting for
+// the warps' member sums where the gradient needs none (-0.5%, version 41, bfa90f1).
 
 // THREADS: the block's threads (kFastThreads, or kNarrowThreads where kTopkNarrow says).
 template <typename T, int MODE, bool GRAD, int THREADS = kFastThreads>
@@ -197,7 +182,6 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     const float ls2 = log2_prob(x, k2, ns);
     return bucket_point(d_exp2(ls2), ls2 * static_cast<float>(kLn2), d_exp(l), l);
   };
-  float leave_after = 0.f;  // kTopkRelaxedLeave: a value that depends on every remote read of this thread
   {
     Terms<float> acc{0.f, 0.f, 0.f};
     for_members([&](int64_t x, float l) {
@@ -208,34 +192,20 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     });
     const float l = warp_sum(acc.loss), k = KS ? warp_sum(acc.ks) : 0.f;
     if (lane == 0) slot_terms[warp] = make_float2(l, k);
-    leave_after = l + k;  // (the warp's sums: every lane's reads)
   }
   // this block reads no other's shared memory any more; wait before leaving
-  if constexpr (kTopkRelaxedLeave) cluster_arrive_relaxed(leave_after);
-  else cluster_arrive();
-  constexpr bool LOSS_TO_RANK0 = kTopkLossToRank0 && !KS;  // (then ks stays 0: the gradient does not read it)
-  bool sums_here = true;  // whether this thread sums the warps' records (and the loss is its to write)
-  if constexpr (LOSS_TO_RANK0) {
-    sums_here = rank == 0 && warp == 0;
-    if (rank == 0) {  // the other ranks' losses are not written
-      if (warp == 0) asm volatile("bar.sync %0, %1;" ::"n"(kTopkLossBarrier), "n"(THREADS) : "memory");
-      else asm volatile("bar.arrive %0, %1;" ::"n"(kTopkLossBarrier), "n"(THREADS) : "memory");
-    }
-  } else {
-    __syncthreads();
-  }
+  cluster_arrive();
+  __syncthreads();
   float loss = 0.f, ks = 0.f;
-  if (sums_here) {
 #pragma unroll
-    for (int w = 0; w < W; ++w) {  // the same order in every thread and block
-      loss += slot_terms[w].x;
-      ks += slot_terms[w].y;
-    }
+  for (int w = 0; w < W; ++w) {  // the same order in every thread and block
+    loss += slot_terms[w].x;
+    ks += slot_terms[w].y;
   }
   const float p_tail = bcast[2];
   const float q_tail = fmaxf(1.f - bcast[3], 0.f);
   const Point<float> tp = bucket_point(p_tail, d_log(p_tail), q_tail, d_log(q_tail));
-  if (sums_here && p.k < p.v) {  // a tail bucket only where some of the vocabulary is outside the top-k
+  if (p.k < p.v) {  // a tail bucket only where some of the vocabulary is outside the top-k
     Terms<float> ta{0.f, 0.f, 0.f};
     point_terms<MODE, KS, false>(tp, p.c, ta);
     loss += ta.loss;
