@@ -193,8 +193,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     const float l = warp_sum(acc.loss), k = KS ? warp_sum(acc.ks) : 0.f;
     if (lane == 0) slot_terms[warp] = make_float2(l, k);
   }
-  // this block reads no other's shared memory any more; wait before leaving
-  cluster_arrive();
+  cluster_arrive();  // this block reads no other's shared memory any more; wait before leaving
   __syncthreads();
   float loss = 0.f, ks = 0.f;
 #pragma unroll
@@ -247,11 +246,13 @@ __global__ void __launch_bounds__(kFastThreads) fast_topk_kernel(const Params<T,
 }
 // kTopkNarrow: the 16-bit training instances in blocks of kNarrowThreads threads, as fast_rows' narrow instances
 // (kNarrowKsBlocks). Written for slices of ~17 KB (clusters of 16), where 128 threads at up to 40 registers let 12
-// blocks share an SM; but at 128256 entries plan_launch takes clusters of 8 (a 32 KB slice and its 2 KB bitmap
-// under the 40 KB target), and shared memory lets 6 blocks share an SM (Nsight Compute on an H200: 24 warps an SM,
-// where 256-thread blocks had 48 at the same 6 blocks). Measured on an H200: the top-k step's kernel -1.9% (0.620
-// against 0.632 ms, two rounds, two spreads). Clusters of 16 for it (KLDIV_DISTILL_CLUSTER=16, so 12 blocks an SM)
-// were 19% slower (kernels/NOTES.md, version 40). false: the kernels compile as before.
+// blocks share an SM (256-thread blocks at the 40 registers ptxas chooses fit 6; capped at 32, 8 fit but ptxas
+// spilled 56-68 bytes and the step ran 17% slower on an H200: kernels/NOTES.md); but at 128256 entries plan_launch
+// takes clusters of 8 (a 32 KB slice and its 2 KB bitmap under the 40 KB target), and shared memory lets 6 blocks
+// share an SM (Nsight Compute on an H200: 24 warps an SM, where 256-thread blocks had 48 at the same 6 blocks).
+// Measured on an H200: the top-k step's kernel -1.9% (0.620 against 0.632 ms, two rounds, two spreads). Clusters
+// of 16 for it (KLDIV_DISTILL_CLUSTER=16, so 12 blocks an SM) were 19% slower (kernels/NOTES.md, version 40).
+// false: the kernels compile as before.
 constexpr bool kTopkNarrow = true;
 template <typename T, int MODE>
 __global__ void __launch_bounds__(kNarrowThreads, 12) fast_topk_kernel_narrow(const Params<T, float> p) {
