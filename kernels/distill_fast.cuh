@@ -128,6 +128,52 @@ __device__ __forceinline__ void cluster_arrive_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 }
 
+// Records pushed into other blocks' shared memory (st.async), counted on the receiver's mbarrier by their bytes:
+// an exchange with no release fence (a cluster-scope release compiles to MEMBAR.ALL.GPU, which waits for all of
+// the thread's outstanding memory operations) and no read of another block's shared memory, so no block need
+// stay alive for the others' reads. Used by fast_topk_kernel (kTopkPush, distill_fast_topk.cuh).
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+// The address of `local` (a shared-memory address of this block) in the block of cluster rank `rank`.
+__device__ __forceinline__ unsigned at_rank(unsigned local, int rank) {
+  unsigned r;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));
+  return r;
+}
+// One thread: an mbarrier for one arrival (mbar_expect's), then made visible to the cluster's pushes
+// (mbar_init_fence, before the cluster barrier that every pushing block waits on).
+__device__ __forceinline__ void mbar_init(unsigned bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// The one arrival, with the bytes the phase waits for (pushes may land before it: the count goes below zero).
+__device__ __forceinline__ void mbar_expect(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// dst, bar: at_rank addresses of the receiver's slot and mbarrier.
+__device__ __forceinline__ void push_f32(unsigned dst, float v, unsigned bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];" ::"r"(dst), "f"(v), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void push_f32x4(unsigned dst, float4 v, unsigned bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(dst),
+               "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar)
+               : "memory");
+}
+// Until the phase (the first: parity 0) completes: every byte pushed has landed and is visible to this thread.
+__device__ __forceinline__ void mbar_wait(unsigned bar) {
+  unsigned done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar)
+        : "memory");
+  } while (!done);
+}
+
 // Two normalisers' (max, sum of 2^(x - max)) pairs combined; a pair with no mass (sum 0, max maybe -inf) adds
 // nothing. Symmetric in its arguments, so every lane of a butterfly ends with the same value.
 __device__ __forceinline__ void combine_pair(float& m, float& l, float m2, float l2) {
@@ -221,16 +267,16 @@ template <typename F> __device__ __forceinline__ void for_each_landed(int mine, 
   for (int i = i1; i < mine; ++i) take(i);
 }
 
-// Warp 0 of each block, after the cluster barrier that published them: two normalisers' (max, sum) pairs from
-// every rank's warps' slots (slot w of rank r holds (m0, l0, m1, l1)), combined in the same order in every block,
-// so that all blocks hold identical values. The result is in every lane.
-template <int WARPS = kFastWarps>
-__device__ __forceinline__ void combine_cluster_pairs(const cg::cluster_group& cluster, float4* slots, int ranks,
-                                                      int lane, float& m0, float& l0, float& m1, float& l1) {
+// Two normalisers' (max, sum) pairs from n records record(i) (i = rank x warps + warp: (m0, l0, m1, l1)), lane i
+// taking records i, i + 32, ..., then a butterfly: the same records in the same order give every lane of every
+// block the same bits.
+template <typename Record>
+__device__ __forceinline__ void combine_records(int n, int lane, Record record, float& m0, float& l0, float& m1,
+                                                float& l1) {
   m0 = m1 = ninf<float>();
   l0 = l1 = 0.f;
-  for (int i = lane; i < ranks * WARPS; i += 32) {
-    const float4 q = *cluster.map_shared_rank(slots + i % WARPS, i / WARPS);
+  for (int i = lane; i < n; i += 32) {
+    const float4 q = record(i);
     combine_pair(m0, l0, q.x, q.y);
     combine_pair(m1, l1, q.z, q.w);
   }
@@ -239,6 +285,15 @@ __device__ __forceinline__ void combine_cluster_pairs(const cg::cluster_group& c
     combine_pair(m0, l0, __shfl_xor_sync(0xffffffffu, m0, o), __shfl_xor_sync(0xffffffffu, l0, o));
     combine_pair(m1, l1, __shfl_xor_sync(0xffffffffu, m1, o), __shfl_xor_sync(0xffffffffu, l1, o));
   }
+}
+// Warp 0 of each block, after the cluster barrier that published them: the records of every rank's warps' slots
+// (slot w of rank r), read from the ranks' shared memory.
+template <int WARPS = kFastWarps>
+__device__ __forceinline__ void combine_cluster_pairs(const cg::cluster_group& cluster, float4* slots, int ranks,
+                                                      int lane, float& m0, float& l0, float& m1, float& l1) {
+  combine_records(
+      ranks * WARPS, lane, [&](int i) { return *cluster.map_shared_rank(slots + i % WARPS, i / WARPS); }, m0, l0, m1,
+      l1);
 }
 
 // kTwoLevelExchange: the cluster's combination of one record a warp (`mine`, lane 0's; R float, float2 or float4;

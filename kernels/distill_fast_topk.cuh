@@ -26,6 +26,18 @@
 // device memory in each loop.
 constexpr bool kTopkMemberRegs = true;
 
+// The cluster's exchanges pushed (st.async into each receiver's shared memory, counted by bytes on its mbarrier)
+// where they were a cluster barrier and reads of other blocks' shared memory: each warp's normaliser record is
+// pushed to every rank (each block combines the ranks x warps records from its own shared memory, in the same order
+// as before, so the same bits), and each first member's logit (kTopkMemberRegs' j = threadIdx.x) by the block whose
+// slice holds it to every rank. Where k <= the block's threads no block reads another's shared memory, so the
+// barrier before leaving goes too. What it removes (Nsight Compute of the top-k step on an H200, kernels/NOTES.md
+// version 40): the release fences of both cluster arrives (MEMBAR.ALL.GPU, 10.6% of the warp stall samples), the
+// remote reads' latency in the combination and the members' pass, and the waits for the cluster's slowest block
+// before leaving. false: the exchanges as before (the kernels compile as at version 41).
+constexpr bool kTopkPush = true;
+static_assert(!kTopkPush || kTopkMemberRegs, "kTopkPush pushes the members kTopkMemberRegs holds in registers");
+
 // Tried and not kept (kernels/NOTES.md; the code is in the commits named there): the arrive before leaving relaxed,
 // as fast_rows' kRelaxedLeave (+4% on the top-k step, version 39, 9c72496), and only rank 0's warp 0 waiting for
 // the warps' member sums where the gradient needs none (-0.5%, version 41, bfa90f1).
@@ -44,6 +56,13 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   __shared__ float2 slot_aux[W];    // each warp's (teacher mass of its members, a bad index seen)
   __shared__ float2 slot_terms[W];  // each warp's members' (loss, ks)
   __shared__ float bcast[5];
+  // kTopkPush: rank r's warp w's (max, sum, non-member sum, a bad index seen) at recv_norms[r * W + w]; the first
+  // members' logits at recv_members[j]; their mbarriers.
+  constexpr bool PUSH = kTopkPush;
+  __shared__ __align__(16) float4 recv_norms[PUSH ? 16 * W : 1];
+  __shared__ float recv_members[PUSH ? THREADS : 1];
+  __shared__ __align__(8) unsigned long long push_bars[2];
+  [[maybe_unused]] const unsigned bar_norms = smem_u32(&push_bars[0]), bar_members = smem_u32(&push_bars[1]);
 
   cg::cluster_group cluster = cg::this_cluster();
   const FastSlice sl = fast_slice(p, cluster);
@@ -79,6 +98,16 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     return;
   }
 
+  if constexpr (PUSH) {  // the mbarriers made ready for the cluster's pushes before any block pushes (cluster_wait)
+    if (threadIdx.x == 0) {
+      mbar_init(bar_norms);
+      mbar_init(bar_members);
+      mbar_expect(bar_norms, static_cast<unsigned>(ranks * W * sizeof(float4)));
+      mbar_init_fence();
+    }
+    cluster_arrive_relaxed();
+  }
+
   // The copy (issue_copy, as fast_rows): each thread its own chunks.
   T* xs = reinterpret_cast<T*>(smem_raw);
   unsigned* bits = reinterpret_cast<unsigned*>(smem_raw + static_cast<size_t>(p.slice) * sizeof(T));
@@ -107,7 +136,13 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   // (every block sees them) or repeated (the block holding them sees it) make the row NaN, as on the CPU.
   const int words = (count + 31) / 32;
   for (int w = threadIdx.x; w < words; w += THREADS) bits[w] = 0u;
-  __syncthreads();
+  if constexpr (PUSH) {  // (and the bytes of the first members' logits the block will receive: 4 a valid index)
+    const int valid = __syncthreads_count(has0 && x0 >= 0);
+    if (threadIdx.x == 0) mbar_expect(bar_members, static_cast<unsigned>(valid) * 4u);
+  } else {
+    __syncthreads();
+  }
+  [[maybe_unused]] bool warp_bad;
   {
     float q = 0.f;
     bool bad = false;
@@ -123,6 +158,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     q = warp_sum(q);
     bad = __any_sync(0xffffffffu, bad);
     if (lane == 0) slot_aux[warp] = make_float2(q, bad ? 1.f : 0.f);
+    warp_bad = bad;
   }
   const float k2 = p.k2;
 
@@ -136,7 +172,15 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   }
   mx = scaled_max(warp_max(mx), k2);  // k2 > 0: the max of the scaled logits
   const float o = mx == ninf<float>() ? 0.f : mx;
-  __syncthreads();           // the bitmap is complete
+  __syncthreads();  // the bitmap is complete (and the slice landed: every thread waited for its chunks)
+  if constexpr (PUSH) {
+    cluster_wait();  // every block's mbarriers are ready
+    if (has0 && x0 >= lo && x0 < lo + count) {
+      const float xv = static_cast<float>(xs[x0 - lo]);
+      const unsigned dst = smem_u32(&recv_members[threadIdx.x]);
+      for (int r = 0; r < ranks; ++r) push_f32(at_rank(dst, r), xv, at_rank(bar_members, r));
+    }
+  }
   float sm = 0.f, st = 0.f;  // all entries, non-members
   for (int c = threadIdx.x; c < chunks; c += THREADS) {
     const Vec<T> v = load_chunk(xs + c * N, true);
@@ -155,14 +199,32 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   }
   sm = part_sum(warp_sum(sm), o);  // (a warp of padding beyond the lanes' range: a stand-in)
   st = part_sum(warp_sum(st), o);
-  if (lane == 0) slot_norms[warp] = make_float4(mx, sm, mx, st);  // the same maxima: m1 ends equal to m0
-  cluster_arrive();
-  cluster_wait();
+  if constexpr (PUSH) {  // lane r pushes the warp's record to rank r
+    if (lane < ranks)
+      push_f32x4(at_rank(smem_u32(&recv_norms[rank * W + warp]), lane), make_float4(mx, sm, st, warp_bad ? 1.f : 0.f),
+                 at_rank(bar_norms, lane));
+    mbar_wait(bar_norms);
+  } else {
+    if (lane == 0) slot_norms[warp] = make_float4(mx, sm, mx, st);  // the same maxima: m1 ends equal to m0
+    cluster_arrive();
+    cluster_wait();
+  }
   if (warp == 0) {  // every block combines all ranks x warps in the same order
     float m0, l0, m1, l1;
-    combine_cluster_pairs<W>(cluster, slot_norms, ranks, lane, m0, l0, m1, l1);
     bool bad = false;
-    for (int i = lane; i < ranks * W; i += 32) bad |= cluster.map_shared_rank(slot_aux + i % W, i / W)->y != 0.f;
+    if constexpr (PUSH) {
+      combine_records(
+          ranks * W, lane,
+          [&](int i) {
+            const float4 r = recv_norms[i];
+            return make_float4(r.x, r.y, r.x, r.z);
+          },
+          m0, l0, m1, l1);
+      for (int i = lane; i < ranks * W; i += 32) bad |= recv_norms[i].w != 0.f;
+    } else {
+      combine_cluster_pairs<W>(cluster, slot_norms, ranks, lane, m0, l0, m1, l1);
+      for (int i = lane; i < ranks * W; i += 32) bad |= cluster.map_shared_rank(slot_aux + i % W, i / W)->y != 0.f;
+    }
     const float q = warp_sum(lane < W ? slot_aux[lane].x : 0.f);  // this block's: the same in every block
     bad = __any_sync(0xffffffffu, bad);
     if (lane == 0) {
@@ -182,18 +244,28 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     const float ls2 = log2_prob(x, k2, ns);
     return bucket_point(d_exp2(ls2), ls2 * static_cast<float>(kLn2), d_exp(l), l);
   };
+  // Members beyond the block's threads are read from their owners' shared memory (with kTopkPush too), so then no
+  // block may leave before the others have read theirs (the same value in every block of the cluster).
+  const bool reads_remote = !PUSH || p.k > THREADS;
   {
     Terms<float> acc{0.f, 0.f, 0.f};
-    for_members([&](int64_t x, float l) {
+    auto remote_member = [&](int64_t x, float l) {
       if (x < 0 || x >= p.v) return;  // the row is NaN (bad)
       const int owner = static_cast<int>(x / p.slice);
       const T xv = *cluster.map_shared_rank(xs + (x - static_cast<int64_t>(owner) * p.slice), owner);
       point_terms<MODE, KS, false>(member_point(static_cast<float>(xv), l), p.c, acc);
-    });
+    };
+    if constexpr (PUSH) {
+      mbar_wait(bar_members);
+      if (has0 && x0 >= 0) point_terms<MODE, KS, false>(member_point(recv_members[threadIdx.x], l0), p.c, acc);
+      for (int64_t j = threadIdx.x + THREADS; j < p.k; j += THREADS) remote_member(idx[j], lp[j]);
+    } else {
+      for_members(remote_member);
+    }
     const float l = warp_sum(acc.loss), k = KS ? warp_sum(acc.ks) : 0.f;
     if (lane == 0) slot_terms[warp] = make_float2(l, k);
   }
-  cluster_arrive();  // this block reads no other's shared memory any more; wait before leaving
+  if (reads_remote) cluster_arrive();  // this block reads no other's shared memory any more; wait before leaving
   __syncthreads();
   float loss = 0.f, ks = 0.f;
 #pragma unroll
@@ -236,7 +308,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
       });
     }
   }
-  cluster_wait();  // no block leaves while another may still read its shared memory
+  if (reads_remote) cluster_wait();  // no block leaves while another may still read its shared memory
 #endif
 }
 
