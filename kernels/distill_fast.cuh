@@ -108,9 +108,12 @@ constexpr bool kRelaxedLeave = true;
 // step's warps stalled on it (the DMUL after the load: 3.7% of its warp stall samples on an H200, Nsight Compute;
 // the step -4%: kernels/NOTES.md, version 38). false: the kernels compile as before.
 constexpr bool kEarlyScale = true;
-// The same in fast_topk_kernel (distill_fast_topk.cuh), whose gradient pass loaded it after its second barrier.
+// The same in fast_topk_kernel (distill_fast_topk.cuh), whose gradient pass loaded it after the members' pass.
+// Measured at -0.6% on the top-k step when that kernel still left through a cluster barrier (version 38), left off;
+// after kTopkPush and kTopkLabelFirst the scale's DMUL waiting for its load held 3.0% of the kernel's warp stall
+// samples, and the switch took the step's kernel from 0.580 to 0.567 ms on an H200 (kernels/NOTES.md, version 42).
 // false: those kernels compile as before.
-constexpr bool kEarlyScaleTopk = false;
+constexpr bool kEarlyScaleTopk = true;
 
 // The two halves of a cluster barrier (cooperative_groups' cluster.sync() is both at once).
 __device__ __forceinline__ void cluster_arrive() {

@@ -38,6 +38,13 @@ constexpr bool kTopkMemberRegs = true;
 constexpr bool kTopkPush = true;
 static_assert(!kTopkPush || kTopkMemberRegs, "kTopkPush pushes the members kTopkMemberRegs holds in registers");
 
+// The row's label loaded first, and the first member's index checked against the vocabulary only after the label's
+// test: the range check had come between the index's load and the label's, so the label's load was issued only once
+// the index had arrived and a block waited for two loads one after the other at its start (11.7% of the kernel's
+// warp stall samples on an H200: 7.8% on the index, 3.9% on the label; kernels/NOTES.md, version 42). false: the
+// kernels compile as before.
+constexpr bool kTopkLabelFirst = true;
+
 // Tried and not kept (kernels/NOTES.md; the code is in the commits named there): the arrive before leaving relaxed,
 // as fast_rows' kRelaxedLeave (+4% on the top-k step, version 39, 9c72496), and only rank 0's warp 0 waiting for
 // the warps' member sums where the gradient needs none (-0.5%, version 41, bfa90f1).
@@ -72,13 +79,19 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   T* gs = GRAD ? p.gs + row * p.gs_stride + lo : nullptr;
   const int64_t* idx = p.idx + row * p.k;
   const float* lp = p.lp + row * p.k;
+  [[maybe_unused]] int64_t label = 0;  // kTopkLabelFirst: the row's label, loaded before anything else
+  if constexpr (kTopkLabelFirst) {
+    if (p.labels) label = p.labels[row];
+  }
   [[maybe_unused]] int x0 = -1;  // kTopkMemberRegs: member threadIdx.x's index (-1: outside the vocabulary)
   [[maybe_unused]] float l0 = 0.f;
+  [[maybe_unused]] int64_t x_raw = -1;  // kTopkLabelFirst: the index as loaded, checked after the label's test
   const bool has0 = threadIdx.x < p.k;
   if constexpr (kTopkMemberRegs) {
     if (has0) {
       const int64_t x = idx[threadIdx.x];
-      x0 = x < 0 || x >= p.v ? -1 : static_cast<int>(x);  // (a row in a cluster's shared memory: v < 2^21)
+      if constexpr (kTopkLabelFirst) x_raw = x;
+      else x0 = x < 0 || x >= p.v ? -1 : static_cast<int>(x);  // (a row in a cluster's shared memory: v < 2^21)
       l0 = lp[threadIdx.x];
     }
   }
@@ -92,11 +105,12 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     for (; j < p.k; j += THREADS) f(idx[j], lp[j]);
   };
 
-  if (p.labels && p.labels[row] == p.ignore_index) {  // masked: zeros, and no barrier (the cluster agrees)
-    if (GRAD) zero_slice<THREADS>(gs, count);
+  if (p.labels && (kTopkLabelFirst ? label : p.labels[row]) == p.ignore_index) {  // masked: zeros, and no barrier
+    if (GRAD) zero_slice<THREADS>(gs, count);                                     // (the cluster agrees)
     if (rank == 0 && threadIdx.x == 0) p.out[row] = 0.f;
     return;
   }
+  if constexpr (kTopkLabelFirst && kTopkMemberRegs) x0 = x_raw < 0 || x_raw >= p.v ? -1 : static_cast<int>(x_raw);
 
   if constexpr (PUSH) {  // the mbarriers made ready for the cluster's pushes before any block pushes (cluster_wait)
     if (threadIdx.x == 0) {
