@@ -133,8 +133,10 @@ __device__ __forceinline__ void cluster_arrive_relaxed() {
 
 // Records pushed into other blocks' shared memory (st.async), counted on the receiver's mbarrier by their bytes:
 // an exchange with no release fence (a cluster-scope release compiles to MEMBAR.ALL.GPU, which waits for all of
-// the thread's outstanding memory operations) and no read of another block's shared memory, so no block need
-// stay alive for the others' reads. Used by fast_topk_kernel (kTopkPush, distill_fast_topk.cuh).
+// the thread's outstanding memory operations; so does a remote mbarrier arrive with .release.cluster) and no read
+// of another block's shared memory, so no block need stay alive for the others' reads. PTX allows st.async only
+// into another block of a cluster of more than one: a block writes its own records with plain stores (and, where
+// other threads read them, a local mbar_arrive). Used by fast_topk_kernel (kTopkPush, distill_fast_topk.cuh).
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
@@ -144,17 +146,22 @@ __device__ __forceinline__ unsigned at_rank(unsigned local, int rank) {
   asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));
   return r;
 }
-// One thread: an mbarrier for one arrival (mbar_expect's), then made visible to the cluster's pushes
-// (mbar_init_fence, before the cluster barrier that every pushing block waits on).
-__device__ __forceinline__ void mbar_init(unsigned bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+// One thread: an mbarrier for `arrivals` arrivals (mbar_expect's and any mbar_arrive's), then made visible to the
+// cluster's pushes (mbar_init_fence, before the cluster barrier that every pushing block waits on).
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(arrivals) : "memory");
 }
 __device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
 // The one arrival, with the bytes the phase waits for (pushes may land before it: the count goes below zero).
 __device__ __forceinline__ void mbar_expect(unsigned bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
-// dst, bar: at_rank addresses of the receiver's slot and mbarrier.
+// An arrival of this block's own (a release at the block's scope: the thread's stores before it are seen by a
+// thread that waits for the phase).
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// dst, bar: at_rank addresses of another block's slot and mbarrier (never this block's).
 __device__ __forceinline__ void push_f32(unsigned dst, float v, unsigned bar) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];" ::"r"(dst), "f"(v), "r"(bar)
                : "memory");

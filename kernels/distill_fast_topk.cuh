@@ -116,9 +116,9 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
 
   if constexpr (PUSH) {  // the mbarriers made ready for the cluster's pushes before any block pushes (cluster_wait)
     if (threadIdx.x == 0) {
-      mbar_init(bar_norms);
-      mbar_init(bar_members);
-      mbar_expect(bar_norms, static_cast<unsigned>(ranks * W * sizeof(float4)));
+      mbar_init(bar_norms, W + 1);  // the block's own warps' records arrive locally, the other ranks' as bytes
+      mbar_init(bar_members, 1);
+      mbar_expect(bar_norms, static_cast<unsigned>((ranks - 1) * W * sizeof(float4)));
       mbar_init_fence();
     }
     cluster_arrive_relaxed();
@@ -152,9 +152,9 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   // (every block sees them) or repeated (the block holding them sees it) make the row NaN, as on the CPU.
   const int words = (count + 31) / 32;
   for (int w = threadIdx.x; w < words; w += THREADS) bits[w] = 0u;
-  if constexpr (PUSH) {  // (and the bytes of the first members' logits the block will receive: 4 a valid index)
-    const int valid = __syncthreads_count(has0 && x0 >= 0);
-    if (threadIdx.x == 0) mbar_expect(bar_members, static_cast<unsigned>(valid) * 4u);
+  if constexpr (PUSH) {  // (and the bytes of the first members' logits other blocks will push: 4 a valid index)
+    const int pushed = __syncthreads_count(has0 && x0 >= 0 && !(x0 >= lo && x0 < lo + count));
+    if (threadIdx.x == 0) mbar_expect(bar_members, static_cast<unsigned>(pushed) * 4u);
   } else {
     __syncthreads();
   }
@@ -193,8 +193,10 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     cluster_wait();  // every block's mbarriers are ready
     if (has0 && x0 >= lo && x0 < lo + count) {
       const float xv = static_cast<float>(xs[x0 - lo]);
+      recv_members[threadIdx.x] = xv;  // this block's own (read by this thread only)
       const unsigned dst = smem_u32(&recv_members[threadIdx.x]);
-      for (int r = 0; r < ranks; ++r) push_f32(at_rank(dst, r), xv, at_rank(bar_members, r));
+      for (int r = 0; r < ranks; ++r)
+        if (r != rank) push_f32(at_rank(dst, r), xv, at_rank(bar_members, r));
     }
   }
   float sm = 0.f, st = 0.f;  // all entries, non-members
@@ -215,10 +217,14 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   }
   sm = part_sum(warp_sum(sm), o);  // (a warp of padding beyond the lanes' range: a stand-in)
   st = part_sum(warp_sum(st), o);
-  if constexpr (PUSH) {  // lane r pushes the warp's record to rank r
-    if (lane < ranks)
-      push_f32x4(at_rank(smem_u32(&recv_norms[rank * W + warp]), lane), make_float4(mx, sm, st, warp_bad ? 1.f : 0.f),
-                 at_rank(bar_norms, lane));
+  if constexpr (PUSH) {  // lane r pushes the warp's record to rank r; lane 0 writes this block's own
+    const float4 rec = make_float4(mx, sm, st, warp_bad ? 1.f : 0.f);
+    float4* mine = &recv_norms[rank * W + warp];
+    if (lane == 0) {
+      *mine = rec;
+      mbar_arrive(bar_norms);
+    }
+    if (lane < ranks && lane != rank) push_f32x4(at_rank(smem_u32(mine), lane), rec, at_rank(bar_norms, lane));
     mbar_wait(bar_norms);
   } else {
     if (lane == 0) slot_norms[warp] = make_float4(mx, sm, mx, st);  // the same maxima: m1 ends equal to m0
