@@ -28,15 +28,15 @@ constexpr bool kTopkMemberRegs = true;
 
 // The cluster's exchanges pushed (st.async into each receiver's shared memory, counted by bytes on its mbarrier)
 // where they were a cluster barrier and reads of other blocks' shared memory: each warp's normaliser record is
-// pushed to every rank (each block combines the ranks x warps records from its own shared memory, in the same order
-// as before, so the same bits), and each first member's logit (kTopkMemberRegs' j = threadIdx.x) by the block whose
-// slice holds it to every rank. Where k <= the block's threads no block reads another's shared memory, so the
-// barrier before leaving goes too. What it removes (Nsight Compute of the top-k step on an H200, kernels/NOTES.md
-// version 40): the release fences of both cluster arrives (MEMBAR.ALL.GPU, 10.6% of the warp stall samples), the
-// remote reads' latency in the combination and the members' pass, and the waits for the cluster's slowest block
-// before leaving. Measured on an H200 (tools/distill_trees.py, two rounds): the top-k step's kernel 0.613 -> 0.590
-// ms (-3.9%), every other case unchanged. false: the exchanges as before (the same instruction counts as at version 41,
-// some lines reordered: kernels/NOTES.md, version 42).
+// pushed to every other rank and written into its own block's (each block combines the ranks x warps records from
+// its own shared memory, in the same order as before, so the same bits), and each first member's logit
+// (kTopkMemberRegs' j = threadIdx.x) likewise by the block whose slice holds it. Where k <= the block's threads no
+// block reads another's shared memory, so the barrier before leaving goes too. What it removes (Nsight Compute of the
+// top-k step on an H200, kernels/NOTES.md version 40): the release fences of both cluster arrives
+// (MEMBAR.ALL.GPU, 10.6% of the warp stall samples), the remote reads' latency in the combination and the members'
+// pass, and the waits for the cluster's slowest block before leaving. Measured on an H200 (tools/distill_trees.py, two
+// rounds): the top-k step's kernel 0.613 -> 0.590 ms (-3.9%), every other case unchanged. false: the exchanges as
+// before (the same instruction counts as at version 41, some lines reordered: kernels/NOTES.md, version 42).
 constexpr bool kTopkPush = true;
 static_assert(!kTopkPush || kTopkMemberRegs, "kTopkPush pushes the members kTopkMemberRegs holds in registers");
 
