@@ -635,6 +635,12 @@ __global__ void __launch_bounds__(
 // longer rows).
 constexpr int kPrepThreads = 128;
 constexpr int64_t kDupCheckMax = 256;
+// One row's verdicts raised in the call's flags (atomicOr: the same result in any order).
+__device__ __forceinline__ void raise_topk_flags(int* flags, bool range, bool dup, bool bad_mass) {
+  if (range) atomicOr(flags + FLAG_RANGE, 1);
+  if (dup) atomicOr(flags + FLAG_DUP, 1);
+  if (bad_mass) atomicOr(flags + FLAG_MASS, 1);
+}
 template <typename A>
 __global__ void __launch_bounds__(kPrepThreads)
 topk_prepare_kernel(const int64_t* __restrict__ idx, const A* __restrict__ lp, A* __restrict__ out, int64_t k,
@@ -675,12 +681,9 @@ topk_prepare_kernel(const int64_t* __restrict__ idx, const A* __restrict__ lp, A
     for (int64_t i = threadIdx.x; i < k; i += blockDim.x)
       for (int64_t j = i + 1; j < k; ++j) dup = dup || row_idx[i] == row_idx[j];
   dup = __syncthreads_or(dup);
-  if (threadIdx.x == 0) {
-    if (range) atomicOr(flags + FLAG_RANGE, 1);
-    if (dup) atomicOr(flags + FLAG_DUP, 1);
-    if (!(labels && labels[row] == ignore_index) && topk_bad_mass(lse, whole, slack_log))
-      atomicOr(flags + FLAG_MASS, 1);
-  }
+  if (threadIdx.x == 0)
+    raise_topk_flags(flags, range, dup,
+                     !(labels && labels[row] == ignore_index) && topk_bad_mass(lse, whole, slack_log));
 }
 
 // The same for rows of k <= kPrepWarpK (a served teacher's usual 20-100 tokens), one warp a row, four rows a block:
@@ -761,11 +764,7 @@ topk_prepare_warp_kernel(const int64_t* __restrict__ idx, const A* __restrict__ 
     }
   }
   dup = __any_sync(0xffffffffu, dup);
-  if (lane == 0) {
-    if (range) atomicOr(flags + FLAG_RANGE, 1);
-    if (dup) atomicOr(flags + FLAG_DUP, 1);
-    if (!masked && topk_bad_mass(lse, whole, slack_log)) atomicOr(flags + FLAG_MASS, 1);
-  }
+  if (lane == 0) raise_topk_flags(flags, range, dup, !masked && topk_bad_mass(lse, whole, slack_log));
 }
 
 // ------------------------------------------------------------------------------------------- launching

@@ -171,6 +171,12 @@ __device__ __forceinline__ void push_f32x4(unsigned dst, float4 v, unsigned bar)
                "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar)
                : "memory");
 }
+// The mbarrier retired, by one thread once every thread's mbar_wait has returned (a block barrier after them):
+// PTX leaves any other use of an mbarrier's memory undefined until it is invalidated, and the next block on the
+// SM may put that shared memory to another use (its slice's copy).
+__device__ __forceinline__ void mbar_inval(unsigned bar) {
+  asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
 // Until the phase (the first: parity 0) completes: every byte pushed has landed and is visible to this thread.
 __device__ __forceinline__ void mbar_wait(unsigned bar) {
   unsigned done;

@@ -89,6 +89,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   [[maybe_unused]] float l0 = 0.f;
   [[maybe_unused]] int64_t x_raw = -1;  // kTopkLabelFirst: the index as loaded, checked after the label's test
   const bool has0 = threadIdx.x < p.k;
+  auto in_slice = [&](int64_t x) { return x >= lo && x < lo + count; };  // a vocabulary index this block holds
   if constexpr (kTopkMemberRegs) {
     if (has0) {
       const int64_t x = idx[threadIdx.x];
@@ -153,7 +154,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   const int words = (count + 31) / 32;
   for (int w = threadIdx.x; w < words; w += THREADS) bits[w] = 0u;
   if constexpr (PUSH) {  // (and the bytes of the first members' logits other blocks will push: 4 a valid index)
-    const int pushed = __syncthreads_count(has0 && x0 >= 0 && !(x0 >= lo && x0 < lo + count));
+    const int pushed = __syncthreads_count(has0 && x0 >= 0 && !in_slice(x0));
     if (threadIdx.x == 0) mbar_expect(bar_members, static_cast<unsigned>(pushed) * 4u);
   } else {
     __syncthreads();
@@ -166,7 +167,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
       q += d_exp(l);
       if (x < 0 || x >= p.v) {
         bad = true;
-      } else if (x >= lo && x < lo + count) {
+      } else if (in_slice(x)) {
         const unsigned bit = 1u << ((x - lo) & 31);
         if (atomicOr(&bits[(x - lo) >> 5], bit) & bit) bad = true;
       }
@@ -191,7 +192,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   __syncthreads();  // the bitmap is complete (and the slice landed: every thread waited for its chunks)
   if constexpr (PUSH) {
     cluster_wait();  // every block's mbarriers are ready
-    if (has0 && x0 >= lo && x0 < lo + count) {
+    if (has0 && in_slice(x0)) {
       const float xv = static_cast<float>(xs[x0 - lo]);
       recv_members[threadIdx.x] = xv;  // this block's own (read by this thread only)
       const unsigned dst = smem_u32(&recv_members[threadIdx.x]);
@@ -289,6 +290,12 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   }
   if (reads_remote) cluster_arrive();  // this block reads no other's shared memory any more; wait before leaving
   __syncthreads();
+  if constexpr (PUSH) {  // both phases complete: every thread has waited on both mbarriers, every byte has landed
+    if (threadIdx.x == 0) {
+      mbar_inval(bar_norms);
+      mbar_inval(bar_members);
+    }
+  }
   float loss = 0.f, ks = 0.f;
 #pragma unroll
   for (int w = 0; w < W; ++w) {  // the same order in every thread and block
@@ -324,7 +331,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     if (!bad) {         // (a bad row stays NaN everywhere; `bad` is the block's common value)
       __syncthreads();  // the members' gradients overwrite the tail formula written above
       for_members([&](int64_t x, float l) {
-        if (x >= lo && x < lo + count)
+        if (in_slice(x))
           gs[x - lo] =
               static_cast<T>(student_grad<MODE>(member_point(static_cast<float>(xs[x - lo]), l), p.c, ks) * scale);
       });
