@@ -72,6 +72,16 @@ constexpr bool kJsdPlainChunks = true;
 // 35): the JSD step -2.7% (logits of spread 3) and -2.2% (spread 2), every other kernel within +-0.4%. false
 // compiles the kernels as version 34.
 constexpr bool kJsdPtFromPs = true;
+// The JSD's bfloat16 gradient pass (KEEP_US) in a row whose ks is finite and whose student maximum is moderate: the
+// factor (1 - beta) scale folded into ps's exponent (one offset a row, mx + lz - log2 factor, rounded once: a
+// relative error common to the row's gradient below 2^-15 where |mx| <= kFoldedGradMax), and no per-entry guard
+// for ps = 0 or NaN: 2^(x k2 - offset) (u_s - ks) is 0 where ps is 0 (the kept u_s is finite there: the terms pass
+// keeps 0 for a u_s of +-inf or NaN, which only logits of +-inf or NaN give) and NaN where ps is NaN, as the guard
+// made it; where ks is not finite (a row with a NaN) the guarded loop keeps its zeros at entries without mass.
+// SASS (sm_90): the loop ~104 -> ~60 instructions a chunk of 8 entries. Not in the vocabulary split's one-read
+// kernel (SPLIT: it needs two GPUs to test). false: the kernels compile as before.
+constexpr bool kJsdFoldedGrad = false;
+constexpr float kFoldedGradMax = 256.f;
 // Forward KL's 16-bit training rows in kNarrowThreads blocks too, summing the direct form of the summand with its
 // mass (kl_term_direct, as the forward alone does; 4 instructions an entry against kl_term's ~13): capped at 32
 // registers the mass had been a register too many (measured slower, kernels/NOTES.md, version 20). A thread whose
@@ -562,8 +572,13 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   static_assert(!KEEP_US || KeptVec::N == N, "u_s kept in 16 bits an entry");
   // KEEP_US: u_s as the gradient pass needs it, scaled for fp16: the terms' own z form (kKeptUsDirect), else
   // mixture_us_short's forms (the 4-term series below kJsdShortSeries, else the z form).
+  // kJsdFoldedGrad: a u_s of +-inf or NaN (logits of +-inf or NaN) kept as 0, so that an entry without mass gives
+  // 0 in the unguarded gradient loop (an entry with mass and such a u_s makes ks NaN: the guarded loop runs)
+  auto finite_us = [](float us) {
+    return !kJsdFoldedGrad || SPLIT || fabsf(us) < std::numeric_limits<float>::infinity() ? us : 0.f;
+  };
   auto kept_us = [&](const Point<float>& e, float us) {
-    if constexpr (kKeptUsDirect) return us * kKeptUsScale;  // (rows summed again write theirs again, below)
+    if constexpr (kKeptUsDirect) return finite_us(us) * kKeptUsScale;  // (rows summed again write theirs again, below)
     const float s =
         e.d * e.d < static_cast<float>(kJsdShortSeries * kJsdShortSeries) ? e.d * horner<4>(&p.c.us[0], e.d) : us;
     return s * kKeptUsScale;
@@ -765,7 +780,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
           // kKeptUsDirect: each entry's u_s written again, in mixture_us_short's forms (the series near d = 0)
           auto entry = [&](const Point<float>& e) {
             point_terms<MODE, true, false>(e, p.c, exact);
-            return mixture_us_short(e, p.c) * kKeptUsScale;
+            return finite_us(mixture_us_short(e, p.c)) * kKeptUsScale;
           };
           auto pass = [&](auto close_c) {
             constexpr bool CLOSE = decltype(close_c)::value;
@@ -822,13 +837,30 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
       if (!(ps > 0.f)) return ps != ps ? ps : 0.f;  // NaN stays NaN; no mass, no gradient
       return coef * ps * (us_scaled * (1.f / kKeptUsScale) - ks);
     };
-    for (int c = threadIdx.x; c < chunks; c += THREADS) {
-      const Vec<T> vs = load_chunk(xs + c * N, true);
-      const KeptVec kept = *reinterpret_cast<const KeptVec*>(xt + c * N);
-      Vec<T> g;
+    // kJsdFoldedGrad: ps times the factor as 2^(x k2 - folded), folded = mx + lz - log2 coef in double, rounded once
+    const double folded = static_cast<double>(rn.s.mx) + static_cast<double>(rn.s.lz) - log2(static_cast<double>(coef));
+    if (kJsdFoldedGrad && !SPLIT && fabsf(ks) < std::numeric_limits<float>::infinity() &&
+        fabsf(rn.s.mx) <= kFoldedGradMax && fabs(folded) < 1024.0) {  // (NaN fails every test)
+      const float off = static_cast<float>(folded);
+      for (int c = threadIdx.x; c < chunks; c += THREADS) {
+        const Vec<T> vs = load_chunk(xs + c * N, true);
+        const KeptVec kept = *reinterpret_cast<const KeptVec*>(xt + c * N);
+        Vec<T> g;
 #pragma unroll
-      for (int q = 0; q < N; ++q) g.v[q] = static_cast<T>(grad(entry_float(vs, q), static_cast<float>(kept.v[q])));
-      store_chunk(gs + c * N, g, true);
+        for (int q = 0; q < N; ++q)
+          g.v[q] = static_cast<T>(d_exp2(d_fma(entry_float(vs, q), k2, -off)) *
+                                  d_fma(static_cast<float>(kept.v[q]), 1.f / kKeptUsScale, -ks));
+        store_chunk(gs + c * N, g, true);
+      }
+    } else {
+      for (int c = threadIdx.x; c < chunks; c += THREADS) {
+        const Vec<T> vs = load_chunk(xs + c * N, true);
+        const KeptVec kept = *reinterpret_cast<const KeptVec*>(xt + c * N);
+        Vec<T> g;
+#pragma unroll
+        for (int q = 0; q < N; ++q) g.v[q] = static_cast<T>(grad(entry_float(vs, q), static_cast<float>(kept.v[q])));
+        store_chunk(gs + c * N, g, true);
+      }
     }
     if (has_tail) gs[tail] = static_cast<T>(grad(static_cast<float>(gsrc[tail]), us_tail));
   } else if (KS) {
