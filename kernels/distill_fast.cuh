@@ -78,9 +78,11 @@ constexpr bool kJsdPtFromPs = true;
 // for ps = 0 or NaN: 2^(x k2 - offset) (u_s - ks) is 0 where ps is 0 (the kept u_s is finite there: the terms pass
 // keeps 0 for a u_s of +-inf or NaN, which only logits of +-inf or NaN give) and NaN where ps is NaN, as the guard
 // made it; where ks is not finite (a row with a NaN) the guarded loop keeps its zeros at entries without mass.
-// SASS (sm_90): the loop ~104 -> ~60 instructions a chunk of 8 entries. Not in the vocabulary split's one-read
-// kernel (SPLIT: it needs two GPUs to test). false: the kernels compile as before.
-constexpr bool kJsdFoldedGrad = false;
+// SASS (sm_90): the loop 104 -> 62.5 instructions a chunk of 8 entries (70 registers, no spill). Measured on an H200
+// (kernels/NOTES.md, version 44): the JSD step -2.7% (logits of spread 2) and -3.7% (spread 3), every other kernel
+// within +-0.2% (spread 2); every one-GPU test passed with it on. Not in the vocabulary split's one-read kernel
+// (SPLIT: it needs two GPUs to test). false: the kernels compile as before.
+constexpr bool kJsdFoldedGrad = true;
 constexpr float kFoldedGradMax = 256.f;
 // Forward KL's 16-bit training rows in kNarrowThreads blocks too, summing the direct form of the summand with its
 // mass (kl_term_direct, as the forward alone does; 4 instructions an entry against kl_term's ~13): capped at 32
