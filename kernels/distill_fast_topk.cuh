@@ -47,17 +47,11 @@ static_assert(!kTopkPush || kTopkMemberRegs, "kTopkPush pushes the members kTopk
 // H200: the top-k step's kernel 0.590 -> 0.580 ms (-1.7%). false: the loads as before.
 constexpr bool kTopkLabelFirst = true;
 
-// The 16-bit gradient pass over the slice (every entry's ps times the row's tail factor) with the factor folded
-// into the exponent, as kJsdFoldedGrad in fast_rows: 2^(x k2 - (mx + lz - log2 |coef|)) with the offset rounded once
-// (a relative error common to the row below 2^-14 where |mx| <= kFoldedGradMax), the factor's sign put on the
-// packed results (one XOR a pair of entries): two instructions an entry fewer (the FADD of log2_prob and the
-// FMUL). Rows whose factor is 0, NaN (a bad row) or infinite, or whose maximum is beyond kFoldedGradMax, take the
-// loop as before. false: the kernels compile as before.
-constexpr bool kTopkFoldedGrad = false;
-
 // Tried and not kept (kernels/NOTES.md; the code is in the commits named there): the arrive before leaving relaxed,
 // as fast_rows' kRelaxedLeave (+4% on the top-k step, version 39, 9c72496), and only rank 0's warp 0 waiting for
-// the warps' member sums where the gradient needs none (-0.5%, version 41, bfa90f1).
+// the warps' member sums where the gradient needs none (-0.5%, version 41, bfa90f1); the 16-bit gradient pass with
+// its factor folded into the exponent, as kJsdFoldedGrad (two instructions an entry fewer, +0.5%: version 44,
+// e229bd5).
 
 // THREADS: the block's threads (kFastThreads, or kNarrowThreads where kTopkNarrow says).
 template <typename T, int MODE, bool GRAD, int THREADS = kFastThreads>
@@ -328,30 +322,12 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     const float scale = static_cast<float>(scale_raw * static_cast<double>(p.inv_t));
     const float coef = bad ? std::numeric_limits<float>::quiet_NaN()
                            : (tp.ps > 0.f ? student_grad<MODE>(tp, p.c, ks) / tp.ps : 0.f) * scale;
-    const double folded =  // kTopkFoldedGrad: NaN, or infinite, where coef is NaN, 0 or infinite
-        static_cast<double>(ns.mx) + static_cast<double>(ns.lz) - log2(fabs(static_cast<double>(coef)));
-    if (kTopkFoldedGrad && sizeof(T) == 2 && fabsf(ns.mx) <= kFoldedGradMax && fabs(folded) < 1024.0) {
-      static_assert(sizeof(Vec<T>) == 16, "a chunk of 16-bit entries: four words of two");
-      const float off = static_cast<float>(folded);
-      const uint32_t sign = coef < 0.f ? 0x80008000u : 0u;
-      for (int c = threadIdx.x; c < chunks; c += THREADS) {
-        const Vec<T> v = load_chunk(xs + c * N, true);
-        Vec<T> g;
+    for (int c = threadIdx.x; c < chunks; c += THREADS) {
+      const Vec<T> v = load_chunk(xs + c * N, true);
+      Vec<T> g;
 #pragma unroll
-        for (int q = 0; q < N; ++q) g.v[q] = static_cast<T>(d_exp2(d_fma(entry_float(v, q), k2, -off)));
-        uint32_t* words = reinterpret_cast<uint32_t*>(&g.v[0]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) words[i] ^= sign;
-        store_chunk(gs + c * N, g, true);
-      }
-    } else {
-      for (int c = threadIdx.x; c < chunks; c += THREADS) {
-        const Vec<T> v = load_chunk(xs + c * N, true);
-        Vec<T> g;
-#pragma unroll
-        for (int q = 0; q < N; ++q) g.v[q] = static_cast<T>(d_exp2(log2_prob(entry_float(v, q), k2, ns)) * coef);
-        store_chunk(gs + c * N, g, true);
-      }
+      for (int q = 0; q < N; ++q) g.v[q] = static_cast<T>(d_exp2(log2_prob(entry_float(v, q), k2, ns)) * coef);
+      store_chunk(gs + c * N, g, true);
     }
     if (has_tail) gs[tail] = static_cast<T>(d_exp2(log2_prob(x_tail, k2, ns)) * coef);
     if (!bad) {         // (a bad row stays NaN everywhere; `bad` is the block's common value)
