@@ -73,15 +73,16 @@ constexpr bool kJsdPlainChunks = true;
 // compiles the kernels as version 34.
 constexpr bool kJsdPtFromPs = true;
 // The JSD's bfloat16 gradient pass (KEEP_US) in a row whose ks is finite and whose student maximum is moderate: the
-// factor (1 - beta) scale folded into ps's exponent (one offset a row, mx + lz - log2 factor, rounded once: a
-// relative error common to the row's gradient below 2^-15 where |mx| <= kFoldedGradMax), and no per-entry guard
-// for ps = 0 or NaN: 2^(x k2 - offset) (u_s - ks) is 0 where ps is 0 (the kept u_s is finite there: the terms pass
-// keeps 0 for a u_s of +-inf or NaN, which only logits of +-inf or NaN give) and NaN where ps is NaN, as the guard
-// made it; where ks is not finite (a row with a NaN) the guarded loop keeps its zeros at entries without mass.
-// SASS (sm_90): the loop 104 -> 62.5 instructions a chunk of 8 entries (70 registers, no spill). Measured on an H200
-// (kernels/NOTES.md, version 44): the JSD step -2.7% (logits of spread 2) and -3.7% (spread 3), every other kernel
-// within +-0.2% (spread 2); every one-GPU test passed with it on. Not in the vocabulary split's one-read kernel
-// (SPLIT: it needs two GPUs to test). false: the kernels compile as before.
+// factor (1 - beta) scale folded into ps's exponent (one offset a row, mx + lz - log2 factor, rounded once: where |mx|
+// <= kFoldedGradMax the offset lies below 512 (lz <= 31, a float factor above 2^-150), so its rounding is a relative
+// error below 2^-15 common to the row's gradient), and no per-entry guard for ps = 0 or NaN: 2^(x k2 - offset) (u_s -
+// ks) is 0 where ps is 0 (the kept u_s is finite there: the terms pass keeps 0 for a u_s of +-inf or NaN, which only
+// logits of +-inf or NaN give) and NaN where ps is NaN, as the guard made it; where ks is not finite (a row with a NaN)
+// the guarded loop keeps its zeros at entries without mass. SASS (sm_90): the loop 104 -> 62.5 instructions a chunk of
+// 8 entries (70 registers, no spill). Measured on an H200 (kernels/NOTES.md, version 44): the JSD step -2.7% (logits of
+// spread 2) and -3.7% (spread 3), every other kernel within +-0.2% (spread 2); every one-GPU test passed with it on.
+// Not in the vocabulary split's one-read kernel (SPLIT: it needs two GPUs to test). false: the kernels compile as
+// before.
 constexpr bool kJsdFoldedGrad = true;
 constexpr float kFoldedGradMax = 256.f;
 // Forward KL's 16-bit training rows in kNarrowThreads blocks too, summing the direct form of the summand with its
