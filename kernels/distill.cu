@@ -14,6 +14,7 @@
 //
 // The same kernel runs one phase at a time for a vocabulary split across processes (distill_phase): the caller
 // combines the rows' statistics across ranks between the phases.
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
@@ -630,16 +631,18 @@ __global__ void __launch_bounds__(
 }
 
 // A top-k teacher's rows made ready, one block per row (see distill_topk_prepare in distill_bindings.cpp): the
-// logsumexp of the log-probabilities, the normalised row, and the checks' flags (set with atomicOr: the same
-// result in any order). Repeated indices by comparing every pair: k <= kDupCheckMax (distill_topk_prepare sorts
-// longer rows).
+// logsumexp of the log-probabilities, the normalised row, and the checks' flags. Repeated indices by comparing
+// every pair: k <= kDupCheckMax (distill_topk_prepare sorts longer rows).
 constexpr int kPrepThreads = 128;
 constexpr int64_t kDupCheckMax = 256;
-// One row's verdicts raised in the call's flags (atomicOr: the same result in any order).
+// One row's verdicts raised in the call's flags: plain stores of 1, so the same result in any order, and no atomic
+// on what may be pinned host memory (the eager step's flags: distill_topk_prepare), where a device's atomics are
+// not guaranteed over PCIe. Volatile: each raised flag is one store the compiler keeps.
 __device__ __forceinline__ void raise_topk_flags(int* flags, bool range, bool dup, bool bad_mass) {
-  if (range) atomicOr(flags + FLAG_RANGE, 1);
-  if (dup) atomicOr(flags + FLAG_DUP, 1);
-  if (bad_mass) atomicOr(flags + FLAG_MASS, 1);
+  volatile int* f = flags;
+  if (range) f[FLAG_RANGE] = 1;
+  if (dup) f[FLAG_DUP] = 1;
+  if (bad_mass) f[FLAG_MASS] = 1;
 }
 template <typename A>
 __global__ void __launch_bounds__(kPrepThreads)
@@ -1313,15 +1316,38 @@ at::Tensor distill_reduction_scale(const at::Tensor& rows, const c10::optional<a
 
 std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Tensor& lp, int64_t vocab,
                                              const c10::optional<at::Tensor>& labels, int64_t ignore_index,
-                                             double slack_log) {
+                                             double slack_log, const c10::optional<at::Tensor>& flags_out) {
   check_device(idx);
-  check_topk_prepare(idx, lp, labels, vocab);
+  check_topk_prepare(idx, lp, labels, vocab, flags_out);
   const c10::cuda::CUDAGuard guard(idx.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor out = at::empty_like(lp);
-  // Zeroed by one memset, not at::zeros (a fill kernel through the dispatcher): this is the eager step's host path.
-  at::Tensor flags = at::empty({3}, idx.options().dtype(at::kInt));
-  C10_CUDA_CHECK(cudaMemsetAsync(flags.data_ptr<int>(), 0, 3 * sizeof(int), stream));
+  at::Tensor flags;
+  int* dflags = nullptr;  // where the kernel writes them
+  if (flags_out.has_value()) {
+    // Pinned host memory, zeroed here and written by the kernel through its mapped address: the eager step's
+    // verdicts need no device buffer, memset or copy, each a call on its host path (the caller hands a buffer that
+    // no kernel still writes, and records an event after this call before it reads the flags).
+    flags = *flags_out;
+    int* host = flags.data_ptr<int>();
+    std::memset(host, 0, 3 * sizeof(int));
+    void* mapped = nullptr;
+    const cudaError_t err = cudaHostGetDevicePointer(&mapped, host, 0);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();  // (not left for the next launch's check to find)
+      TORCH_CHECK(false, "distill: the top-k flags' tensor must be pinned host memory (pin_memory=True): ",
+                  cudaGetErrorString(err));
+    }
+    dflags = static_cast<int*>(mapped);
+    // Should the tensor be freed before the kernel has run, PyTorch's pinned-memory cache must not hand the buffer
+    // out again until then (as it does for a non-blocking copy into pinned memory).
+    at::getHostAllocator(at::kCUDA)->record_event(host, flags.storage().data_ptr().get_context(), stream.unwrap());
+  } else {
+    // Zeroed by one memset, not at::zeros (a fill kernel through the dispatcher).
+    flags = at::empty({3}, idx.options().dtype(at::kInt));
+    dflags = flags.data_ptr<int>();
+    C10_CUDA_CHECK(cudaMemsetAsync(dflags, 0, 3 * sizeof(int), stream));
+  }
   const int64_t n = idx.size(0), k = idx.size(1);
   if (n == 0) return {out, flags};
   TORCH_CHECK(n < (int64_t(1) << 31), "distill: too many rows for one launch");
@@ -1331,17 +1357,18 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
       constexpr int64_t rows = kPrepThreads / 32;
       topk_prepare_warp_kernel<scalar_t><<<static_cast<unsigned>((n + rows - 1) / rows), kPrepThreads, 0, stream>>>(
           idx.data_ptr<int64_t>(), lp.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), n, k, vocab, lab, ignore_index,
-          slack_log, flags.data_ptr<int>());
+          slack_log, dflags);
     } else {
       topk_prepare_kernel<scalar_t><<<static_cast<unsigned>(n), kPrepThreads, 0, stream>>>(
           idx.data_ptr<int64_t>(), lp.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), k, vocab, lab, ignore_index,
-          slack_log, k <= kDupCheckMax, flags.data_ptr<int>());
+          slack_log, k <= kDupCheckMax, dflags);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   if (k > kDupCheckMax) {  // rows too long to compare every pair in shared memory: sorted
     const at::Tensor srt = std::get<0>(idx.sort(1));
-    flags.narrow(0, FLAG_DUP, 1).copy_(srt.narrow(1, 1, k - 1).eq(srt.narrow(1, 0, k - 1)).any().reshape({1}));
+    const at::Tensor dup = srt.narrow(1, 1, k - 1).eq(srt.narrow(1, 0, k - 1)).any().reshape({1}).to(at::kInt);
+    flags.narrow(0, FLAG_DUP, 1).copy_(dup, /*non_blocking=*/true);  // (stream-ordered into pinned memory too)
   }
   return {out, flags};
 }

@@ -98,9 +98,13 @@ bool distill_in_place_ok(int64_t vocab, int64_t element_size, bool topk);
 // the whole distribution normalised), int32 [3] flags: an index outside [0, vocab), a repeated index within a
 // row (any k: rows longer than the CUDA kernel compares pairwise are sorted), an unmasked row whose mass is more
 // than 1 (k < vocab) or away from 1 (k = vocab) by more than slack_log (a log1p)}. Nothing waits for the device.
+// flags_out: where the flags go instead of a new tensor (zeroed here, returned as the second item), int32 [3] in
+// host memory: for CUDA pinned, written by the kernel through its mapped address, so that the caller reads them
+// once an event recorded after this call has completed, without a device buffer or a copy; the caller must not
+// hand over a buffer that an earlier call's kernel may still write.
 std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Tensor& lp, int64_t vocab,
                                              const c10::optional<at::Tensor>& labels, int64_t ignore_index,
-                                             double slack_log);
+                                             double slack_log, const c10::optional<at::Tensor>& flags_out);
 
 // A top-k teacher over a vocabulary split across processes (vocab_parallel.py's topk_rows): this process holds
 // the student's rows [n, v] of the slice that starts at `offset` of the vocabulary; norms [n, 4] are the rows'

@@ -32,7 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("vocab"), py::arg("element_size"), py::arg("topk"));
   m.def("distill_topk_prepare", &distill_topk_prepare, "a top-k teacher normalised, with its checks' flags",
         py::arg("idx"), py::arg("lp"), py::arg("vocab"), py::arg("labels"), py::arg("ignore_index"),
-        py::arg("slack_log"));
+        py::arg("slack_log"), py::arg("flags_out") = py::none());
   m.def("distill_topk_slice", &distill_topk_slice, "a split top-k teacher: this slice's members and tail mass",
         py::arg("student"), py::arg("norms"), py::arg("idx"), py::arg("offset"), py::arg("temperature"));
   m.def("distill_topk_slice_grad", &distill_topk_slice_grad, "a split top-k teacher: this slice's gradient",

@@ -432,13 +432,13 @@ at::Tensor distill_reduction_scale(const at::Tensor& rows, const c10::optional<a
 
 std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Tensor& lp, int64_t vocab,
                                              const c10::optional<at::Tensor>& labels, int64_t ignore_index,
-                                             double slack_log) {
+                                             double slack_log, const c10::optional<at::Tensor>& flags_out) {
   check_device(idx);
-  check_topk_prepare(idx, lp, labels, vocab);
+  check_topk_prepare(idx, lp, labels, vocab, flags_out);
   const int64_t n = idx.size(0), k = idx.size(1);
   const bool whole = k == vocab;
   at::Tensor out = at::empty_like(lp);
-  at::Tensor flags = at::zeros({3}, idx.options().dtype(at::kInt));
+  at::Tensor flags = flags_out.has_value() ? flags_out->zero_() : at::zeros({3}, idx.options().dtype(at::kInt));
   int* f = flags.data_ptr<int>();
   const int64_t* ix = idx.data_ptr<int64_t>();
   const int64_t* lab = labels.has_value() ? labels->data_ptr<int64_t>() : nullptr;

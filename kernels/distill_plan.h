@@ -173,9 +173,13 @@ inline Rows prepare_forward(const at::Tensor& student, const c10::optional<at::T
 }
 
 // distill_topk_prepare's operands: indices int64 [n, k] and log-probabilities (float32 or float64) [n, k], both
-// contiguous, labels contiguous int64 [n] or none, all on one device.
+// contiguous, labels contiguous int64 [n] or none, all on one device; flags_out none or a contiguous int32 [3] in
+// host memory (pinned for CUDA indices: distill.cu checks that).
 inline void check_topk_prepare(const at::Tensor& idx, const at::Tensor& lp, const c10::optional<at::Tensor>& labels,
-                               int64_t vocab) {
+                               int64_t vocab, const c10::optional<at::Tensor>& flags_out) {
+  TORCH_CHECK(!flags_out.has_value() || (flags_out->device().is_cpu() && flags_out->scalar_type() == at::kInt &&
+                                         flags_out->numel() == 3 && flags_out->is_contiguous()),
+              "distill: the top-k flags' tensor must be a contiguous int32 [3] in host memory");
   TORCH_CHECK(idx.dim() == 2 && idx.is_contiguous() && idx.scalar_type() == at::kLong,
               "distill: top-k indices must be contiguous int64 [rows, k]");
   TORCH_CHECK(lp.sizes() == idx.sizes() && lp.is_contiguous() &&

@@ -84,14 +84,19 @@ def _(student, teacher, topk_idx, topk_lp, labels, ignore_index, beta, temperatu
 
 
 def _setup_context(ctx, inputs, output):
-    student, teacher, topk_idx, topk_lp, labels, ignore_index, beta, temperature, reduction, ws, wt = inputs
     _, gs, gt = output
+    _save_context(ctx, inputs, gs, gt)
+    ctx.mark_non_differentiable(gs, gt)
+
+
+def _save_context(ctx, inputs, gs: Tensor | None, gt: Tensor | None) -> None:
+    """What _backward needs: the inputs (for a recomputation), the settings, and the fused gradients."""
+    student, teacher, topk_idx, topk_lp, labels, ignore_index, beta, temperature, reduction, ws, wt = inputs
     ctx.save_for_backward(student, teacher, topk_idx, topk_lp, labels)
     ctx.args = (ignore_index, beta, temperature, reduction)
     ctx.wanted = (ws, wt)
     # Held outside save_for_backward: backward rescales them in place, and hands them over as the gradients.
     ctx.fused = (gs.detach() if ws else None, gt.detach() if wt else None)
-    ctx.mark_non_differentiable(gs, gt)
     ctx.set_materialize_grads(False)
 
 
@@ -141,17 +146,19 @@ class _EagerForward(torch.autograd.Function):
     """The custom op's eager twin: the same kernel call, context and backward, without the dispatcher's layers
     that torch.library's autograd wrapper adds (filling the schema's defaults, redispatching): ~0.25 ms of host
     time per call on the 2-core development machine, which a training step with a short kernel (a top-k teacher:
-    0.63 ms at 4096 x 128256 on an H200) cannot hide. torch.compile and CUDA-graph capture take the custom op."""
+    0.63 ms at 4096 x 128256 on an H200) cannot hide. Its one output is the loss: the fused gradients stay in the
+    context (no empty stand-ins for the ones not wanted, no outputs for autograd to mark), the host's path shorter
+    again. torch.compile and CUDA-graph capture take the custom op."""
 
     @staticmethod
     def forward(ctx, *inputs):
-        output = _forward_impl(*inputs)
-        _setup_context(ctx, inputs, output)
-        return output
+        loss, gs, gt = _module(inputs[0].device).distill_forward(*inputs)
+        _save_context(ctx, inputs, gs, gt)
+        return loss
 
     @staticmethod
-    def backward(ctx, grad_out, g_student, g_teacher):
-        return _backward(ctx, grad_out, g_student, g_teacher)
+    def backward(ctx, grad_out):
+        return _backward(ctx, grad_out, None, None)
 
 
 # ------------------------------------------------------------------------------------------ front end
@@ -222,11 +229,19 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, 
         lp2 = traced_topk_normalisation(lp2, k == vocab).contiguous()
         return (idx2, lp2, _no_check) if defer else (idx2, lp2)
     # Eager: normalised and checked by one kernel (a wrong index or a teacher that is no distribution must be an
-    # error, not a wrong number); the flags are read back by check().
+    # error, not a wrong number), whose flags check() reads: on a GPU the kernel writes them into a pinned buffer
+    # lent here, read once an event recorded right after the kernel has completed (see _topk_check).
     lp_given = lp2.contiguous()
-    lp2, flags = _module(idx2.device).distill_topk_prepare(idx2, lp_given, vocab, labels, ignore_index,
-                                                           math.log1p(TOPK_MASS_SLACK))
-    check = _topk_check(flags, lp_given, vocab, labels, ignore_index)
+    mod = _module(idx2.device)
+    if idx2.is_cuda:
+        host, done, read = _lend_read_back(idx2.device, (3,), torch.int32)
+        lp2, _ = mod.distill_topk_prepare(idx2, lp_given, vocab, labels, ignore_index, math.log1p(TOPK_MASS_SLACK),
+                                          host)
+        done.record(torch.cuda.current_stream(idx2.device))
+    else:
+        lp2, flags = mod.distill_topk_prepare(idx2, lp_given, vocab, labels, ignore_index, math.log1p(TOPK_MASS_SLACK))
+        read = flags.tolist
+    check = _topk_check(read, lp_given, vocab, labels, ignore_index)
     if not defer:
         check()
     return (idx2, lp2, check) if defer else (idx2, lp2)
@@ -251,10 +266,33 @@ def _no_check() -> None:
     pass
 
 
-# Pinned host buffers and events of read_back_later, per thread and (device, shape, dtype): each is handed out
-# again once its read() has returned, so a step's read-back allocates nothing (a pinned tensor and an event cost
-# ~15-20 us of an eager step's host path on an H200's host).
+# Pinned host buffers and events of read_back_later and the top-k checks, per thread and (device, shape, dtype):
+# each is handed out again once its read() has returned, so a step's read-back allocates nothing (a pinned tensor
+# and an event cost ~15-20 us of an eager step's host path on an H200's host).
 _READ_BACK = threading.local()
+
+
+def _lend_read_back(device: torch.device, shape: tuple, dtype: torch.dtype) -> tuple[Tensor, Any, Callable[[], Any]]:
+    """A pinned host buffer of ``shape`` and ``dtype`` for values from ``device``, the event to record once they
+    are queued for it, and ``read()``: it waits for that event and returns the buffer's values as ``tolist()`` does
+    (a list; a number for a 0-d buffer). The first read() hands buffer and event back for later calls; a later one
+    returns the values it read. A buffer whose read() never comes is never handed out again."""
+    pool = _READ_BACK.__dict__.setdefault("free", {})
+    free = pool.setdefault((device, tuple(shape), dtype), [])
+    if free:
+        host, done = free.pop()
+    else:
+        host, done = torch.empty(shape, dtype=dtype, pin_memory=True), torch.cuda.Event()
+    read_back: list = []  # the values, once read
+
+    def read() -> Any:
+        if not read_back:
+            done.synchronize()
+            read_back.append(host.tolist())
+            free.append((host, done))
+        return read_back[0]
+
+    return host, done, read
 
 
 def read_back_later(flags: Tensor) -> Callable[[], Any]:
@@ -264,35 +302,20 @@ def read_back_later(flags: Tensor) -> Callable[[], Any]:
     queues in between."""
     if not flags.is_cuda:
         return flags.tolist
-    pool = _READ_BACK.__dict__.setdefault("free", {})
-    free = pool.setdefault((flags.device, flags.shape, flags.dtype), [])
-    if free:
-        host, done = free.pop()
-    else:
-        host, done = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True), torch.cuda.Event()
+    host, done, read = _lend_read_back(flags.device, flags.shape, flags.dtype)
     host.copy_(flags, non_blocking=True)
     done.record(torch.cuda.current_stream(flags.device))
-    read_back: list = []  # the values, once read
-
-    def read() -> Any:
-        if not read_back:  # the first read() hands the buffer back; a later one returns the values it read
-            done.synchronize()
-            read_back.append(host.tolist())
-            free.append((host, done))
-        return read_back[0]
-
     return read
 
 
-def _topk_check(flags: Tensor, lp: Tensor, vocab: int, labels: Tensor | None, ignore_index: int):
-    """``check()``, which raises the error that the flags of distill_topk_prepare (range, repeat, mass; on the
-    device) say, if any. On a GPU the flags go to pinned host memory behind an event recorded right after them: a
-    caller that queues its kernel before calling ``check()`` waits for the small preparation kernel only, not for
-    its own (a synchronisation before the launch left the GPU idle for the host's path to the next launch: 0.67 ms
-    of a 1.31-ms training step at 4096 x 128256 on an H200). ``lp``: the log-probabilities as given, [rows, k],
-    for the error's message."""
+def _topk_check(read: Callable[[], Any], lp: Tensor, vocab: int, labels: Tensor | None, ignore_index: int):
+    """``check()``, which raises the error that the flags of distill_topk_prepare (range, repeat, mass), as
+    ``read()`` returns them, say, if any. On a GPU they are in pinned host memory behind an event recorded right
+    after the preparation kernel: a caller that queues its kernel before calling ``check()`` waits for that small
+    kernel only, not for its own (a synchronisation before the launch left the GPU idle for the host's path to the
+    next launch: 0.67 ms of a 1.31-ms training step at 4096 x 128256 on an H200). ``lp``: the log-probabilities as
+    given, [rows, k], for the error's message."""
     k = lp.shape[1]
-    read = read_back_later(flags)
 
     def check() -> None:
         bad_range, dup, bad_mass = read()
@@ -340,6 +363,9 @@ def refuse_transforms(who: str, *tensors) -> None:
     have no storage a kernel could read) and forward-mode AD (its tangent would be dropped without a word)."""
     if torch.compiler.is_compiling():
         return
+    # No dual level entered: no tensor can carry a tangent, so unpack_dual (~1 us a tensor of the eager step's host
+    # path) is skipped. (Without the attribute, a later PyTorch's, every tensor is asked.)
+    dual = getattr(forward_ad, "_current_level", 0) >= 0
     for t in tensors:
         if not isinstance(t, Tensor):
             continue
@@ -347,7 +373,7 @@ def refuse_transforms(who: str, *tensors) -> None:
             raise NotImplementedError(f"{who}: torch.func transforms (vmap, grad, jacrev, jvp) are not supported: "
                                       "pass the batch itself (every leading dim is a token) and use "
                                       "torch.autograd for gradients")
-        if forward_ad.unpack_dual(t).tangent is not None:
+        if dual and forward_ad.unpack_dual(t).tangent is not None:
             raise NotImplementedError(f"{who}: forward-mode AD (torch.autograd.forward_ad) is not supported; use "
                                       "reverse mode (backward)")
 
@@ -485,7 +511,7 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     if _is_tracing(student):
         loss = _forward_op(*args, want_s, want_t)[0]
     elif want_s or want_t:
-        loss = _EagerForward.apply(*args, want_s, want_t)[0]
+        loss = _EagerForward.apply(*args, want_s, want_t)
     else:
         loss = _module(student.device).distill_forward(*args, False, False)[0]
     # The top-k teacher's checks, read back now that the kernel is queued (it makes a bad row NaN, and never

@@ -1163,33 +1163,71 @@ def test_topk_prepare_kernel_matches_the_traced_normalisation(device, dtype):
     assert mod.distill_topk_prepare(idx_long, lp_long, 309, None, -100, slack)[1].tolist() == [0, 1, 0]
 
 
+def prepare_flags(mod, idx, lp, vocab, labels, slack, into):
+    """distill_topk_prepare's normalised log-probabilities and its flags as a list: the flags in a tensor of its own
+    (``into="tensor"``) or written into a host buffer handed to it, poisoned first (``"host"``: pinned on a GPU,
+    where the kernel writes it through its mapped address, as the eager step has it do)."""
+    if into == "tensor":
+        out, flags = mod.distill_topk_prepare(idx, lp, vocab, labels, -100, slack)
+        return out, flags.tolist()
+    host = torch.full((3,), 7, dtype=torch.int32, pin_memory=idx.is_cuda)
+    out, flags = mod.distill_topk_prepare(idx, lp, vocab, labels, -100, slack, host)
+    assert flags.data_ptr() == host.data_ptr()
+    if idx.is_cuda:
+        torch.cuda.synchronize()
+    return out, host.tolist()
+
+
 # Row lengths at the edges of distill_topk_prepare's CUDA kernels: one warp a row (k <= 128; 1, 33 and 100 hold a
 # partial last lane group), one block a row comparing pairs (129-256), sorted (beyond).
+@pytest.mark.parametrize("into", ["tensor", "host"])
 @pytest.mark.parametrize("k", [1, 33, 100, 128, 129, 256, 257])
-def test_topk_prepare_flags_at_every_row_length(device, k):
+def test_topk_prepare_flags_at_every_row_length(device, k, into):
     mod = K.load(device, extension="distill")
     slack = math.log1p(K.distill.TOPK_MASS_SLACK)
     vocab, n = 2 * k + 7, 9  # (9 rows: the warp kernel's last block holds one row of four)
     idx, lp = topk_teacher((n,), vocab, k, device)
     lp[3] += 0.01 - lp[3].logsumexp(0)  # a little more than 1 of mass: divided out
     labels = torch.randint(0, vocab, (n,), device=device)
-    out, flags = mod.distill_topk_prepare(idx, lp, vocab, labels, -100, slack)
+
+    def flags(i, p, lab):
+        return prepare_flags(mod, i, p, vocab, lab, slack, into)[1]
+
+    out, got = prepare_flags(mod, idx, lp, vocab, labels, slack, into)
     torch.testing.assert_close(out, K.distill.traced_topk_normalisation(lp, False), rtol=1e-6, atol=1e-6)
-    assert flags.tolist() == [0, 0, 0]
+    assert got == [0, 0, 0]
     for row in range(n):  # each flag from each row alone, the offending entries at a row's far ends
         bad = idx.clone()
         bad[row, k - 1] = vocab if row % 2 else -1
-        assert mod.distill_topk_prepare(bad, lp, vocab, labels, -100, slack)[1].tolist() == [1, 0, 0], row
+        assert flags(bad, lp, labels) == [1, 0, 0], row
         if k > 1:
             bad = idx.clone()
             bad[row, k - 1] = bad[row, 0]
-            assert mod.distill_topk_prepare(bad, lp, vocab, labels, -100, slack)[1].tolist() == [0, 1, 0], row
+            assert flags(bad, lp, labels) == [0, 1, 0], row
         heavy = lp.clone()
         heavy[row] += 0.5 - heavy[row].logsumexp(0)
-        assert mod.distill_topk_prepare(idx, heavy, vocab, labels, -100, slack)[1].tolist() == [0, 0, 1], row
+        assert flags(idx, heavy, labels) == [0, 0, 1], row
         masked = labels.clone()
         masked[row] = -100
-        assert mod.distill_topk_prepare(idx, heavy, vocab, masked, -100, slack)[1].tolist() == [0, 0, 0], row
+        assert flags(idx, heavy, masked) == [0, 0, 0], row
+
+
+def test_topk_prepare_flags_buffer_is_checked(device):
+    # The buffer for the flags must be int32 [3] in host memory, pinned for a GPU's kernel to write it: anything
+    # else is a clear error before a launch, never a write to memory the kernel cannot reach.
+    mod = K.load(device, extension="distill")
+    idx, lp = topk_teacher((4,), 10, 3, device)
+    for wrong in (torch.zeros(3), torch.zeros(4, dtype=torch.int32), torch.zeros(6, dtype=torch.int32)[::2]):
+        with pytest.raises(RuntimeError, match="contiguous int32 \\[3\\] in host memory"):
+            mod.distill_topk_prepare(idx, lp, 10, None, -100, 0.02, wrong)
+    if device == "cuda":
+        with pytest.raises(RuntimeError, match="contiguous int32 \\[3\\] in host memory"):
+            mod.distill_topk_prepare(idx, lp, 10, None, -100, 0.02, torch.zeros(3, dtype=torch.int32, device=device))
+        with pytest.raises(RuntimeError, match="must be pinned host memory"):
+            mod.distill_topk_prepare(idx, lp, 10, None, -100, 0.02, torch.zeros(3, dtype=torch.int32))
+        # (and the failed query leaves no error behind for the next launch's check)
+        out, flags = mod.distill_topk_prepare(idx, lp, 10, None, -100, 0.02)
+        assert flags.tolist() == [0, 0, 0]
 
 
 @pytest.mark.parametrize("vocab", [12, 20000])  # float32 x 20000: a cluster of blocks on CUDA, a slice each
