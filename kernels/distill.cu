@@ -614,19 +614,51 @@ __global__ void __launch_bounds__(256) combine_terms_kernel(const A* __restrict_
 }
 
 // grad[row] *= grad_out (one value or one per row, G float or double: the loss's dtype, read as it is, so the
-// backward needs no conversion of its own on the host's path); a block whose factor is 1 returns at once.
+// backward needs no conversion of its own on the host's path); every block returns at once when the one factor
+// is 1 (loss.backward() of a mean loss). Otherwise (gradient accumulation's loss / steps, a weighted sum of
+// losses, a loss scaler) it is a pass over the whole gradient, which must stream at the bandwidth: 16-byte
+// vectors, kScaleUnroll of them in flight a thread (scalar 2-byte entries, one a thread at a time, leave a
+// fraction of it). Work comes in chunks of kScaleThreads x kScaleUnroll vectors of one row; a row's entries before
+// its first 16-byte boundary (its start may be anywhere: strided rows) and after its last whole vector are done
+// by its first chunk's threads. Each entry as static_cast<T>(static_cast<A>(entry) * factor).
+constexpr int kScaleThreads = 256, kScaleUnroll = 4;
+constexpr int64_t kScaleChunk = int64_t(kScaleThreads) * kScaleUnroll;  // vectors
 template <typename T, typename G>
-__global__ void __launch_bounds__(
-    256) scale_rows_kernel(T* grad, int64_t n, int64_t v, int64_t stride, const G* __restrict__ go,
-                                          bool per_row) {
+__global__ void __launch_bounds__(kScaleThreads)
+scale_rows_kernel(T* grad, int64_t n, int64_t v, int64_t stride, const G* __restrict__ go, bool per_row,
+                  int64_t chunks_per_row) {
   using A = typename AccOf<T>::type;
+  constexpr int VEC = 16 / sizeof(T);
   if (!per_row && go[0] == G(1)) return;  // the usual backward of a mean loss: nothing to do
-  for (int64_t row = blockIdx.y; row < n; row += gridDim.y) {
+  const int64_t chunks = n * chunks_per_row;
+  for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+    const int64_t row = c / chunks_per_row, part = c - row * chunks_per_row;
     const A f = static_cast<A>(go[per_row ? row : 0]);
     if (f == A(1)) continue;
     T* g = grad + row * stride;
-    for (int64_t j = blockIdx.x * blockDim.x + threadIdx.x; j < v; j += static_cast<int64_t>(gridDim.x) * blockDim.x)
-      g[j] = static_cast<T>(static_cast<A>(g[j]) * f);
+    const int64_t head = min64(
+        v, static_cast<int64_t>((16 - (reinterpret_cast<uintptr_t>(g) & 15)) & 15) / static_cast<int64_t>(sizeof(T)));
+    const int64_t body = (v - head) / VEC, tail = head + body * VEC;  // whole vectors; where the rest starts
+    if (part == 0) {
+      if (threadIdx.x < head) g[threadIdx.x] = static_cast<T>(static_cast<A>(g[threadIdx.x]) * f);
+      if (threadIdx.x < v - tail) g[tail + threadIdx.x] = static_cast<T>(static_cast<A>(g[tail + threadIdx.x]) * f);
+    }
+    uint4* b = reinterpret_cast<uint4*>(g + head);
+    const int64_t j0 = part * kScaleChunk + threadIdx.x;
+    uint4 x[kScaleUnroll];
+#pragma unroll
+    for (int u = 0; u < kScaleUnroll; ++u)
+      if (j0 + u * kScaleThreads < body) x[u] = b[j0 + u * kScaleThreads];
+#pragma unroll
+    for (int u = 0; u < kScaleUnroll; ++u) {
+      if (j0 + u * kScaleThreads >= body) continue;
+      T e[VEC];
+      memcpy(e, &x[u], 16);
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) e[q] = static_cast<T>(static_cast<A>(e[q]) * f);
+      memcpy(&x[u], e, 16);
+      b[j0 + u * kScaleThreads] = x[u];
+    }
   }
 }
 
@@ -841,6 +873,22 @@ void prepare_kernel(const void* kernel, size_t smem, bool big_cluster) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     state.second = true;
   }
+}
+
+// One wave of a kernel's blocks on the current device: the blocks an SM holds at once (its occupancy at `threads`
+// a block, no dynamic shared memory) times the SMs, asked once per kernel and device.
+int64_t one_wave(const void* kernel, int threads) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int64_t> waves;
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  const auto it = waves.find({kernel, dev});
+  if (it != waves.end()) return it->second;
+  int per_sm = 0, sms = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return waves[{kernel, dev}] = max64(1, static_cast<int64_t>(per_sm) * sms);
 }
 
 // params2: a kernel's second parameter (the split's PeerRows), or none.
@@ -1598,17 +1646,19 @@ void distill_scale_grad_(at::Tensor grad, const at::Tensor& grad_out) {
       (as_float || grad_out.scalar_type() == at::kDouble ? grad_out : grad_out.to(at::kDouble)).contiguous();
   const bool per_row = go.numel() != 1 || grad.size(0) == 1;
   const int64_t n = grad.size(0), v = grad.size(1);
-  // Blocks loop over rows: a grid of a few thousand blocks streams at full bandwidth when the factor is not 1, and
-  // costs microseconds when it is (the usual backward of a mean loss; one block per row cost ~0.1 ms at 4096 rows).
-  const int64_t bx = min64((v + 255) / 256, 64);
-  const dim3 grid(static_cast<unsigned>(bx), static_cast<unsigned>(min64(n, max64(1, 4096 / bx))));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "distill_scale_grad", [&] {
-    if (as_float)
-      scale_rows_kernel<scalar_t, float>
-          <<<grid, 256, 0, stream>>>(grad.data_ptr<scalar_t>(), n, v, grad.stride(0), go.data_ptr<float>(), per_row);
-    else
-      scale_rows_kernel<scalar_t, double>
-          <<<grid, 256, 0, stream>>>(grad.data_ptr<scalar_t>(), n, v, grad.stride(0), go.data_ptr<double>(), per_row);
+    // Chunks a row: enough for its vectors however its start is aligned. The grid: one wave of resident blocks,
+    // looping over the chunks (a no-op call, the usual one, costs that wave's launch).
+    constexpr int64_t vec = 16 / sizeof(scalar_t);
+    const int64_t per_row_chunks = ((v + vec - 1) / vec + kScaleChunk - 1) / kScaleChunk;
+    TORCH_CHECK(n <= std::numeric_limits<int64_t>::max() / per_row_chunks, "distill: gradient too large to scale");
+    const auto launch = [&](auto kernel, const auto* factors) {
+      const int64_t grid = min64(n * per_row_chunks, one_wave(reinterpret_cast<const void*>(kernel), kScaleThreads));
+      kernel<<<static_cast<unsigned>(grid), kScaleThreads, 0, stream>>>(grad.data_ptr<scalar_t>(), n, v, grad.stride(0),
+                                                                        factors, per_row, per_row_chunks);
+    };
+    if (as_float) launch(scale_rows_kernel<scalar_t, float>, go.data_ptr<float>());
+    else launch(scale_rows_kernel<scalar_t, double>, go.data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

@@ -1212,6 +1212,35 @@ def test_topk_prepare_flags_at_every_row_length(device, k, into):
         assert flags(idx, heavy, masked) == [0, 0, 0], row
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_scale_grad_in_place_at_any_length_and_alignment(device, dtype):
+    # distill_scale_grad_, the backward's pass over the fused gradient when grad_output is not 1 (gradient
+    # accumulation's loss / steps, a weighted sum of losses): each entry times its row's factor, rounded once to the
+    # dtype, for rows of any length starting anywhere (strided rows: the CUDA kernel's unaligned head, its 16-byte
+    # vectors, its tail), a row whose factor is 1 left as it is, and nothing beside the rows written.
+    mod = K.load(device, extension="distill")
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    shapes = [(3, 1, 0, 1), (5, 7, 1, 9), (4, 33, 3, 40), (6, 2053, 5, 2061), (2, 20000, 0, 20000),
+              (300, 300, 1, 303), (3, 70001, 3, 70011)]  # rows, length, the first row's offset, row pitch
+    for n, v, off, pitch in shapes:
+        for kind in ("one", "rows", "float64"):
+            base = (torch.randn(off + n * pitch + 8, device=device) * 3).to(dtype)
+            g = base[off:off + n * pitch].view(n, pitch)[:, :v]
+            if kind == "rows":
+                go = torch.randn(n, dtype=acc, device=device)
+                go[::3] = 1.0
+            else:
+                go = torch.randn((), dtype=torch.float64 if kind == "float64" else acc, device=device)
+            expect = base.clone()
+            e = expect[off:off + n * pitch].view(n, pitch)[:, :v]
+            e.copy_((e.to(acc) * go.to(acc).reshape(-1, 1)).to(dtype))
+            mod.distill_scale_grad_(g, go)
+            assert torch.equal(base, expect), (n, v, off, pitch, kind)
+            one = base.clone()
+            mod.distill_scale_grad_(g, torch.ones((), dtype=acc, device=device))
+            assert torch.equal(base, one), (n, v, off, pitch, "factor 1")
+
+
 def test_topk_prepare_flags_buffer_is_checked(device):
     # The buffer for the flags must be int32 [3] in host memory, pinned for a GPU's kernel to write it: anything
     # else is a clear error before a launch, never a write to memory the kernel cannot reach.
