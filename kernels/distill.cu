@@ -42,6 +42,7 @@
 #include "distill_api.h"
 #include "distill_common.h"
 #include "distill_plan.h"
+#include "scale_span.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -615,50 +616,20 @@ __global__ void __launch_bounds__(256) combine_terms_kernel(const A* __restrict_
 
 // grad[row] *= grad_out (one value or one per row, G float or double: the loss's dtype, read as it is, so the
 // backward needs no conversion of its own on the host's path); every block returns at once when the one factor
-// is 1 (loss.backward() of a mean loss). Otherwise (gradient accumulation's loss / steps, a weighted sum of
-// losses, a loss scaler) it is a pass over the whole gradient, which must stream at the bandwidth: 16-byte
-// vectors, kScaleUnroll of them in flight a thread (scalar 2-byte entries, one a thread at a time, leave a
-// fraction of it). Work comes in chunks of kScaleThreads x kScaleUnroll vectors of one row; a row's entries before
-// its first 16-byte boundary (its start may be anywhere: strided rows) and after its last whole vector are done
-// by its first chunk's threads. Each entry as static_cast<T>(static_cast<A>(entry) * factor).
+// is 1 (loss.backward() of a mean loss). Otherwise a pass over the whole gradient (scale_span.cuh): the blocks loop
+// over chunks_per_row chunks of each row.
 constexpr int kScaleThreads = 256, kScaleUnroll = 4;
-constexpr int64_t kScaleChunk = int64_t(kScaleThreads) * kScaleUnroll;  // vectors
 template <typename T, typename G>
 __global__ void __launch_bounds__(kScaleThreads)
 scale_rows_kernel(T* grad, int64_t n, int64_t v, int64_t stride, const G* __restrict__ go, bool per_row,
                   int64_t chunks_per_row) {
   using A = typename AccOf<T>::type;
-  constexpr int VEC = 16 / sizeof(T);
   if (!per_row && go[0] == G(1)) return;  // the usual backward of a mean loss: nothing to do
   const int64_t chunks = n * chunks_per_row;
   for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
-    const int64_t row = c / chunks_per_row, part = c - row * chunks_per_row;
+    const int64_t row = c / chunks_per_row;
     const A f = static_cast<A>(go[per_row ? row : 0]);
-    if (f == A(1)) continue;
-    T* g = grad + row * stride;
-    const int64_t head = min64(
-        v, static_cast<int64_t>((16 - (reinterpret_cast<uintptr_t>(g) & 15)) & 15) / static_cast<int64_t>(sizeof(T)));
-    const int64_t body = (v - head) / VEC, tail = head + body * VEC;  // whole vectors; where the rest starts
-    if (part == 0) {
-      if (threadIdx.x < head) g[threadIdx.x] = static_cast<T>(static_cast<A>(g[threadIdx.x]) * f);
-      if (threadIdx.x < v - tail) g[tail + threadIdx.x] = static_cast<T>(static_cast<A>(g[tail + threadIdx.x]) * f);
-    }
-    uint4* b = reinterpret_cast<uint4*>(g + head);
-    const int64_t j0 = part * kScaleChunk + threadIdx.x;
-    uint4 x[kScaleUnroll];
-#pragma unroll
-    for (int u = 0; u < kScaleUnroll; ++u)
-      if (j0 + u * kScaleThreads < body) x[u] = b[j0 + u * kScaleThreads];
-#pragma unroll
-    for (int u = 0; u < kScaleUnroll; ++u) {
-      if (j0 + u * kScaleThreads >= body) continue;
-      T e[VEC];
-      memcpy(e, &x[u], 16);
-#pragma unroll
-      for (int q = 0; q < VEC; ++q) e[q] = static_cast<T>(static_cast<A>(e[q]) * f);
-      memcpy(&x[u], e, 16);
-      b[j0 + u * kScaleThreads] = x[u];
-    }
+    if (f != A(1)) scale_span_chunk<kScaleThreads, kScaleUnroll>(grad + row * stride, v, f, c - row * chunks_per_row);
   }
 }
 
@@ -1647,10 +1618,9 @@ void distill_scale_grad_(at::Tensor grad, const at::Tensor& grad_out) {
   const bool per_row = go.numel() != 1 || grad.size(0) == 1;
   const int64_t n = grad.size(0), v = grad.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "distill_scale_grad", [&] {
-    // Chunks a row: enough for its vectors however its start is aligned. The grid: one wave of resident blocks,
-    // looping over the chunks (a no-op call, the usual one, costs that wave's launch).
-    constexpr int64_t vec = 16 / sizeof(scalar_t);
-    const int64_t per_row_chunks = ((v + vec - 1) / vec + kScaleChunk - 1) / kScaleChunk;
+    // The grid: one wave of resident blocks, looping over the chunks (a no-op call, the usual one, costs that
+    // wave's launch).
+    const int64_t per_row_chunks = scale_span_chunks<kScaleThreads, kScaleUnroll, scalar_t>(v);
     TORCH_CHECK(n <= std::numeric_limits<int64_t>::max() / per_row_chunks, "distill: gradient too large to scale");
     const auto launch = [&](auto kernel, const auto* factors) {
       const int64_t grid = min64(n * per_row_chunks, one_wave(reinterpret_cast<const void*>(kernel), kScaleThreads));

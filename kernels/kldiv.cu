@@ -29,6 +29,7 @@
 
 #include "kldiv_common.h"
 #include "kldiv_plan.h"
+#include "scale_span.cuh"
 
 namespace kldiv {
 namespace {
@@ -266,16 +267,16 @@ backward_kernel(const T* __restrict__ x, const T* __restrict__ t, const Geometry
   }
 }
 
-// grad *= grad_out, read on the device: when grad_out == 1 (loss.backward()) every block returns at once.
+// grad *= grad_out, read on the device: when grad_out == 1 (loss.backward()) every block returns at once;
+// otherwise a pass over the gradient in 16-byte vectors (scale_span.cuh), the blocks looping over its chunks.
+constexpr int kScaleUnroll = 4;
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-scale_kernel(T* __restrict__ grad, int64_t n, const T* __restrict__ grad_out) {
+scale_kernel(T* __restrict__ grad, int64_t n, const T* __restrict__ grad_out, int64_t chunks) {
   using A = typename Acc<T>::type;
   const A go = static_cast<A>(grad_out[0]);
   if (go == A(1)) return;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride)
-    grad[i] = static_cast<T>(static_cast<A>(grad[i]) * go);
+  for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) scale_span_chunk<kThreads, kScaleUnroll>(grad, n, go, c);
 }
 
 // -------------------------------------------------------------------------------------------- checks
@@ -396,8 +397,9 @@ void kl_div_scale_grad_(at::Tensor grad, const at::Tensor& grad_out) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "kl_div_scale_grad", [&] {
     using T = scalar_t;
     auto k = scale_kernel<T>;
-    k<<<grid_for_kernel(k, grad.numel()), kThreads, 0, stream>>>(grad.data_ptr<T>(), grad.numel(),
-                                                                 grad_out.data_ptr<T>());
+    const int64_t chunks = scale_span_chunks<kThreads, kScaleUnroll, T>(grad.numel());
+    k<<<grid_for_kernel(k, chunks * kThreads), kThreads, 0, stream>>>(grad.data_ptr<T>(), grad.numel(),
+                                                                      grad_out.data_ptr<T>(), chunks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

@@ -705,6 +705,26 @@ def test_opcheck_scale_grad(device):
     torch.library.opcheck(torch.ops.kldiv_inline.kl_div_scale_grad_.default, (grad, torch.tensor(2.5, device=device)))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_scale_grad_in_place_at_any_length_and_alignment(device, dtype):
+    # kl_div_scale_grad_, the backward's pass over the fused gradient when grad_output is not 1: each entry times
+    # the factor, rounded once to the dtype, at lengths and starts that leave the CUDA kernel an unaligned head,
+    # whole 16-byte vectors and a tail; nothing beside the span written; a factor of 1 leaves it as it is.
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    for n in (1, 7, 33, 2053, 70001):
+        for off in (0, 1, 3):
+            base = (torch.randn(off + n + 8, device=device) * 3).to(dtype)
+            g = base[off:off + n]
+            go = (torch.randn((), device=device) * 2).to(dtype)
+            expect = base.clone()
+            expect[off:off + n] = (expect[off:off + n].to(acc) * go.to(acc)).to(dtype)
+            torch.ops.kldiv_inline.kl_div_scale_grad_(g, go)
+            assert torch.equal(base, expect), (n, off)
+            same = base.clone()
+            torch.ops.kldiv_inline.kl_div_scale_grad_(g, torch.ones((), dtype=dtype, device=device))
+            assert torch.equal(base, same), (n, off, "factor 1")
+
+
 # ------------------------------------------------------------------------------- 7. torch.compile
 @pytest.mark.parametrize("case", ["kl_div-batchmean", "from_probs-sum-both", "kl_div-none-mixed"])
 def test_torch_compile_fullgraph(device, case):
