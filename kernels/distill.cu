@@ -1333,6 +1333,30 @@ at::Tensor distill_reduction_scale(const at::Tensor& rows, const c10::optional<a
   return inv;
 }
 
+// Pinned host memory that kernels write, registered with PyTorch's pinned-memory cache once they are queued (as a
+// non-blocking copy into pinned memory is): should its tensor be freed before they have run, the cache does not
+// hand the buffer out again until then. The event is recorded when this leaves scope, i.e. after every launch
+// declared after it, whether the function returns or throws; the destructor never throws.
+namespace {
+struct PinnedUse {
+  void* ptr = nullptr;
+  void* ctx = nullptr;
+  c10::Stream stream = c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CUDA, 0));
+  void arm(void* p, void* c, c10::Stream s) {
+    ptr = p;
+    ctx = c;
+    stream = s;
+  }
+  ~PinnedUse() {
+    if (!ptr) return;
+    try {
+      at::getHostAllocator(at::kCUDA)->record_event(ptr, ctx, stream);
+    } catch (...) {  // (a failing CUDA call here has its error raised by the next check)
+    }
+  }
+};
+}  // namespace
+
 std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Tensor& lp, int64_t vocab,
                                              const c10::optional<at::Tensor>& labels, int64_t ignore_index,
                                              double slack_log, const c10::optional<at::Tensor>& flags_out) {
@@ -1343,6 +1367,7 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
   at::Tensor out = at::empty_like(lp);
   at::Tensor flags;
   int* dflags = nullptr;  // where the kernel writes them
+  PinnedUse pinned_use;   // (declared before the launches: its destructor runs after them, on every path)
   if (flags_out.has_value()) {
     // Pinned host memory, zeroed here and written by the kernel through its mapped address: the eager step's
     // verdicts need no device buffer, memset or copy, each a call on its host path (the caller hands a buffer that
@@ -1358,9 +1383,7 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
                   cudaGetErrorString(err));
     }
     dflags = static_cast<int*>(mapped);
-    // Should the tensor be freed before the kernel has run, PyTorch's pinned-memory cache must not hand the buffer
-    // out again until then (as it does for a non-blocking copy into pinned memory).
-    at::getHostAllocator(at::kCUDA)->record_event(host, flags.storage().data_ptr().get_context(), stream.unwrap());
+    pinned_use.arm(host, flags.storage().data_ptr().get_context(), stream.unwrap());
   } else {
     // Zeroed by one memset, not at::zeros (a fill kernel through the dispatcher).
     flags = at::empty({3}, idx.options().dtype(at::kInt));
