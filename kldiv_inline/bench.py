@@ -176,7 +176,7 @@ def write_csv(rows: list[dict], path: Path) -> Path:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'impl':<16}{'pass':<8}{'form':<9}{'dtype':<9}{'shape':>14}{'median ms':>11}{'x floor':>9}"
+    lines = [f"{'impl':<16}{'pass':<10}{'form':<9}{'dtype':<9}{'shape':>14}{'median ms':>11}{'x floor':>9}"
              f"{'% peak':>8}  status"]
 
     def num(v, fmt):
@@ -184,7 +184,7 @@ def table(rows: list[dict]) -> str:
 
     for r in rows:
         shape = f"{r['batch']}x{r['features']}"
-        lines.append(f"{r['impl']:<16}{r['pass']:<8}{r['form']:<9}{r['dtype']:<9}{shape:>14}"
+        lines.append(f"{r['impl']:<16}{r['pass']:<10}{r['form']:<9}{r['dtype']:<9}{shape:>14}"
                      f"{num(r.get('median_ms'), '.4f'):>11}{num(r.get('x_floor'), '.3f'):>9}"
                      f"{num(r.get('pct_of_peak'), '.1f'):>8}  {r['status'][:40]}")
     return "\n".join(lines)

@@ -9,6 +9,11 @@ as its users call it (when installed). Every provider is checked against the flo
 the case, then timed (``harness.bench``, with the peak memory a call allocates beyond its inputs). On the CPU the
 same cases run at a small size (the CPU twin).
 
+One more row, ``fwd+bwd/4``: forward KL's training step with the loss divided by 4 before backward, as gradient
+accumulation over 4 micro-batches (or any weighted loss) has it: grad_output is 0.25, so the kit's backward
+rescales the gradient its forward wrote (one more read and write of it) where torch.compile folds the factor into
+its backward. Its floor is fwd+bwd's: what a step must move if the factor were known in the forward.
+
 Floors: fwd+bwd reads both logit tensors and writes the student's gradient once (3 tensors); fwd reads both
 (2); topk reads the student's logits and writes their gradient (2; the top-k pair is 0.16% of that). These are
 the goals' floors (``bytes``, ``x_floor``). A masked token's logits need not be read at all (its loss is 0 and its
@@ -32,6 +37,8 @@ TEMPERATURE = 2.0
 MASKED = 0.10       # share of tokens whose label is ignore_index
 TOPK = 100
 CHECK_ROWS = 256    # rows of a case checked against float64 (the whole case's float64 copies would need ~40 GiB)
+ACCUMULATION = 4    # the micro-batches of the gradient-accumulation row: its loss is divided by this before backward
+ACCUMULATED = f"fwd+bwd/{ACCUMULATION}"  # that row's pass
 
 
 def sizes(device: str) -> tuple[int, int]:
@@ -54,14 +61,20 @@ def make_inputs(tokens: int, vocab: int, device: str, seed: int | None = None):
 
 
 # ------------------------------------------------------------------------------------------- providers
-def _step(loss_fn: Callable) -> Callable:
-    """A training step: the loss and d loss / d student logits (the student is a leaf that requires grad)."""
+def _step(loss_fn: Callable, divide: int = 1) -> Callable:
+    """A training step: the loss and d (loss / divide) / d student logits (the student is a leaf that requires
+    grad). ``divide`` > 1: gradient accumulation's scaled loss (backward gets grad_output 1 / divide)."""
     def run(s, *rest):
         s.grad = None
         loss = loss_fn(s, *rest)
-        loss.backward()
+        (loss / divide if divide != 1 else loss).backward()
         return loss, s.grad
     return run
+
+
+def _training(pass_: str) -> int:
+    """0 for a forward-only pass, else the divisor of the loss before backward (1 for fwd+bwd)."""
+    return {"fwd": 0, "fwd+bwd": 1, ACCUMULATED: ACCUMULATION}[pass_]
 
 
 def _fresh_student(s, *rest):
@@ -81,13 +94,15 @@ def logits_providers(beta: float, pass_: str, device: str) -> dict[str, Callable
         out["torch_compile"] = torch.compile(trl, dynamic=False)
         liger = liger_generalized_jsd()
         out["liger"] = liger and (lambda s, t, y: liger(s, t, y, beta=beta, temperature=TEMPERATURE))
-    return {k: (_step(f) if f and pass_ == "fwd+bwd" else f) for k, f in out.items()}
+    divide = _training(pass_)
+    return {k: (_step(f, divide) if f and divide else f) for k, f in out.items()}
 
 
 def logits_reference(beta: float, pass_: str) -> Callable:
     def ref(s, t, y):
         return generalized_jsd_reference(s, t, beta=beta, temperature=TEMPERATURE, labels=y)
-    return _step(ref) if pass_ == "fwd+bwd" else ref
+    divide = _training(pass_)
+    return _step(ref, divide) if divide else ref
 
 
 def topk_providers(beta: float) -> dict[str, Callable]:
@@ -122,7 +137,8 @@ def _run(providers, reference, case: harness.Case, check_case: harness.Case, nby
 
 
 def run(device: str, floor: floors.Floor, reps: int = 10, betas=(0.0, 0.5, 1.0)) -> list[dict]:
-    """Every row of the suite on `device`: logits fwd+bwd per beta, logits fwd for beta 0 and 0.5, topk fwd+bwd."""
+    """Every row of the suite on `device`: logits fwd+bwd per beta, logits fwd for beta 0 and 0.5, topk fwd+bwd,
+    and forward KL's step with its loss divided by ACCUMULATION (pass ACCUMULATED)."""
     tokens, vocab = sizes(device)
     s, t, y, idx, lp = make_inputs(tokens, vocab, device)
     n = CHECK_ROWS
@@ -130,20 +146,19 @@ def run(device: str, floor: floors.Floor, reps: int = 10, betas=(0.0, 0.5, 1.0))
     unmasked_bytes = int((y != -100).sum()) * vocab * s.element_size()  # (the rows whose logits must be read)
     base = {"dtype": "bfloat16", "batch": tokens, "features": vocab}
     rows = []
-    for beta in betas:
-        for pass_ in ("fwd+bwd", "fwd"):
-            if pass_ == "fwd" and beta == 1.0:
-                continue
-            torch._dynamo.reset()  # torch.compile sees each case fresh
-            meta = {**base, "pass": pass_, "form": "logits", "beta": beta}
-            name = f"{pass_} logits beta={beta:g} {tokens}x{vocab}"
-            setup = _fresh_student if pass_ == "fwd+bwd" else None
-            case = harness.Case(name, (s, t, y), meta)
-            small = harness.Case(name, (s[:n], t[:n], y[:n]), meta)
-            nbytes = (3 if pass_ == "fwd+bwd" else 2) * tensor_bytes
-            moved = 2 * unmasked_bytes + (tensor_bytes if pass_ == "fwd+bwd" else 0)
-            rows += _run(logits_providers(beta, pass_, device), logits_reference(beta, pass_), case, small, nbytes,
-                         moved, floor, reps, setup, inference=pass_ == "fwd")
+    cases = [(beta, pass_) for beta in betas for pass_ in ("fwd+bwd", "fwd") if not (pass_ == "fwd" and beta == 1.0)]
+    for beta, pass_ in cases + [(0.0, ACCUMULATED)]:
+        torch._dynamo.reset()  # torch.compile sees each case fresh
+        training = _training(pass_) > 0
+        meta = {**base, "pass": pass_, "form": "logits", "beta": beta}
+        name = f"{pass_} logits beta={beta:g} {tokens}x{vocab}"
+        setup = _fresh_student if training else None
+        case = harness.Case(name, (s, t, y), meta)
+        small = harness.Case(name, (s[:n], t[:n], y[:n]), meta)
+        nbytes = (3 if training else 2) * tensor_bytes
+        moved = 2 * unmasked_bytes + (tensor_bytes if training else 0)
+        rows += _run(logits_providers(beta, pass_, device), logits_reference(beta, pass_), case, small, nbytes,
+                     moved, floor, reps, setup, inference=not training)
     meta = {**base, "pass": "fwd+bwd", "form": "topk", "beta": 0.0}
     name = f"fwd+bwd topk{idx.shape[-1]} beta=0 {tokens}x{vocab}"
     case = harness.Case(name, (s, idx, lp, y), meta)

@@ -1587,3 +1587,15 @@ def test_module_errors_reach_python_in_a_process_of_their_own():
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert len(lines) >= 2 and all(": raised: distill" in ln for ln in lines), lines
+
+
+def test_bench_accumulation_row_divides_the_loss_before_backward():
+    # The distillation suite's fwd+bwd/4 row (gradient accumulation): the same loss as fwd+bwd's step and a quarter
+    # of its gradient (backward gets grad_output 0.25; a power of two, so exact), ours and the reference alike.
+    from kldiv_inline import bench_distill as BD
+    s, t, y, _, _ = BD.make_inputs(8, 64, "cpu")
+    for make in (lambda p: BD.logits_providers(0.0, p, "cpu")[BD.OURS], lambda p: BD.logits_reference(0.0, p)):
+        loss1, g1 = make("fwd+bwd")(*BD._fresh_student(s, t, y))
+        loss4, g4 = make(BD.ACCUMULATED)(*BD._fresh_student(s, t, y))
+        assert torch.equal(loss1, loss4) and g1.abs().max() > 0
+        assert torch.equal(g4, g1 / BD.ACCUMULATION)
