@@ -562,10 +562,11 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
 #include "distill_split_topk.cuh"
 #include "distill_stream_forward.cuh"
 
-// 1 / (rows whose label is not ignore_index), 0 when there are none: the batchmean divisor, on the device.
+// factor / (rows whose label is not ignore_index), 0 when there are none: the batchmean divisor's reciprocal (times
+// the caller's loss_scale), on the device.
 __global__ void __launch_bounds__(
     1024) inv_count_kernel(const int64_t* __restrict__ labels, int64_t n, int64_t ignore_index,
-                                          double* __restrict__ inv) {
+                                          double factor, double* __restrict__ inv) {
   __shared__ long long part[32];
   long long c = 0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) c += labels[i] != ignore_index;
@@ -575,7 +576,7 @@ __global__ void __launch_bounds__(
   if (threadIdx.x == 0) {
     long long total = 0;
     for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) total += part[w];
-    *inv = total > 0 ? 1.0 / static_cast<double>(total) : 0.0;
+    *inv = total > 0 ? factor / static_cast<double>(total) : 0.0;
   }
 }
 
@@ -1160,11 +1161,11 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
                                         const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
                                         double temperature, int64_t reduction, bool want_student, bool want_teacher,
                                         const c10::optional<at::Tensor>& grad_student_out,
-                                        const c10::optional<at::Tensor>& scale) {
+                                        const c10::optional<at::Tensor>& scale, double loss_scale) {
   check_device(student);
   const Rows r =
       prepare_forward(student, teacher, topk_idx, topk_lp, labels, beta, temperature, reduction, want_teacher);
-  const double* scale_given = forward_scale(scale, r, reduction);
+  const double* scale_given = forward_scale(scale, r, reduction, loss_scale);
   const c10::cuda::CUDAGuard guard(student.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto acc = acc_type(r.s.scalar_type());
@@ -1172,17 +1173,18 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
   at::Tensor rows_loss = at::empty({r.n}, r.s.options().dtype(acc));
   at::Tensor gs = want_student ? grad_buffer(grad_student_out, r) : at::Tensor();
   at::Tensor gt = want_teacher ? at::empty({r.n, r.v}, r.s.options()) : at::Tensor();
-  // batchmean with labels: the divisor is counted on the device (no synchronisation); otherwise known here.
+  // The scale of the loss and its gradients: loss_scale, over the divisor for batchmean. batchmean with labels: the
+  // divisor is counted on the device (no synchronisation); otherwise known here.
   at::Tensor inv_div;
-  double inv_host = 1.0;
+  double inv_host = loss_scale;
   if (reduction == RED_BATCHMEAN) {
     if (r.labels.defined() && r.n > 0) {
       inv_div = at::empty({}, dopts);
-      inv_count_kernel<<<1, 1024, 0, stream>>>(r.labels.data_ptr<int64_t>(), r.n, ignore_index,
+      inv_count_kernel<<<1, 1024, 0, stream>>>(r.labels.data_ptr<int64_t>(), r.n, ignore_index, loss_scale,
                                                inv_div.data_ptr<double>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else {
-      inv_host = r.n > 0 ? 1.0 / static_cast<double>(r.n) : 0.0;
+      inv_host = r.n > 0 ? loss_scale / static_cast<double>(r.n) : 0.0;
     }
   }
   if (r.n > 0) {
@@ -1211,7 +1213,7 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
-  if (reduction == RED_NONE) return {rows_loss, gs, gt};
+  if (reduction == RED_NONE) return {scaled_rows(rows_loss, loss_scale), gs, gt};
   at::Tensor loss = at::empty({}, r.s.options().dtype(acc));
   AT_DISPATCH_FLOATING_TYPES(acc, "distill_total", [&] {
     total_kernel<scalar_t><<<1, 1024, 0, stream>>>(rows_loss.data_ptr<scalar_t>(), r.n,
@@ -1318,17 +1320,17 @@ std::vector<at::Tensor> distill_combine(const at::Tensor& parts, int64_t reducti
 }
 
 at::Tensor distill_reduction_scale(const at::Tensor& rows, const c10::optional<at::Tensor>& labels,
-                                   int64_t ignore_index, int64_t reduction) {
+                                   int64_t ignore_index, int64_t reduction, double factor) {
   check_device(rows);
-  check_scale_labels(rows, labels, reduction);
+  check_scale_labels(rows, labels, reduction, factor);
   const int64_t n = rows.size(0);
   const auto dopts = rows.options().dtype(at::kDouble);
-  if (reduction != RED_BATCHMEAN) return at::full({}, 1.0, dopts);
-  if (!labels.has_value() || n == 0) return at::full({}, n > 0 ? 1.0 / static_cast<double>(n) : 0.0, dopts);
+  if (reduction != RED_BATCHMEAN) return at::full({}, factor, dopts);
+  if (!labels.has_value() || n == 0) return at::full({}, n > 0 ? factor / static_cast<double>(n) : 0.0, dopts);
   const c10::cuda::CUDAGuard guard(rows.device());
   at::Tensor inv = at::empty({}, dopts);
   inv_count_kernel<<<1, 1024, 0, c10::cuda::getCurrentCUDAStream()>>>(labels->data_ptr<int64_t>(), n, ignore_index,
-                                                                      inv.data_ptr<double>());
+                                                                      factor, inv.data_ptr<double>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return inv;
 }

@@ -22,13 +22,15 @@ const char* distill_backend();
 // logits if want_teacher}. The gradients are those of the reduced loss (for none: of the sum of the rows' losses).
 // scale: with reduction sum only, a 0-d float64 tensor on the logits' device that multiplies the loss and the
 // gradients (the fused LM head's batchmean divisor, counted over the whole batch on the device).
+// loss_scale: a finite constant that multiplies the loss (each row's for none) and the gradients, folded into the
+// reduction's scale (gradient accumulation's 1 / steps: no pass over the gradient in backward); 1 with a scale.
 std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::optional<at::Tensor>& teacher,
                                         const c10::optional<at::Tensor>& topk_idx,
                                         const c10::optional<at::Tensor>& topk_lp,
                                         const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
                                         double temperature, int64_t reduction, bool want_student, bool want_teacher,
                                         const c10::optional<at::Tensor>& grad_student_out,
-                                        const c10::optional<at::Tensor>& scale);
+                                        const c10::optional<at::Tensor>& scale, double loss_scale);
 
 // One phase of a call whose vocabulary is split across processes (each holds a slice of every row):
 //   0 (norms): returns {[n, 4] the normalisers of student and teacher logits / T over this slice: (max, log of
@@ -79,11 +81,11 @@ std::vector<at::Tensor> distill_peer_terms(const at::Tensor& student, const at::
                                            const c10::optional<at::Tensor>& grad_student_out, const at::Tensor& peers,
                                            const at::Tensor& epoch, int64_t rank, int64_t cap);
 
-// A reduction's divisor's reciprocal as a 0-d float64 tensor on the device of rows [n, ...]: for batchmean 1 /
-// the rows whose label is not ignore_index (all n without labels; 0 when none is), else 1. Counted on the device:
-// nothing waits for it.
+// A reduction's divisor's reciprocal times factor (a finite loss_scale) as a 0-d float64 tensor on the device of
+// rows [n, ...]: for batchmean factor / the rows whose label is not ignore_index (all n without labels; 0 when none
+// is), else factor. Counted on the device: nothing waits for it.
 at::Tensor distill_reduction_scale(const at::Tensor& rows, const c10::optional<at::Tensor>& labels,
-                                   int64_t ignore_index, int64_t reduction);
+                                   int64_t ignore_index, int64_t reduction, double factor);
 
 // Whether distill_forward can write d loss / d student logits over the student logits themselves
 // (grad_student_out aliasing the student) for rows of `vocab` entries of `element_size` bytes (with a teacher's

@@ -10,7 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("distill_forward", &distill_forward, "divergence of student and teacher logits (see distill_api.h)",
         py::arg("student"), py::arg("teacher"), py::arg("topk_idx"), py::arg("topk_lp"), py::arg("labels"),
         py::arg("ignore_index"), py::arg("beta"), py::arg("temperature"), py::arg("reduction"), py::arg("want_student"),
-        py::arg("want_teacher"), py::arg("grad_student_out") = py::none(), py::arg("scale") = py::none());
+        py::arg("want_teacher"), py::arg("grad_student_out") = py::none(), py::arg("scale") = py::none(),
+        py::arg("loss_scale") = 1.0);
   m.def("distill_phase", &distill_phase, "one phase of a vocabulary-parallel divergence", py::arg("phase"),
         py::arg("student"), py::arg("teacher"), py::arg("labels"), py::arg("ignore_index"), py::arg("beta"),
         py::arg("temperature"), py::arg("norms"), py::arg("ksums"), py::arg("scale"), py::arg("want_student"),
@@ -27,7 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("reduction"), py::arg("scale"), py::arg("want_student"), py::arg("want_teacher"),
         py::arg("grad_student_out"), py::arg("peers"), py::arg("epoch"), py::arg("rank"), py::arg("cap"));
   m.def("distill_reduction_scale", &distill_reduction_scale, "a reduction's divisor's reciprocal, on the device",
-        py::arg("rows"), py::arg("labels"), py::arg("ignore_index"), py::arg("reduction"));
+        py::arg("rows"), py::arg("labels"), py::arg("ignore_index"), py::arg("reduction"), py::arg("factor") = 1.0);
   m.def("distill_in_place_ok", &distill_in_place_ok, "whether d logits may be written over the logits",
         py::arg("vocab"), py::arg("element_size"), py::arg("topk"));
   m.def("distill_topk_prepare", &distill_topk_prepare, "a top-k teacher normalised, with its checks' flags",

@@ -277,17 +277,19 @@ void check_device(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu(), "distill (cpu backend): expected CPU tensors, got ", x.device());
 }
 
-// The reduction's divisor's reciprocal: for batchmean 1 / the rows whose label is not ignore_index (all n
-// without labels; 0 when none is), else 1 (none: per row, scaled in backward by grad_output).
-double reduction_inv(const at::Tensor& labels, int64_t n, int64_t ignore_index, int64_t reduction) {
-  if (reduction != RED_BATCHMEAN) return 1.0;
+// The reduction's divisor's reciprocal times factor (distill_forward's loss_scale): for batchmean factor / the rows
+// whose label is not ignore_index (all n without labels; 0 when none is), else factor (none: per row, scaled in
+// backward by grad_output). One rounding, as distill.cu's inv_count_kernel.
+double reduction_inv(const at::Tensor& labels, int64_t n, int64_t ignore_index, int64_t reduction,
+                     double factor = 1.0) {
+  if (reduction != RED_BATCHMEAN) return factor;
   int64_t count = n;
   if (labels.defined()) {
     const int64_t* lab = labels.data_ptr<int64_t>();
     count = 0;
     for (int64_t i = 0; i < n; ++i) count += lab[i] != ignore_index;
   }
-  return count > 0 ? 1.0 / static_cast<double>(count) : 0.0;
+  return count > 0 ? factor / static_cast<double>(count) : 0.0;
 }
 
 }  // namespace
@@ -303,23 +305,23 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
                                         const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
                                         double temperature, int64_t reduction, bool want_student, bool want_teacher,
                                         const c10::optional<at::Tensor>& grad_student_out,
-                                        const c10::optional<at::Tensor>& scale) {
+                                        const c10::optional<at::Tensor>& scale, double loss_scale) {
   check_device(student);
   Args a{prepare_forward(student, teacher, topk_idx, topk_lp, labels, beta, temperature, reduction, want_teacher),
          ignore_index, beta, 1.0 / temperature};
   const Rows& r = a.r;
-  const double* scale_given = forward_scale(scale, r, reduction);
+  const double* scale_given = forward_scale(scale, r, reduction, loss_scale);
   const auto acc = acc_type(r.s.scalar_type());
   at::Tensor rows_loss = at::empty({r.n}, r.s.options().dtype(acc));
   at::Tensor gs = want_student ? grad_buffer(grad_student_out, r) : at::Tensor();
   at::Tensor gt = want_teacher ? at::empty({r.n, r.v}, r.s.options()) : at::Tensor();
   // The gradients are those of the reduced loss.
-  const double inv_div = scale_given ? *scale_given : reduction_inv(r.labels, r.n, ignore_index, reduction);
+  const double inv_div = scale_given ? *scale_given : reduction_inv(r.labels, r.n, ignore_index, reduction, loss_scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.s.scalar_type(), "distill_forward", [&] {
     dispatch_mode(mode_of(beta),
                   [&](auto mode_c) { forward_rows<scalar_t, decltype(mode_c)::value>(a, inv_div, rows_loss, gs, gt); });
   });
-  if (reduction == RED_NONE) return {rows_loss, gs, gt};
+  if (reduction == RED_NONE) return {scaled_rows(rows_loss, loss_scale), gs, gt};
   double total = 0.0;
   AT_DISPATCH_FLOATING_TYPES(acc, "distill_total", [&] {
     const scalar_t* l = rows_loss.data_ptr<scalar_t>();
@@ -423,10 +425,10 @@ std::vector<at::Tensor> distill_peer_terms(const at::Tensor&, const at::Tensor&,
 }
 
 at::Tensor distill_reduction_scale(const at::Tensor& rows, const c10::optional<at::Tensor>& labels,
-                                   int64_t ignore_index, int64_t reduction) {
+                                   int64_t ignore_index, int64_t reduction, double factor) {
   check_device(rows);
-  check_scale_labels(rows, labels, reduction);
-  return at::full({}, reduction_inv(opt(labels), rows.size(0), ignore_index, reduction),
+  check_scale_labels(rows, labels, reduction, factor);
+  return at::full({}, reduction_inv(opt(labels), rows.size(0), ignore_index, reduction, factor),
                   rows.options().dtype(at::kDouble));
 }
 

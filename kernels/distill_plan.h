@@ -100,8 +100,10 @@ inline int64_t check_combine(const at::Tensor& parts, int64_t reduction, const c
   return width;
 }
 
-// distill_reduction_scale's labels: none, or contiguous int64 [n] on the rows' device.
-inline void check_scale_labels(const at::Tensor& rows, const c10::optional<at::Tensor>& labels, int64_t reduction) {
+// distill_reduction_scale's labels: none, or contiguous int64 [n] on the rows' device; its factor finite.
+inline void check_scale_labels(const at::Tensor& rows, const c10::optional<at::Tensor>& labels, int64_t reduction,
+                               double factor) {
+  TORCH_CHECK(std::isfinite(factor), "distill: loss_scale must be finite, got ", factor);
   TORCH_CHECK(rows.dim() >= 1, "distill: the rows must have a leading dimension");
   TORCH_CHECK(reduction >= RED_NONE && reduction <= RED_BATCHMEAN, "distill: unknown reduction code ", reduction);
   check_labels(opt(labels), rows.size(0), rows.device(), "rows'");
@@ -115,11 +117,21 @@ inline const double* device_scale(const c10::optional<at::Tensor>& scale, const 
   return scale->data_ptr<double>();
 }
 
-// distill_forward's optional scale: with reduction sum only; null when not given.
-inline const double* forward_scale(const c10::optional<at::Tensor>& scale, const Rows& r, int64_t reduction) {
+// distill_forward's optional scale: with reduction sum only, and loss_scale 1 (the caller's scale holds it); null
+// when not given. loss_scale must be finite.
+inline const double* forward_scale(const c10::optional<at::Tensor>& scale, const Rows& r, int64_t reduction,
+                                   double loss_scale) {
+  TORCH_CHECK(std::isfinite(loss_scale), "distill: loss_scale must be finite, got ", loss_scale);
   if (!scale.has_value()) return nullptr;
   TORCH_CHECK(reduction == RED_SUM, "distill: a scale goes with reduction sum only");
+  TORCH_CHECK(loss_scale == 1.0, "distill: with a scale given, fold loss_scale into it");
   return device_scale(scale, r);
+}
+
+// reduction none's losses [n] times loss_scale (in place; as they are for 1).
+inline at::Tensor scaled_rows(at::Tensor& rows_loss, double loss_scale) {
+  if (loss_scale != 1.0 && rows_loss.numel() > 0) rows_loss.mul_(loss_scale);
+  return rows_loss;
 }
 
 // Output buffer for the student's gradient: a given one (written in place, e.g. over the logits themselves) or

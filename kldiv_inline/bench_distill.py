@@ -9,10 +9,11 @@ as its users call it (when installed). Every provider is checked against the flo
 the case, then timed (``harness.bench``, with the peak memory a call allocates beyond its inputs). On the CPU the
 same cases run at a small size (the CPU twin).
 
-One more row, ``fwd+bwd/4``: forward KL's training step with the loss divided by 4 before backward, as gradient
-accumulation over 4 micro-batches (or any weighted loss) has it: grad_output is 0.25, so the kit's backward
-rescales the gradient its forward wrote (one more read and write of it) where torch.compile folds the factor into
-its backward. Its floor is fwd+bwd's: what a step must move if the factor were known in the forward.
+One more row, ``fwd+bwd/4``: forward KL's training step for gradient accumulation over 4 micro-batches, i.e. the
+loss a quarter of fwd+bwd's, each provider as its users write it: the peers divide the loss by 4 before backward
+(torch.compile folds the factor into its backward), the kit is given ``loss_scale=0.25``, which its forward folds
+into the gradient it writes (dividing its loss instead costs one more read and write of the gradient in backward:
+``tools/scale_pass.py`` times that pass). Its floor is fwd+bwd's.
 
 Floors: fwd+bwd reads both logit tensors and writes the student's gradient once (3 tensors); fwd reads both
 (2); topk reads the student's logits and writes their gradient (2; the top-k pair is 0.16% of that). These are
@@ -62,12 +63,14 @@ def make_inputs(tokens: int, vocab: int, device: str, seed: int | None = None):
 
 # ------------------------------------------------------------------------------------------- providers
 def _step(loss_fn: Callable, divide: int = 1) -> Callable:
-    """A training step: the loss and d (loss / divide) / d student logits (the student is a leaf that requires
-    grad). ``divide`` > 1: gradient accumulation's scaled loss (backward gets grad_output 1 / divide)."""
+    """A training step: loss / divide and its gradient w.r.t. the student logits (the student is a leaf that
+    requires grad). ``divide`` > 1: gradient accumulation's scaled loss (backward gets grad_output 1 / divide)."""
     def run(s, *rest):
         s.grad = None
         loss = loss_fn(s, *rest)
-        (loss / divide if divide != 1 else loss).backward()
+        if divide != 1:
+            loss = loss / divide
+        loss.backward()
         return loss, s.grad
     return run
 
@@ -83,8 +86,11 @@ def _fresh_student(s, *rest):
 
 
 def logits_providers(beta: float, pass_: str, device: str) -> dict[str, Callable | None]:
+    divide = _training(pass_)
+    scale = 1.0 / divide if divide > 1 else 1.0  # the kit's loss_scale: the accumulation's divisor, folded
+
     def ours(s, t, y):
-        return generalized_jsd(s, t, beta=beta, temperature=TEMPERATURE, labels=y)
+        return generalized_jsd(s, t, beta=beta, temperature=TEMPERATURE, labels=y, loss_scale=scale)
 
     def trl(s, t, y):
         return trl_generalized_jsd(s, t, y, beta=beta, temperature=TEMPERATURE)
@@ -94,8 +100,7 @@ def logits_providers(beta: float, pass_: str, device: str) -> dict[str, Callable
         out["torch_compile"] = torch.compile(trl, dynamic=False)
         liger = liger_generalized_jsd()
         out["liger"] = liger and (lambda s, t, y: liger(s, t, y, beta=beta, temperature=TEMPERATURE))
-    divide = _training(pass_)
-    return {k: (_step(f, divide) if f and divide else f) for k, f in out.items()}
+    return {k: (_step(f, 1 if k == OURS else divide) if f and divide else f) for k, f in out.items()}
 
 
 def logits_reference(beta: float, pass_: str) -> Callable:

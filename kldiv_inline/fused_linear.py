@@ -46,6 +46,7 @@ from .distill import (
     _rows,
     _scaled,
     _validate_topk,
+    check_loss_scale,
     is_topk_pair,
     refuse_transforms,
 )
@@ -144,17 +145,17 @@ def _unmasked_first(labels: Tensor, ignore_index: int):
 def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor | None,
            t_weight: Tensor | None, t_bias: Tensor | None, t_logits: Tensor | None,
            topk_idx: Tensor | None, topk_lp: Tensor | None, labels: Tensor | None, ignore_index: int,
-           beta: float, temperature: float, batchmean: bool, chunk_size: int, accum_dtype: torch.dtype | None,
-           group_name: str | None, skip_masked: bool, offset: int, whole: int, want_hidden: bool, want_weight: bool,
-           want_bias: bool):
-    """The loss (batchmean or sum) and its gradients w.r.t. hidden [n, H], weight and bias (each only if wanted,
-    else an empty tensor). With ``group_name``, the vocabulary (weight's rows, bias, teacher logits) is this rank's
-    slice: each chunk's divergence runs in kldiv_inline.vocab_parallel's phases, and grad hidden is summed over
+           beta: float, temperature: float, batchmean: bool, loss_scale: float, chunk_size: int,
+           accum_dtype: torch.dtype | None, group_name: str | None, skip_masked: bool, offset: int, whole: int,
+           want_hidden: bool, want_weight: bool, want_bias: bool):
+    """The loss (batchmean or sum, times loss_scale) and its gradients w.r.t. hidden [n, H], weight and bias (each only
+    if wanted, else an empty tensor). With ``group_name``, the vocabulary (weight's rows, bias, teacher logits) is this
+    rank's slice: each chunk's divergence runs in kldiv_inline.vocab_parallel's phases, and grad hidden is summed over
     the group at the end; with a top-k teacher too, ``offset`` is where this rank's rows start in the vocabulary of
-    ``whole`` entries (the front end gathered every rank's width to check the global indices: no second gather
-    here), else both are -1. ``skip_masked`` (with labels): the chunks run over the tokens in _unmasked_first's order
-    and stop after the unmasked ones; the first chunk's products are queued before their count is known, so where
-    fewer tokens than a chunk are unmasked, that chunk holds masked ones too (their labels mask them)."""
+    ``whole`` entries (the front end gathered every rank's width to check the global indices: no second gather here),
+    else both are -1. ``skip_masked`` (with labels): the chunks run over the tokens in _unmasked_first's order and stop
+    after the unmasked ones; the first chunk's products are queued before their count is known, so where fewer tokens
+    than a chunk are unmasked, that chunk holds masked ones too (their labels mask them)."""
     n, vocab = hidden.shape[0], weight.shape[0]
     acc_t = _acc_dtype(hidden.dtype)
     mod = _module(hidden.device)
@@ -206,8 +207,10 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
     # float16, whose range would flush the scaled d logits to zero: there it is applied to each chunk's product
     # for grad weight in float32 (grad weight sums every token's contribution, so its unscaled sum can pass
     # float16's 65504 where the gradient itself does not), and at the end to the loss, grad hidden and grad bias.
-    scale = mod.distill_reduction_scale(hidden, labels, ignore_index, _REDUCTION_CODE["batchmean"]) \
-        if batchmean else None
+    # loss_scale is folded into that scale (for sum it is the scale): nothing rescales the gradients in backward.
+    code = _REDUCTION_CODE["batchmean" if batchmean else "sum"]
+    scale = mod.distill_reduction_scale(hidden, labels, ignore_index, code, loss_scale) \
+        if batchmean or loss_scale != 1.0 else None
     in_kernel = scale is not None and hidden.dtype != torch.float16
     k_scale = scale if in_kernel else None  # the kernels' scale (None: their sum)
     late = scale.to(acc_t) if scale is not None and not in_kernel else None  # applied at the end
@@ -279,18 +282,18 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
 def _fused_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor | None,
               t_weight: Tensor | None, t_bias: Tensor | None, t_logits: Tensor | None,
               topk_idx: Tensor | None, topk_lp: Tensor | None, labels: Tensor | None, ignore_index: int,
-              beta: float, temperature: float, batchmean: bool, chunk_size: int, accum_dtype: torch.dtype | None,
-              group_name: str | None, skip_masked: bool, offset: int, whole: int, want_hidden: bool,
-              want_weight: bool, want_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+              beta: float, temperature: float, batchmean: bool, loss_scale: float, chunk_size: int,
+              accum_dtype: torch.dtype | None, group_name: str | None, skip_masked: bool, offset: int, whole: int,
+              want_hidden: bool, want_weight: bool, want_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _fused(hidden, weight, bias, t_hidden, t_weight, t_bias, t_logits, topk_idx, topk_lp, labels,
-                  ignore_index, beta, temperature, batchmean, chunk_size, accum_dtype, group_name, skip_masked,
-                  offset, whole, want_hidden, want_weight, want_bias)
+                  ignore_index, beta, temperature, batchmean, loss_scale, chunk_size, accum_dtype, group_name,
+                  skip_masked, offset, whole, want_hidden, want_weight, want_bias)
 
 
 @_fused_op.register_fake
 def _(hidden, weight, bias, t_hidden, t_weight, t_bias, t_logits, topk_idx, topk_lp, labels, ignore_index, beta,
-      temperature, batchmean, chunk_size, accum_dtype, group_name, skip_masked, offset, whole, want_hidden,
-      want_weight, want_bias):
+      temperature, batchmean, loss_scale, chunk_size, accum_dtype, group_name, skip_masked, offset, whole,
+      want_hidden, want_weight, want_bias):
     acc_t = _acc_dtype(hidden.dtype)
     empty = hidden.new_empty((0,))
     return (hidden.new_empty((), dtype=acc_t), hidden.new_empty(hidden.shape) if want_hidden else empty,
@@ -298,13 +301,13 @@ def _(hidden, weight, bias, t_hidden, t_weight, t_bias, t_logits, topk_idx, topk
             bias.new_empty(bias.shape) if want_bias else empty.clone())
 
 
-_N_INPUTS = 23
+_N_INPUTS = 24
 
 
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:10])
-    ctx.args = inputs[10:20]  # (ignore_index ... whole)
-    ctx.wanted = inputs[20:23]
+    ctx.args = inputs[10:21]  # (ignore_index ... whole)
+    ctx.wanted = inputs[21:24]
     _, g_hidden, g_weight, g_bias = output
     # Held outside save_for_backward: backward rescales them in place and hands them over as the gradients.
     ctx.fused = tuple(g.detach() for g in (g_hidden, g_weight, g_bias))
@@ -514,7 +517,7 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
                                  ignore_index: int = -100, reduction: str = "batchmean",
                                  chunk_size: int | None = None,
                                  accum_dtype: torch.dtype | None = None, group=None,
-                                 skip_masked: bool = False) -> Tensor:
+                                 skip_masked: bool = False, loss_scale: float = 1.0) -> Tensor:
     """``generalized_jsd(student_hidden @ student_weight.T + student_bias, <teacher logits>, ...)`` without the
     logits ever being whole: the same loss (beta, temperature, labels/ignore_index, reductions "batchmean" and
     "sum"), computed chunk by chunk of tokens.
@@ -539,6 +542,10 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     ``accum_dtype``: the grad weight's accumulator over the chunks; None accumulates in the weight's dtype,
     ``torch.float32`` (for 16-bit weights) in a float32 copy (2x the weight's size more memory) rounded once at the
     end. The loss is float32 (float64 for float64 inputs). Double backward is not supported (a clear error).
+
+    ``loss_scale`` (a finite Python number): the loss and its gradients are multiplied by it, in the kernels' own
+    scale: gradient accumulation over n micro-batches passes ``1 / n`` and backward has nothing to rescale (dividing
+    the loss instead costs a pass over each gradient there, the weight's among them); see ``generalized_jsd``.
 
     ``group`` (a ``torch.distributed`` process group): the vocabulary is split across its ranks (Megatron's
     column-parallel head): each rank passes its contiguous slice of the weights' rows (and biases, or teacher
@@ -567,6 +574,7 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     # collective or paired it with a later one.
     due, on = same_call_due(student_hidden, group) if isinstance(group, dist.ProcessGroup) else (False, None)
     try:
+        loss_scale = check_loss_scale(loss_scale, _WHO)
         c = _checked_locally(student_hidden, student_weight, teacher_hidden, teacher_weight, teacher_logits,
                              teacher_topk, student_bias, teacher_bias, beta, temperature, labels, ignore_index,
                              reduction, chunk_size, accum_dtype, group, skip_masked)
@@ -613,7 +621,8 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
 
     hidden = student_hidden.reshape(n, student_hidden.shape[-1])  # n, not -1: a hidden size of 0 is legal
     args = (hidden, student_weight, student_bias, c.t_hidden, c.t_weight, c.t_bias, c.t_logits, idx, lp, c.lab,
-            int(ignore_index), c.beta, c.temperature, reduction == "batchmean", int(chunk_size), c.accum_dtype,
+            int(ignore_index), c.beta, c.temperature, reduction == "batchmean", loss_scale, int(chunk_size),
+            c.accum_dtype,
             c.name, c.skip_masked, *(placed(widths, group) if c.form == 2 and widths is not None else (-1, -1)))
     if not any(wants) and not _is_tracing(hidden):
         loss = _fused(*args, False, False, False)[0]
@@ -624,7 +633,7 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
             student_hidden, student_weight, teacher_hidden, teacher_weight, teacher_logits=teacher_logits,
             teacher_topk=teacher_topk, student_bias=student_bias, teacher_bias=teacher_bias, beta=beta,
             temperature=temperature, labels=labels, ignore_index=ignore_index, reduction=reduction, chunk_size=None,
-            accum_dtype=accum_dtype, group=group, skip_masked=skip_masked)
+            accum_dtype=accum_dtype, group=group, skip_masked=skip_masked, loss_scale=loss_scale)
     return loss
 
 
@@ -634,7 +643,8 @@ class FusedLinearGeneralizedJSDLoss(torch.nn.Module):
     function (teacher_logits, teacher_topk, biases, labels, accum_dtype, group) pass through ``forward``."""
 
     def __init__(self, beta: float = 0.0, temperature: float = 1.0, ignore_index: int = -100,
-                 reduction: str = "batchmean", chunk_size: int | None = None, skip_masked: bool = False):
+                 reduction: str = "batchmean", chunk_size: int | None = None, skip_masked: bool = False,
+                 loss_scale: float = 1.0):
         super().__init__()
         # Checked now, so a wrong setting fails where it is made.
         _check_settings(beta, temperature, ignore_index, reduction)
@@ -643,16 +653,20 @@ class FusedLinearGeneralizedJSDLoss(torch.nn.Module):
                              "'sum'")
         _check_chunk_size(chunk_size)
         _check_skip_masked(skip_masked, None)
+        check_loss_scale(loss_scale, "FusedLinearGeneralizedJSDLoss")
         self.beta, self.temperature, self.ignore_index = beta, temperature, ignore_index
         self.reduction, self.chunk_size, self.skip_masked = reduction, chunk_size, skip_masked
+        self.loss_scale = loss_scale
 
     def forward(self, student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor | None = None,
                 teacher_weight: Tensor | None = None, **kwargs) -> Tensor:
         return fused_linear_generalized_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight,
                                             beta=self.beta, temperature=self.temperature,
                                             ignore_index=self.ignore_index, reduction=self.reduction,
-                                            chunk_size=self.chunk_size, skip_masked=self.skip_masked, **kwargs)
+                                            chunk_size=self.chunk_size, skip_masked=self.skip_masked,
+                                            loss_scale=self.loss_scale, **kwargs)
 
     def extra_repr(self) -> str:
+        scale = f", loss_scale={self.loss_scale}" if self.loss_scale != 1.0 else ""
         return (f"beta={self.beta}, temperature={self.temperature}, ignore_index={self.ignore_index}, "
-                f"reduction={self.reduction!r}, chunk_size={self.chunk_size}, skip_masked={self.skip_masked}")
+                f"reduction={self.reduction!r}, chunk_size={self.chunk_size}, skip_masked={self.skip_masked}{scale}")

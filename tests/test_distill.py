@@ -1329,6 +1329,139 @@ def test_module_form(device):
         K.GeneralizedJSDLoss(beta=1.5)
 
 
+# ------------------------------------------------------------------ loss_scale (gradient accumulation's 1 / n)
+def random_loss_scale():
+    """A factor for loss_scale: of either sign (a weighted difference of losses), never 1."""
+    return (float(torch.rand(())) * 2 + 0.05) * (-1.0 if float(torch.rand(())) < 0.3 else 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=_id)
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("form", ["logits", "topk"])
+def test_loss_scale_multiplies_loss_and_gradients(device, dtype, beta, reduction, form):
+    # loss_scale c: the loss (each token's for none) and every gradient are c times float64's, with grad_output 1
+    # (the forward wrote them scaled: backward has nothing to rescale).
+    vocab = 301
+    s = logits((3, 4, vocab), dtype, device, scale=2.0).requires_grad_()
+    lab = labels_for((3, 4), device)
+    c = random_loss_scale()
+    kw = dict(beta=beta, temperature=1.5, labels=lab, reduction=reduction)
+    if form == "logits":
+        t = logits((3, 4, vocab), dtype, device, scale=2.0).requires_grad_()
+    else:
+        t, kw["teacher_topk"] = None, topk_teacher((3, 4), vocab, 7, device)
+    out, grads = run(s, t, None, loss_scale=c, **kw)
+    ref, ref_grads = reference(s, t, torch.full(out.shape, c, dtype=torch.float64, device=device), **kw)
+    assert_close(out, ref * c, LOSS_TOL[dtype], "loss")
+    assert len(grads) == len(ref_grads) == (2 if form == "logits" else 1)
+    tol = 1e-4 if dtype == torch.float32 else GRAD_TOL[dtype] if dtype != torch.float64 else 1e-11
+    for g, r, name in zip(grads, ref_grads, ("student grad", "teacher grad")):
+        assert g.dtype == dtype
+        assert_close(g, r, tol, name)
+        assert (g[lab == -100] == 0).all()
+    if reduction == "none":
+        assert (out[lab == -100] == 0).all()
+
+
+@pytest.mark.parametrize("form", ["logits", "topk"])
+def test_loss_scale_equals_dividing_the_loss(device, form):
+    # loss_scale = 1 / 4 against (loss / 4).backward(): the same loss and, up to bfloat16 rounding (the divided
+    # loss's gradient is rounded twice: once as written, once rescaled), the same gradient.
+    s = logits((6, 1000), torch.bfloat16, device).requires_grad_()
+    lab = labels_for((6,), device)
+    kw = dict(beta=0.5 if form == "logits" else 0.0, temperature=2.0, labels=lab)
+    if form == "logits":
+        kw["teacher_logits"] = logits((6, 1000), torch.bfloat16, device)
+    else:
+        kw["teacher_topk"] = topk_teacher((6,), 1000, 20, device)
+    folded = K.generalized_jsd(s, loss_scale=0.25, **kw)
+    (g_folded,) = torch.autograd.grad(folded, s)
+    divided = K.generalized_jsd(s, **kw) / 4
+    (g_divided,) = torch.autograd.grad(divided, s)
+    torch.testing.assert_close(folded, divided, rtol=1e-6, atol=0)
+    assert relative_error(g_folded, g_divided) <= 2**-8
+    assert float(g_folded.abs().max()) > 0
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_loss_scale_all_masked_and_zero(device, reduction):
+    s = logits((4, 50), torch.float32, device).requires_grad_()
+    t = logits((4, 50), torch.float32, device)
+    masked = torch.full((4,), -100, device=device)
+    out, (g,) = run(s, t, None, labels=masked, reduction=reduction, loss_scale=0.125)
+    assert (out == 0).all() and (g == 0).all()
+    out, (g,) = run(s, t, None, labels=labels_for((4,), device), reduction=reduction, loss_scale=0.0)
+    assert (out == 0).all() and (g == 0).all()
+
+
+def test_loss_scale_with_retain_graph_and_the_module(device):
+    s = logits((4, 33), torch.float32, device).requires_grad_()
+    t = logits((4, 33), torch.float32, device)
+    loss = K.generalized_jsd(s, t, beta=0.5, loss_scale=0.5)
+    (g1,) = torch.autograd.grad(loss, s, retain_graph=True)
+    (g2,) = torch.autograd.grad(loss * 3, s)  # recomputed by the second backward, scaled alike
+    torch.testing.assert_close(g2, 3 * g1)
+    (g0,) = torch.autograd.grad(K.generalized_jsd(s, t, beta=0.5), s)
+    torch.testing.assert_close(g1, 0.5 * g0)
+    crit = K.GeneralizedJSDLoss(beta=0.5, loss_scale=0.5)
+    torch.testing.assert_close(crit(s, t), loss)
+    assert "loss_scale=0.5" in repr(crit) and "loss_scale" not in repr(K.GeneralizedJSDLoss())
+
+
+@pytest.mark.parametrize("bad,error", [(float("nan"), ValueError), (float("inf"), ValueError),
+                                       (-float("inf"), ValueError), ("0.5", TypeError), (True, TypeError),
+                                       (None, TypeError)])
+def test_loss_scale_bad_values_raise(device, bad, error):
+    s = logits((2, 10), torch.float32, device).requires_grad_()
+    t = logits((2, 10), torch.float32, device)
+    with pytest.raises(error, match="loss_scale"):
+        K.generalized_jsd(s, t, loss_scale=bad)
+    with pytest.raises(error, match="loss_scale"):
+        K.GeneralizedJSDLoss(loss_scale=bad)
+
+
+def test_loss_scale_refuses_a_tensor_and_a_group(device):
+    s = logits((2, 10), torch.float32, device).requires_grad_()
+    t = logits((2, 10), torch.float32, device)
+    with pytest.raises(TypeError, match="multiply the loss"):
+        K.generalized_jsd(s, t, loss_scale=torch.tensor(0.5))
+    with pytest.raises(NotImplementedError, match="loss_scale"):
+        K.generalized_jsd(s, t, loss_scale=0.5, group=object())
+    # A direct call of the module: a non-finite loss_scale, and one beside a given device scale, are refused.
+    if device == "cpu":  # (an error raised in a CUDA extension's host code can crash the process on some set-ups)
+        mod = K.load(device, extension="distill")
+        args = (s.detach(), t, None, None, None, -100, 0.0, 1.0, 1, True, False, None)
+        with pytest.raises(RuntimeError, match="finite"):
+            mod.distill_forward(*args, None, float("nan"))
+        with pytest.raises(RuntimeError, match="fold loss_scale"):
+            mod.distill_forward(*args, torch.tensor(0.5, dtype=torch.float64), 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["forward KL", "JSD", "reverse KL", "topk"])
+def test_loss_scale_long_rows_cuda(form):
+    # The fast kernels (rows of 128256 bf16 logits): each takes the folded scale in its gradient pass.
+    s = logits((8, 128256), torch.bfloat16, "cuda", scale=2.0).requires_grad_()
+    lab = labels_for((8,), "cuda")
+    beta = {"forward KL": 0.0, "JSD": 0.5, "reverse KL": 1.0, "topk": 0.0}[form]
+    kw = dict(beta=beta, temperature=2.0, labels=lab)
+    t = None
+    if form == "topk":
+        kw["teacher_topk"] = topk_teacher((8,), 128256, 100, "cuda")
+    else:
+        t = logits((8, 128256), torch.bfloat16, "cuda", scale=2.0)
+    c = random_loss_scale()
+    out, (g,) = run(s, t, None, loss_scale=c, **kw)
+    ref, (r,) = reference(s, t, torch.tensor(c, dtype=torch.float64, device="cuda"), **kw)
+    assert_close(out, ref * c, LOSS_TOL[torch.bfloat16], "loss")
+    assert_grad_close(g, r, torch.bfloat16, "student grad")
+    assert (g[lab == -100] == 0).all()
+    plain, (g1,) = run(s, t, None, **kw)
+    torch.testing.assert_close(out, plain * c, rtol=1e-6, atol=0)
+    assert relative_error(g, g1 * c) <= 2**-8
+
+
 def test_deterministic(device):
     s = logits((16, 1000), torch.bfloat16, device).requires_grad_()
     t = logits((16, 1000), torch.bfloat16, device)
@@ -1351,10 +1484,10 @@ def test_opcheck(device):
     t = logits((4, 37), torch.float32, device).requires_grad_()
     lab = torch.tensor([1, -100, 2, 3], device=device)
     torch.library.opcheck(torch.ops.kldiv_inline.distill_forward.default,
-                          (s, t, None, None, lab, -100, 0.5, 2.0, 2, True, True))
+                          (s, t, None, None, lab, -100, 0.5, 2.0, 2, 1.0, True, True))
     idx, lp = topk_teacher((4,), 37, 5, device)
     torch.library.opcheck(torch.ops.kldiv_inline.distill_forward.default,
-                          (s, None, idx, lp, None, -100, 0.0, 1.0, 0, True, False))
+                          (s, None, idx, lp, None, -100, 0.0, 1.0, 0, 0.25, True, False))
 
 
 @pytest.mark.slow
@@ -1363,16 +1496,16 @@ def test_torch_compile_fullgraph(device):
     t = logits((8, 200), torch.float32, device)
     lab = labels_for((8,), device)
 
-    def step(a, b, y):
-        return K.generalized_jsd(a, b, beta=0.5, temperature=2.0, labels=y)
+    def step(a, b, y):  # (with a loss_scale: the custom op's schema carries it)
+        return K.generalized_jsd(a, b, beta=0.5, temperature=2.0, labels=y, loss_scale=0.75)
 
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True)
     loss = compiled(s, t, lab)
     (g,) = torch.autograd.grad(loss * 2, s)
-    ref, (rg,) = reference(s, t, torch.tensor(2.0, dtype=torch.float64, device=device), beta=0.5, temperature=2.0,
+    ref, (rg,) = reference(s, t, torch.tensor(1.5, dtype=torch.float64, device=device), beta=0.5, temperature=2.0,
                            labels=lab)
-    assert_close(loss, ref, 2e-6, "loss")
+    assert_close(loss, ref * 0.75, 2e-6, "loss")
     assert_close(g, rg, GRAD_TOL[torch.float32], "grad")
 
 
@@ -1589,13 +1722,20 @@ def test_module_errors_reach_python_in_a_process_of_their_own():
     assert len(lines) >= 2 and all(": raised: distill" in ln for ln in lines), lines
 
 
-def test_bench_accumulation_row_divides_the_loss_before_backward():
-    # The distillation suite's fwd+bwd/4 row (gradient accumulation): the same loss as fwd+bwd's step and a quarter
-    # of its gradient (backward gets grad_output 0.25; a power of two, so exact), ours and the reference alike.
+def test_bench_accumulation_row_quarters_loss_and_gradient(monkeypatch):
+    # The distillation suite's fwd+bwd/4 row (gradient accumulation): a quarter of fwd+bwd's loss and gradient (a
+    # power of two, so exact in every dtype), each provider its own way: ours through loss_scale (folded into the
+    # forward), the peers and the reference by dividing the loss before backward.
     from kldiv_inline import bench_distill as BD
     s, t, y, _, _ = BD.make_inputs(8, 64, "cpu")
-    for make in (lambda p: BD.logits_providers(0.0, p, "cpu")[BD.OURS], lambda p: BD.logits_reference(0.0, p)):
+    makers = [lambda p, name=name: BD.logits_providers(0.0, p, "cpu")[name] for name in (BD.OURS, "torch_eager")]
+    for make in makers + [lambda p: BD.logits_reference(0.0, p)]:
         loss1, g1 = make("fwd+bwd")(*BD._fresh_student(s, t, y))
         loss4, g4 = make(BD.ACCUMULATED)(*BD._fresh_student(s, t, y))
-        assert torch.equal(loss1, loss4) and g1.abs().max() > 0
+        assert torch.equal(loss4, loss1 / BD.ACCUMULATION) and g1.abs().max() > 0
         assert torch.equal(g4, g1 / BD.ACCUMULATION)
+    calls = []  # ours is given loss_scale (no division in backward): seen in its call
+    real = BD.generalized_jsd
+    monkeypatch.setattr(BD, "generalized_jsd", lambda *a, **kw: calls.append(kw.get("loss_scale")) or real(*a, **kw))
+    BD.logits_providers(0.0, BD.ACCUMULATED, "cpu")[BD.OURS](*BD._fresh_student(s, t, y))
+    assert calls == [1 / BD.ACCUMULATION]

@@ -322,6 +322,58 @@ def test_grad_output_and_retain_graph(device):
         torch.testing.assert_close(c, -2.5 * a)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=_id)
+@pytest.mark.parametrize("reduction", ["batchmean", "sum"])
+@pytest.mark.parametrize("form", TEACHERS)
+def test_loss_scale_multiplies_loss_and_gradients(device, dtype, reduction, form):
+    # loss_scale c (gradient accumulation's 1 / n, folded into the kernels' scale): the loss and every gradient c
+    # times float64's, with grad_output 1.
+    lead, vocab = (3, 5), 37
+    h, w, b = leaves(*head(lead, 16, vocab, dtype, device))
+    t_kw, t_ref = teacher(form, lead, vocab, dtype, device)
+    kw = dict(beta=0.5, temperature=1.5, labels=labels_for(lead, device), reduction=reduction)
+    c = (float(torch.rand(())) + 0.1) * (-1.0 if float(torch.rand(())) < 0.3 else 1.0)
+    loss, grads = run(h, w, b, t_kw, chunk_size=7, loss_scale=c, **kw)
+    ref, rgrads = reference(h, w, b, t_ref, c, **kw)
+    assert_close(loss, ref * c, LOSS_TOL[dtype], "loss")
+    assert len(grads) == 3
+    for g, r, name in zip(grads, rgrads, ("hidden", "weight", "bias")):
+        assert_close(g, r, GRAD_TOL[dtype], f"grad {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
+@pytest.mark.parametrize("reduction", ["batchmean", "sum"])
+def test_loss_scale_16bit_equals_scaling_the_loss(device, dtype, reduction):
+    # 16-bit: float16 applies the scale at the end (its range), bfloat16 in the kernels; against grad_output c,
+    # the same up to 16-bit rounding.
+    lead, vocab = (20,), 300
+    h, w, b = leaves(*head(lead, 32, vocab, dtype, device))
+    t_kw, _ = teacher("logits", lead, vocab, dtype, device)
+    kw = dict(beta=0.0, temperature=2.0, labels=labels_for(lead, device), reduction=reduction, chunk_size=6)
+    loss, grads = run(h, w, b, t_kw, loss_scale=0.125, **kw)
+    plain, pgrads = run(h, w, b, t_kw, 0.125, **kw)
+    torch.testing.assert_close(loss, plain * 0.125, rtol=1e-6, atol=0)
+    for g, p, name in zip(grads, pgrads, ("hidden", "weight", "bias")):
+        assert relative_error(g, p) <= 2**-6, name
+        assert float(g.abs().max()) > 0
+
+
+def test_loss_scale_module_and_errors(device):
+    lead, vocab = (6,), 30
+    h, w, _ = leaves(*head(lead, 8, vocab, torch.float32, device, bias=False))
+    th, tw, _ = head(lead, 8, vocab, torch.float32, device, bias=False)
+    crit = K.FusedLinearGeneralizedJSDLoss(beta=0.5, chunk_size=4, loss_scale=0.25)
+    torch.testing.assert_close(crit(h, w, th, tw), K.fused_linear_generalized_jsd(h, w, th, tw, beta=0.5,
+                                                                                  chunk_size=4) * 0.25)
+    assert "loss_scale=0.25" in repr(crit)
+    for bad, error in ((float("nan"), ValueError), (float("inf"), ValueError), ("1", TypeError),
+                       (torch.tensor(0.5), TypeError)):
+        with pytest.raises(error, match="loss_scale"):
+            K.fused_linear_generalized_jsd(h, w, th, tw, loss_scale=bad)
+        with pytest.raises(error, match="loss_scale"):
+            K.FusedLinearGeneralizedJSDLoss(loss_scale=bad)
+
+
 def test_double_backward_raises(device):
     h, w, _ = leaves(*head((4,), 8, 20, torch.float32, device, bias=False))
     t_kw, _ = teacher("logits", (4,), 20, torch.float32, device)
@@ -507,7 +559,8 @@ def test_kernel_refusing_in_place_falls_back_to_a_buffer(device, monkeypatch):
             return False
 
         def distill_forward(self, student, *args):
-            in_place = len(args) == 11 and args[10] is not None and args[10].data_ptr() == student.data_ptr()
+            # (args after the student: teacher ... reduction, want_student, want_teacher, grad_student_out, ...)
+            in_place = len(args) > 10 and args[10] is not None and args[10].data_ptr() == student.data_ptr()
             calls.append(in_place)
             assert not in_place, "d logits written over the logits although the kernel said it cannot"
             return real.distill_forward(student, *args)
@@ -547,16 +600,17 @@ def test_opcheck(device):
     th, tw, _ = head((6,), 5, 11, torch.float32, device, bias=False)
     lab = torch.tensor([1, -100, 2, 3, 4, 5], device=device)
     op = torch.ops.kldiv_inline.fused_linear_distill.default
-    # (..., chunk_size, accum_dtype, group_name, skip_masked, offset, whole, want_hidden, want_weight, want_bias)
-    torch.library.opcheck(op, (h, w, b, None, None, None, t, None, None, lab, -100, 0.5, 2.0, True, 4, None, None,
-                               False, -1, -1, True, True, True))
-    torch.library.opcheck(op, (h, w, None, th, tw, None, None, None, None, None, -100, 0.0, 1.0, False, 100, None,
-                               None, False, -1, -1, True, False, False))
+    # (..., batchmean, loss_scale, chunk_size, accum_dtype, group_name, skip_masked, offset, whole, want_hidden,
+    #  want_weight, want_bias)
+    torch.library.opcheck(op, (h, w, b, None, None, None, t, None, None, lab, -100, 0.5, 2.0, True, 1.0, 4, None,
+                               None, False, -1, -1, True, True, True))
+    torch.library.opcheck(op, (h, w, None, th, tw, None, None, None, None, None, -100, 0.0, 1.0, False, 0.5, 100,
+                               None, None, False, -1, -1, True, False, False))
     idx, lp = topk_teacher((6,), 11, 3, device)
-    torch.library.opcheck(op, (h, w, b, None, None, None, None, idx, lp, lab, -100, 1.0, 1.5, True, 5, None, None,
-                               False, -1, -1, False, True, True))
-    torch.library.opcheck(op, (h, w, b, th, tw, None, None, None, None, lab, -100, 0.5, 2.0, True, 4, None, None,
-                               True, -1, -1, True, True, True))  # skip_masked
+    torch.library.opcheck(op, (h, w, b, None, None, None, None, idx, lp, lab, -100, 1.0, 1.5, True, 0.25, 5, None,
+                               None, False, -1, -1, False, True, True))
+    torch.library.opcheck(op, (h, w, b, th, tw, None, None, None, None, lab, -100, 0.5, 2.0, True, 1.0, 4, None,
+                               None, True, -1, -1, True, True, True))  # skip_masked
 
 
 @pytest.mark.slow
@@ -566,17 +620,17 @@ def test_torch_compile_fullgraph(device):
     th, tw, tb = head(lead, 16, vocab, torch.float32, device)
     lab = labels_for(lead, device)
 
-    def step(h, w, b, th, tw, tb, y):
+    def step(h, w, b, th, tw, tb, y):  # (with a loss_scale: the custom op's schema carries it)
         return K.fused_linear_generalized_jsd(h, w, th, tw, student_bias=b, teacher_bias=tb, beta=0.5,
-                                              temperature=2.0, labels=y, chunk_size=5)
+                                              temperature=2.0, labels=y, chunk_size=5, loss_scale=0.5)
 
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True)
     loss = compiled(h, w, b, th, tw, tb, lab)
     grads = torch.autograd.grad(loss * 2, [h, w, b])
     t_ref = dict(teacher_logits=th.double() @ tw.double().T + tb.double())
-    ref, rgrads = reference(h, w, b, t_ref, 2.0, beta=0.5, temperature=2.0, labels=lab)
-    assert_close(loss, ref, 2e-6, "loss")
+    ref, rgrads = reference(h, w, b, t_ref, 1.0, beta=0.5, temperature=2.0, labels=lab)
+    assert_close(loss, ref * 0.5, 2e-6, "loss")
     for g, r in zip(grads, rgrads):
         assert_close(g, r, GRAD_TOL[torch.float32], "grad")
 

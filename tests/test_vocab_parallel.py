@@ -905,7 +905,12 @@ def test_reduction_scale_counts_on_the_device(device):
         got = mod.distill_reduction_scale(rows, labels, -100, code)
         assert got.shape == () and got.dtype == torch.float64 and got.device == rows.device
         assert got.item() == want, (labels, code)
+        # with a factor (a loss_scale): factor / count, rounded once
+        factor = float(torch.rand(())) + 0.1
+        scaled = mod.distill_reduction_scale(rows, labels, -100, code, factor).item()
+        assert scaled == (0.0 if want == 0 else factor if code != 2 else factor / round(1 / want)), (labels, code)
     assert mod.distill_reduction_scale(rows[:0], lab[:0], -100, 2).item() == 0.0
+    assert mod.distill_reduction_scale(rows[:0], lab[:0], -100, 2, 0.5).item() == 0.0
     with pytest.raises(RuntimeError, match="labels"):
         mod.distill_reduction_scale(rows, lab[:4], -100, 2)
 
