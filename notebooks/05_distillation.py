@@ -127,6 +127,25 @@ ref.backward()
 print(f"top-k: loss {loss.item():.6f} (float64 {ref.item():.6f}), grad rel err {relative_error(s.grad, s64.grad):.1e}")
 
 # %% [markdown]
+# Gradient accumulation over n micro-batches scales each loss by 1 / n. Divided after the call, `loss / n` reaches
+# backward as a grad_output of 1 / n and backward rescales the whole gradient the forward wrote (one more read and
+# write of it); given as `loss_scale=1 / n`, the constant is folded into the forward's own scale and backward has
+# nothing left to do. The same loss and, up to the gradient's rounding, the same gradient:
+
+# %%
+grads = {}
+for how in ("divided", "loss_scale"):
+    s = student.clone().requires_grad_()
+    if how == "divided":
+        loss = K.generalized_jsd(s, teacher, temperature=2.0, labels=labels) / 4
+    else:
+        loss = K.generalized_jsd(s, teacher, temperature=2.0, labels=labels, loss_scale=1 / 4)
+    loss.backward()
+    grads[how] = s.grad
+    print(f"{how:10s} loss {loss.item():.7f}")
+print(f"gradients apart by {relative_error(grads['loss_scale'], grads['divided']):.1e} (relative)")
+
+# %% [markdown]
 # ## 4. Timed against the peers
 #
 # `bench_distill.run` is the suite behind the distillation rows of `results/<device>/bench.csv`: bf16 logits
