@@ -519,7 +519,7 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     grad_output of 1 / n, which costs a pass over the whole gradient there (a read and a write of it: ~0.56 ms at
     4096 x 128256 bf16 on an H200, 60% of the training step), while the constant known before the forward costs
     nothing. A scale that changes from step to step on the device (a GradScaler's) goes through backward as usual.
-    Not with ``group`` (multiply the loss there).
+    With ``group``, every rank passes the same.
 
     ``group`` (a ``torch.distributed`` process group): the vocabulary is split across its ranks, each holding a
     contiguous slice of both logits in rank order (``kldiv_inline.vocab_parallel``); the loss is the global one
@@ -527,13 +527,10 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     """
     loss_scale = check_loss_scale(loss_scale)
     if group is not None:
-        if loss_scale != 1.0:
-            raise NotImplementedError("generalized_jsd: loss_scale is not supported with a group (the vocabulary "
-                                      "split across ranks): multiply the loss instead")
         from .vocab_parallel import generalized_jsd_vocab_parallel
         return generalized_jsd_vocab_parallel(student_logits, teacher_logits, teacher_topk=teacher_topk, beta=beta,
                                               temperature=temperature, labels=labels, ignore_index=ignore_index,
-                                              reduction=reduction, group=group)
+                                              reduction=reduction, group=group, loss_scale=loss_scale)
     args, lead, check = _prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, labels,
                                  ignore_index, reduction, defer_check=True)
     student, teacher = args[0], args[1]

@@ -489,7 +489,7 @@ def _checked_locally(student_hidden, student_weight, teacher_hidden, teacher_wei
 
 
 def _same_call_fields(beta=0.0, temperature=0.0, ignore_index=0, reduction="", rows=0, chunk_size=None, form=0,
-                      dtype=-1, skip_masked=False, hidden_grad=False) -> dict:
+                      dtype=-1, skip_masked=False, hidden_grad=False, loss_scale=1.0) -> dict:
     """The settings every rank of a group must pass alike, as check_same_call compares them (the same names in the
     same order on every rank; a refusing rank's are the defaults). chunk_size as given: None cuts the chunks from
     the ranks' widths and dtype, so ranks that give None and ranks that give a number would communicate apart.
@@ -498,7 +498,7 @@ def _same_call_fields(beta=0.0, temperature=0.0, ignore_index=0, reduction="", r
             "reduction": int(reduction == "batchmean"), "rows": rows,
             "chunk_size": None if chunk_size is None else int(chunk_size), "teacher form": form,
             "dtype (0 float16, 1 bfloat16, 2 float32, 3 float64)": dtype, "skip_masked": int(skip_masked),
-            "student_hidden's gradient": int(hidden_grad)}
+            "student_hidden's gradient": int(hidden_grad), "loss_scale": float(loss_scale)}
 
 
 def _replicated(hidden, t_hidden, pair) -> tuple:
@@ -589,7 +589,7 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     if due:
         check_same_call(group, _WHO, _same_call_fields(c.beta, c.temperature, ignore_index, reduction, c.n,
                                                        chunk_size, c.form, dtype_code(student_hidden.dtype),
-                                                       c.skip_masked, wants[0]),
+                                                       c.skip_masked, wants[0], loss_scale),
                         c.lab, also=_replicated(student_hidden, c.t_hidden, c.pair), device=on)
     vocab, device, n = student_weight.shape[0], c.device, c.n
     idx = lp = None

@@ -149,26 +149,26 @@ def _needs_phase2(beta: float, want_s: bool, want_t: bool) -> bool:
 
 def divergence_rows(student: Tensor, teacher: Tensor, labels: Tensor | None, ignore_index: int, beta: float,
                     temperature: float, group, scale: Tensor | None, reduction: int, want_s: bool, want_t: bool,
-                    grad_student_out: Tensor | None = None):
+                    grad_student_out: Tensor | None = None, loss_scale: float = 1.0):
     """The phases and their collectives over rows [n, v_local]: (the loss: the rows' [n] for reduction none, else
     their sum times ``scale``; the student's and the teacher's gradients of this slice or None), the gradients
     of the rows' sum times ``scale`` (0-d float64 on the device; None: the reduction's own, batchmean's divisor
-    counted from the labels), the student's written into ``grad_student_out`` when given. The module combines the
-    gathered statistics (distill_combine): with the combination in PyTorch operations (~60 small calls a step)
-    the step waited on the host, 1.5 ms of host time against 0.8 ms of kernels on two H200s."""
+    counted from the labels, times ``loss_scale``), the student's written into ``grad_student_out`` when given. The
+    module combines the gathered statistics (distill_combine): with the combination in PyTorch operations (~60
+    small calls a step) the step waited on the host, 1.5 ms of host time against 0.8 ms of kernels on two H200s."""
     mod = distill._module(student.device)
     common = (labels, ignore_index, beta, temperature)
     peers = _peer_route(student, group)
     if peers is not None:  # the rows' statistics through peer memory (and forward KL's logits read once)
         if scale is None:
-            scale = mod.distill_reduction_scale(student, labels, ignore_index, reduction)
+            scale = mod.distill_reduction_scale(student, labels, ignore_index, reduction, loss_scale)
         loss, ksums, norms, gs, gt = mod.distill_peer_terms(student, teacher, *common, reduction, scale, want_s,
                                                             want_t, grad_student_out, peers.slots, peers.epoch,
                                                             peers.rank, peers.cap)
     else:
         local_norms = mod.distill_phase(0, student, teacher, *common, None, None, None, False, False)[0]
         if scale is None:  # after phase 0's launch: the host's time before the first kernel is the step's latency
-            scale = mod.distill_reduction_scale(student, labels, ignore_index, reduction)
+            scale = mod.distill_reduction_scale(student, labels, ignore_index, reduction, loss_scale)
         norms = mod.distill_combine(_all_gather(local_norms, group), 0)[0]
         terms, gs, gt = mod.distill_phase(1, student, teacher, *common, norms, None, scale, want_s, want_t,
                                           grad_student_out)
@@ -183,10 +183,11 @@ def divergence_rows(student: Tensor, teacher: Tensor, labels: Tensor | None, ign
 
 def topk_rows(student: Tensor, idx: Tensor, lp: Tensor, labels: Tensor | None, ignore_index: int, beta: float,
               temperature: float, reduction: int, group, offset: int, vocab: int, want_s: bool,
-              scale: Tensor | None = None):
+              scale: Tensor | None = None, loss_scale: float = 1.0):
     """A top-k teacher (global indices; this rank's slice starts at ``offset`` of ``vocab``): (the reduced loss,
     the student's gradient of this slice or None; that gradient times ``scale``, a device scalar, when given:
-    the fused head's batchmean divisor, applied before the gradient is rounded to the logits' dtype).
+    the fused head's batchmean divisor, applied before the gradient is rounded to the logits' dtype). Loss and
+    gradient times ``loss_scale``.
 
     The divergence runs over k + 1 buckets (the k tokens, the tail) whose student probabilities need the whole
     row: each rank gives the log-probabilities of the members it holds and its part of the tail's mass (the
@@ -214,7 +215,7 @@ def topk_rows(student: Tensor, idx: Tensor, lp: Tensor, labels: Tensor | None, i
     # 3.7e-5 relative to float64, where the one-device kernel, which forms the members' log-probabilities from
     # the logits, kept 2.4e-6).
     loss, g_buckets, _ = mod.distill_forward(buckets * temperature, None, arange, lp.double(), labels, ignore_index,
-                                             beta, temperature, reduction, want_s, False)
+                                             beta, temperature, reduction, want_s, False, None, None, loss_scale)
     loss = loss.to(acc)
     if not want_s:
         return loss, None
@@ -224,15 +225,19 @@ def topk_rows(student: Tensor, idx: Tensor, lp: Tensor, labels: Tensor | None, i
 
 def _run(student: Tensor, teacher: Tensor | None, idx: Tensor | None, lp: Tensor | None, labels: Tensor | None,
          settings: tuple, want_s: bool, want_t: bool):
-    """The reduced loss and the gradients (of the reduced loss; for none, of the rows' sum), or None.
-    ``settings``: (ignore_index, beta, temperature, reduction code, group, top-k offset, top-k vocabulary)."""
-    ignore_index, beta, temperature, reduction, group, offset, vocab = settings
+    """The reduced loss and the gradients (of the reduced loss; for none, of the rows' sum), or None, each times
+    loss_scale. ``settings``: (ignore_index, beta, temperature, reduction code, group, top-k offset, top-k
+    vocabulary, loss_scale)."""
+    ignore_index, beta, temperature, reduction, group, offset, vocab, loss_scale = settings
     if idx is not None:
         loss, gs = topk_rows(student, idx, lp, labels, ignore_index, beta, temperature, reduction, group, offset,
-                             vocab, want_s)
+                             vocab, want_s, loss_scale=loss_scale)
         return loss, gs, None
-    return divergence_rows(student, teacher, labels, ignore_index, beta, temperature, group, None, reduction,
-                           want_s, want_t)
+    loss, gs, gt = divergence_rows(student, teacher, labels, ignore_index, beta, temperature, group, None, reduction,
+                                   want_s, want_t, loss_scale=loss_scale)
+    if reduction == distill._REDUCTION_CODE["none"] and loss_scale != 1.0:
+        loss = loss * loss_scale  # (the rows' losses; the gradients took it with the scale)
+    return loss, gs, gt
 
 
 class _VocabParallelDivergence(torch.autograd.Function):
@@ -426,12 +431,12 @@ def dtype_code(dtype) -> int:
 
 
 def _call_fields(beta: float, temperature: float, ignore_index: int, code: int, rows: int, k: int,
-                 dtype: int = -1, wanted: int = 0) -> dict:
+                 dtype: int = -1, wanted: int = 0, loss_scale: float = 1.0) -> dict:
     """generalized_jsd's settings as check_same_call compares them (the same names, in order, on every rank);
     ``dtype``: dtype_code of the logits; ``wanted``: the gradients the call makes (they decide its exchanges)."""
     return {"beta": beta, "temperature": temperature, "ignore_index": ignore_index, "reduction": code,
             "rows": rows, "teacher_topk k": k, "dtype (0 float16, 1 bfloat16, 2 float32, 3 float64)": dtype,
-            "gradients (1 the student's, 2 the teacher's, 3 both)": wanted}
+            "gradients (1 the student's, 2 the teacher's, 3 both)": wanted, "loss_scale": loss_scale}
 
 
 def topk_also(pair) -> tuple:
@@ -512,7 +517,7 @@ def _cpu_call_header(student_logits, teacher_topk, group) -> tuple[int, int]:
 
 def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tensor | None, *, teacher_topk,
                                    beta: float, temperature: float, labels: Tensor | None, ignore_index: int,
-                                   reduction: str, group) -> Tensor:
+                                   reduction: str, group, loss_scale: float = 1.0) -> Tensor:
     """``generalized_jsd`` over a vocabulary split across ``group`` (see the module's docstring): the arguments
     are checked as there, the logits being this rank's slice. Every rank must call it with the same rows, labels
     and settings (a collective)."""
@@ -545,9 +550,9 @@ def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tenso
         k = idx.shape[-1] if idx is not None else -1
         check_same_call(group, "generalized_jsd",
                         _call_fields(beta, temperature, ignore_index, code, student.shape[0], k,
-                                     dtype_code(student.dtype), want_s + 2 * want_t), lab,
+                                     dtype_code(student.dtype), want_s + 2 * want_t, loss_scale), lab,
                         also=topk_also((idx, lp)), device=on)
-    settings = (ignore_index, beta, temperature, code, group, offset, vocab)
+    settings = (ignore_index, beta, temperature, code, group, offset, vocab, loss_scale)
     if want_s or want_t:
         loss = _VocabParallelDivergence.apply(student, teacher, idx, lp, lab, settings, want_s, want_t)
     else:
@@ -555,6 +560,6 @@ def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tenso
     if settled is not None and not settled():  # the slices' widths changed: again, with the new layout (all ranks)
         return generalized_jsd_vocab_parallel(student_logits, teacher_logits, teacher_topk=teacher_topk, beta=beta,
                                               temperature=temperature, labels=labels, ignore_index=ignore_index,
-                                              reduction=reduction, group=group)
+                                              reduction=reduction, group=group, loss_scale=loss_scale)
     check()
     return loss.reshape(lead) if code == distill._REDUCTION_CODE["none"] else loss

@@ -157,8 +157,9 @@ def _logits(shape, dtype, device, gen):
 
 
 def _one_case(rank, device, group, gen, *, widths, lead=(5,), dtype=torch.float32, beta=0.5, reduction="batchmean",
-              mask=0.3, teacher_grad=False, pad_rank=None, labels=True):
-    """One problem: the distributed loss and this rank's gradients against the one-process ones."""
+              mask=0.3, teacher_grad=False, pad_rank=None, labels=True, loss_scale=1.0):
+    """One problem: the distributed loss and this rank's gradients against the one-process ones (with the same
+    loss_scale)."""
     tol = TOL[dtype]
     vocab = sum(widths)
     s_full = _logits(lead + (vocab,), dtype, device, gen)
@@ -172,8 +173,9 @@ def _one_case(rank, device, group, gen, *, widths, lead=(5,), dtype=torch.float3
         lab = torch.randint(0, vocab, lead, generator=gen).to(device)
         lab = lab.masked_fill(torch.rand(lead, generator=gen).to(device) < mask, -100)
     temperature = float(torch.rand((), generator=gen)) * 2 + 0.5
-    kw = dict(beta=beta, temperature=temperature, labels=lab, reduction=reduction)
-    what = f"{dtype} widths={widths} lead={lead} beta={beta} {reduction} mask={mask} teacher_grad={teacher_grad}"
+    kw = dict(beta=beta, temperature=temperature, labels=lab, reduction=reduction, loss_scale=loss_scale)
+    what = (f"{dtype} widths={widths} lead={lead} beta={beta} {reduction} mask={mask} teacher_grad={teacher_grad} "
+            f"loss_scale={loss_scale}")
 
     def grads_of(s, t, group_):
         s = s.detach().clone().requires_grad_()
@@ -226,6 +228,10 @@ def _cases_body(rank, world, device, seed, widths_list, dtypes):
         _one_case(rank, device, group, gen, widths=w, beta=beta, pad_rank=world - 1, reduction="none")
         _one_case(rank, device, group, gen, widths=w, lead=(2, 3), beta=beta, labels=False, teacher_grad=True)
     _one_case(rank, device, group, gen, widths=w, lead=(0,), beta=0.5, reduction="sum")  # no tokens at all
+    for beta in (0.0, 0.5, 1.0):  # loss_scale (gradient accumulation's 1 / n): folded into the split's scale too
+        for reduction in ("batchmean", "sum", "none"):
+            _one_case(rank, device, group, gen, widths=w, beta=beta, reduction=reduction, teacher_grad=True,
+                      loss_scale=float(torch.rand((), generator=gen)) - 1.5)
     _extra_semantics(rank, device, group, gen, w)
 
 
@@ -264,8 +270,9 @@ def _extra_semantics(rank, device, group, gen, widths):
 
 
 def _topk_case(rank, device, group, gen, *, widths, k, lead=(6,), dtype=torch.float32, beta=0.5,
-               reduction="batchmean", mask=0.3):
-    """A top-k teacher with global indices (spread over the ranks' slices) against the one-process result."""
+               reduction="batchmean", mask=0.3, loss_scale=1.0):
+    """A top-k teacher with global indices (spread over the ranks' slices) against the one-process result (with
+    the same loss_scale)."""
     tol = TOL[dtype]
     vocab = sum(widths)
     lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
@@ -278,8 +285,8 @@ def _topk_case(rank, device, group, gen, *, widths, k, lead=(6,), dtype=torch.fl
     lab = torch.randint(0, vocab, lead, generator=gen).to(device)
     lab = lab.masked_fill(torch.rand(lead, generator=gen).to(device) < mask, -100)
     kw = dict(teacher_topk=(idx, lp), beta=beta, temperature=float(torch.rand((), generator=gen)) * 2 + 0.5,
-              labels=lab, reduction=reduction)
-    what = f"top-k {dtype} widths={widths} k={k} beta={beta} {reduction} mask={mask}"
+              labels=lab, reduction=reduction, loss_scale=loss_scale)
+    what = f"top-k {dtype} widths={widths} k={k} beta={beta} {reduction} mask={mask} loss_scale={loss_scale}"
     grad_out = (torch.rand(lead, generator=gen) + 0.5).to(device=device, dtype=acc)
 
     def run(s, group_):
@@ -310,6 +317,9 @@ def _topk_body(rank, world, device, seed, widths):
         _topk_case(rank, device, group, gen, widths=widths, k=vocab, beta=beta)  # no tail bucket
         _topk_case(rank, device, group, gen, widths=widths, k=vocab - 1, beta=beta, dtype=torch.float64)
         _topk_case(rank, device, group, gen, widths=widths, k=4, beta=beta, mask=1.1)  # every token masked
+        for reduction in ("batchmean", "none"):
+            _topk_case(rank, device, group, gen, widths=widths, k=5, beta=beta, reduction=reduction,
+                       loss_scale=float(torch.rand((), generator=gen)) + 0.1)
     # The slices change (the first rank's widens, so the others' offsets move): every rank sees that the layout it
     # learnt is stale and runs the step again with the new one, which the next call then uses.
     wider = (widths[0] + 4,) + tuple(widths[1:])
@@ -323,7 +333,7 @@ def _topk_body(rank, world, device, seed, widths):
 # ------------------------------------------------------------------------------------------- fused head
 def _fused_case(rank, device, group, gen, *, widths, n=7, hidden=6, dtype=torch.float32, beta=0.5,
                 reduction="batchmean", mask=0.3, teacher="hidden", bias=True, chunk_size=3, tol=None,
-                skip_masked=False):
+                skip_masked=False, loss_scale=1.0):
     """The fused LM head with the weights' rows (and bias, or teacher logits) split: the loss, grad hidden (the
     full one on every rank) and this rank's rows of grad weight and grad bias against the one-process ones (which
     run without ``skip_masked``)."""
@@ -346,9 +356,9 @@ def _fused_case(rank, device, group, gen, *, widths, n=7, hidden=6, dtype=torch.
     lab = torch.randint(0, vocab, (n,), generator=gen).to(device)
     lab = lab.masked_fill(torch.rand(n, generator=gen).to(device) < mask, -100)
     kw = dict(beta=beta, temperature=float(torch.rand((), generator=gen)) * 2 + 0.5, labels=lab,
-              reduction=reduction, chunk_size=chunk_size)
+              reduction=reduction, chunk_size=chunk_size, loss_scale=loss_scale)
     what = (f"fused {dtype} widths={widths} beta={beta} {reduction} mask={mask} teacher={teacher} bias={bias} "
-            f"skip_masked={skip_masked}")
+            f"skip_masked={skip_masked} loss_scale={loss_scale}")
 
     def run(sl, group_, cast=dtype, skip=False):
         def c(x):
@@ -394,6 +404,9 @@ def _fused_body(rank, world, device, seed, widths):
     for teacher in ("hidden", "logits", "topk"):  # only the unmasked tokens in the chunks, on every rank alike
         _fused_case(rank, device, group, gen, widths=widths, teacher=teacher, mask=0.5, skip_masked=True)
     _fused_case(rank, device, group, gen, widths=widths, mask=1.1, skip_masked=True)
+    for teacher, reduction in (("hidden", "batchmean"), ("logits", "sum"), ("topk", "batchmean")):  # loss_scale
+        _fused_case(rank, device, group, gen, widths=widths, teacher=teacher, reduction=reduction,
+                    loss_scale=float(torch.rand((), generator=gen)) + 0.1)
     _fused_default_chunk_cases(rank, device, group, gen, widths)
     _fused_topk_widths_gathered_once(rank, device, group, gen, widths)
     with pytest.raises(ValueError, match=rf"in \[0, {sum(widths)}\)"):  # checked against the whole vocabulary
@@ -446,8 +459,8 @@ def _fused_topk_widths_gathered_once(rank, device, group, gen, widths):
         VP._gathered_widths = real
     op = torch.ops.kldiv_inline.fused_linear_distill.default  # the op called without its place: refused (no gather)
     with pytest.raises(RuntimeError, match="place in the vocabulary"):
-        op(h, w.detach(), None, None, None, None, None, idx.to(device), lp.to(device), None, -100, 0.0, 1.0, True, 2,
-           None, group.group_name, False, -1, -1, False, False, False)
+        op(h, w.detach(), None, None, None, None, None, idx.to(device), lp.to(device), None, -100, 0.0, 1.0, True, 1.0,
+           2, None, group.group_name, False, -1, -1, False, False, False)
 
 
 def _fused_case_no_grad(rank, device, group, gen, widths):
@@ -489,7 +502,8 @@ def _mismatch_body(rank, world, device, seed):
                      (dict(beta=0.5 if rank == 0 else 0.3), "beta"),
                      (dict(labels=lab if rank == 0 else (lab + 1) % 20), "labels"),
                      (dict(labels=lab if rank == 0 else None), "labels"),
-                     (dict(reduction="sum" if rank == 0 else "batchmean"), "reduction")):
+                     (dict(reduction="sum" if rank == 0 else "batchmean"), "reduction"),
+                     (dict(loss_scale=0.25 if rank == 0 else 0.5), "loss_scale")):
         with pytest.raises(ValueError, match=f"different {what}"):
             K.generalized_jsd(s, t, group=group, **kw)
     # Logits of different dtypes (their statistics differ in size: gloo aborted the process)
@@ -517,6 +531,8 @@ def _mismatch_body(rank, world, device, seed):
         K.fused_linear_generalized_jsd(h, w, teacher_logits=t, chunk_size=2 if rank == 0 else 3, group=group)
     with pytest.raises(ValueError, match="different temperature"):
         K.fused_linear_generalized_jsd(h, w, teacher_logits=t, temperature=1.0 + rank, group=group)
+    with pytest.raises(ValueError, match="different loss_scale"):
+        K.fused_linear_generalized_jsd(h, w, teacher_logits=t, loss_scale=1.0 + rank, group=group)
     with pytest.raises(ValueError, match="different dtype"):
         K.fused_linear_generalized_jsd(h.double() if rank else h, w.double() if rank else w,
                                        teacher_logits=t.double() if rank else t, group=group)
