@@ -61,6 +61,10 @@ def test_generalized_jsd_snippet():
         assert line in snippet
         close(eval(line, {"K": K, "student_logits": s, "teacher_logits": t, "labels": labels}),
               generalized_jsd_reference(s, t, beta=beta, temperature=2.0, labels=labels))
+    line = "K.generalized_jsd(student_logits, teacher_logits, labels=labels, loss_scale=1 / 4)"  # accumulation
+    assert line in snippet
+    close(eval(line, {"K": K, "student_logits": s, "teacher_logits": t, "labels": labels}),
+          generalized_jsd_reference(s, t, labels=labels) / 4)
 
 
 def test_fused_linear_snippet():
