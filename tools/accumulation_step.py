@@ -11,13 +11,13 @@ round's figures with each other). Prints one JSON line, appended to $OUT/accumul
 
     python tools/accumulation_step.py [--reps 20] [--rounds 2] [--no-head]
 """
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from jsonl_out import emit  # noqa: E402
 
 import kldiv_inline as K  # noqa: E402
 from kldiv_inline import timing  # noqa: E402
@@ -89,11 +89,7 @@ def main() -> None:
             "fused head, JSD", lambda **kw: K.fused_linear_generalized_jsd(h, w, th, tw, beta=0.5, temperature=2.0,
                                                                           labels=labels, **kw), [h, w], reps, flush,
             rounds)
-    line = json.dumps(res)
-    print(line, flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "accumulation_step.jsonl"), "a") as f:
-            f.write(line + "\n")
+    emit(res, "accumulation_step.jsonl")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ distill_scale_grad_); PyTorch's own calls that the path makes (an event's record
 ones_like). A piece the package lacks is left out. Prints one JSON line (and appends it to $OUT/host_pieces.jsonl
 when OUT is set).
 """
-import json
 import os
 import sys
 import time
@@ -24,6 +23,7 @@ else:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from jsonl_out import emit  # noqa: E402
 
 import kldiv_inline  # noqa: E402
 from kldiv_inline import bench_distill as BD  # noqa: E402
@@ -123,11 +123,7 @@ def main() -> None:
     g, one = torch.empty_like(s), torch.ones((), device="cuda")
     res["distill_scale_grad_ (factor 1)"] = piece(lambda: mod.distill_scale_grad_(g, one), n)
     res["ones_like"] = piece(lambda: torch.ones_like(one), n)
-    line = json.dumps(res)
-    print(line, flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "host_pieces.jsonl"), "a") as f:
-            f.write(line + "\n")
+    emit(res, "host_pieces.jsonl")
 
 
 if __name__ == "__main__":

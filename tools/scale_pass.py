@@ -8,13 +8,13 @@ kernels/ tree, alternating:
     KLDIV_INLINE_KERNELS=/tmp/variant/kernels python tools/scale_pass.py --tag variant
     python tools/scale_pass.py --tag this
 """
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from jsonl_out import emit  # noqa: E402
 
 import kldiv_inline as K  # noqa: E402
 from kldiv_inline import timing  # noqa: E402
@@ -38,11 +38,7 @@ def main() -> None:
         med, q20, q80 = timing.quantiles(timing.time_cuda(lambda f=fn, x=grad, c=factor: f(x, c), [()], reps, 5,
                                                           flush))
         res[name] = {"ms": [round(med, 4), round(q20, 4), round(q80, 4)], "GB/s": round(moved / (med * 1e-3) / 1e9)}
-    line = json.dumps(res)
-    print(line, flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "scale_pass.jsonl"), "a") as f:
-            f.write(line + "\n")
+    emit(res, "scale_pass.jsonl")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ median and the 20% and 80% quantiles in ms: timed the suite's way (harness.bench
 around each call, 20 calls back to back (wall clock, one synchronisation), and the host's own time through one
 step from an idle GPU (wall clock around the call; it includes the top-k checks' wait for their small kernel).
 """
-import json
 import os
 import sys
 import time
@@ -22,6 +21,7 @@ else:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from jsonl_out import emit  # noqa: E402
 
 import kldiv_inline  # noqa: E402
 from kldiv_inline import bench_distill as BD  # noqa: E402
@@ -68,10 +68,7 @@ def main() -> None:
     res["topk host-only"] = quantiles(host_only(topk, (s, idx, lp, y)))
     res["logits fwdKL host-only"] = quantiles(host_only(logits, (s, t, y)))
     res["logits fwdKL suite-like"] = suite_way(logits, (s, t, y), 20)
-    print(json.dumps(res), flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "host2.jsonl"), "a") as f:
-            f.write(json.dumps(res) + "\n")
+    emit(res, "host2.jsonl")
 
 
 if __name__ == "__main__":
