@@ -100,10 +100,15 @@ inline int64_t check_combine(const at::Tensor& parts, int64_t reduction, const c
   return width;
 }
 
+// distill_forward's loss_scale and distill_reduction_scale's factor (the same constant): finite.
+inline void check_loss_scale(double loss_scale) {
+  TORCH_CHECK(std::isfinite(loss_scale), "distill: loss_scale must be finite, got ", loss_scale);
+}
+
 // distill_reduction_scale's labels: none, or contiguous int64 [n] on the rows' device; its factor finite.
 inline void check_scale_labels(const at::Tensor& rows, const c10::optional<at::Tensor>& labels, int64_t reduction,
                                double factor) {
-  TORCH_CHECK(std::isfinite(factor), "distill: loss_scale must be finite, got ", factor);
+  check_loss_scale(factor);
   TORCH_CHECK(rows.dim() >= 1, "distill: the rows must have a leading dimension");
   TORCH_CHECK(reduction >= RED_NONE && reduction <= RED_BATCHMEAN, "distill: unknown reduction code ", reduction);
   check_labels(opt(labels), rows.size(0), rows.device(), "rows'");
@@ -121,7 +126,7 @@ inline const double* device_scale(const c10::optional<at::Tensor>& scale, const 
 // when not given. loss_scale must be finite.
 inline const double* forward_scale(const c10::optional<at::Tensor>& scale, const Rows& r, int64_t reduction,
                                    double loss_scale) {
-  TORCH_CHECK(std::isfinite(loss_scale), "distill: loss_scale must be finite, got ", loss_scale);
+  check_loss_scale(loss_scale);
   if (!scale.has_value()) return nullptr;
   TORCH_CHECK(reduction == RED_SUM, "distill: a scale goes with reduction sum only");
   TORCH_CHECK(loss_scale == 1.0, "distill: with a scale given, fold loss_scale into it");
