@@ -38,7 +38,7 @@ TEMPERATURE = 2.0
 MASKED = 0.10       # share of tokens whose label is ignore_index
 TOPK = 100
 CHECK_ROWS = 256    # rows of a case checked against float64 (the whole case's float64 copies would need ~40 GiB)
-ACCUMULATION = 4    # the micro-batches of the gradient-accumulation row: its loss is divided by this before backward
+ACCUMULATION = 4    # the micro-batches of the gradient-accumulation row: its loss is fwd+bwd's / this
 ACCUMULATED = f"fwd+bwd/{ACCUMULATION}"  # that row's pass
 
 
@@ -143,7 +143,8 @@ def _run(providers, reference, case: harness.Case, check_case: harness.Case, nby
 
 def run(device: str, floor: floors.Floor, reps: int = 10, betas=(0.0, 0.5, 1.0)) -> list[dict]:
     """Every row of the suite on `device`: logits fwd+bwd per beta, logits fwd for beta 0 and 0.5, topk fwd+bwd,
-    and forward KL's step with its loss divided by ACCUMULATION (pass ACCUMULATED)."""
+    and forward KL's step with its loss scaled by 1 / ACCUMULATION (pass ACCUMULATED: the peers divide the loss,
+    the kit takes loss_scale)."""
     tokens, vocab = sizes(device)
     s, t, y, idx, lp = make_inputs(tokens, vocab, device)
     n = CHECK_ROWS
