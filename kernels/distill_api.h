@@ -36,8 +36,11 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
 //   0 (norms): returns {[n, 4] the normalisers of student and teacher logits / T over this slice: (max, log of
 //              the sum of exp(x / T - max)) of each, see distill_common.h's Norm}
 //   1 (terms): given the rows' global normalisers [n, 4], returns {[n, 3] this slice's (loss, ks, kt) sums, and the
-//              gradients that need no row sums: the student's for forward KL, the teacher's for reverse KL}
-//   2 (grad):  given the normalisers and the global (ks, kt) [n, 2], returns {undefined, the remaining gradients}
+//              gradients that need no row sums: the student's for forward KL, the teacher's for reverse KL}; the
+//              sums are of the accumulation dtype on CUDA (its kernels sum in it) and float64 on the CPU twin (its
+//              rows' sums are double: the ranks' sum of them is then rounded once, as one process rounds its own)
+//   2 (grad):  given the normalisers and the global (ks, kt) [n, 2] (distill_combine's: of the dtype of phase 1's
+//              terms), returns {undefined, the remaining gradients}
 // scale: a 0-d float64 tensor (the reduction's divisor, 1 / unmasked rows for batchmean), multiplied with 1/T.
 std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, const at::Tensor& teacher,
                                       const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
@@ -47,7 +50,8 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
                                       const c10::optional<at::Tensor>& grad_student_out);
 
 // The phases' per-row statistics gathered from every rank of a vocabulary split, parts [world, n, width] of the
-// accumulation dtype (rank r's at index r), combined in rank order (the same bits on every rank):
+// dtype distill_phase gave them (rank r's at index r), combined in rank order (the same bits on every rank; the
+// results of parts' dtype; terms added in float64, then rounded):
 //   width 4 (phase 0's normalisers): returns {[n, 4] the rows' normalisers over the whole vocabulary}
 //   width 3 (phase 1's terms): returns {[n, 2] the rows' (ks, kt) for phase 2, the loss: the rows' losses [n] for
 //            reduction none, else 0-d, their sum (in float64) times scale}

@@ -217,7 +217,8 @@ void phase_rows(const Args& a, int64_t phase, const at::Tensor& norms, const at:
   const RowConst<A> c = row_const<A>(a.beta);
   const A k2 = static_cast<A>(a.inv_t * kLog2e), sc = static_cast<A>(scale_v * a.inv_t);
   const RowPtrs<T, A> p = row_ptrs<T, A>(r, gs, gt);
-  A* const o_base = out.defined() ? out.data_ptr<A>() : nullptr;  // none in the gradient phase
+  A* const n_base = phase == PHASE_NORMS ? out.data_ptr<A>() : nullptr;
+  double* const t_base = phase == PHASE_TERMS ? out.data_ptr<double>() : nullptr;  // (see distill_phase)
   const A* const l_base = phase == PHASE_NORMS ? nullptr : norms.data_ptr<A>();
   const A* const k_base = ksums.defined() ? ksums.data_ptr<A>() : nullptr;
 #pragma omp parallel for schedule(static) if (r.n * r.v >= kParallelMin)
@@ -230,7 +231,7 @@ void phase_rows(const Args& a, int64_t phase, const at::Tensor& norms, const at:
     if (phase == PHASE_NORMS) {
       const Norm<A> ns = masked ? Norm<A>{ninf<A>(), ninf<A>()} : row_norm<T, A>(s, r.v, k2);
       const Norm<A> nt = masked ? Norm<A>{ninf<A>(), ninf<A>()} : row_norm<T, A>(t, r.v, k2);
-      A* o = o_base + 4 * i;
+      A* o = n_base + 4 * i;
       o[0] = ns.mx;
       o[1] = ns.lz;
       o[2] = nt.mx;
@@ -238,7 +239,7 @@ void phase_rows(const Args& a, int64_t phase, const at::Tensor& norms, const at:
       continue;
     }
     if (masked) {
-      if (phase == PHASE_TERMS) std::fill(o_base + 3 * i, o_base + 3 * i + 3, A(0));
+      if (phase == PHASE_TERMS) std::fill(t_base + 3 * i, t_base + 3 * i + 3, 0.0);
       if (gsi) std::fill(gsi, gsi + r.v, T(0));
       if (gti) std::fill(gti, gti + r.v, T(0));
       continue;
@@ -248,10 +249,10 @@ void phase_rows(const Args& a, int64_t phase, const at::Tensor& norms, const at:
     A ks = A(0), kt = A(0);
     if (phase == PHASE_TERMS) {
       const Terms<double> sums = row_terms<T, MODE, A>(s, t, r.v, k2, rn, c);
-      A* o = o_base + 3 * i;
-      o[0] = static_cast<A>(sums.loss);
-      o[1] = static_cast<A>(sums.ks);
-      o[2] = static_cast<A>(sums.kt);
+      double* o = t_base + 3 * i;
+      o[0] = sums.loss;
+      o[1] = sums.ks;
+      o[2] = sums.kt;
     } else if (k_base) {
       ks = k_base[2 * i];
       kt = k_base[2 * i + 1];
@@ -347,8 +348,12 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
   const int mode = mode_of(beta);
   TORCH_CHECK(phase >= PHASE_NORMS && phase <= PHASE_GRAD, "distill: unknown phase ", phase);
   if (phase != PHASE_NORMS) check_row_stats(opt(norms), r, 4, "the rows' normalisers");
-  if (phase == PHASE_GRAD && ((want_student && mode != FORWARD_KL) || (want_teacher && mode != REVERSE_KL)))
-    check_row_stats(opt(ksums), r, 2, "the rows' K sums");
+  // The rows' K sums: distill_combine's of phase 1's float64 terms, rounded once here to the accumulation dtype.
+  at::Tensor k_acc;
+  if (phase == PHASE_GRAD && ((want_student && mode != FORWARD_KL) || (want_teacher && mode != REVERSE_KL))) {
+    check_row_stats(opt(ksums), r, 2, "the rows' K sums", /*float64_ok=*/true);
+    k_acc = ksums->to(acc);
+  }
   const bool grads = phase != PHASE_NORMS && (want_student || want_teacher);
   if (grads)
     TORCH_CHECK(scale.has_value() && scale->numel() == 1 && scale->scalar_type() == at::kDouble,
@@ -360,13 +365,13 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
   const bool ws = want_student && (phase == PHASE_TERMS ? !needs_k(false) : phase == PHASE_GRAD && needs_k(false));
   const bool wt = want_teacher && (phase == PHASE_TERMS ? !needs_k(true) : phase == PHASE_GRAD && needs_k(true));
   at::Tensor out = phase == PHASE_NORMS   ? at::empty({r.n, 4}, r.s.options().dtype(acc))
-                   : phase == PHASE_TERMS ? at::empty({r.n, 3}, r.s.options().dtype(acc))
+                   : phase == PHASE_TERMS ? at::empty({r.n, 3}, r.s.options().dtype(at::kDouble))
                                           : at::Tensor();
   at::Tensor gs = ws ? grad_buffer(grad_student_out, r) : at::Tensor();
   at::Tensor gt = wt ? at::empty({r.n, r.v}, r.s.options()) : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.s.scalar_type(), "distill_phase", [&] {
     dispatch_mode(mode, [&](auto mode_c) {
-      phase_rows<scalar_t, decltype(mode_c)::value>(a, phase, opt(norms), opt(ksums), scale_v, out, gs, gt);
+      phase_rows<scalar_t, decltype(mode_c)::value>(a, phase, opt(norms), k_acc, scale_v, out, gs, gt);
     });
   });
   return {out, gs, gt};

@@ -75,13 +75,15 @@ inline Rows prepare_rows(const at::Tensor& student, const c10::optional<at::Tens
 }
 
 // The per-row statistics passed between the phases of a vocabulary-parallel call: [n, width] of the
-// accumulation type on the logits' device.
-inline void check_row_stats(const at::Tensor& x, const Rows& r, int64_t width, const char* what) {
+// accumulation type on the logits' device (float64_ok: or float64, as the CPU twin's K sums are).
+inline void check_row_stats(const at::Tensor& x, const Rows& r, int64_t width, const char* what,
+                            bool float64_ok = false) {
+  const auto acc = acc_type(r.s.scalar_type());
   TORCH_CHECK(x.defined() && x.dim() == 2 && x.size(0) == r.n && x.size(1) == width && x.is_contiguous() &&
-                  x.scalar_type() == acc_type(r.s.scalar_type()) && x.device() == r.s.device(),
-              "distill: ", what, " must be contiguous [rows, ", width,
-              "] of the accumulation dtype on the logits' "
-              "device");
+                  (x.scalar_type() == acc || (float64_ok && x.scalar_type() == at::kDouble)) &&
+                  x.device() == r.s.device(),
+              "distill: ", what, " must be contiguous [rows, ", width, "] of the accumulation dtype",
+              float64_ok ? " (or float64)" : "", " on the logits' device");
 }
 
 // distill_combine's operands: parts [world >= 1, n, 4 (normalisers) or 3 (terms)], contiguous, float32 or

@@ -173,6 +173,10 @@ def divergence_rows(student: Tensor, teacher: Tensor, labels: Tensor | None, ign
         terms, gs, gt = mod.distill_phase(1, student, teacher, *common, norms, None, scale, want_s, want_t,
                                           grad_student_out)
         ksums, loss = mod.distill_combine(_all_gather(terms, group), reduction, scale)
+        # (The CPU twin's terms are float64, its rows' own sums, so that the K sums are rounded once, as one
+        # process rounds its double sums: rounded per rank, they put K a float32 ulp off where a peaked row's
+        # gradient cancels, p (u - K). Its loss is rounded once too, here.)
+        loss = loss.to(distill._acc_dtype(student.dtype))
     if norms is not None and _needs_phase2(beta, want_s, want_t):  # (the one-read kernels wrote every gradient)
         _, gs2, gt2 = mod.distill_phase(2, student, teacher, *common, norms, ksums, scale, want_s, want_t,
                                         grad_student_out)

@@ -228,14 +228,15 @@ def _cases_body(rank, world, device, seed, widths_list, dtypes):
         _one_case(rank, device, group, gen, widths=w, beta=beta, pad_rank=world - 1, reduction="none")
         _one_case(rank, device, group, gen, widths=w, lead=(2, 3), beta=beta, labels=False, teacher_grad=True)
     _one_case(rank, device, group, gen, widths=w, lead=(0,), beta=0.5, reduction="sum")  # no tokens at all
-    # loss_scale (gradient accumulation's 1 / n): folded into the split's scale too. In float64, so that the scale's
-    # folding is what is checked: float32 draws here (seed 1963287850: the JSD's teacher gradient, reduction sum,
-    # slices 9 / 30 / 2) met the split's own float32 error, 4.6e-4 from float64 where the bound is 1.3e-4, with a
-    # loss_scale of 1 as with any other.
-    for beta in (0.0, 0.5, 1.0):
-        for reduction in ("batchmean", "sum", "none"):
-            _one_case(rank, device, group, gen, widths=w, dtype=torch.float64, beta=beta, reduction=reduction,
-                      teacher_grad=True, loss_scale=float(torch.rand((), generator=gen)) - 1.5)
+    # loss_scale (gradient accumulation's 1 / n): folded into the split's scale too; float64 checks the folding at
+    # its tight bound. (A float32 draw here, seed 1963287850 with float32 first: the JSD's teacher gradient,
+    # reduction sum, slices 9 / 30 / 2, was 4.6e-4 from float64 against the one process's 5.6e-5 while the CPU
+    # twin's K sums were rounded per rank: test_cpu_split_k_sums_rounded_once.)
+    for dtype in (torch.float32, torch.float64):
+        for beta in (0.0, 0.5, 1.0):
+            for reduction in ("batchmean", "sum", "none"):
+                _one_case(rank, device, group, gen, widths=w, dtype=dtype, beta=beta, reduction=reduction,
+                          teacher_grad=True, loss_scale=float(torch.rand((), generator=gen)) - 1.5)
     _extra_semantics(rank, device, group, gen, w)
 
 
@@ -625,6 +626,43 @@ def test_fused_refused_inputs_raise_on_every_rank(_fresh_seed):
     spawn(_fused_refusal_body, 2, _fresh_seed)
 
 
+def test_cpu_split_k_sums_rounded_once(_fresh_seed):
+    # The CPU twin's phases in one process, a row split in three against the same row whole: the K sums (and each
+    # row's loss) that the split combines equal the whole row's, bit for bit, given the same normalisers, because
+    # the slices' sums cross in float64 and are rounded once. Rounded to float32 per slice and added in float32,
+    # they were a float32 ulp off in many rows: where a peaked row's gradient cancels, p (u - K) with u close to K,
+    # that ulp of K put the split's float32 teacher gradient 4.6e-4 from float64 against one process's 5.6e-5.
+    # (CUDA's kernels sum in float32: there the split adds one rounding to many, and the two-GPU probe
+    # tools/probe_split_accuracy.py measures it.)
+    mod = K.load("cpu", extension="distill")
+    gen = torch.Generator().manual_seed(_fresh_seed)
+    n, vocab = 64, 41
+    cut = sorted(torch.randperm(vocab - 1, generator=gen)[:2].add(1).tolist())
+    edges = [0, *cut, vocab]
+    s = (torch.randn(n, vocab, dtype=torch.float64, generator=gen) * 3).float()
+    t = torch.randn(n, vocab, dtype=torch.float64, generator=gen) * 2
+    t[torch.arange(n), torch.randint(0, vocab, (n,), generator=gen)] += 12  # a teacher's peak: K close to u there
+    t = t.float()
+    scale = torch.tensor(1.0, dtype=torch.float64)
+    for beta in (0.0, 0.5, 1.0):
+        temperature = float(torch.rand((), generator=gen)) * 2 + 0.5
+        common = (None, -100, beta, temperature)
+        pieces = [(s[:, a:b].contiguous(), t[:, a:b].contiguous()) for a, b in zip(edges, edges[1:])]
+        norms = mod.distill_combine(torch.stack([mod.distill_phase(0, x, y, *common, None, None, None, False, False)[0]
+                                                 for x, y in pieces]), 0)[0]
+        terms = torch.stack([mod.distill_phase(1, x, y, *common, norms, None, scale, False, False)[0]
+                             for x, y in pieces])
+        whole = mod.distill_phase(1, s, t, *common, norms, None, scale, False, False)[0][None]
+        k_split, rows_split = mod.distill_combine(terms, 0, None)
+        k_whole, rows_whole = mod.distill_combine(whole, 0, None)
+        assert terms.dtype == torch.float64 and k_split.dtype == torch.float64, (terms.dtype, k_split.dtype)
+        for got, want, what in ((k_split, k_whole, "K sums"), (rows_split, rows_whole, "rows' losses")):
+            got, want = got.float(), want.float()  # phase 2 and the loss round them to float32 once
+            bad = (got != want).nonzero()
+            assert bad.numel() == 0, f"beta={beta} cut at {edges}: {what} of the split differ from the whole " \
+                                     f"row's at {bad[:4].tolist()} (by {(got - want).abs().max().item():.2e})"
+
+
 def test_three_ranks_topk_draw_that_once_failed():
     # A draw of the three-rank test's top-k cases (its seed fixed): float32, k = 1, reverse KL, where the split
     # student gradient was 3.7e-5 off float64 against the one-process result's 2.4e-6 while the split route
@@ -896,13 +934,19 @@ def test_combine_norms_is_the_logsumexp_of_the_whole_row(device, dtype):
 
 
 def test_combine_terms_adds_the_slices_in_rank_order(device):
-    # Phase 1's (loss, ks, kt) per row from each rank: added in rank order (float32), the rows' (ks, kt) for phase
+    # Phase 1's (loss, ks, kt) per row from each rank: added in rank order in float64 and rounded once to parts'
+    # dtype (added in float32, K was an ulp off the one-process value in many rows), the rows' (ks, kt) for phase
     # 2, and the loss per reduction (none: per row; else the float64 sum times the scale).
     mod = K.load(device, extension="distill")
     parts = torch.randn(3, 1000, 3, device=device) * torch.tensor([1.0, 1e4, 1e-4], device=device)
-    want = (parts[0] + parts[1]) + parts[2]
+    wide = parts.double()
+    want = ((wide[0] + wide[1]) + wide[2]).float()
+    assert not torch.equal(want, (parts[0] + parts[1]) + parts[2])  # (the draw tells the two apart)
     ksums, rows = mod.distill_combine(parts, 0)
     assert torch.equal(rows, want[:, 0]) and torch.equal(ksums, want[:, 1:])
+    ksums, rows = mod.distill_combine(wide, 0)  # float64 parts (the CPU twin's terms): float64 results
+    assert ksums.dtype == rows.dtype == torch.float64
+    assert torch.equal(rows, ((wide[0] + wide[1]) + wide[2])[:, 0])
     scale = torch.tensor(0.37, dtype=torch.float64, device=device)
     for code in (1, 2):
         ksums, loss = mod.distill_combine(parts, code, scale)
