@@ -506,20 +506,18 @@ template <typename A> DS_HD void combine_row_norms(const A* parts, int64_t i, in
 }
 
 // A row's (loss, ks, kt) from its slices' partial sums (part[r * stride + 0..2], r < world), added in rank order in
-// double and rounded once to the accumulation type. K sums in float would add a rounding per rank where a row's
-// gradient cancels (p (u - K) with u close to K at a peaked row's top entry): a float32 split of 9 / 30 / 2 entries
-// put its teacher gradient 4.6e-4 from float64 (6.5e-8 off in kt ~ 0.64, two additions' roundings) where one
-// process, which rounds its double sum once, was 5.6e-5 off (the split 7.8e-9 off in kt with the sum in double).
+// parts' type: float32 on CUDA, whose kernels sum each slice in float32 lanes; float64 from the CPU twin, whose
+// rows' sums are double, so that its split's K sums are rounded once, as one process's are (kernels/NOTES.md,
+// version 47).
 template <typename A> DS_HD void combine_terms(const A* part, int64_t stride, int64_t world, A& loss, A& ks, A& kt) {
-  double l = static_cast<double>(part[0]), s = static_cast<double>(part[1]), t = static_cast<double>(part[2]);
+  loss = part[0];
+  ks = part[1];
+  kt = part[2];
   for (int64_t r = 1; r < world; ++r) {
-    l += static_cast<double>(part[r * stride]);
-    s += static_cast<double>(part[r * stride + 1]);
-    t += static_cast<double>(part[r * stride + 2]);
+    loss = loss + part[r * stride];
+    ks = ks + part[r * stride + 1];
+    kt = kt + part[r * stride + 2];
   }
-  loss = static_cast<A>(l);
-  ks = static_cast<A>(s);
-  kt = static_cast<A>(t);
 }
 
 // A bucket of a top-k row from probabilities and their logs (the teacher's log-probabilities are given).

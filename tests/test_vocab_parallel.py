@@ -934,19 +934,19 @@ def test_combine_norms_is_the_logsumexp_of_the_whole_row(device, dtype):
 
 
 def test_combine_terms_adds_the_slices_in_rank_order(device):
-    # Phase 1's (loss, ks, kt) per row from each rank: added in rank order in float64 and rounded once to parts'
-    # dtype (added in float32, K was an ulp off the one-process value in many rows), the rows' (ks, kt) for phase
-    # 2, and the loss per reduction (none: per row; else the float64 sum times the scale).
+    # Phase 1's (loss, ks, kt) per row from each rank: added in rank order in parts' dtype (float32 from CUDA's
+    # phase 1; float64 from the CPU twin's, whose K sums are then rounded once, by phase 2), the rows' (ks, kt) for
+    # phase 2, and the loss per reduction (none: per row; else the float64 sum times the scale).
     mod = K.load(device, extension="distill")
     parts = torch.randn(3, 1000, 3, device=device) * torch.tensor([1.0, 1e4, 1e-4], device=device)
-    wide = parts.double()
-    want = ((wide[0] + wide[1]) + wide[2]).float()
-    assert not torch.equal(want, (parts[0] + parts[1]) + parts[2])  # (the draw tells the two apart)
+    want = (parts[0] + parts[1]) + parts[2]
     ksums, rows = mod.distill_combine(parts, 0)
     assert torch.equal(rows, want[:, 0]) and torch.equal(ksums, want[:, 1:])
-    ksums, rows = mod.distill_combine(wide, 0)  # float64 parts (the CPU twin's terms): float64 results
+    wide = parts.double() + torch.rand(parts.shape, dtype=torch.float64, device=device) * 1e-9
+    ksums, rows = mod.distill_combine(wide, 0)
+    want_wide = (wide[0] + wide[1]) + wide[2]
     assert ksums.dtype == rows.dtype == torch.float64
-    assert torch.equal(rows, ((wide[0] + wide[1]) + wide[2])[:, 0])
+    assert torch.equal(rows, want_wide[:, 0]) and torch.equal(ksums, want_wide[:, 1:])
     scale = torch.tensor(0.37, dtype=torch.float64, device=device)
     for code in (1, 2):
         ksums, loss = mod.distill_combine(parts, code, scale)
