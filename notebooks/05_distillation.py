@@ -240,6 +240,8 @@ norms = mod.distill_combine(torch.stack([mod.distill_phase(0, a, b, *common, Non
 scale = torch.ones((), dtype=torch.float64, device=DEVICE)  # reduction "sum": the gradient of the rows' sum
 parts = [mod.distill_phase(1, a, b, *common, norms, None, scale, True, False) for a, b in slices]
 # each slice's (loss, ks, kt) per row, gathered and added in slice order: the rows' K sums and the summed loss
+# (float32 on a GPU; float64 on the CPU, whose rows' sums are double: phase 2 then rounds the K sums once, as one
+# process rounds its own, so the split's K sums are the one-device call's)
 ksums, loss = mod.distill_combine(torch.stack([p[0] for p in parts]), 1, scale)
 grad = torch.cat([mod.distill_phase(2, a, b, *common, norms, ksums, scale, True, False)[1] for a, b in slices], dim=1)
 leaf = s.clone().requires_grad_()
