@@ -51,7 +51,7 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
 
 // The phases' per-row statistics gathered from every rank of a vocabulary split, parts [world, n, width] of the
 // dtype distill_phase gave them (rank r's at index r), combined in rank order (the same bits on every rank; the
-// results of parts' dtype; terms added in float64, then rounded):
+// results of parts' dtype, the terms added in it):
 //   width 4 (phase 0's normalisers): returns {[n, 4] the rows' normalisers over the whole vocabulary}
 //   width 3 (phase 1's terms): returns {[n, 2] the rows' (ks, kt) for phase 2, the loss: the rows' losses [n] for
 //            reduction none, else 0-d, their sum (in float64) times scale}
