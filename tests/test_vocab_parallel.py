@@ -702,6 +702,50 @@ def _gpu_body(rank, world, device, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_gpu_group_of_one_rank(_fresh_seed):
+    # The split's CUDA code on a group of one rank (NCCL, one GPU): its whole vocabulary goes through the same
+    # kernels as a slice of a split (phases, the combination, the peer exchange with itself, the one-read kernels,
+    # a captured step), so a machine with one GPU tests them; against the one-process op, as the two-GPU tests do.
+    K.load("cuda", extension="distill")
+    spawn(_group_of_one_body, 1, _fresh_seed, backend="nccl")
+
+
+def _group_of_one_body(rank, world, device, seed):
+    from kldiv_inline import vocab_parallel
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(seed)
+    before = os.environ.get("KLDIV_DISTILL_PEER")
+    try:
+        for peer in ("1", "0"):  # peer memory (with itself), then the all-gathers
+            os.environ["KLDIV_DISTILL_PEER"] = peer
+            for widths in ((64128,), (3001,)):  # on the 16-byte grid and off it
+                for dtype in (torch.bfloat16, torch.float32):
+                    for beta in (0.0, 0.5, 1.0):
+                        _one_case(rank, device, group, gen, widths=widths, lead=(33,), dtype=dtype, beta=beta,
+                                  teacher_grad=beta == 0.5)
+            for dtype in (torch.bfloat16, torch.float32):
+                for beta in (0.0, 0.5):
+                    _nearly_agreeing_case(rank, device, group, gen, widths=(4096,), dtype=dtype, beta=beta)
+            _forward_alone_case(rank, device, group, gen, widths=(64128,), dtype=torch.bfloat16)
+            _topk_case(rank, device, group, gen, widths=(4096,), k=16, lead=(9,), dtype=torch.bfloat16, beta=0.5)
+            _fused_case(rank, device, group, gen, widths=(4096,), n=40, hidden=32, dtype=torch.bfloat16, beta=0.5,
+                        chunk_size=16, tol=2e-2)
+            _graph_case(rank, device, group, gen, widths=(4096,))
+            if peer == "1":
+                assert any(isinstance(p, vocab_parallel._Peers) for p in vocab_parallel._PEERS.values()), \
+                    "the group of one never took the peer route"
+                for beta in (0.0, 0.5):
+                    s = _logits((33, 64128), torch.bfloat16, device, gen).requires_grad_()
+                    _assert_one_read(s, _logits((33, 64128), torch.bfloat16, device, gen), beta, group, beta)
+    finally:
+        if before is None:
+            os.environ.pop("KLDIV_DISTILL_PEER", None)
+        else:
+            os.environ["KLDIV_DISTILL_PEER"] = before
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_gpus_jsd_rows_off_the_grid_beyond_residency(_fresh_seed):
     # The JSD's training rows wait inside the one-read kernel for every rank's terms; a rank whose rows are off the
