@@ -735,6 +735,19 @@ def _group_of_one_body(rank, world, device, seed):
             _fused_case(rank, device, group, gen, widths=(4096,), n=40, hidden=32, dtype=torch.bfloat16, beta=0.5,
                         chunk_size=16, tol=2e-2)
             _graph_case(rank, device, group, gen, widths=(4096,))
+            # The phases where the fast kernels would run (KLDIV_DISTILL_FAST=0, read on every call): phase 0, the
+            # exchange, phase 1 and, for nearly agreeing JSD rows, the phases' own series round.
+            fast = os.environ.get("KLDIV_DISTILL_FAST")
+            os.environ["KLDIV_DISTILL_FAST"] = "0"
+            try:
+                for beta in (0.0, 0.5):
+                    _one_case(rank, device, group, gen, widths=(64128,), lead=(33,), dtype=torch.bfloat16, beta=beta)
+                    _nearly_agreeing_case(rank, device, group, gen, widths=(4096,), dtype=torch.bfloat16, beta=beta)
+            finally:
+                if fast is None:
+                    os.environ.pop("KLDIV_DISTILL_FAST", None)
+                else:
+                    os.environ["KLDIV_DISTILL_FAST"] = fast
             if peer == "1":
                 assert any(isinstance(p, vocab_parallel._Peers) for p in vocab_parallel._PEERS.values()), \
                     "the group of one never took the peer route"
