@@ -7,6 +7,7 @@ compares loss and gradients. A failure in a rank fails the test with that rank's
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -86,6 +87,22 @@ def spawn(body, world: int, *args, backend: str = "gloo") -> None:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+@contextlib.contextmanager
+def _env_set(name: str, value: str | None):
+    """``name`` set to ``value`` in this process's environment for the block (None: left as it is), then put back:
+    the kit reads its switches (KLDIV_DISTILL_FAST, KLDIV_DISTILL_PEER) on every call."""
+    before = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 # ------------------------------------------------------------------------------------------ the cases
@@ -647,10 +664,10 @@ def test_cpu_split_k_sums_rounded_once(_fresh_seed):
     t[torch.arange(n), torch.randint(0, vocab, (n,), generator=gen)] += 12  # a teacher's peak: K close to u there
     t = t.float()
     scale = torch.tensor(1.0, dtype=torch.float64)
+    pieces = [(s[:, a:b].contiguous(), t[:, a:b].contiguous()) for a, b in zip(edges, edges[1:])]
     for beta in (0.0, 0.5, 1.0):
         temperature = float(torch.rand((), generator=gen)) * 2 + 0.5
         common = (None, -100, beta, temperature)
-        pieces = [(s[:, a:b].contiguous(), t[:, a:b].contiguous()) for a, b in zip(edges, edges[1:])]
         norms = mod.distill_combine(torch.stack([mod.distill_phase(0, x, y, *common, None, None, None, False, False)[0]
                                                  for x, y in pieces]), 0)[0]
         terms = torch.stack([mod.distill_phase(1, x, y, *common, norms, None, scale, False, False)[0]
@@ -718,10 +735,8 @@ def _group_of_one_body(rank, world, device, seed):
     from kldiv_inline import vocab_parallel
     group = dist.group.WORLD
     gen = torch.Generator().manual_seed(seed)
-    before = os.environ.get("KLDIV_DISTILL_PEER")
-    try:
-        for peer in ("1", "0"):  # peer memory (with itself), then the all-gathers
-            os.environ["KLDIV_DISTILL_PEER"] = peer
+    for peer in ("1", "0"):  # peer memory (with itself), then the all-gathers
+        with _env_set("KLDIV_DISTILL_PEER", peer):
             for widths in ((64128,), (3001,)):  # on the 16-byte grid and off it
                 for dtype in (torch.bfloat16, torch.float32):
                     for beta in (0.0, 0.5, 1.0):
@@ -737,28 +752,16 @@ def _group_of_one_body(rank, world, device, seed):
             _graph_case(rank, device, group, gen, widths=(4096,))
             # The phases where the fast kernels would run (KLDIV_DISTILL_FAST=0, read on every call): phase 0, the
             # exchange, phase 1 and, for nearly agreeing JSD rows, the phases' own series round.
-            fast = os.environ.get("KLDIV_DISTILL_FAST")
-            os.environ["KLDIV_DISTILL_FAST"] = "0"
-            try:
+            with _env_set("KLDIV_DISTILL_FAST", "0"):
                 for beta in (0.0, 0.5):
                     _one_case(rank, device, group, gen, widths=(64128,), lead=(33,), dtype=torch.bfloat16, beta=beta)
                     _nearly_agreeing_case(rank, device, group, gen, widths=(4096,), dtype=torch.bfloat16, beta=beta)
-            finally:
-                if fast is None:
-                    os.environ.pop("KLDIV_DISTILL_FAST", None)
-                else:
-                    os.environ["KLDIV_DISTILL_FAST"] = fast
             if peer == "1":
                 assert any(isinstance(p, vocab_parallel._Peers) for p in vocab_parallel._PEERS.values()), \
                     "the group of one never took the peer route"
                 for beta in (0.0, 0.5):
                     s = _logits((33, 64128), torch.bfloat16, device, gen).requires_grad_()
                     _assert_one_read(s, _logits((33, 64128), torch.bfloat16, device, gen), beta, group, beta)
-    finally:
-        if before is None:
-            os.environ.pop("KLDIV_DISTILL_PEER", None)
-        else:
-            os.environ["KLDIV_DISTILL_PEER"] = before
 
 
 @pytest.mark.gpu
@@ -861,18 +864,10 @@ def _peer_cases(rank, device, group, gen):
     # some rank runs the phases: KLDIV_DISTILL_FAST=0 (read on every call) on both ranks, then on rank 1 alone beside
     # rank 0's one-read kernel (19 rows, fewer than rank 0's GPU holds at once: the two forms meet without the
     # deadlock that kernels/distill_peer.cuh describes for more rows).
-    before = os.environ.get("KLDIV_DISTILL_FAST")
     for fast_off in ((0, 1), (1,)):
-        if rank in fast_off:
-            os.environ["KLDIV_DISTILL_FAST"] = "0"
-        try:
+        with _env_set("KLDIV_DISTILL_FAST", "0" if rank in fast_off else None):
             for widths in ((4096, 4096), (64128, 3001)):
                 _nearly_agreeing_case(rank, device, group, gen, widths=widths, dtype=torch.bfloat16, beta=0.5)
-        finally:
-            if before is None:
-                os.environ.pop("KLDIV_DISTILL_FAST", None)
-            else:
-                os.environ["KLDIV_DISTILL_FAST"] = before
     assert any(isinstance(p, vocab_parallel._Peers) for p in vocab_parallel._PEERS.values()), \
         "the two GPUs never took the peer route"
     for beta in (0.0, 0.5):
