@@ -26,6 +26,16 @@ def _suites(text: str) -> list[str]:
     return names
 
 
+def _tokens(text: str) -> list[int]:
+    try:
+        tokens = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        tokens = []
+    if not tokens or min(tokens) < 1:
+        raise argparse.ArgumentTypeError(f"token counts are a comma-separated list of positive integers; got {text!r}")
+    return tokens
+
+
 def _device(arg: str | None) -> str:
     import torch
 
@@ -101,6 +111,9 @@ def main(argv=None) -> int:
                        help="the fused LM head over 1k-16k tokens too (else its goals' 4096 tokens only on a GPU); "
                             "with --suites linear and its own --results folder, a run that fits where the whole "
                             "results run does not")
+        p.add_argument("--linear-tokens", type=_tokens, default=None, metavar="N[,N...]",
+                       help="the fused LM head at these token counts instead (hidden 4096 and vocabulary 128256 on "
+                            "a GPU; forward KL, and both betas at the goals' 4096)")
 
     def common(p):
         p.add_argument("--results", default=results_default, help="results folder (default: %(default)s)")
@@ -114,6 +127,9 @@ def main(argv=None) -> int:
     p.add_argument("--headline-only", action="store_true", help="only the P1-P5 cases, no size sweep")
     p.add_argument("--reps", type=int, default=30, help="timed calls per provider and case")
     suites(p)
+    p.add_argument("--resume", action="store_true",
+                   help="finish a --suites linear run that a time limit cut short, with its options: keeps the "
+                        "cases its bench.csv holds (same clean commit, same card) and runs the rest")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("plot", help="PNGs from the results CSVs")
     p.add_argument("--results", default=results_default)

@@ -211,6 +211,12 @@ def check_suites(args, folder: Path) -> None:
     suites = getattr(args, "suites", None) or SUITES
     if getattr(args, "linear_sweep", False) and "linear" not in suites:
         raise SystemExit("--linear-sweep sweeps the fused LM head: add linear to --suites")
+    if getattr(args, "linear_tokens", None) and "linear" not in suites:
+        raise SystemExit("--linear-tokens sizes the fused LM head's suite: add linear to --suites")
+    if getattr(args, "linear_tokens", None) and getattr(args, "linear_sweep", False):
+        raise SystemExit("--linear-sweep and --linear-tokens both pick the fused LM head's sizes: give one")
+    if getattr(args, "resume", False):
+        return  # resumed() checks the folder's run, whose rows this run keeps
     path = folder / "bench.csv"
     if not path.exists():
         return
@@ -221,6 +227,46 @@ def check_suites(args, folder: Path) -> None:
                          f"would drop: give this run another folder (--results), or run those suites too")
 
 
+# What env.json keeps of each earlier part of a resumed run (the part that a time limit cut short).
+PART_KEYS = ("date_utc", "command", "platform", "driver", "cpu", "floor_gbps")
+
+
+def resumed(args, folder: Path, device: str) -> tuple[list[dict], list[dict]]:
+    """--resume: the rows of the run in ``folder`` that a time limit cut short, for this run to finish, and the
+    earlier parts' records for env.json. Refused unless that run is partial, of the fused LM head's suite alone
+    (its cases are saved one by one), at this commit (a clean one) and on a device of this name: a finished
+    folder holds the numbers of one code on one kind of card."""
+    from .envinfo import commit, device_name
+
+    if list(getattr(args, "suites", None) or SUITES) != ["linear"]:
+        raise SystemExit("--resume continues the fused LM head's suite, whose cases are saved one by one: give "
+                         "--suites linear (the other suites run whole)")
+    path, env_path = folder / "bench.csv", folder / "env.json"
+    if not (path.exists() and env_path.exists()):
+        raise SystemExit(f"--resume: {folder} holds no run to continue (no bench.csv and env.json)")
+    env = json.loads(env_path.read_text())
+    if not env.get("partial"):
+        raise SystemExit(f"--resume: the run in {folder} finished (env.json has no 'partial'): nothing to resume")
+    here = commit()
+    if env.get("commit") != here or here.startswith("unknown") or here.endswith("+dirty"):
+        raise SystemExit(f"--resume: the run in {folder} is of commit {env.get('commit')}, this code is {here}: "
+                         "a run is resumed by the same clean commit only (give this one another folder)")
+    if env.get("device_name") != device_name(device):
+        raise SystemExit(f"--resume: the run in {folder} ran on {env.get('device_name')}, this device is "
+                         f"{device_name(device)}")
+    rows = pd.read_csv(path).to_dict("records")
+    if {r.get("form") for r in rows} - {"linear"}:
+        raise SystemExit(f"--resume: {path} holds rows of other suites than the fused LM head's")
+    parts = env.get("earlier_parts", []) + [{k: env[k] for k in PART_KEYS if k in env}]
+    return rows, parts
+
+
+def linear_done(rows: list[dict]) -> set[tuple]:
+    """(tokens, hidden, vocabulary, beta) of the fused head's cases that ``rows`` hold."""
+    return {(int(r["batch"]), int(r["hidden"]), int(r["features"]), float(r["beta"]))
+            for r in rows if r.get("form") == "linear"}
+
+
 def main(args) -> int:
     from .envinfo import device_slug, write_env
     from .variants import variant_names
@@ -228,23 +274,26 @@ def main(args) -> int:
     device = args.device  # resolved by the CLI: "cuda" or "cpu"
     folder = Path(args.results) / device_slug(device)
     check_suites(args, folder)
+    rows, parts = resumed(args, folder, device) if getattr(args, "resume", False) else ([], [])
     floor = floors.measure_floor(device)
     sources = ", ".join(f"{k} {v:.0f}" for k, v in floor.sources.items())
     print(f"{device}: floor {floor.gbps:.0f} GB/s from {floor.source} (read GB/s: {sources})", file=sys.stderr)
     variants = variant_names() if device == "cuda" else []
     cases = headline_cases(device) + ([] if getattr(args, "headline_only", False) else sweep_cases(device))
     reps = getattr(args, "reps", 30)
-    rows = []
 
     def save(done: bool) -> Path:
         """bench.csv and env.json of the rows so far. Called after each case too, so a run cut short (a device's
-        time limit) keeps what it finished; env.json says `partial` until the run ends."""
+        time limit) keeps what it finished; env.json says `partial` until the run ends, and `earlier_parts` what
+        it records of the runs whose rows a resumed run kept."""
         path = write_csv(rows, folder / "bench.csv")
         if not done:  # an earlier run's goals would sit beside rows they were not computed from
             (folder / "goals.md").unlink(missing_ok=True)
+        extra = {**floor_env(floor), **({} if done else {"partial": PARTIAL_NOTE}),
+                 **({"earlier_parts": parts} if parts else {})}
         # read_gbps and copy_gbps: what older runs recorded in place of the floor's keys.
-        extra = {**floor_env(floor), **({} if done else {"partial": PARTIAL_NOTE})}
-        write_env(folder, device, extra, drop=("read_gbps", "copy_gbps") + (("partial",) if done else ()))
+        write_env(folder, device, extra,
+                  drop=("read_gbps", "copy_gbps", "earlier_parts") + (("partial",) if done else ()))
         return path
 
     try:
@@ -266,13 +315,22 @@ def main(args) -> int:
         from . import bench_linear
 
         print("bench: the fused LM head's suite", file=sys.stderr)
-        sweep = getattr(args, "linear_sweep", False) or device != "cuda"
+        tokens = getattr(args, "linear_tokens", None)
+        sweep_betas = None
+        if tokens:  # hand-picked sweep points: forward KL (SWEEP_BETAS) on a GPU, both betas at the goals' size
+            sizes = bench_linear.sizes_of_tokens(device, tokens)
+            sweep_betas = bench_linear.SWEEP_BETAS if device == "cuda" else None
+        elif getattr(args, "linear_sweep", False) or device != "cuda":
+            sizes = None  # the default sizes: the sweep on a GPU, CPU_SHAPE on the CPU
+        else:
+            sizes = [bench_linear.HEADLINE]
 
         def keep(case_rows: list[dict]) -> None:
             rows.extend(case_rows)
             save(done=False)
 
-        bench_linear.run(device, reps=min(reps, 10), sizes=None if sweep else [bench_linear.HEADLINE], on_case=keep)
+        bench_linear.run(device, reps=min(reps, 10), sizes=sizes, sweep_betas=sweep_betas, done=linear_done(rows),
+                         on_case=keep)
     path = save(done=True)
     env_path = folder / "env.json"
     goals = goal_rows(rows, device, OURS)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 import torch
 
@@ -73,11 +73,24 @@ LINEAR_GOALS = [
 ]
 
 
+CPU_SHAPE = (64, 64, 512)           # (tokens, hidden, vocabulary) on the CPU twin: any speed, so a small one
+
+
 def default_sizes(device: str) -> list[tuple[int, int, int]]:
     """(tokens, hidden, vocabulary) of the cases: the goals' shape and the sweep on CUDA; a small one on the CPU."""
     if device != "cuda":
-        return [(64, 64, 512)]
-    return [HEADLINE] + [(t, HEADLINE[1], HEADLINE[2]) for t in SWEEP_TOKENS]
+        return [CPU_SHAPE]
+    return sizes_of_tokens(device, (HEADLINE[0], *SWEEP_TOKENS))
+
+
+def sizes_of_tokens(device: str, tokens: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The cases at the given token counts (a sweep's points chosen by hand: one size that a time limit cut off, or
+    more of them), with the hidden size and vocabulary of the goals' shape on CUDA and of CPU_SHAPE on the CPU."""
+    bad = [t for t in tokens if int(t) != t or t < 1]
+    if bad or not tokens:
+        raise ValueError(f"token counts are positive integers; got {list(tokens)}")
+    _, hidden, vocab = HEADLINE if device == "cuda" else CPU_SHAPE
+    return [(int(t), hidden, vocab) for t in tokens]
 
 
 def make_inputs(tokens: int, hidden: int, vocab: int, device: str, seed: int | None = None):
@@ -195,20 +208,29 @@ def _with_floor(rows: list[dict], tokens: int, hidden: int, vocab: int, tflops: 
 # ------------------------------------------------------------------------------------------------ runs
 def run(device: str, reps: int = 10, sizes: Sequence[tuple[int, int, int]] | None = None,
         betas: Sequence[float] = (0.0, 0.5), check_tokens: int = CHECK_TOKENS,
-        matmul_size: int | None = None, on_case: Callable[[list[dict]], None] | None = None) -> list[dict]:
+        matmul_size: int | None = None, on_case: Callable[[list[dict]], None] | None = None,
+        sweep_betas: Sequence[float] | None = None, done: Container[tuple] = ()) -> list[dict]:
     """Every row of the suite on `device`: per (tokens, hidden, vocabulary) of ``sizes`` (default_sizes) and per
-    beta (SWEEP_BETAS at the default sweep's sizes other than HEADLINE), each provider checked (on the first
-    check_tokens tokens) and timed, forward + backward. ``on_case`` gets each case's rows as it ends (the CLI saves
-    them, so a sweep cut short keeps its finished sizes)."""
-    sweep = sizes is None and device == "cuda"  # the default sizes on CUDA: the sweep's sizes run SWEEP_BETAS
+    beta (``betas`` at HEADLINE, ``sweep_betas`` at other sizes: by default SWEEP_BETAS where the sizes are the
+    default ones on CUDA, else ``betas``), each provider checked (on the first check_tokens tokens) and timed,
+    forward + backward. A case whose (tokens, hidden, vocabulary, beta) is in ``done`` is not run (a resumed run
+    holds its rows). ``on_case`` gets each case's rows as it ends (the CLI saves them, so a sweep cut short keeps
+    its finished sizes)."""
+    if sweep_betas is None:
+        sweep_betas = SWEEP_BETAS if sizes is None and device == "cuda" else betas
     sizes = list(sizes) if sizes is not None else default_sizes(device)
+    todo = [(size, [b for b in (betas if size == HEADLINE else sweep_betas) if (*size, float(b)) not in done])
+            for size in map(tuple, sizes)]
+    todo = [(size, bs) for size, bs in todo if bs]
+    if not todo:
+        return []
     tflops = matmul_tflops(device, matmul_size or (8192 if device == "cuda" else 256), reps=reps)
     rows: list[dict] = []
-    for tokens, hidden, vocab in sizes:
+    for (tokens, hidden, vocab), case_betas in todo:
         args = make_inputs(tokens, hidden, vocab, device)
         small = tuple(x[:check_tokens] if i in (0, 2, 4) else x for i, x in enumerate(args))
         grads_mib = (tokens * hidden + vocab * hidden) * 2 / 2**20  # the bf16 gradients of hidden and weight
-        for beta in SWEEP_BETAS if sweep and (tokens, hidden, vocab) != HEADLINE else betas:
+        for beta in case_betas:
             torch._dynamo.reset()  # torch.compile sees each case fresh
             name = f"fwd+bwd linear beta={beta:g} {tokens}x{hidden}x{vocab}"
             meta = {"pass": "fwd+bwd", "form": "linear", "beta": beta, "dtype": "bfloat16", "batch": tokens,

@@ -27,6 +27,15 @@ def test_suite_rows_on_cpu():
         assert r["grad_rel_err"] <= 2 * r["grad_rel_err_torch"] + 1e-3
 
 
+def test_run_skips_the_cases_done():
+    # A case in `done` (a resumed run holds its rows) is not run; with nothing to run, nothing is measured.
+    size = (24, 16, 96)
+    rows = bench_linear.run("cpu", reps=2, sizes=[size], betas=(0.0, 0.5), check_tokens=8, matmul_size=64,
+                            done={(*size, 0.0)})
+    assert rows and {r["beta"] for r in rows} == {0.5}
+    assert bench_linear.run("cpu", sizes=[size], betas=(0.0,), done={(*size, 0.0)}) == []
+
+
 def test_goal_rows():
     def row(impl, beta, ms, extra, **kw):
         return {"impl": impl, "form": "linear", "status": "ok", "beta": beta, "batch": 4096, "hidden": 4096,

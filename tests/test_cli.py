@@ -261,6 +261,91 @@ def test_bench_cut_short_keeps_the_cases_it_finished(tmp_path, monkeypatch):
     assert "Partial run: " + bench.PARTIAL_NOTE in (folder / "goals.md").read_text()
 
 
+def test_bench_resume_finishes_a_run_cut_short(tmp_path, monkeypatch):
+    # --resume keeps the cases a cut-short run saved (not run again), runs the rest, and records the earlier part;
+    # a finished run, another commit or other suites are refused.
+    import argparse
+
+    from kldiv_inline import bench_linear
+
+    real, calls = bench_linear.providers, []
+
+    def cut_at_jsd(beta, device):
+        calls.append(beta)
+        if beta == 0.5:
+            raise KeyboardInterrupt("the time limit")
+        return real(beta, device)
+
+    monkeypatch.setenv("KLDIV_INLINE_COMMIT", "0123abc")  # both parts' code: one clean commit
+    monkeypatch.setattr("kldiv_inline.envinfo.device_slug", lambda device: "cpu-run")
+    folder = tmp_path / "cpu-run"
+
+    def args(**kw):
+        return argparse.Namespace(**{"device": "cpu", "results": str(tmp_path), "suites": ["linear"], "reps": 2,
+                                     "linear_sweep": False, **kw})
+
+    monkeypatch.setattr(bench_linear, "providers", cut_at_jsd)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(args())
+    first_rows = pd.read_csv(folder / "bench.csv")
+    first_env = json.loads((folder / "env.json").read_text())
+    assert set(first_rows["beta"]) == {0.0} and first_env["partial"]
+
+    calls.clear()
+    monkeypatch.setattr(bench_linear, "providers", lambda beta, device: calls.append(beta) or real(beta, device))
+    assert bench.main(args(resume=True)) == 0
+    assert calls == [0.5]  # the saved case was kept, not run again
+    rows = pd.read_csv(folder / "bench.csv")
+    assert sorted(set(rows["beta"])) == [0.0, 0.5] and (rows["status"] == "ok").all()
+    pd.testing.assert_frame_equal(rows[rows["beta"] == 0.0].reset_index(drop=True), first_rows)
+    env = json.loads((folder / "env.json").read_text())
+    assert "partial" not in env and env["commit"] == "0123abc"
+    assert env["earlier_parts"] == [{k: first_env[k] for k in bench.PART_KEYS if k in first_env}]
+    assert (folder / "goals.md").exists()
+
+    with pytest.raises(SystemExit, match="finished"):
+        bench.main(args(resume=True))
+    env["partial"] = bench.PARTIAL_NOTE
+    (folder / "env.json").write_text(json.dumps(env))
+    monkeypatch.setenv("KLDIV_INLINE_COMMIT", "4567def")
+    with pytest.raises(SystemExit, match="commit 0123abc, this code is 4567def"):
+        bench.main(args(resume=True))
+    monkeypatch.setenv("KLDIV_INLINE_COMMIT", "0123abc+dirty")
+    env["commit"] = "0123abc+dirty"
+    (folder / "env.json").write_text(json.dumps(env))
+    with pytest.raises(SystemExit, match="same clean commit"):
+        bench.main(args(resume=True))
+    with pytest.raises(SystemExit, match="--suites linear"):
+        bench.main(args(resume=True, suites=["kl", "linear"]))
+    with pytest.raises(SystemExit, match="no run to continue"):
+        bench.main(args(resume=True, results=str(tmp_path / "empty")))
+    assert calls == [0.5]  # no refused call ran a case
+
+
+def test_linear_tokens_pick_the_fused_heads_sizes(tmp_path, monkeypatch):
+    # --linear-tokens: the fused head at the token counts given (the CPU twin's hidden size and vocabulary here).
+    import argparse
+
+    from kldiv_inline import bench_linear
+
+    seen = []
+    monkeypatch.setattr(bench_linear, "run", lambda device, **kw: seen.append(kw) or [])
+    monkeypatch.setattr("kldiv_inline.envinfo.device_slug", lambda device: "cpu-run")
+    bench.main(argparse.Namespace(device="cpu", results=str(tmp_path), suites=["linear"], reps=2,
+                                  linear_sweep=False, linear_tokens=[8, 24]))
+    assert seen[0]["sizes"] == [(8, 64, 512), (24, 64, 512)]
+    assert bench_linear.sizes_of_tokens("cuda", [16384]) == [(16384, 4096, 128256)]
+    with pytest.raises(ValueError, match="positive integers"):
+        bench_linear.sizes_of_tokens("cuda", [0])
+    for flags, message in ((["--linear-tokens", "1024,x"], "positive integers"),
+                           (["--linear-tokens", "1024", "--linear-sweep"], "give one"),
+                           (["--suites", "kl", "--linear-tokens", "1024"], "add linear to --suites")):
+        proc = subprocess.run([sys.executable, "-m", "kldiv_inline", "bench", "--device", "cpu",
+                               "--results", str(tmp_path / "cli"), *flags],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0 and message in proc.stderr, (flags, proc.stderr[-2000:])
+
+
 def test_bench_runs_only_the_suites_asked_for(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kldiv_inline", "bench", "--suites", "linear", "--reps", "2",
                            "--results", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
