@@ -8,6 +8,7 @@
 #   tools/gpu_session.sh results   # PYTHON=python3 make results: check, bench, plot into results/
 #   tools/gpu_session.sh notebooks # execute every notebook at full size, executed copies to $OUT (or /tmp)
 #   tools/gpu_session.sh sweep     # the fused LM head at 1k-16k tokens -> ${RESULTS:-results}/linear-sweep/<card>/
+#                                  #   (RESUME=1: finish that folder's run, which a time limit cut short)
 #   tools/gpu_session.sh errors    # the kit's modules raise their errors (each call in a process of its own)
 #   tools/gpu_session.sh split     # two GPUs: the split step profiled against one GPU, forward KL and the JSD
 #   tools/gpu_session.sh topk      # two GPUs: the same with the teacher's top 100 log-probabilities (time, memory)
@@ -34,7 +35,8 @@ python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cud
 case $mode in
   test) PYTHON=python3 make test PYTEST_ARGS="${PYTEST_ARGS:--q -x}" ;;
   results) PYTHON=python3 make results ;;
-  sweep) python3 -m kldiv_inline bench --suites linear --linear-sweep --reps 5 --results "${RESULTS:-results}/linear-sweep" ;;
+  sweep) python3 -m kldiv_inline bench --suites linear --linear-sweep --reps 5 --results "${RESULTS:-results}/linear-sweep" \
+           ${RESUME:+--resume} ;;
   errors) python3 tools/check_module_errors.py ;;
   split)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
