@@ -214,6 +214,22 @@ skipped = K.fused_linear_generalized_jsd(h, w, th, tw, skip_masked=True, **kw)
 every = K.fused_linear_generalized_jsd(h, w, th, tw, **kw)
 print(f"skip_masked: loss {skipped.item():.6f}, without {every.item():.6f}: products over 24 tokens instead of 48")
 
+# %% [markdown]
+# The committed results for this card: each fused-head goal (L1-L4; bf16, 4096 tokens, hidden 4096, vocabulary
+# 128256) from `results/status.md`, and, where a sweep ran on such a card (`python -m kldiv_inline bench --suites
+# linear --linear-sweep --results results/linear-sweep`), its time and memory of a training step against tokens.
+
+# %%
+from IPython.display import Image, display
+
+from kldiv_inline.envinfo import device_slug
+
+mine = [line for line in lines if line.startswith("| L") and card is not None and f"| {card} |" in line]
+print("\n".join(header + mine) if mine else f"no committed fused-head results for {card or DEVICE}")
+sweep = ROOT / "results" / "linear-sweep" / device_slug(DEVICE) / "linear_time_memory.png"
+if sweep.exists():
+    display(Image(filename=str(sweep)))
+
 
 # %% [markdown]
 # ## 6. The vocabulary split across processes
