@@ -242,9 +242,18 @@ template <int THREADS = kFastThreads, typename T> __device__ __forceinline__ voi
   for (int j = count / N * N + threadIdx.x; j < count; j += THREADS) gs[j] = zero.v[0];
 }
 
+// kCopyL2Prefetch (a research switch, 0 = off): the slices' copies ask L2 to fetch 128 or 256 bytes around each
+// 16-byte chunk (cp.async's .L2::128B / .L2::256B hint), so that DRAM serves whole lines and pages ahead of a warp's
+// next chunk. 0: the kernels compile as before.
+constexpr int kCopyL2Prefetch = 0;
+
 // One 16-byte asynchronous copy from device to shared memory (dst: a shared-memory address).
 template <typename T> __device__ __forceinline__ void cp_async16(unsigned dst, const T* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+  if constexpr (kCopyL2Prefetch == 256)
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+  else if constexpr (kCopyL2Prefetch == 128)
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+  else asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 
 // The copy of a slice: thread x's chunks are c = x + i kFastThreads for i < mine (its count, chunk_count) and it
@@ -840,30 +849,28 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
       if (!(ps > 0.f)) return ps != ps ? ps : 0.f;  // NaN stays NaN; no mass, no gradient
       return coef * ps * (us_scaled * (1.f / kKeptUsScale) - ks);
     };
-    // kJsdFoldedGrad: ps times the factor as 2^(x k2 - folded), folded = mx + lz - log2 coef in double, rounded once
-    const double folded = static_cast<double>(rn.s.mx) + static_cast<double>(rn.s.lz) - log2(static_cast<double>(coef));
-    if (kJsdFoldedGrad && !SPLIT && fabsf(ks) < std::numeric_limits<float>::infinity() &&
-        fabsf(rn.s.mx) <= kFoldedGradMax && fabs(folded) < 1024.0) {  // (NaN fails every test)
-      const float off = static_cast<float>(folded);
+    // This thread's chunks: each entry's gradient from its student logit and kept u_s (scaled), by entry_grad.
+    auto chunk_grads = [&](auto&& entry_grad) {
       for (int c = threadIdx.x; c < chunks; c += THREADS) {
         const Vec<T> vs = load_chunk(xs + c * N, true);
         const KeptVec kept = *reinterpret_cast<const KeptVec*>(xt + c * N);
         Vec<T> g;
 #pragma unroll
         for (int q = 0; q < N; ++q)
-          g.v[q] = static_cast<T>(d_exp2(d_fma(entry_float(vs, q), k2, -off)) *
-                                  d_fma(static_cast<float>(kept.v[q]), 1.f / kKeptUsScale, -ks));
+          g.v[q] = static_cast<T>(entry_grad(entry_float(vs, q), static_cast<float>(kept.v[q])));
         store_chunk(gs + c * N, g, true);
       }
+    };
+    // kJsdFoldedGrad: ps times the factor as 2^(x k2 - folded), folded = mx + lz - log2 coef in double, rounded once
+    const double folded = static_cast<double>(rn.s.mx) + static_cast<double>(rn.s.lz) - log2(static_cast<double>(coef));
+    if (kJsdFoldedGrad && !SPLIT && fabsf(ks) < std::numeric_limits<float>::infinity() &&
+        fabsf(rn.s.mx) <= kFoldedGradMax && fabs(folded) < 1024.0) {  // (NaN fails every test)
+      const float off = static_cast<float>(folded);
+      chunk_grads([&](float xsv, float us_scaled) {
+        return d_exp2(d_fma(xsv, k2, -off)) * d_fma(us_scaled, 1.f / kKeptUsScale, -ks);
+      });
     } else {
-      for (int c = threadIdx.x; c < chunks; c += THREADS) {
-        const Vec<T> vs = load_chunk(xs + c * N, true);
-        const KeptVec kept = *reinterpret_cast<const KeptVec*>(xt + c * N);
-        Vec<T> g;
-#pragma unroll
-        for (int q = 0; q < N; ++q) g.v[q] = static_cast<T>(grad(entry_float(vs, q), static_cast<float>(kept.v[q])));
-        store_chunk(gs + c * N, g, true);
-      }
+      chunk_grads(grad);
     }
     if (has_tail) gs[tail] = static_cast<T>(grad(static_cast<float>(gsrc[tail]), us_tail));
   } else if (KS) {
