@@ -242,16 +242,20 @@ template <int THREADS = kFastThreads, typename T> __device__ __forceinline__ voi
   for (int j = count / N * N + threadIdx.x; j < count; j += THREADS) gs[j] = zero.v[0];
 }
 
-// kCopyL2Prefetch (a research switch, 0 = off): the slices' copies ask L2 to fetch 128 or 256 bytes around each
-// 16-byte chunk (cp.async's .L2::128B / .L2::256B hint), so that DRAM serves whole lines and pages ahead of a warp's
-// next chunk. 0: the kernels compile as before.
-constexpr int kCopyL2Prefetch = 0;
+// The slices' copies may ask L2 to fetch 128 or 256 bytes around each 16-byte chunk (cp.async's .L2::128B /
+// .L2::256B hint): L2B, 0 for no hint. kStepL2Prefetch for forward KL's rows in fast_rows (not the split's one-read
+// kernels, which need two GPUs to time), kTopkL2Prefetch for the top-k teacher's (distill_fast_topk.cuh); 0: the
+// kernels compile as before. Measured on an H200 (kernels/NOTES.md, version 48): 128 B took forward KL's step -1.0%
+// and -1.2% and the top-k teacher's -0.7% and -0.9% (logits of spread 2 and 3, medians of three rounds); in every
+// fast_rows instance 128 B took the JSD's step +1.2%, and 256 B the JSD's and reverse KL's +1-2%.
+constexpr int kStepL2Prefetch = 128;
+constexpr int kTopkL2Prefetch = 128;
 
 // One 16-byte asynchronous copy from device to shared memory (dst: a shared-memory address).
-template <typename T> __device__ __forceinline__ void cp_async16(unsigned dst, const T* src) {
-  if constexpr (kCopyL2Prefetch == 256)
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-  else if constexpr (kCopyL2Prefetch == 128)
+template <int L2B = 0, typename T> __device__ __forceinline__ void cp_async16(unsigned dst, const T* src) {
+  static_assert(L2B == 0 || L2B == 128 || L2B == 256, "cp.async's L2 fetch hint: 128 or 256 bytes");
+  if constexpr (L2B == 256) asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+  else if constexpr (L2B == 128)
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
   else asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
@@ -442,8 +446,9 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
     const T* s0 = pinned(gsrc + threadIdx.x * N);
     const T* t0 = pinned(gtsrc + threadIdx.x * N);
     issue_copy(mine, staged, [&](int i) {
-      cp_async16(ds + i * (THREADS * 16u), s0 + i * (THREADS * N));
-      cp_async16(dt + i * (THREADS * 16u), t0 + i * (THREADS * N));
+      constexpr int L2B = MODE == FORWARD_KL && !SPLIT ? kStepL2Prefetch : 0;
+      cp_async16<L2B>(ds + i * (THREADS * 16u), s0 + i * (THREADS * N));
+      cp_async16<L2B>(dt + i * (THREADS * 16u), t0 + i * (THREADS * N));
     });
   }
   double scale_raw = 0.0;  // kEarlyScale: the scale before 1 / T, loaded while the copy is in flight

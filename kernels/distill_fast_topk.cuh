@@ -136,7 +136,8 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   {
     const unsigned ds = bs + threadIdx.x * 16u;
     const T* s0 = pinned(gsrc + threadIdx.x * N);
-    issue_copy(mine, p.staged, [&](int i) { cp_async16(ds + i * (THREADS * 16u), s0 + i * (THREADS * N)); });
+    issue_copy(mine, p.staged,
+               [&](int i) { cp_async16<kTopkL2Prefetch>(ds + i * (THREADS * 16u), s0 + i * (THREADS * N)); });
   }
   [[maybe_unused]] double scale_raw = 0.0;  // kEarlyScaleTopk: the scale before 1 / T, loaded during the copy
   if constexpr (kEarlyScaleTopk) scale_raw = p.base_scale();
