@@ -296,6 +296,11 @@ def main(args) -> int:
                   drop=("read_gbps", "copy_gbps", "earlier_parts") + (("partial",) if done else ()))
         return path
 
+    def keep(case_rows: list[dict]) -> None:
+        """A suite's case as it ends: its rows, saved at once (a run cut short keeps them)."""
+        rows.extend(case_rows)
+        save(done=False)
+
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
@@ -303,14 +308,12 @@ def main(args) -> int:
     suites = getattr(args, "suites", None) or SUITES
     if "kl" in suites:
         for case in tqdm(cases, desc="bench", file=sys.stderr):
-            rows += run_case(case, device, floor, variants, reps=reps, warmup=5)
-            save(done=False)
+            keep(run_case(case, device, floor, variants, reps=reps, warmup=5))
     if "distill" in suites:
         from . import bench_distill
 
         print("bench: the distillation suite", file=sys.stderr)
-        rows += bench_distill.run(device, floor, reps=min(reps, 10))
-        save(done=False)
+        bench_distill.run(device, floor, reps=min(reps, 10), on_case=keep)
     if "linear" in suites:
         from . import bench_linear
 
@@ -324,10 +327,6 @@ def main(args) -> int:
             sizes = None  # the default sizes: the sweep on a GPU, CPU_SHAPE on the CPU
         else:
             sizes = [bench_linear.HEADLINE]
-
-        def keep(case_rows: list[dict]) -> None:
-            rows.extend(case_rows)
-            save(done=False)
 
         bench_linear.run(device, reps=min(reps, 10), sizes=sizes, sweep_betas=sweep_betas, done=linear_done(rows),
                          on_case=keep)

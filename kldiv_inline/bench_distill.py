@@ -141,10 +141,12 @@ def _run(providers, reference, case: harness.Case, check_case: harness.Case, nby
     return rows
 
 
-def run(device: str, floor: floors.Floor, reps: int = 10, betas=(0.0, 0.5, 1.0)) -> list[dict]:
+def run(device: str, floor: floors.Floor, reps: int = 10, betas=(0.0, 0.5, 1.0),
+        on_case: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Every row of the suite on `device`: logits fwd+bwd per beta, logits fwd for beta 0 and 0.5, topk fwd+bwd,
     and forward KL's step with its loss scaled by 1 / ACCUMULATION (pass ACCUMULATED: the peers divide the loss,
-    the kit takes loss_scale)."""
+    the kit takes loss_scale). ``on_case`` gets each case's rows as it ends (the CLI saves them, so a run cut
+    short keeps its finished cases)."""
     tokens, vocab = sizes(device)
     s, t, y, idx, lp = make_inputs(tokens, vocab, device)
     n = CHECK_ROWS
@@ -163,12 +165,18 @@ def run(device: str, floor: floors.Floor, reps: int = 10, betas=(0.0, 0.5, 1.0))
         small = harness.Case(name, (s[:n], t[:n], y[:n]), meta)
         nbytes = (3 if training else 2) * tensor_bytes
         moved = 2 * unmasked_bytes + (tensor_bytes if training else 0)
-        rows += _run(logits_providers(beta, pass_, device), logits_reference(beta, pass_), case, small, nbytes,
-                     moved, floor, reps, setup, inference=not training)
+        done = _run(logits_providers(beta, pass_, device), logits_reference(beta, pass_), case, small, nbytes,
+                    moved, floor, reps, setup, inference=not training)
+        rows += done
+        if on_case is not None:
+            on_case(done)
     meta = {**base, "pass": "fwd+bwd", "form": "topk", "beta": 0.0}
     name = f"fwd+bwd topk{idx.shape[-1]} beta=0 {tokens}x{vocab}"
     case = harness.Case(name, (s, idx, lp, y), meta)
     small = harness.Case(name, (s[:n], idx[:n], lp[:n], y[:n]), meta)
-    rows += _run(topk_providers(0.0), topk_reference(0.0), case, small, 2 * tensor_bytes,
-                 unmasked_bytes + tensor_bytes, floor, reps, _fresh_student)
+    done = _run(topk_providers(0.0), topk_reference(0.0), case, small, 2 * tensor_bytes,
+                unmasked_bytes + tensor_bytes, floor, reps, _fresh_student)
+    rows += done
+    if on_case is not None:
+        on_case(done)
     return rows

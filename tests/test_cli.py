@@ -261,6 +261,31 @@ def test_bench_cut_short_keeps_the_cases_it_finished(tmp_path, monkeypatch):
     assert "Partial run: " + bench.PARTIAL_NOTE in (folder / "goals.md").read_text()
 
 
+def test_distill_suite_cut_short_keeps_the_cases_it_finished(tmp_path, monkeypatch):
+    # The distillation suite saves each case as it ends, as the fused head's does: a time limit in its third case
+    # leaves the first two on disk, marked partial.
+    import argparse
+
+    from kldiv_inline import bench_distill
+
+    done = []
+
+    def one_row(providers, reference, case, *rest, **kw):
+        if len(done) == 2:
+            raise KeyboardInterrupt("the time limit")
+        done.append(case.name)
+        return [{"device": "cpu", "impl": bench.OURS, "status": "ok", "median_ms": 1.0, "batch": 1, "features": 2,
+                 "dtype": "bfloat16", **case.meta}]
+
+    monkeypatch.setattr(bench_distill, "_run", one_row)
+    monkeypatch.setattr("kldiv_inline.envinfo.device_slug", lambda device: "cpu-run")
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(argparse.Namespace(device="cpu", results=str(tmp_path), suites=["distill"], reps=2))
+    rows = pd.read_csv(tmp_path / "cpu-run" / "bench.csv")
+    assert len(rows) == 2 and set(rows["form"]) == {"logits"}
+    assert json.loads((tmp_path / "cpu-run" / "env.json").read_text())["partial"] == bench.PARTIAL_NOTE
+
+
 def test_bench_resume_finishes_a_run_cut_short(tmp_path, monkeypatch):
     # --resume keeps the cases a cut-short run saved (not run again), runs the rest, and records the earlier part;
     # a finished run, another commit or other suites are refused.
