@@ -101,9 +101,11 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     results_default = str(REPO_ROOT / "results")
 
-    def suites(p):
+    def timed(p):  # what bench and results share: the cases, the repetitions, the suites and their sizes
         from .bench import SUITES
 
+        p.add_argument("--headline-only", action="store_true", help="only the P1-P5 cases, no size sweep")
+        p.add_argument("--reps", type=int, default=30, help="timed calls per provider and case")
         p.add_argument("--suites", default=",".join(SUITES), type=_suites,
                        help=f"comma-separated suites to run, of {', '.join(SUITES)} (default: all)")
         p.add_argument("--kl-only", dest="suites", action="store_const", const=["kl"], help="--suites kl")
@@ -124,9 +126,7 @@ def main(argv=None) -> int:
     p.set_defaults(func=cmd_check)
     p = sub.add_parser("bench", help="timings against the peers")
     common(p)
-    p.add_argument("--headline-only", action="store_true", help="only the P1-P5 cases, no size sweep")
-    p.add_argument("--reps", type=int, default=30, help="timed calls per provider and case")
-    suites(p)
+    timed(p)
     p.add_argument("--resume", action="store_true",
                    help="finish a --suites linear run that a time limit cut short, with its options: keeps the "
                         "cases its bench.csv holds (same clean commit, same card) and runs the rest")
@@ -137,9 +137,7 @@ def main(argv=None) -> int:
     p.set_defaults(func=cmd_plot)
     p = sub.add_parser("results", help="check, bench and plot: what `make results` runs")
     common(p)
-    p.add_argument("--headline-only", action="store_true", help="only the P1-P5 cases, no size sweep")
-    p.add_argument("--reps", type=int, default=30, help="timed calls per provider and case")
-    suites(p)
+    timed(p)
     p.set_defaults(func=cmd_results)
     args = parser.parse_args(argv)
     if hasattr(args, "device"):
