@@ -128,8 +128,8 @@ def main(argv=None) -> int:
     common(p)
     timed(p)
     p.add_argument("--resume", action="store_true",
-                   help="finish a --suites linear run that a time limit cut short, with its options: keeps the "
-                        "cases its bench.csv holds (same clean commit, same card) and runs the rest")
+                   help="finish a run that a time limit cut short, with its options: keeps the cases its "
+                        "bench.csv holds (same clean commit, same card) and runs the rest")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("plot", help="PNGs from the results CSVs")
     p.add_argument("--results", default=results_default)

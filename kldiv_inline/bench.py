@@ -129,16 +129,22 @@ def reference(form: str, pass_: str) -> Callable:
 
 
 # ------------------------------------------------------------------------------------------------ runs
+def case_metas(case: Case) -> list[dict]:
+    """The columns that name each pass's rows of a case."""
+    dtype = str(case.dtype).removeprefix("torch.")
+    return [{"pass": pass_, "form": case.form, "dtype": dtype, "batch": case.batch, "features": case.features}
+            for pass_ in case.passes]
+
+
 def run_case(case: Case, device: str, floor: floors.Floor, variants: list[str], reps: int,
              warmup: int) -> list[dict]:
     """The rows of one case, every pass: each provider checked, then timed (or marked wrong)."""
     x, t = make_inputs(case, device)
     torch._dynamo.reset()  # torch.compile sees each case's shapes fresh
     rows = []
-    dtype = str(case.dtype).removeprefix("torch.")
-    for pass_ in case.passes:
+    for meta in case_metas(case):
+        pass_, dtype = meta["pass"], meta["dtype"]
         args = (x.detach().requires_grad_(), t) if pass_ == "fwd+bwd" else (x, t)
-        meta = {"pass": pass_, "form": case.form, "dtype": dtype, "batch": case.batch, "features": case.features}
         hcase = harness.Case(f"{pass_} {case.form} {dtype} {case.batch}x{case.features}", args, meta)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # peers' deprecation and reduction warnings
@@ -215,8 +221,6 @@ def check_suites(args, folder: Path) -> None:
         raise SystemExit("--linear-tokens sizes the fused LM head's suite: add linear to --suites")
     if getattr(args, "linear_tokens", None) and getattr(args, "linear_sweep", False):
         raise SystemExit("--linear-sweep and --linear-tokens both pick the fused LM head's sizes: give one")
-    if getattr(args, "resume", False):
-        return  # resumed() checks the folder's run, whose rows this run keeps
     path = folder / "bench.csv"
     if not path.exists():
         return
@@ -231,16 +235,13 @@ def check_suites(args, folder: Path) -> None:
 PART_KEYS = ("date_utc", "command", "platform", "driver", "cpu", "floor_gbps")
 
 
-def resumed(args, folder: Path, device: str) -> tuple[list[dict], list[dict]]:
-    """--resume: the rows of the run in ``folder`` that a time limit cut short, for this run to finish, and the
-    earlier parts' records for env.json. Refused unless that run is partial, of the fused LM head's suite alone
-    (its cases are saved one by one), at this commit (a clean one) and on a device of this name: a finished
-    folder holds the numbers of one code on one kind of card."""
+def resumed(folder: Path, device: str) -> tuple[list[dict], list[dict]]:
+    """--resume: the rows of the run in ``folder`` that a time limit cut short, for this run to finish (every suite
+    saves each case as it ends), and the earlier parts' records for env.json. Refused unless that run is partial,
+    at this commit (a clean one) and on a device of this name: a finished folder holds the numbers of one code on one
+    kind of card. (check_suites has refused a run whose suites would drop some of the rows.)"""
     from .envinfo import commit, device_name
 
-    if list(getattr(args, "suites", None) or SUITES) != ["linear"]:
-        raise SystemExit("--resume continues the fused LM head's suite, whose cases are saved one by one: give "
-                         "--suites linear (the other suites run whole)")
     path, env_path = folder / "bench.csv", folder / "env.json"
     if not (path.exists() and env_path.exists()):
         raise SystemExit(f"--resume: {folder} holds no run to continue (no bench.csv and env.json)")
@@ -254,17 +255,22 @@ def resumed(args, folder: Path, device: str) -> tuple[list[dict], list[dict]]:
     if env.get("device_name") != device_name(device):
         raise SystemExit(f"--resume: the run in {folder} ran on {env.get('device_name')}, this device is "
                          f"{device_name(device)}")
-    rows = pd.read_csv(path).to_dict("records")
-    if {r.get("form") for r in rows} - {"linear"}:
-        raise SystemExit(f"--resume: {path} holds rows of other suites than the fused LM head's")
     parts = env.get("earlier_parts", []) + [{k: env[k] for k in PART_KEYS if k in env}]
-    return rows, parts
+    return pd.read_csv(path).to_dict("records"), parts
 
 
-def linear_done(rows: list[dict]) -> set[tuple]:
-    """(tokens, hidden, vocabulary, beta) of the fused head's cases that ``rows`` hold."""
-    return {(int(r["batch"]), int(r["hidden"]), int(r["features"]), float(r["beta"]))
-            for r in rows if r.get("form") == "linear"}
+def held_by(rows: list[dict]) -> Callable[[dict], bool]:
+    """Whether ``rows`` hold a row of the case a suite describes by ``meta`` (its columns: pass, form, dtype, shape,
+    beta, ...; every one equal): the cases a resumed run keeps rather than runs again."""
+    def same(a, b) -> bool:
+        if isinstance(a, str) or isinstance(b, str):
+            return str(a) == str(b)
+        try:
+            return float(a) == float(b)
+        except (TypeError, ValueError):
+            return False
+
+    return lambda meta: any(all(same(r.get(k), v) for k, v in meta.items()) for r in rows)
 
 
 def main(args) -> int:
@@ -274,7 +280,8 @@ def main(args) -> int:
     device = args.device  # resolved by the CLI: "cuda" or "cpu"
     folder = Path(args.results) / device_slug(device)
     check_suites(args, folder)
-    rows, parts = resumed(args, folder, device) if getattr(args, "resume", False) else ([], [])
+    rows, parts = resumed(folder, device) if getattr(args, "resume", False) else ([], [])
+    done = held_by(rows)
     floor = floors.measure_floor(device)
     sources = ", ".join(f"{k} {v:.0f}" for k, v in floor.sources.items())
     print(f"{device}: floor {floor.gbps:.0f} GB/s from {floor.source} (read GB/s: {sources})", file=sys.stderr)
@@ -308,12 +315,13 @@ def main(args) -> int:
     suites = getattr(args, "suites", None) or SUITES
     if "kl" in suites:
         for case in tqdm(cases, desc="bench", file=sys.stderr):
-            keep(run_case(case, device, floor, variants, reps=reps, warmup=5))
+            if not all(done(m) for m in case_metas(case)):
+                keep(run_case(case, device, floor, variants, reps=reps, warmup=5))
     if "distill" in suites:
         from . import bench_distill
 
         print("bench: the distillation suite", file=sys.stderr)
-        bench_distill.run(device, floor, reps=min(reps, 10), on_case=keep)
+        bench_distill.run(device, floor, reps=min(reps, 10), on_case=keep, done=done)
     if "linear" in suites:
         from . import bench_linear
 
@@ -328,7 +336,7 @@ def main(args) -> int:
         else:
             sizes = [bench_linear.HEADLINE]
 
-        bench_linear.run(device, reps=min(reps, 10), sizes=sizes, sweep_betas=sweep_betas, done=linear_done(rows),
+        bench_linear.run(device, reps=min(reps, 10), sizes=sizes, sweep_betas=sweep_betas, done=done,
                          on_case=keep)
     path = save(done=True)
     env_path = folder / "env.json"

@@ -142,11 +142,13 @@ def _run(providers, reference, case: harness.Case, check_case: harness.Case, nby
 
 
 def run(device: str, floor: floors.Floor, reps: int = 10, betas=(0.0, 0.5, 1.0),
-        on_case: Callable[[list[dict]], None] | None = None) -> list[dict]:
+        on_case: Callable[[list[dict]], None] | None = None,
+        done: Callable[[dict], bool] = lambda meta: False) -> list[dict]:
     """Every row of the suite on `device`: logits fwd+bwd per beta, logits fwd for beta 0 and 0.5, topk fwd+bwd,
     and forward KL's step with its loss scaled by 1 / ACCUMULATION (pass ACCUMULATED: the peers divide the loss,
     the kit takes loss_scale). ``on_case`` gets each case's rows as it ends (the CLI saves them, so a run cut
-    short keeps its finished cases)."""
+    short keeps its finished cases); a case whose columns (its ``meta``) ``done`` says are held is not run (a
+    resumed run keeps its rows)."""
     tokens, vocab = sizes(device)
     s, t, y, idx, lp = make_inputs(tokens, vocab, device)
     n = CHECK_ROWS
@@ -159,24 +161,28 @@ def run(device: str, floor: floors.Floor, reps: int = 10, betas=(0.0, 0.5, 1.0),
         torch._dynamo.reset()  # torch.compile sees each case fresh
         training = _training(pass_) > 0
         meta = {**base, "pass": pass_, "form": "logits", "beta": beta}
+        if done(meta):
+            continue
         name = f"{pass_} logits beta={beta:g} {tokens}x{vocab}"
         setup = _fresh_student if training else None
         case = harness.Case(name, (s, t, y), meta)
         small = harness.Case(name, (s[:n], t[:n], y[:n]), meta)
         nbytes = (3 if training else 2) * tensor_bytes
         moved = 2 * unmasked_bytes + (tensor_bytes if training else 0)
-        done = _run(logits_providers(beta, pass_, device), logits_reference(beta, pass_), case, small, nbytes,
-                    moved, floor, reps, setup, inference=not training)
-        rows += done
+        case_rows = _run(logits_providers(beta, pass_, device), logits_reference(beta, pass_), case, small, nbytes,
+                         moved, floor, reps, setup, inference=not training)
+        rows += case_rows
         if on_case is not None:
-            on_case(done)
+            on_case(case_rows)
     meta = {**base, "pass": "fwd+bwd", "form": "topk", "beta": 0.0}
+    if done(meta):
+        return rows
     name = f"fwd+bwd topk{idx.shape[-1]} beta=0 {tokens}x{vocab}"
     case = harness.Case(name, (s, idx, lp, y), meta)
     small = harness.Case(name, (s[:n], idx[:n], lp[:n], y[:n]), meta)
-    done = _run(topk_providers(0.0), topk_reference(0.0), case, small, 2 * tensor_bytes,
-                unmasked_bytes + tensor_bytes, floor, reps, _fresh_student)
-    rows += done
+    case_rows = _run(topk_providers(0.0), topk_reference(0.0), case, small, 2 * tensor_bytes,
+                     unmasked_bytes + tensor_bytes, floor, reps, _fresh_student)
+    rows += case_rows
     if on_case is not None:
-        on_case(done)
+        on_case(case_rows)
     return rows

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -206,20 +206,27 @@ def _with_floor(rows: list[dict], tokens: int, hidden: int, vocab: int, tflops: 
 
 
 # ------------------------------------------------------------------------------------------------ runs
+def case_meta(tokens: int, hidden: int, vocab: int, beta: float) -> dict:
+    """The columns that name a case's rows."""
+    return {"pass": "fwd+bwd", "form": "linear", "beta": beta, "dtype": "bfloat16", "batch": tokens,
+            "features": vocab, "hidden": hidden}
+
+
 def run(device: str, reps: int = 10, sizes: Sequence[tuple[int, int, int]] | None = None,
         betas: Sequence[float] = (0.0, 0.5), check_tokens: int = CHECK_TOKENS,
         matmul_size: int | None = None, on_case: Callable[[list[dict]], None] | None = None,
-        sweep_betas: Sequence[float] | None = None, done: Container[tuple] = ()) -> list[dict]:
+        sweep_betas: Sequence[float] | None = None,
+        done: Callable[[dict], bool] = lambda meta: False) -> list[dict]:
     """Every row of the suite on `device`: per (tokens, hidden, vocabulary) of ``sizes`` (default_sizes) and per
     beta (``betas`` at HEADLINE, ``sweep_betas`` at other sizes: by default SWEEP_BETAS where the sizes are the
     default ones on CUDA, else ``betas``), each provider checked (on the first check_tokens tokens) and timed,
-    forward + backward. A case whose (tokens, hidden, vocabulary, beta) is in ``done`` is not run (a resumed run
-    holds its rows). ``on_case`` gets each case's rows as it ends (the CLI saves them, so a sweep cut short keeps
+    forward + backward. A case whose columns (case_meta) ``done`` says are held is not run (a resumed run keeps
+    its rows). ``on_case`` gets each case's rows as it ends (the CLI saves them, so a sweep cut short keeps
     its finished sizes)."""
     if sweep_betas is None:
         sweep_betas = SWEEP_BETAS if sizes is None and device == "cuda" else betas
     sizes = list(sizes) if sizes is not None else default_sizes(device)
-    todo = [(size, [b for b in (betas if size == HEADLINE else sweep_betas) if (*size, float(b)) not in done])
+    todo = [(size, [b for b in (betas if size == HEADLINE else sweep_betas) if not done(case_meta(*size, b))])
             for size in map(tuple, sizes)]
     todo = [(size, bs) for size, bs in todo if bs]
     if not todo:
@@ -233,8 +240,7 @@ def run(device: str, reps: int = 10, sizes: Sequence[tuple[int, int, int]] | Non
         for beta in case_betas:
             torch._dynamo.reset()  # torch.compile sees each case fresh
             name = f"fwd+bwd linear beta={beta:g} {tokens}x{hidden}x{vocab}"
-            meta = {"pass": "fwd+bwd", "form": "linear", "beta": beta, "dtype": "bfloat16", "batch": tokens,
-                    "features": vocab, "hidden": hidden}
+            meta = case_meta(tokens, hidden, vocab, beta)
             provs = providers(beta, device)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # peers' warnings

@@ -263,27 +263,63 @@ def test_bench_cut_short_keeps_the_cases_it_finished(tmp_path, monkeypatch):
 
 def test_distill_suite_cut_short_keeps_the_cases_it_finished(tmp_path, monkeypatch):
     # The distillation suite saves each case as it ends, as the fused head's does: a time limit in its third case
-    # leaves the first two on disk, marked partial.
+    # leaves the first two on disk, marked partial, and --resume runs the others.
     import argparse
 
     from kldiv_inline import bench_distill
 
     done = []
 
+    cut = {"after": 2}  # cases until the time limit
+
     def one_row(providers, reference, case, *rest, **kw):
-        if len(done) == 2:
+        if len(done) == cut["after"]:
             raise KeyboardInterrupt("the time limit")
         done.append(case.name)
-        return [{"device": "cpu", "impl": bench.OURS, "status": "ok", "median_ms": 1.0, "batch": 1, "features": 2,
-                 "dtype": "bfloat16", **case.meta}]
+        return [{"device": "cpu", "impl": bench.OURS, "status": "ok", "median_ms": 1.0, "timer": "wall",
+                 **case.meta}]
 
     monkeypatch.setattr(bench_distill, "_run", one_row)
     monkeypatch.setattr("kldiv_inline.envinfo.device_slug", lambda device: "cpu-run")
+    monkeypatch.setenv("KLDIV_INLINE_COMMIT", "0123abc")
     with pytest.raises(KeyboardInterrupt):
         bench.main(argparse.Namespace(device="cpu", results=str(tmp_path), suites=["distill"], reps=2))
     rows = pd.read_csv(tmp_path / "cpu-run" / "bench.csv")
     assert len(rows) == 2 and set(rows["form"]) == {"logits"}
     assert json.loads((tmp_path / "cpu-run" / "env.json").read_text())["partial"] == bench.PARTIAL_NOTE
+    # --resume runs the rest: the two saved cases are not run again
+    first, done[:], cut["after"] = list(done), [], None
+    bench.main(argparse.Namespace(device="cpu", results=str(tmp_path), suites=["distill"], reps=2, resume=True))
+    rows = pd.read_csv(tmp_path / "cpu-run" / "bench.csv")
+    assert not set(first) & set(done) and len(rows) == len(first) + len(done) == 7  # 6 logits cases and top-k
+    assert set(rows["form"]) == {"logits", "topk"}
+
+
+def test_kl_suite_resumed_runs_only_the_cases_it_lacks(tmp_path, monkeypatch):
+    # The KL suite's cases (each pass a row per provider) are kept by --resume as the other suites' are.
+    import argparse
+
+    ran, cut = [], {"after": 2}
+
+    def fake_case(case, *rest, **kw):
+        if len(ran) == cut["after"]:
+            raise KeyboardInterrupt("the time limit")
+        ran.append(case)
+        return [{"device": "cpu", "impl": bench.OURS, "status": "ok", "median_ms": 1.0, "timer": case.timer, **m}
+                for m in bench.case_metas(case)]
+
+    monkeypatch.setattr(bench, "run_case", fake_case)
+    monkeypatch.setenv("KLDIV_INLINE_COMMIT", "0123abc")
+    monkeypatch.setattr("kldiv_inline.envinfo.device_slug", lambda device: "cpu-run")
+    args = argparse.Namespace(device="cpu", results=str(tmp_path), suites=["kl"], reps=2)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(args)
+    first, ran[:], cut["after"] = list(ran), [], None
+    args.resume = True
+    bench.main(args)
+    cases = bench.headline_cases("cpu") + bench.sweep_cases("cpu")
+    assert first == cases[:2] and ran == cases[2:]
+    assert len(pd.read_csv(tmp_path / "cpu-run" / "bench.csv")) == sum(len(c.passes) for c in cases)
 
 
 def test_bench_resume_finishes_a_run_cut_short(tmp_path, monkeypatch):
@@ -340,8 +376,8 @@ def test_bench_resume_finishes_a_run_cut_short(tmp_path, monkeypatch):
     (folder / "env.json").write_text(json.dumps(env))
     with pytest.raises(SystemExit, match="same clean commit"):
         bench.main(args(resume=True))
-    with pytest.raises(SystemExit, match="--suites linear"):
-        bench.main(args(resume=True, suites=["kl", "linear"]))
+    with pytest.raises(SystemExit, match="holds rows of the linear suite"):
+        bench.main(args(resume=True, suites=["kl"]))
     with pytest.raises(SystemExit, match="no run to continue"):
         bench.main(args(resume=True, results=str(tmp_path / "empty")))
     assert calls == [0.5]  # no refused call ran a case
