@@ -250,6 +250,13 @@ template <int THREADS = kFastThreads, typename T> __device__ __forceinline__ voi
 // fast_rows instance 128 B took the JSD's step +1.2%, and 256 B the JSD's and reverse KL's +1-2%.
 constexpr int kStepL2Prefetch = 128;
 constexpr int kTopkL2Prefetch = 128;
+// Research switches for forward KL's rows in fast_rows (not the split's one-read kernels), prepared in version 48
+// and not yet measured; off, the kernels compile as before. kStepGradStore, the gradient's 16-byte stores: 0
+// streaming (st.global.cs, evict-first in L2: store_chunk), 1 st.global.cg, 2 a plain store (write-back).
+// kStepCopyEvictFirst: the slices' copies under an L2 evict-first cache policy (each logit is read once, so
+// nothing the copies bring into L2 is wanted again).
+constexpr int kStepGradStore = 0;
+constexpr bool kStepCopyEvictFirst = false;
 
 // One 16-byte asynchronous copy from device to shared memory (dst: a shared-memory address).
 template <int L2B = 0, typename T> __device__ __forceinline__ void cp_async16(unsigned dst, const T* src) {
@@ -258,6 +265,31 @@ template <int L2B = 0, typename T> __device__ __forceinline__ void cp_async16(un
   else if constexpr (L2B == 128)
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
   else asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+// The same under an L2 cache policy (`policy`: createpolicy's, e.g. evict_first_policy()).
+template <int L2B = 0, typename T>
+__device__ __forceinline__ void cp_async16(unsigned dst, const T* src, uint64_t policy) {
+  static_assert(L2B == 0 || L2B == 128 || L2B == 256, "cp.async's L2 fetch hint: 128 or 256 bytes");
+  if constexpr (L2B == 256)
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "l"(policy));
+  else if constexpr (L2B == 128)
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "l"(policy));
+  else asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "l"(policy));
+}
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+// A chunk of gradients in one 16-byte store: STORE 0 streaming (store_chunk's), 1 st.global.cg, 2 plain.
+template <int STORE, typename T> __device__ __forceinline__ void store_grad_chunk(T* dst, const Vec<T>& g) {
+  static_assert(STORE >= 0 && STORE <= 2, "kStepGradStore: 0, 1 or 2");
+  if constexpr (STORE == 1) __stcg(reinterpret_cast<uint4*>(dst), *reinterpret_cast<const uint4*>(&g));
+  else if constexpr (STORE == 2) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&g);
+  else store_chunk(dst, g, true);
 }
 
 // The copy of a slice: thread x's chunks are c = x + i kFastThreads for i < mine (its count, chunk_count) and it
@@ -445,10 +477,17 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
     const unsigned ds = bs + threadIdx.x * 16u, dt = bt + threadIdx.x * 16u;
     const T* s0 = pinned(gsrc + threadIdx.x * N);
     const T* t0 = pinned(gtsrc + threadIdx.x * N);
+    constexpr int L2B = MODE == FORWARD_KL && !SPLIT ? kStepL2Prefetch : 0;
+    constexpr bool EVICT_FIRST = kStepCopyEvictFirst && MODE == FORWARD_KL && !SPLIT;
+    [[maybe_unused]] const uint64_t policy = EVICT_FIRST ? evict_first_policy() : 0;
     issue_copy(mine, staged, [&](int i) {
-      constexpr int L2B = MODE == FORWARD_KL && !SPLIT ? kStepL2Prefetch : 0;
-      cp_async16<L2B>(ds + i * (THREADS * 16u), s0 + i * (THREADS * N));
-      cp_async16<L2B>(dt + i * (THREADS * 16u), t0 + i * (THREADS * N));
+      if constexpr (EVICT_FIRST) {
+        cp_async16<L2B>(ds + i * (THREADS * 16u), s0 + i * (THREADS * N), policy);
+        cp_async16<L2B>(dt + i * (THREADS * 16u), t0 + i * (THREADS * N), policy);
+      } else {
+        cp_async16<L2B>(ds + i * (THREADS * 16u), s0 + i * (THREADS * N));
+        cp_async16<L2B>(dt + i * (THREADS * 16u), t0 + i * (THREADS * N));
+      }
     });
   }
   double scale_raw = 0.0;  // kEarlyScale: the scale before 1 / T, loaded while the copy is in flight
@@ -551,7 +590,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
           const float d = f(make_point<CLOSE>(entry_float(vs, q), entry_float(vt, q), k2, rn));
           if (WRITE) g.v[q] = static_cast<T>(d * scale);
         }
-        if (WRITE) store_chunk(gs + c * N, g, true);
+        if (WRITE) store_grad_chunk<MODE == FORWARD_KL && !SPLIT ? kStepGradStore : 0>(gs + c * N, g);
       }
       if (has_tail) {
         const float xs_tail = STEP_DIRECT ? tail_xs : static_cast<float>(gsrc[tail]);
