@@ -281,7 +281,7 @@ def main(args) -> int:
     folder = Path(args.results) / device_slug(device)
     check_suites(args, folder)
     rows, parts = resumed(folder, device) if getattr(args, "resume", False) else ([], [])
-    done = held_by(rows)
+    held = held_by(rows)  # a resumed run's cases, not run again
     floor = floors.measure_floor(device)
     sources = ", ".join(f"{k} {v:.0f}" for k, v in floor.sources.items())
     print(f"{device}: floor {floor.gbps:.0f} GB/s from {floor.source} (read GB/s: {sources})", file=sys.stderr)
@@ -315,13 +315,13 @@ def main(args) -> int:
     suites = getattr(args, "suites", None) or SUITES
     if "kl" in suites:
         for case in tqdm(cases, desc="bench", file=sys.stderr):
-            if not all(done(m) for m in case_metas(case)):
+            if not all(held(m) for m in case_metas(case)):
                 keep(run_case(case, device, floor, variants, reps=reps, warmup=5))
     if "distill" in suites:
         from . import bench_distill
 
         print("bench: the distillation suite", file=sys.stderr)
-        bench_distill.run(device, floor, reps=min(reps, 10), on_case=keep, done=done)
+        bench_distill.run(device, floor, reps=min(reps, 10), on_case=keep, done=held)
     if "linear" in suites:
         from . import bench_linear
 
@@ -336,7 +336,7 @@ def main(args) -> int:
         else:
             sizes = [bench_linear.HEADLINE]
 
-        bench_linear.run(device, reps=min(reps, 10), sizes=sizes, sweep_betas=sweep_betas, done=done,
+        bench_linear.run(device, reps=min(reps, 10), sizes=sizes, sweep_betas=sweep_betas, done=held,
                          on_case=keep)
     path = save(done=True)
     env_path = folder / "env.json"
