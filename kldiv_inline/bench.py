@@ -176,9 +176,9 @@ def sweep_cases(device: str) -> list[Case]:
 
 
 def write_csv(rows: list[dict], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(rows).reindex(columns=COLUMNS).to_csv(path, index=False)
-    return path
+    from .envinfo import write_atomic
+
+    return write_atomic(path, pd.DataFrame(rows).reindex(columns=COLUMNS).to_csv(index=False))
 
 
 def table(rows: list[dict]) -> str:

@@ -106,9 +106,9 @@ def run_checks(device: str, dtypes=DTYPES, cases=CASES) -> Iterator[dict]:
 
 
 def write_csv(rows: list[dict], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(rows).to_csv(path, index=False)
-    return path
+    from .envinfo import write_atomic
+
+    return write_atomic(path, pd.DataFrame(rows).to_csv(index=False))
 
 
 def summary_table(rows: list[dict]) -> str:

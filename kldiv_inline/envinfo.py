@@ -106,6 +106,16 @@ def environment(device: str) -> dict:
     return env
 
 
+def write_atomic(path: Path, text: str) -> Path:
+    """``path`` holds ``text`` whole or keeps what it held: written beside it, then renamed over it, so a run killed
+    mid-write (a device's time limit) never leaves a truncated results file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
 def write_env(folder: Path, device: str, extra: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
     """Merge this run's environment (and ``extra``) into ``folder/env.json``, less the keys in ``drop``."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -116,5 +126,4 @@ def write_env(folder: Path, device: str, extra: dict | None = None, drop: tuple[
     data.update(environment(device))
     if extra:
         data.update(extra)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    return path
+    return write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -436,3 +436,25 @@ def test_bench_refuses_to_drop_other_suites_rows(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kldiv_inline", "bench", "--suites", "kl", "--linear-sweep",
                            "--results", str(tmp_path / "other")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "add linear to --suites" in proc.stderr
+
+
+def test_results_files_are_written_whole(tmp_path, monkeypatch):
+    # A run killed mid-write (a device's time limit) keeps the file's last whole version: the new text goes to a
+    # file beside it and is renamed over it, so a failed write leaves the old one as it was.
+    from kldiv_inline import envinfo
+
+    path = tmp_path / "bench.csv"
+    envinfo.write_atomic(path, "old\n")
+    real = Path.write_text
+
+    def killed(self, text):  # half the text on disk, then the end of the process
+        real(self, text[: len(text) // 2])
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(Path, "write_text", killed)
+    with pytest.raises(KeyboardInterrupt):
+        envinfo.write_atomic(path, "a new version\n")
+    monkeypatch.undo()
+    assert path.read_text() == "old\n"
+    envinfo.write_atomic(path, "new\n")
+    assert path.read_text() == "new\n" and sorted(p.name for p in tmp_path.iterdir()) == ["bench.csv"]

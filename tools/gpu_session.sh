@@ -5,7 +5,8 @@
 # /tmp/site. Set KLDIV_INLINE_COMMIT to the commit the tree holds, as a literal taken where the real .git is (a
 # copied .git may be stale, so `$(git rev-parse HEAD)` run on the copy can name the wrong commit): results record it.
 #   tools/gpu_session.sh test      # PYTHON=python3 make test: every test, the gpu-marked ones included
-#   tools/gpu_session.sh results   # PYTHON=python3 make results: check, bench, plot into results/
+#   tools/gpu_session.sh results   # PYTHON=python3 make results: check, bench, plot into results/ (RESUME=1: the
+#                                  #   bench that a time limit cut short finished by bench --resume, then plot)
 #   tools/gpu_session.sh notebooks # execute every notebook at full size, executed copies to $OUT (or /tmp)
 #   tools/gpu_session.sh sweep     # the fused LM head at 1k-16k tokens -> ${RESULTS:-results}/linear-sweep/<card>/
 #                                  #   (RESUME=1: finish that folder's run, which a time limit cut short)
@@ -34,7 +35,9 @@ fi
 python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
 case $mode in
   test) PYTHON=python3 make test PYTEST_ARGS="${PYTEST_ARGS:--q -x}" ;;
-  results) PYTHON=python3 make results ;;
+  results)
+    if [ -n "${RESUME:-}" ]; then python3 -m kldiv_inline bench --resume && python3 -m kldiv_inline plot
+    else PYTHON=python3 make results; fi ;;
   sweep) python3 -m kldiv_inline bench --suites linear --linear-sweep --reps 5 --results "${RESULTS:-results}/linear-sweep" \
            ${RESUME:+--resume} ;;
   errors) python3 tools/check_module_errors.py ;;
