@@ -156,6 +156,12 @@ def run(device: str, floor: floors.Floor, reps: int = 10, betas=(0.0, 0.5, 1.0),
     unmasked_bytes = int((y != -100).sum()) * vocab * s.element_size()  # (the rows whose logits must be read)
     base = {"dtype": "bfloat16", "batch": tokens, "features": vocab}
     rows = []
+
+    def finished(case_rows: list[dict]) -> None:
+        rows.extend(case_rows)
+        if on_case is not None:
+            on_case(case_rows)
+
     cases = [(beta, pass_) for beta in betas for pass_ in ("fwd+bwd", "fwd") if not (pass_ == "fwd" and beta == 1.0)]
     for beta, pass_ in cases + [(0.0, ACCUMULATED)]:
         torch._dynamo.reset()  # torch.compile sees each case fresh
@@ -169,20 +175,14 @@ def run(device: str, floor: floors.Floor, reps: int = 10, betas=(0.0, 0.5, 1.0),
         small = harness.Case(name, (s[:n], t[:n], y[:n]), meta)
         nbytes = (3 if training else 2) * tensor_bytes
         moved = 2 * unmasked_bytes + (tensor_bytes if training else 0)
-        case_rows = _run(logits_providers(beta, pass_, device), logits_reference(beta, pass_), case, small, nbytes,
-                         moved, floor, reps, setup, inference=not training)
-        rows += case_rows
-        if on_case is not None:
-            on_case(case_rows)
+        finished(_run(logits_providers(beta, pass_, device), logits_reference(beta, pass_), case, small, nbytes,
+                      moved, floor, reps, setup, inference=not training))
     meta = {**base, "pass": "fwd+bwd", "form": "topk", "beta": 0.0}
     if done(meta):
         return rows
     name = f"fwd+bwd topk{idx.shape[-1]} beta=0 {tokens}x{vocab}"
     case = harness.Case(name, (s, idx, lp, y), meta)
     small = harness.Case(name, (s[:n], idx[:n], lp[:n], y[:n]), meta)
-    case_rows = _run(topk_providers(0.0), topk_reference(0.0), case, small, 2 * tensor_bytes,
-                     unmasked_bytes + tensor_bytes, floor, reps, _fresh_student)
-    rows += case_rows
-    if on_case is not None:
-        on_case(case_rows)
+    finished(_run(topk_providers(0.0), topk_reference(0.0), case, small, 2 * tensor_bytes,
+                  unmasked_bytes + tensor_bytes, floor, reps, _fresh_student))
     return rows
