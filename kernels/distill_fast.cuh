@@ -85,6 +85,20 @@ constexpr bool kJsdPtFromPs = true;
 // before.
 constexpr bool kJsdFoldedGrad = true;
 constexpr float kFoldedGradMax = 256.f;
+// The JSD's bfloat16 training rows keep each entry's (1 - beta) ps from the terms pass too, in fp16 over the
+// student's logit in shared memory (dead after that pass but for a row summed again with the series, which reads the
+// student's logits from device memory as it reads the teacher's), so the gradient pass forms no exponential: each
+// entry's gradient is the kept ps times (kept u_s - ks) times the row's factor, two instructions and two conversions
+// where kJsdFoldedGrad's loop took an exponential, its argument and a conversion of the logit. The kept ps is the
+// terms pass's own probability, formed with a row's power of two 2^E folded into the normalisers (E = 15 + floor(lz),
+// so the row's largest (1 - beta) ps lies in [2^14, 2^15], within fp16's range; the terms' sums, linear in the
+// probabilities, are divided by 2^E once a warp): so the terms pass adds only the pack and the store. The kept ps
+// is rounded by up to 2^-11 of itself (1/8 of a bfloat16 gradient's own rounding); entries below 2^-29 of the row's
+// largest probability are fp16 subnormals, rounded to an absolute 2^-24 of that scale. Not in the vocabulary
+// split's one-read kernel (SPLIT, which exchanges the sums across ranks). Measured on an H200 (kernels/NOTES.md,
+// version 49): the JSD step -3.1% and -2.9% (logits of spread 2 and 3), every other case within the rounds' spread;
+// the JSD's GPU tests passed with it on. false: the kernels compile as before.
+constexpr bool kJsdKeptPs = true;
 // Forward KL's 16-bit training rows in kNarrowThreads blocks too, summing the direct form of the summand with its
 // mass (kl_term_direct, as the forward alone does; 4 instructions an entry against kl_term's ~13): capped at 32
 // registers the mass had been a register too many (measured slower, kernels/NOTES.md, version 20). A thread whose
@@ -250,13 +264,13 @@ template <int THREADS = kFastThreads, typename T> __device__ __forceinline__ voi
 // fast_rows instance 128 B took the JSD's step +1.2%, and 256 B the JSD's and reverse KL's +1-2%.
 constexpr int kStepL2Prefetch = 128;
 constexpr int kTopkL2Prefetch = 128;
-// Research switches for forward KL's rows in fast_rows (not the split's one-read kernels), prepared in version 48
-// and not yet measured; off, the kernels compile as before. kStepGradStore, the gradient's 16-byte stores: 0
-// streaming (st.global.cs, evict-first in L2: store_chunk), 1 st.global.cg, 2 a plain store (write-back).
-// kStepCopyEvictFirst: the slices' copies under an L2 evict-first cache policy (each logit is read once, so
-// nothing the copies bring into L2 is wanted again).
-constexpr int kStepGradStore = 0;
-constexpr bool kStepCopyEvictFirst = false;
+// Forward KL's rows in fast_rows (not the split's one-read kernels): the slices' copies under an L2 evict-first
+// cache policy (createpolicy; each logit is read once, so nothing the copies bring into L2 is wanted again).
+// Measured on an H200 (kernels/NOTES.md, version 49): forward KL's step -0.6% and -0.4% (logits of spread 2 and 3,
+// in each of two rounds), every other case within the rounds' spread. In the same run the gradient's stores as
+// st.global.cg or plain stores in place of store_chunk's streaming ones changed nothing (not kept). false: the
+// kernels compile as before.
+constexpr bool kStepCopyEvictFirst = true;
 
 // One 16-byte asynchronous copy from device to shared memory (dst: a shared-memory address).
 template <int L2B = 0, typename T> __device__ __forceinline__ void cp_async16(unsigned dst, const T* src) {
@@ -282,14 +296,6 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
   return policy;
-}
-
-// A chunk of gradients in one 16-byte store: STORE 0 streaming (store_chunk's), 1 st.global.cg, 2 plain.
-template <int STORE, typename T> __device__ __forceinline__ void store_grad_chunk(T* dst, const Vec<T>& g) {
-  static_assert(STORE >= 0 && STORE <= 2, "kStepGradStore: 0, 1 or 2");
-  if constexpr (STORE == 1) __stcg(reinterpret_cast<uint4*>(dst), *reinterpret_cast<const uint4*>(&g));
-  else if constexpr (STORE == 2) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&g);
-  else store_chunk(dst, g, true);
 }
 
 // The copy of a slice: thread x's chunks are c = x + i kFastThreads for i < mine (its count, chunk_count) and it
@@ -590,7 +596,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
           const float d = f(make_point<CLOSE>(entry_float(vs, q), entry_float(vt, q), k2, rn));
           if (WRITE) g.v[q] = static_cast<T>(d * scale);
         }
-        if (WRITE) store_grad_chunk<MODE == FORWARD_KL && !SPLIT ? kStepGradStore : 0>(gs + c * N, g);
+        if (WRITE) store_chunk(gs + c * N, g, true);
       }
       if (has_tail) {
         const float xs_tail = STEP_DIRECT ? tail_xs : static_cast<float>(gsrc[tail]);
@@ -626,12 +632,14 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   constexpr bool KEEP_US = kJsdKeepUs && JSD_DIRECT && std::is_same<T, c10::BFloat16>::value;  // (see kJsdKeepUs)
   using KeptVec = Vec<c10::Half>;
   static_assert(!KEEP_US || KeptVec::N == N, "u_s kept in 16 bits an entry");
+  // kJsdKeptPs: (1 - beta) ps kept over the student's chunk (fp16, times 2^ps_exp), for the gradient pass
+  constexpr bool KEPT_PS = kJsdKeptPs && KEEP_US && !SPLIT && kJsdPlainChunks && kJsdWeightedPoints && kKeptUsDirect;
   // KEEP_US: u_s as the gradient pass needs it, scaled for fp16: the terms' own z form (kKeptUsDirect), else
   // mixture_us_short's forms (the 4-term series below kJsdShortSeries, else the z form).
-  // kJsdFoldedGrad: a u_s of +-inf or NaN (logits of +-inf or NaN) kept as 0, so that an entry without mass gives
-  // 0 in the unguarded gradient loop (an entry with mass and such a u_s makes ks NaN: the guarded loop runs)
+  // kJsdFoldedGrad, kJsdKeptPs: a u_s of +-inf or NaN (logits of +-inf or NaN) kept as 0, so that an entry without
+  // mass gives 0 in the unguarded gradient loop (an entry with mass and such a u_s makes ks NaN: the guarded loop runs)
   auto finite_us = [](float us) {
-    return !kJsdFoldedGrad || SPLIT || fabsf(us) < std::numeric_limits<float>::infinity() ? us : 0.f;
+    return !(kJsdFoldedGrad || KEPT_PS) || SPLIT || fabsf(us) < std::numeric_limits<float>::infinity() ? us : 0.f;
   };
   auto kept_us = [&](const Point<float>& e, float us) {
     if constexpr (kKeptUsDirect) return finite_us(us) * kKeptUsScale;  // (rows summed again write theirs again, below)
@@ -641,6 +649,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   };
   float us_tail = 0.f;  // KEEP_US: the tail entry's (its logits stay in device memory)
   float ks = 0.f;
+  [[maybe_unused]] float ps_exp = 0.f;
+  if constexpr (KEPT_PS) ps_exp = 15.f + fminf(fmaxf(floorf(rn.s.lz), 0.f), 64.f);  // (a NaN lz: 0)
   {
     Terms<float> acc{0.f, 0.f, 0.f};
     float mass = 0.f;
@@ -651,21 +661,27 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
         rw.s.lz = rn.s.lz - log2f(1.f - p.c.beta);
         rw.t.lz = rn.t.lz - log2f(p.c.beta);
       }
+      if constexpr (KEPT_PS) {  // both probabilities times 2^ps_exp (d, from rn's dd and dlz, is as before)
+        rw.s.lz -= ps_exp;
+        rw.t.lz -= ps_exp;
+      }
       auto pass = [&](auto close_c) {
         constexpr bool CLOSE = decltype(close_c)::value;
-        auto entry = [&](float xsv, float xtv) {
+        auto entry = [&](float xsv, float xtv, float& wps) {
           float us;
           if constexpr (kJsdWeightedPoints) {  // acc.ks sums (1 - beta) ps u_s, divided out below
             const Point<float> e = make_point<CLOSE>(xsv, xtv, k2, rw);
             float b;
             acc.loss += jsd_entry_weighted(e, p.c, us, b);
             acc.ks += b;
+            wps = e.ps;
             return kept_us(e, us);
           } else {
             const Point<float> e = make_point<CLOSE>(xsv, xtv, k2, rn);
             float ut;
             acc.loss += jsd_entry_direct(e, p.c, us, ut);
             acc.ks += e.ps > 0.f ? e.ps * us : 0.f;
+            wps = e.ps;
             return kept_us(e, us);
           }
         };
@@ -678,9 +694,10 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
           const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
           if constexpr (!(kJsdPlainChunks && kJsdWeightedPoints)) {  // (as before version 34)
             KeptVec kept;
+            float wps;
 #pragma unroll
             for (int q = 0; q < N; ++q)
-              kept.v[q] = static_cast<c10::Half>(entry(entry_float(vs, q), entry_float(vt, q)));
+              kept.v[q] = static_cast<c10::Half>(entry(entry_float(vs, q), entry_float(vt, q), wps));
             *reinterpret_cast<KeptVec*>(xt + c * N) = kept;  // this thread's own chunk, just read
             continue;
           }
@@ -695,6 +712,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
           // Each branch packs its kept u_s into words (fp16 pairs, round to nearest as the cast): halves set one by
           // one in a vector that both branches write were packed, unpacked and packed again at the join (PRMTs).
           float kf[N];
+          [[maybe_unused]] float kp[N];  // KEPT_PS: (1 - beta) ps 2^ps_exp
           if (plain) {
 #pragma unroll
             for (int q = 0; q < N; ++q) {
@@ -705,6 +723,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
                 const float ps = d_exp2(log2_prob(xsv, k2, rw.s));  // (make_point's e.ps)
                 acc.loss += jsd_entry_plain_from_ps(ps, d, pt_per_ps, p.c, us, b);
                 kf[q] = us * kKeptUsScale;
+                if constexpr (KEPT_PS) kp[q] = ps;
               } else {
                 const Point<float> e = make_point<CLOSE>(entry_float(vs, q), entry_float(vt, q), k2, rw);
                 acc.loss += jsd_entry_plain(e, p.c, us, b);
@@ -714,17 +733,22 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
             }
           } else {
 #pragma unroll
-            for (int q = 0; q < N; ++q) kf[q] = entry(entry_float(vs, q), entry_float(vt, q));
+            for (int q = 0; q < N; ++q) kf[q] = entry(entry_float(vs, q), entry_float(vt, q), kp[q]);
           }
-          uint32_t words[N / 2];
+          auto store_halves = [&](T* dst, const float* f) {  // eight floats as fp16 (round to nearest, as the cast)
+            uint32_t words[N / 2];
 #pragma unroll
-          for (int q = 0; q < N / 2; ++q) {
-            const __half2 h = __floats2half2_rn(kf[2 * q], kf[2 * q + 1]);
-            words[q] = *reinterpret_cast<const uint32_t*>(&h);
-          }
-          *reinterpret_cast<uint4*>(xt + c * N) = make_uint4(words[0], words[1], words[2], words[3]);  // its own chunk
+            for (int q = 0; q < N / 2; ++q) {
+              const __half2 h = __floats2half2_rn(f[2 * q], f[2 * q + 1]);
+              words[q] = *reinterpret_cast<const uint32_t*>(&h);
+            }
+            *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
+          };
+          store_halves(xt + c * N, kf);                         // its own chunk, just read
+          if constexpr (KEPT_PS) store_halves(xs + c * N, kp);  // (likewise)
         }
-        if (has_tail) us_tail = entry(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]));
+        float wps_tail;  // (the tail's gradient forms its ps again)
+        if (has_tail) us_tail = entry(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), wps_tail);
       };
       if (rn.close) pass(std::true_type{});
       else pass(std::false_type{});
@@ -755,6 +779,11 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
         return 0.f;
       });
       acc.loss = exact.loss;
+    }
+    if constexpr (KEPT_PS) {  // the probabilities carried 2^ps_exp (exact: a power of two)
+      const float unscale = ldexpf(1.f, -static_cast<int>(ps_exp));
+      acc.loss *= unscale;
+      acc.ks *= unscale;
     }
     const float loss = warp_sum(acc.loss);
     if (lane == 0) partial[warp] = loss;
@@ -841,7 +870,9 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
           auto pass = [&](auto close_c) {
             constexpr bool CLOSE = decltype(close_c)::value;
             for (int c = threadIdx.x; c < chunks; c += THREADS) {
-              const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(gtsrc + c * N, true);
+              // (KEPT_PS: shared memory holds the kept ps in place of the student's logits)
+              const Vec<T> vs = load_chunk(KEPT_PS ? gsrc + c * N : xs + c * N, true);
+              const Vec<T> vt = load_chunk(gtsrc + c * N, true);
               if constexpr (kKeptUsDirect) {
                 KeptVec kept;
 #pragma unroll
@@ -893,28 +924,52 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
       if (!(ps > 0.f)) return ps != ps ? ps : 0.f;  // NaN stays NaN; no mass, no gradient
       return coef * ps * (us_scaled * (1.f / kKeptUsScale) - ks);
     };
-    // This thread's chunks: each entry's gradient from its student logit and kept u_s (scaled), by entry_grad.
+    // This thread's chunks: each entry's gradient from its student logit (KEPT_PS: its kept (1 - beta) ps 2^ps_exp)
+    // and kept u_s (scaled), by entry_grad.
     auto chunk_grads = [&](auto&& entry_grad) {
       for (int c = threadIdx.x; c < chunks; c += THREADS) {
-        const Vec<T> vs = load_chunk(xs + c * N, true);
-        const KeptVec kept = *reinterpret_cast<const KeptVec*>(xt + c * N);
         Vec<T> g;
+        if constexpr (KEPT_PS) {
+          const KeptVec wps = *reinterpret_cast<const KeptVec*>(xs + c * N);
+          const KeptVec kept = *reinterpret_cast<const KeptVec*>(xt + c * N);
 #pragma unroll
-        for (int q = 0; q < N; ++q)
-          g.v[q] = static_cast<T>(entry_grad(entry_float(vs, q), static_cast<float>(kept.v[q])));
+          for (int q = 0; q < N; ++q)
+            g.v[q] = static_cast<T>(entry_grad(static_cast<float>(wps.v[q]), static_cast<float>(kept.v[q])));
+        } else {
+          const Vec<T> vs = load_chunk(xs + c * N, true);
+          const KeptVec kept = *reinterpret_cast<const KeptVec*>(xt + c * N);
+#pragma unroll
+          for (int q = 0; q < N; ++q)
+            g.v[q] = static_cast<T>(entry_grad(entry_float(vs, q), static_cast<float>(kept.v[q])));
+        }
         store_chunk(gs + c * N, g, true);
       }
     };
-    // kJsdFoldedGrad: ps times the factor as 2^(x k2 - folded), folded = mx + lz - log2 coef in double, rounded once
-    const double folded = static_cast<double>(rn.s.mx) + static_cast<double>(rn.s.lz) - log2(static_cast<double>(coef));
-    if (kJsdFoldedGrad && !SPLIT && fabsf(ks) < std::numeric_limits<float>::infinity() &&
-        fabsf(rn.s.mx) <= kFoldedGradMax && fabs(folded) < 1024.0) {  // (NaN fails every test)
-      const float off = static_cast<float>(folded);
-      chunk_grads([&](float xsv, float us_scaled) {
-        return d_exp2(d_fma(xsv, k2, -off)) * d_fma(us_scaled, 1.f / kKeptUsScale, -ks);
-      });
+    const bool finite_ks = fabsf(ks) < std::numeric_limits<float>::infinity();
+    if constexpr (KEPT_PS) {  // the factor scale 2^-ps_exp ((1 - beta) is in the kept ps)
+      const float coef_kept = scale * ldexpf(1.f, -static_cast<int>(ps_exp));
+      if (finite_ks) {  // a ps of 0 has a finite kept u_s (finite_us): 0
+        const float c1 = coef_kept * (1.f / kKeptUsScale), c0 = coef_kept * ks;
+        chunk_grads([&](float wps, float us_scaled) { return wps * d_fma(us_scaled, c1, -c0); });
+      } else {  // (a NaN in the row) as grad: NaN stays NaN; no mass, no gradient
+        chunk_grads([&](float wps, float us_scaled) {
+          if (!(wps > 0.f)) return wps != wps ? wps : 0.f;
+          return coef_kept * wps * (us_scaled * (1.f / kKeptUsScale) - ks);
+        });
+      }
     } else {
-      chunk_grads(grad);
+      // kJsdFoldedGrad: ps times the factor as 2^(x k2 - folded), folded = mx + lz - log2 coef in double, rounded once
+      const double folded =
+          static_cast<double>(rn.s.mx) + static_cast<double>(rn.s.lz) - log2(static_cast<double>(coef));
+      if (kJsdFoldedGrad && !SPLIT && finite_ks && fabsf(rn.s.mx) <= kFoldedGradMax &&
+          fabs(folded) < 1024.0) {  // (NaN fails every test)
+        const float off = static_cast<float>(folded);
+        chunk_grads([&](float xsv, float us_scaled) {
+          return d_exp2(d_fma(xsv, k2, -off)) * d_fma(us_scaled, 1.f / kKeptUsScale, -ks);
+        });
+      } else {
+        chunk_grads(grad);
+      }
     }
     if (has_tail) gs[tail] = static_cast<T>(grad(static_cast<float>(gsrc[tail]), us_tail));
   } else if (KS) {
