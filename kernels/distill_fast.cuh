@@ -264,13 +264,6 @@ template <int THREADS = kFastThreads, typename T> __device__ __forceinline__ voi
 // fast_rows instance 128 B took the JSD's step +1.2%, and 256 B the JSD's and reverse KL's +1-2%.
 constexpr int kStepL2Prefetch = 128;
 constexpr int kTopkL2Prefetch = 128;
-// Forward KL's rows in fast_rows (not the split's one-read kernels): the slices' copies under an L2 evict-first
-// cache policy (createpolicy; each logit is read once, so nothing the copies bring into L2 is wanted again).
-// Measured on an H200 (kernels/NOTES.md, version 49): forward KL's step -0.6% and -0.4% (logits of spread 2 and 3,
-// in each of two rounds), every other case within the rounds' spread. In the same run the gradient's stores as
-// st.global.cg or plain stores in place of store_chunk's streaming ones changed nothing (not kept). false: the
-// kernels compile as before.
-constexpr bool kStepCopyEvictFirst = true;
 
 // One 16-byte asynchronous copy from device to shared memory (dst: a shared-memory address).
 template <int L2B = 0, typename T> __device__ __forceinline__ void cp_async16(unsigned dst, const T* src) {
@@ -279,23 +272,6 @@ template <int L2B = 0, typename T> __device__ __forceinline__ void cp_async16(un
   else if constexpr (L2B == 128)
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
   else asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-}
-// The same under an L2 cache policy (`policy`: createpolicy's, e.g. evict_first_policy()).
-template <int L2B = 0, typename T>
-__device__ __forceinline__ void cp_async16(unsigned dst, const T* src, uint64_t policy) {
-  static_assert(L2B == 0 || L2B == 128 || L2B == 256, "cp.async's L2 fetch hint: 128 or 256 bytes");
-  if constexpr (L2B == 256)
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "l"(policy));
-  else if constexpr (L2B == 128)
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "l"(policy));
-  else asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "l"(policy));
-}
-__device__ __forceinline__ uint64_t evict_first_policy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
 }
 
 // The copy of a slice: thread x's chunks are c = x + i kFastThreads for i < mine (its count, chunk_count) and it
@@ -484,16 +460,9 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
     const T* s0 = pinned(gsrc + threadIdx.x * N);
     const T* t0 = pinned(gtsrc + threadIdx.x * N);
     constexpr int L2B = MODE == FORWARD_KL && !SPLIT ? kStepL2Prefetch : 0;
-    constexpr bool EVICT_FIRST = kStepCopyEvictFirst && MODE == FORWARD_KL && !SPLIT;
-    [[maybe_unused]] const uint64_t policy = EVICT_FIRST ? evict_first_policy() : 0;
     issue_copy(mine, staged, [&](int i) {
-      if constexpr (EVICT_FIRST) {
-        cp_async16<L2B>(ds + i * (THREADS * 16u), s0 + i * (THREADS * N), policy);
-        cp_async16<L2B>(dt + i * (THREADS * 16u), t0 + i * (THREADS * N), policy);
-      } else {
-        cp_async16<L2B>(ds + i * (THREADS * 16u), s0 + i * (THREADS * N));
-        cp_async16<L2B>(dt + i * (THREADS * 16u), t0 + i * (THREADS * N));
-      }
+      cp_async16<L2B>(ds + i * (THREADS * 16u), s0 + i * (THREADS * N));
+      cp_async16<L2B>(dt + i * (THREADS * 16u), t0 + i * (THREADS * N));
     });
   }
   double scale_raw = 0.0;  // kEarlyScale: the scale before 1 / T, loaded while the copy is in flight
