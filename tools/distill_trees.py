@@ -16,8 +16,12 @@ checks and normalises that teacher first in an eager step (distill_topk_prepare)
 ``--reps`` CUDA-event timings after 3 warm-up calls. Prints one row per case with each tree's medians, in ms, and
 the last tree's change against the first. ``--near SD``: the student is the teacher plus SD times standard normal
 noise (rows that nearly agree, a KL of ~SD^2 / (2 T^2) a token: below the one-pass forward alone's trust line for
-SD <~ 0.7, so its rows take the second sum; kernels/distill_stream_forward.cuh). Checks nothing: run the GPU
-tests for that (`pytest -m gpu tests/test_distill.py`).
+SD <~ 0.7, so its rows take the second sum; kernels/distill_stream_forward.cuh). ``--steps``: each process also
+times the suite's own training steps (forward KL, the JSD and the top-k teacher: kldiv_inline.bench_distill's
+providers and inputs through harness.bench, as `bench --suites distill` times them, with autograd and the eager
+front end around the kernels): a kernel's gain alone need not show in the step (an L2 evict-first policy on
+forward KL's copies timed -0.5% alone and +0.2-0.9% the suite's way; kernels/NOTES.md, version 49). Checks
+nothing: run the GPU tests for that (`pytest -m gpu tests/test_distill.py`).
 """
 import argparse
 import math
@@ -28,6 +32,22 @@ from pathlib import Path
 from tree_timing import build, print_table, time_rounds
 
 CASES = [(beta, grad) for beta in (0.0, 0.5, 1.0) for grad in (False, True)]
+
+
+def suite_steps(reps: int) -> None:
+    """The distillation suite's training steps of the kit (the tree KLDIV_INLINE_KERNELS names), timed as the
+    suite times them: prints `case ms` lines."""
+    from kldiv_inline import bench_distill as B
+    from kldiv_inline import harness
+
+    s, t, y, idx, lp = B.make_inputs(4096, 128256, "cuda", seed=1)
+    steps = [(f"suite step beta={beta:g}", B.logits_providers(beta, "fwd+bwd", "cuda")[B.OURS], (s, t, y))
+             for beta in (0.0, 0.5)]
+    steps.append(("suite top-k step", B.topk_providers(0.0)[B.OURS], (s, idx, lp, y)))
+    for name, fn, args in steps:
+        timed = harness.bench({B.OURS: fn}, [harness.Case(name, args, {})], reference=None, setup=B._fresh_student,
+                              reps=reps, warmup=3)
+        print(f"{name} {float(timed['median_ms'].iloc[0]):.4f}")
 
 
 def child(reps: int, spreads: list[float], near: float | None) -> None:
@@ -74,10 +94,14 @@ def main() -> None:
                     help="the logits' standard deviations to time (each a set of cases; the suite's is 2)")
     ap.add_argument("--near", type=float, default=None,
                     help="the student as the teacher plus this much noise (rows that nearly agree)")
+    ap.add_argument("--steps", action="store_true",
+                    help="also the suite's training steps, timed the suite's way (autograd and the front end)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args.reps, args.spreads, args.near)
+        if args.steps:
+            suite_steps(args.reps)
         return
     if len(args.trees) < 1:
         ap.error("name at least one kernels/ directory")
@@ -86,7 +110,8 @@ def main() -> None:
             ap.error(f"{tree}: no distill.cu there")
     build(args.trees, "import kldiv_inline as K; K.load('cuda', extension='distill')")
     cmd = [sys.executable, __file__, "--child", "--reps", str(args.reps), "--spreads",
-           *(str(x) for x in args.spreads), *(["--near", str(args.near)] if args.near is not None else [])]
+           *(str(x) for x in args.spreads), *(["--near", str(args.near)] if args.near is not None else []),
+           *(["--steps"] if args.steps else [])]
     print_table(args.trees, time_rounds(args.trees, cmd, args.rounds), 22)
 
 if __name__ == "__main__":
