@@ -698,6 +698,37 @@ def test_jsd_training_rows_with_special_entries_scattered(device, beta):
         assert_grad_close(gs[row], rs[row], torch.bfloat16, f"row {row}")
 
 
+@pytest.mark.parametrize("beta", [0.3, 0.5])
+def test_jsd_training_rows_with_a_nan_logit(device, beta):
+    # The JSD's bfloat16 training rows on CUDA take their gradient from what the terms pass kept (u_s, and (1 - beta)
+    # ps: kernels/distill_fast.cuh, kJsdKeptPs), in a loop without guards where the row sum ks is finite and a
+    # guarded one where it is not. A NaN logit, the student's or the teacher's, makes its row's loss NaN and its
+    # gradient NaN wherever the student has mass (never a finite number), as float64's; where the student has no
+    # mass (-inf) the kit's gradient is 0 even in such a row (float64's autograd is NaN there: the unguarded loop's
+    # 0 times NaN would be too). A row beside them whose student is -inf on a third of its entries keeps float64's
+    # values.
+    n, v = 6, 50000
+    t = logits((n, v), torch.float64, device, scale=2.0)
+    s = t + torch.randn_like(t)
+    s[1, v // 3] = float("nan")
+    t[2, 2 * v // 3] = float("nan")
+    s[2, 0::5] = float("-inf")
+    s[3, 1::3] = float("-inf")
+    s, t = s.to(torch.bfloat16).requires_grad_(), t.to(torch.bfloat16)
+    out, (gs,) = run(s, t, beta=beta, temperature=1.0, reduction="none")
+    ref, (rs,) = reference(s, t, grad_out=torch.ones(n, device=device), beta=beta, temperature=1.0,
+                           reduction="none")
+    assert torch.isnan(out[[1, 2]]).all() and torch.isnan(ref[[1, 2]]).all()
+    assert torch.isnan(gs[1]).all()  # (a NaN normaliser: every entry)
+    assert (gs[2, 0::5] == 0).all() and torch.isnan(gs[2, 1::5]).all()
+    fine = [0, 3, 4, 5]
+    assert torch.isfinite(out[fine]).all() and torch.isfinite(gs[fine]).all()
+    assert_close(out[fine], ref[fine], 2e-5, "loss")
+    assert (gs[3, 1::3] == 0).all()
+    for row in fine:
+        assert_grad_close(gs[row], rs[row], torch.bfloat16, f"row {row}")
+
+
 # --------------------------------------------------------------------------- 3b. the forward alone
 def accurate_kl(s, t, temperature, beta):
     """Forward (beta 0) or reverse (beta 1) KL of each row of finite logits in float64, summed as p phi(u) with
