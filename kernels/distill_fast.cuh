@@ -888,11 +888,12 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   // (16-bit gradients: the JSD's u_s without the 10-term series, see mixture_us_short)
   if constexpr (KEEP_US) {  // ps and the kept u_s: (1 - beta) ps (u_s - ks), as student_grad
     const float coef = (1.f - p.c.beta) * scale;
-    auto grad = [&](float xsv, float us_scaled) {
-      const float ps = d_exp2(log2_prob(xsv, k2, rn.s));
-      if (!(ps > 0.f)) return ps != ps ? ps : 0.f;  // NaN stays NaN; no mass, no gradient
-      return coef * ps * (us_scaled * (1.f / kKeptUsScale) - ks);
+    // An entry's gradient from its (weighted) ps and kept u_s, with the guard: NaN stays NaN; no mass, no gradient
+    auto guarded = [&](float ps, float us_scaled, float factor) {
+      if (!(ps > 0.f)) return ps != ps ? ps : 0.f;
+      return factor * ps * (us_scaled * (1.f / kKeptUsScale) - ks);
     };
+    auto grad = [&](float xsv, float us_scaled) { return guarded(d_exp2(log2_prob(xsv, k2, rn.s)), us_scaled, coef); };
     // This thread's chunks: each entry's gradient from its student logit (KEPT_PS: its kept (1 - beta) ps 2^ps_exp)
     // and kept u_s (scaled), by entry_grad.
     auto chunk_grads = [&](auto&& entry_grad) {
@@ -920,11 +921,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
       if (finite_ks) {  // a ps of 0 has a finite kept u_s (finite_us): 0
         const float c1 = coef_kept * (1.f / kKeptUsScale), c0 = coef_kept * ks;
         chunk_grads([&](float wps, float us_scaled) { return wps * d_fma(us_scaled, c1, -c0); });
-      } else {  // (a NaN in the row) as grad: NaN stays NaN; no mass, no gradient
-        chunk_grads([&](float wps, float us_scaled) {
-          if (!(wps > 0.f)) return wps != wps ? wps : 0.f;
-          return coef_kept * wps * (us_scaled * (1.f / kKeptUsScale) - ks);
-        });
+      } else {  // (a NaN in the row) with grad's guard
+        chunk_grads([&](float wps, float us_scaled) { return guarded(wps, us_scaled, coef_kept); });
       }
     } else {
       // kJsdFoldedGrad: ps times the factor as 2^(x k2 - folded), folded = mx + lz - log2 coef in double, rounded once
