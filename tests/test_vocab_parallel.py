@@ -683,6 +683,56 @@ def test_cpu_split_k_sums_rounded_once(_fresh_seed):
                                      f"row's at {bad[:4].tolist()} (by {(got - want).abs().max().item():.2e})"
 
 
+def test_cpu_normalisers_rounded_once(_fresh_seed):
+    # The CPU twin's normaliser (the row's scaled maximum mx, lz = log2 of the row's sum of 2^(x k2 - mx)) is the
+    # log of its double sum, rounded once to float32; a split row's slices' normalisers combine (in double) to the
+    # whole row's within the slices' own roundings. Integer logits and k2 = 1 (T = log2 e) make every exponent and
+    # the sums exact, so the bounds are exact: lz within half an ulp of log2 of the exact sum, the split's within
+    # half an ulp of each slice's lz (weighted by its share of the mass) and of the two results. Rounding the sum
+    # to float32 before the log put lz up to 8.6e-8 off in log2 units however small lz is (~100 ulps near 2^-8,
+    # as a peaked row's is), and the split's differently off: at a peaked row's top entry the teacher's float32
+    # gradient p (u - K) turned that into 4e-5 of the gradient (a two-rank draw, against one process's 8e-6).
+    mod = K.load("cpu", extension="distill")
+    gen = torch.Generator().manual_seed(_fresh_seed)
+    n, vocab = 64, 41
+    cut = sorted(torch.randperm(vocab - 1, generator=gen)[:2].add(1).tolist())
+    edges = [0, *cut, vocab]
+    s = torch.randint(-6, 1, (n, vocab), generator=gen).float()  # flat: lz of a few
+    t = torch.randint(-40, -7, (n, vocab), generator=gen).float()
+    t[torch.arange(n), torch.randint(0, vocab, (n,), generator=gen)] = 0.0  # peaked: lz close to 0
+    temperature = math.log2(math.e)  # k2 = log2(e) / T = 1
+    common = (None, -100, 0.5, temperature)
+
+    def exact(x):  # (mx, exact sum at mx) per row, in double: sums of powers of two 2^0 .. 2^-40, exact
+        mx = x.double().max(-1).values
+        return mx, torch.exp2(x.double() - mx[:, None]).sum(-1)
+
+    def ulp(v):
+        return torch.finfo(torch.float32).eps * v.double().abs().clamp_min(2.0 ** -126)
+
+    whole = mod.distill_phase(0, s, t, *common, None, None, None, False, False)[0]
+    parts = torch.stack([mod.distill_phase(0, s[:, a:b].contiguous(), t[:, a:b].contiguous(), *common, None, None,
+                                           None, False, False)[0] for a, b in zip(edges, edges[1:])])
+    combined = mod.distill_combine(parts, 0)[0]
+    for col, x in ((0, s), (2, t)):
+        mx, total = exact(x)
+        want = torch.tensor([math.log2(v) for v in total.tolist()], dtype=torch.float64)
+        assert torch.equal(whole[:, col].double(), mx), f"the rows' maxima (column {col})"
+        err = (whole[:, col + 1].double() - want).abs()
+        assert (err <= ulp(want) / 2).all(), \
+            f"lz off log2 of the exact sum by {(err / ulp(want)).max().item():.1f} ulps of lz (column {col})"
+        assert torch.equal(combined[:, col], whole[:, col]), f"the split's maxima (column {col})"
+        bound = ulp(whole[:, col + 1]) / 2 + ulp(combined[:, col + 1]) / 2
+        for i, (a, b) in enumerate(zip(edges, edges[1:])):
+            slice_mx, slice_total = exact(x[:, a:b])
+            share = slice_total * torch.exp2(slice_mx - mx) / total
+            bound += share * ulp(parts[i, :, col + 1]) / 2
+        err = (combined[:, col + 1].double() - whole[:, col + 1].double()).abs()
+        assert (err <= bound * (1 + 1e-6)).all(), \
+            f"cut at {edges}: the split's lz off the whole row's by {(err / bound).max().item():.2f} x its bound " \
+            f"(column {col})"
+
+
 def test_three_ranks_topk_draw_that_once_failed():
     # A draw of the three-rank test's top-k cases (its seed fixed): float32, k = 1, reverse KL, where the split
     # student gradient was 3.7e-5 off float64 against the one-process result's 2.4e-6 while the split route
