@@ -646,6 +646,11 @@ def test_fused_refused_inputs_raise_on_every_rank(_fresh_seed):
     spawn(_fused_refusal_body, 2, _fresh_seed)
 
 
+def _three_slices(vocab, gen):
+    """Edges [0, a, b, vocab] of a row cut at random into three non-empty slices."""
+    return [0, *sorted(torch.randperm(vocab - 1, generator=gen)[:2].add(1).tolist()), vocab]
+
+
 def test_cpu_split_k_sums_rounded_once(_fresh_seed):
     # The CPU twin's phases in one process, a row split in three against the same row whole: the K sums (and each
     # row's loss) that the split combines equal the whole row's, bit for bit, given the same normalisers, because
@@ -657,8 +662,7 @@ def test_cpu_split_k_sums_rounded_once(_fresh_seed):
     mod = K.load("cpu", extension="distill")
     gen = torch.Generator().manual_seed(_fresh_seed)
     n, vocab = 64, 41
-    cut = sorted(torch.randperm(vocab - 1, generator=gen)[:2].add(1).tolist())
-    edges = [0, *cut, vocab]
+    edges = _three_slices(vocab, gen)
     s = (torch.randn(n, vocab, dtype=torch.float64, generator=gen) * 3).float()
     t = torch.randn(n, vocab, dtype=torch.float64, generator=gen) * 2
     t[torch.arange(n), torch.randint(0, vocab, (n,), generator=gen)] += 12  # a teacher's peak: K close to u there
@@ -695,8 +699,7 @@ def test_cpu_normalisers_rounded_once(_fresh_seed):
     mod = K.load("cpu", extension="distill")
     gen = torch.Generator().manual_seed(_fresh_seed)
     n, vocab = 64, 41
-    cut = sorted(torch.randperm(vocab - 1, generator=gen)[:2].add(1).tolist())
-    edges = [0, *cut, vocab]
+    edges = _three_slices(vocab, gen)
     s = torch.randint(-6, 1, (n, vocab), generator=gen).float()  # flat: lz of a few
     t = torch.randint(-40, -7, (n, vocab), generator=gen).float()
     t[torch.arange(n), torch.randint(0, vocab, (n,), generator=gen)] = 0.0  # peaked: lz close to 0
