@@ -71,6 +71,17 @@ DS_HD float d_log_normal(float v) {
 #endif
 }
 DS_HD double d_log_normal(double v) { return log(v); }
+// log2 of a normal number, by lg2.approx on the GPU (d_log_normal without its multiplication by ln 2: the JSD's
+// plain chunks in fast_rows work in base 2, kJsdBase2Terms).
+DS_HD float d_log2_normal(float v) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(v));
+  return y;
+#else
+  return log2f(v);
+#endif
+}
 DS_HD float d_log2(float v) { return log2f(v); }
 DS_HD double d_log2(double v) { return log2(v); }
 
@@ -328,6 +339,18 @@ DS_HD A jsd_entry_plain_from_ps(A ps, A d, A pt_per_ps, const RowConst<A>& c, A&
   const A ed = d_exp2(d * A(kLog2e));
   return jsd_plain_summand(ps, ps * (ed * pt_per_ps), d, mixture_log_z_of(ed, c), us, b);
 }
+// jsd_entry_plain_from_ps in base 2 (fast_rows' kJsdBase2Terms): d2 = d log2(e), and the summand, b and lz2 = log2 z
+// are log2(e) times the natural ones (the caller multiplies its sums by ln 2 once): two multiplications an entry
+// fewer (d log2(e) before the exponential, log2 z times ln 2 after the logarithm). The summand is clamped at 0 as
+// jsd_plain_summand's.
+template <typename A>
+DS_HD A jsd_entry_plain_base2(A ps, A d2, A pt_per_ps, const RowConst<A>& c, A& lz2, A& b) {
+  const A ed = d_exp2(d2);
+  lz2 = d_log2_normal(d_fma(c.beta, ed, A(1) - c.beta));
+  b = -(ps * lz2);
+  const A sum = (ps * (ed * pt_per_ps)) * (d2 - lz2) + b;
+  return sum > A(0) ? sum : A(0);
+}
 
 // Sums over a row (or the part of it held here): the loss, and what the gradients need beside it,
 // ks = sum ps u_s and kt = sum pt u_t (the KL of student, teacher to what it is compared with, in the plain form
@@ -470,6 +493,10 @@ template <bool CLOSE, typename A> DS_HD Point<A> make_point(A xs, A xt, A k2, co
 template <bool CLOSE, typename A> DS_HD A point_d(A xs, A xt, A k2, const RowNorms<A>& r) {
   return CLOSE ? d_fma(xt - xs, k2 * A(kLn2), -(r.dd * A(kLn2)))
                : (((xt * k2 - r.t.mx) - (xs * k2 - r.s.mx)) - r.dlz) * A(kLn2);
+}
+// point_d in base 2 (d log2(e): the same operations without the multiplication by ln 2).
+template <bool CLOSE, typename A> DS_HD A point_d2(A xs, A xt, A k2, const RowNorms<A>& r) {
+  return CLOSE ? d_fma(xt - xs, k2, -r.dd) : ((xt * k2 - r.t.mx) - (xs * k2 - r.s.mx)) - r.dlz;
 }
 
 // A vocabulary split across ranks: each rank's statistics of its slice of every row, gathered as parts

@@ -99,6 +99,13 @@ constexpr float kFoldedGradMax = 256.f;
 // version 49): the JSD step -3.1% and -2.9% (logits of spread 2 and 3), every other case within the rounds' spread;
 // the JSD's GPU tests passed with it on. false: the kernels compile as before.
 constexpr bool kJsdKeptPs = true;
+// The JSD's bfloat16 terms pass (kJsdPlainChunks' plain chunks) in base 2: d2 = d log2(e) from the logits'
+// difference by the same one multiply-add, 2^d2 and log2 z straight from ex2.approx and lg2.approx, the chunk's
+// summands and ks parts summed in log2(e) units and multiplied by ln 2 once a thread (jsd_entry_plain_base2): two
+// multiplications an entry fewer (206 -> 188 SASS instructions a plain chunk of 8 entries). One H200: the JSD step
+// -2.8% / -3.4% (logits of spread 2 / 3), every other kernel untouched (kernels/NOTES.md, version 50). Not in the
+// split's one-read kernel (SPLIT), which needs two GPUs to test. false: the kernels compile as before.
+constexpr bool kJsdBase2Terms = true;
 // Forward KL's 16-bit training rows in kNarrowThreads blocks too, summing the direct form of the summand with its
 // mass (kl_term_direct, as the forward alone does; 4 instructions an entry against kl_term's ~13): capped at 32
 // registers the mass had been a register too many (measured slower, kernels/NOTES.md, version 20). A thread whose
@@ -106,6 +113,14 @@ constexpr bool kJsdKeptPs = true;
 // fused head writes over the student's logits: the tail entry's student logit is kept in a register for that.
 // false: forward KL's step compiles as before (256 capped threads, kl_term).
 constexpr bool kDirectStepTerms = true;
+// The mass of the direct terms' test (a thread's sum of ps + pt, against which kDirectMin judges its direct sum)
+// taken from the thread's own sums of the normalisers' pass, 2^(warp max) sum 2^(a - warp max) for each
+// distribution, rescaled once by the row's normalisers, where the terms loop added two FADDs an entry for it (16 of
+// the 155 instructions a chunk of forward KL's training loop: 137 with it). The narrow (uncapped) training instances,
+// forward and reverse KL, one device. The test is a threshold: its mass needs no more than a few digits. One H200:
+// forward KL's step -2.1% / -2.3%, reverse KL's -3.4% / -3.7% (logits of spread 2 / 3; kernels/NOTES.md, version
+// 50). false: the kernels compile as before.
+constexpr bool kMassFromNorms = true;
 // The JSD's forward alone sums the direct form of its summand with a thread-level second sum (fast_rows,
 // JSD_FWD_DIRECT), where it takes the series' branch on |d| < 0.5 for every entry. The thread's mass is the
 // mixture's, (1 - beta) ps + beta pt: with ps + pt (5b17ff6) it ran 14% faster on an H200 on logits of spread 1.5
@@ -476,6 +491,11 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
 
   // ---- 1. normalisers: the warp's max, the warp's sums relative to it, then one cluster barrier
   Norm<float> norm[2];
+  // kMassFromNorms: this thread's (offset, sum) of each distribution, for the direct terms' mass
+  constexpr bool MASS_FROM_NORMS =
+      kMassFromNorms && !SPLIT && THREADS == kNarrowThreads && kDirectTerms &&
+      (MODE == REVERSE_KL || (MODE == FORWARD_KL && kDirectStepTerms));  // (the narrow instances that are DIRECT)
+  [[maybe_unused]] float own_norms[4] = {0.f, 0.f, 0.f, 0.f};
   {
     float mx[2] = {ninf<float>(), ninf<float>()};
     const T* xs0 = xs + threadIdx.x * N;
@@ -506,6 +526,12 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
     if (has_tail) {
       sm[0] += d_exp2(static_cast<float>(gsrc[tail]) * k2 - o0);
       sm[1] += d_exp2(static_cast<float>(gtsrc[tail]) * k2 - o1);
+    }
+    if constexpr (MASS_FROM_NORMS) {
+      own_norms[0] = o0;
+      own_norms[1] = sm[0];
+      own_norms[2] = o1;
+      own_norms[3] = sm[1];
     }
     sm[0] = part_sum(warp_sum(sm[0]), o0);  // (a warp of padding beyond the lanes' range: a stand-in)
     sm[1] = part_sum(warp_sum(sm[1]), o1);
@@ -620,9 +646,19 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   float ks = 0.f;
   [[maybe_unused]] float ps_exp = 0.f;
   if constexpr (KEPT_PS) ps_exp = 15.f + fminf(fmaxf(floorf(rn.s.lz), 0.f), 64.f);  // (a NaN lz: 0)
+  // kJsdBase2Terms: the plain chunks in base 2; the terms pass's sums then in log2(e) units until its end
+  constexpr bool BASE2 = kJsdBase2Terms && KEEP_US && !SPLIT && kJsdPtFromPs && kJsdPlainChunks && kJsdWeightedPoints;
+  constexpr float kUnits = BASE2 ? static_cast<float>(kLog2e) : 1.f;  // the other entries' sums into those units
   {
     Terms<float> acc{0.f, 0.f, 0.f};
     float mass = 0.f;
+    if constexpr (MASS_FROM_NORMS) {  // each distribution's sum over this thread's entries, 2^(o - mx - lz) sum
+      static_assert(!MASS_FROM_NORMS || DIRECT, "the mass serves the direct terms' test");
+      auto own_mass = [](float o, float sum, const Norm<float>& n) {
+        return sum == 0.f ? 0.f : sum * d_exp2((o - n.mx) - n.lz);  // (no entry with mass: 0, whatever the offsets)
+      };
+      mass = own_mass(own_norms[0], own_norms[1], rn.s) + own_mass(own_norms[2], own_norms[3], rn.t);
+    }
     if constexpr (KEEP_US) {  // the terms, each chunk's u_s written over its teacher's chunk
       // kJsdWeightedPoints: the points' probabilities carry the mixture's weights through the normalisers
       RowNorms<float> rw = rn;
@@ -641,8 +677,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
           if constexpr (kJsdWeightedPoints) {  // acc.ks sums (1 - beta) ps u_s, divided out below
             const Point<float> e = make_point<CLOSE>(xsv, xtv, k2, rw);
             float b;
-            acc.loss += jsd_entry_weighted(e, p.c, us, b);
-            acc.ks += b;
+            acc.loss += jsd_entry_weighted(e, p.c, us, b) * kUnits;
+            acc.ks += b * kUnits;
             wps = e.ps;
             return kept_us(e, us);
           } else {
@@ -675,7 +711,9 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
 #pragma unroll
           for (int q = 0; q < N; ++q) {
             const float xsv = entry_float(vs, q);
-            plain &= fabsf(point_d<CLOSE>(xsv, entry_float(vt, q), k2, rw)) < float(kJsdLogSpace);
+            if constexpr (BASE2)
+              plain &= fabsf(point_d2<CLOSE>(xsv, entry_float(vt, q), k2, rw)) < float(kJsdLogSpace * kLog2e);
+            else plain &= fabsf(point_d<CLOSE>(xsv, entry_float(vt, q), k2, rw)) < float(kJsdLogSpace);
             if constexpr (PT_FROM_PS) plain &= xsv > xs_normal;
           }
           // Each branch packs its kept u_s into words (fp16 pairs, round to nearest as the cast): halves set one by
@@ -685,8 +723,16 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
           if (plain) {
 #pragma unroll
             for (int q = 0; q < N; ++q) {
-              float us, b;
-              if constexpr (PT_FROM_PS) {
+              [[maybe_unused]] float us, b;
+              if constexpr (BASE2) {  // d2, the summand, b and lz2 in log2(e) units
+                const float xsv = entry_float(vs, q);
+                const float d2 = point_d2<CLOSE>(xsv, entry_float(vt, q), k2, rw);
+                const float ps = d_exp2(log2_prob(xsv, k2, rw.s));
+                float lz2;
+                acc.loss += jsd_entry_plain_base2(ps, d2, pt_per_ps, p.c, lz2, b);
+                kf[q] = lz2 * static_cast<float>(-kKeptUsScale * kLn2);  // u_s = -lz2 ln 2, kept times kKeptUsScale
+                if constexpr (KEPT_PS) kp[q] = ps;
+              } else if constexpr (PT_FROM_PS) {
                 const float xsv = entry_float(vs, q);
                 const float d = point_d<CLOSE>(xsv, entry_float(vt, q), k2, rw);
                 const float ps = d_exp2(log2_prob(xsv, k2, rw.s));  // (make_point's e.ps)
@@ -721,13 +767,17 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
       };
       if (rn.close) pass(std::true_type{});
       else pass(std::false_type{});
+      if constexpr (BASE2) {  // back to natural units
+        acc.loss *= static_cast<float>(kLn2);
+        acc.ks *= static_cast<float>(kLn2);
+      }
     } else
       for_each_point(std::bool_constant<G>{}, [&](const Point<float>& e) {
         if constexpr (DIRECT) {
           const bool fwd = MODE == FORWARD_KL;
           const float pp = fwd ? e.pt : e.ps, qq = fwd ? e.ps : e.pt;
           acc.loss += kl_term_direct(pp, qq, fwd ? e.d : -e.d);
-          mass += pp + qq;
+          if constexpr (!MASS_FROM_NORMS) mass += pp + qq;
           if (KS) acc.ks += e.ps > 0.f ? -e.ps * e.d : 0.f;   // (point_terms' ks of reverse KL)
         } else if constexpr (JSD_DIRECT || JSD_FWD_DIRECT) {  // (one or the other: KS needs GRAD)
           float us, ut;
