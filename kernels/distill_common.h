@@ -61,18 +61,8 @@ DS_HD double d_exp2(double v) { return exp2(v); }
 // The natural log of a normal (not subnormal) number where the per-entry loops need one: lg2.approx on the GPU
 // (one instruction against ~20 for logf; CUDA's __log2f bound: an absolute 2^-22.6 in log2 on [0.5, 2], 2 ulp
 // elsewhere, so accurate where the log is small), the accurate log on the host.
-DS_HD float d_log_normal(float v) {
-#if defined(__CUDA_ARCH__)
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(v));
-  return y * static_cast<float>(kLn2);
-#else
-  return logf(v);
-#endif
-}
-DS_HD double d_log_normal(double v) { return log(v); }
-// log2 of a normal number, by lg2.approx on the GPU (d_log_normal without its multiplication by ln 2: the JSD's
-// plain chunks in fast_rows work in base 2, kJsdBase2Terms).
+// d_log2_normal: its log2, which d_log_normal multiplies by ln 2 on the GPU (the JSD's plain chunks in fast_rows
+// work in base 2, kJsdBase2Terms).
 DS_HD float d_log2_normal(float v) {
 #if defined(__CUDA_ARCH__)
   float y;
@@ -82,6 +72,14 @@ DS_HD float d_log2_normal(float v) {
   return log2f(v);
 #endif
 }
+DS_HD float d_log_normal(float v) {
+#if defined(__CUDA_ARCH__)
+  return d_log2_normal(v) * static_cast<float>(kLn2);
+#else
+  return logf(v);
+#endif
+}
+DS_HD double d_log_normal(double v) { return log(v); }
 DS_HD float d_log2(float v) { return log2f(v); }
 DS_HD double d_log2(double v) { return log2(v); }
 

@@ -431,6 +431,10 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   constexpr bool KS = GRAD && student_needs_k<MODE>();
   // Forward KL's training rows in narrow blocks (kDirectStepTerms): direct terms, the tail's student logit kept.
   constexpr bool STEP_DIRECT = kDirectStepTerms && GRAD && !KS && THREADS == kNarrowThreads;
+  // The terms pass's forms ("2. terms" below says why): G, its loop writes forward KL's gradient; DIRECT, it sums
+  // forward or reverse KL's direct summand and tests it against the thread's mass.
+  constexpr bool G = GRAD && !KS;
+  constexpr bool DIRECT = kDirectTerms && MODE != JSD && (!G || STEP_DIRECT);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // kTwoLevelExchange where it measured faster (one H200, kernels/NOTES.md, version 29): forward KL (its step -4%,
   // its forward alone -1.4%) and the JSD's training rows (-1.4%). Reverse KL (its step +1.1%, its forward alone
@@ -492,9 +496,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   // ---- 1. normalisers: the warp's max, the warp's sums relative to it, then one cluster barrier
   Norm<float> norm[2];
   // kMassFromNorms: this thread's (offset, sum) of each distribution, for the direct terms' mass
-  constexpr bool MASS_FROM_NORMS =
-      kMassFromNorms && !SPLIT && THREADS == kNarrowThreads && kDirectTerms &&
-      (MODE == REVERSE_KL || (MODE == FORWARD_KL && kDirectStepTerms));  // (the narrow instances that are DIRECT)
+  constexpr bool MASS_FROM_NORMS = kMassFromNorms && DIRECT && !SPLIT && THREADS == kNarrowThreads;
   [[maybe_unused]] float own_norms[4] = {0.f, 0.f, 0.f, 0.f};
   {
     float mx[2] = {ninf<float>(), ninf<float>()};
@@ -611,8 +613,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   // the kernel (kernels/NOTES.md, version 20). Where the loop writes forward KL's gradient only in the uncapped
   // narrow blocks (STEP_DIRECT): under the 32-register cap the mass is a register too many (measured slower); the
   // second sum reads the tail's student logit from a register, as the gradient may have replaced it (fused head).
-  constexpr bool G = GRAD && !KS;
-  constexpr bool DIRECT = kDirectTerms && MODE != JSD && (!G || STEP_DIRECT);
+  // (G and DIRECT are defined at the top.)
   // The JSD's 16-bit training rows take its summand's direct form everywhere (jsd_entry_direct: no series and no
   // branch on its region, ~25 instructions an entry); a row whose JSD comes out below kJsdDirectMin is summed
   // again with the series by the whole cluster (the row's sum, which ks's cluster barrier gathers anyway, is the
@@ -647,13 +648,15 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   [[maybe_unused]] float ps_exp = 0.f;
   if constexpr (KEPT_PS) ps_exp = 15.f + fminf(fmaxf(floorf(rn.s.lz), 0.f), 64.f);  // (a NaN lz: 0)
   // kJsdBase2Terms: the plain chunks in base 2; the terms pass's sums then in log2(e) units until its end
-  constexpr bool BASE2 = kJsdBase2Terms && KEEP_US && !SPLIT && kJsdPtFromPs && kJsdPlainChunks && kJsdWeightedPoints;
+  // (PT_FROM_PS: see jsd_entry_plain_from_ps; the plain chunks' teacher probabilities made from the student's)
+  constexpr bool PT_FROM_PS = kJsdPtFromPs && kJsdPlainChunks && kJsdWeightedPoints;
+  static_assert(!PT_FROM_PS || kKeptUsDirect, "the plain chunks keep the terms' own u_s");
+  constexpr bool BASE2 = kJsdBase2Terms && KEEP_US && !SPLIT && PT_FROM_PS;
   constexpr float kUnits = BASE2 ? static_cast<float>(kLog2e) : 1.f;  // the other entries' sums into those units
   {
     Terms<float> acc{0.f, 0.f, 0.f};
     float mass = 0.f;
     if constexpr (MASS_FROM_NORMS) {  // each distribution's sum over this thread's entries, 2^(o - mx - lz) sum
-      static_assert(!MASS_FROM_NORMS || DIRECT, "the mass serves the direct terms' test");
       auto own_mass = [](float o, float sum, const Norm<float>& n) {
         return sum == 0.f ? 0.f : sum * d_exp2((o - n.mx) - n.lz);  // (no entry with mass: 0, whatever the offsets)
       };
@@ -690,8 +693,6 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
             return kept_us(e, us);
           }
         };
-        constexpr bool PT_FROM_PS = kJsdPtFromPs && kJsdPlainChunks && kJsdWeightedPoints;
-        static_assert(!PT_FROM_PS || kKeptUsDirect, "the plain chunks keep the terms' own u_s");
         // PT_FROM_PS: (1 - beta) ps is normal (2^-120 and up) where a student logit lies above this
         [[maybe_unused]] const float xs_normal = PT_FROM_PS ? ((rw.s.mx + rw.s.lz) - 120.f) / k2 : 0.f;
         [[maybe_unused]] const float pt_per_ps = PT_FROM_PS ? p.c.beta / (1.f - p.c.beta) : 0.f;
