@@ -121,6 +121,27 @@ constexpr bool kDirectStepTerms = true;
 // forward KL's step -2.1% / -2.3%, reverse KL's -3.4% / -3.7% (logits of spread 2 / 3; kernels/NOTES.md, version
 // 50). false: the kernels compile as before.
 constexpr bool kMassFromNorms = true;
+// The same instances form each probability as 2^(x k2 - c) with one offset a distribution, c = mx + lz rounded
+// once (the pair's exact sum: two_sum), where (x k2 - mx) - lz took an FFMA and an FADD: two FADDs an entry fewer in
+// the terms pass, one in reverse KL's gradient pass. The offset's rounding e = (mx + lz) - c is a factor 2^e common
+// to the row's probabilities, taken out where it matters rather than left in: forward KL's q - p is formed as
+// ps' - pt' 2^(es - et) = (ps - pt) 2^es (one FFMA, as the FADD it replaces), whose gradient is scaled by scale
+// 2^-es; the direct sum's pt' d term carries 2^et, so a thread's sum S' = 2^et sum pt d + 2^es sum (ps - pt) is
+// made sum pt d + sum (ps - pt) by 2^-et S' + (1 - 2^(es - et)) sum (ps - pt), the last sum the thread's masses of
+// kMassFromNorms (reverse KL: s and t exchanged, its ks times 2^-es). Rows whose offsets lie beyond
+// kFoldedOffsetMax (or are not finite) keep the pair: below it |e| <= 2^-15 (2^-14 with kFoldedScale's second
+// rounding), so 2^e is 1 + e ln 2 to 2e-9.
+// false: the kernels compile as before.
+constexpr bool kFoldedOffsets = true;
+constexpr float kFoldedOffsetMax = 1024.f;
+// Forward KL's folded rows take the gradient's factor into both offsets too: c - lambda with lambda = log2(scale)
+// rounded to float, so the loop's q - p is the gradient as written, (ps - pt) 2^lambda 2^es (no FMUL an entry;
+// 2^lambda is scale to 2^-21, 2^es to |es| <= 2^-14: both far below a 16-bit gradient's rounding, 2^-9 or 2^-11),
+// and the thread's loss is multiplied by 2^-lambda once. lambda and 2^-lambda are one thread's, in double, while
+// the copy is in flight; a scale that is not a positive number within 2^+-100 is not folded (the row keeps the
+// pair). Probabilities below 2^-126 after the factor (ex2.approx flushes them) give 0 for gradients that would be
+// below 2^-126. false: the kernels compile as with kFoldedOffsets alone.
+constexpr bool kFoldedScale = true;
 // The JSD's forward alone sums the direct form of its summand with a thread-level second sum (fast_rows,
 // JSD_FWD_DIRECT), where it takes the series' branch on |d| < 0.5 for every entry. The thread's mass is the
 // mixture's, (1 - beta) ps + beta pt: with ps + pt (5b17ff6) it ran 14% faster on an H200 on logits of spread 1.5
@@ -298,6 +319,13 @@ template <int L2B = 0, typename T> __device__ __forceinline__ void cp_async16(un
 // A pointer the compiler must hold in a register from here on (an empty asm that may have changed it): the copy's
 // addresses are then that register plus an immediate, not recomputed from the row and the index under each
 // chunk's predicate.
+// a + b = s + e exactly (Knuth's two-sum: six roundings to nearest, whatever the operands' magnitudes)
+__device__ __forceinline__ void two_sum(float a, float b, float& s, float& e) {
+  s = __fadd_rn(a, b);
+  const float bb = __fsub_rn(s, a);
+  e = __fadd_rn(__fsub_rn(a, __fsub_rn(s, bb)), __fsub_rn(b, bb));
+}
+
 template <typename P> __device__ __forceinline__ P* pinned(P* ptr) {
   asm("" : "+l"(ptr));
   return ptr;
@@ -435,6 +463,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   // forward or reverse KL's direct summand and tests it against the thread's mass.
   constexpr bool G = GRAD && !KS;
   constexpr bool DIRECT = kDirectTerms && MODE != JSD && (!G || STEP_DIRECT);
+  constexpr bool MASS_FROM_NORMS = kMassFromNorms && DIRECT && !SPLIT && THREADS == kNarrowThreads;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // kTwoLevelExchange where it measured faster (one H200, kernels/NOTES.md, version 29): forward KL (its step -4%,
   // its forward alone -1.4%) and the JSD's training rows (-1.4%). Reverse KL (its step +1.1%, its forward alone
@@ -486,6 +515,20 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   }
   double scale_raw = 0.0;  // kEarlyScale: the scale before 1 / T, loaded while the copy is in flight
   if constexpr (kEarlyScale) scale_raw = p.base_scale();
+  // kFoldedScale (FOLD_SCALE, below): (lambda, 2^-lambda), or NaN where the scale does not fold; read after the
+  // normalisers' exchange, whose first block barrier publishes it
+  __shared__ float2 scale_fold;
+  constexpr bool FOLD_SCALE = kFoldedScale && kFoldedOffsets && kEarlyScale && MASS_FROM_NORMS && G;
+  if constexpr (FOLD_SCALE) {
+    static_assert(TWO_LEVEL, "cluster_fold's block barrier publishes scale_fold");
+    if (threadIdx.x == 0) {
+      const double g = static_cast<float>(scale_raw * static_cast<double>(p.inv_t));  // (as `scale`, below)
+      const float lam = static_cast<float>(log2(g));
+      scale_fold = g > 0.0 && fabsf(lam) <= 100.f
+                       ? make_float2(lam, static_cast<float>(exp2(-static_cast<double>(lam))))
+                       : make_float2(std::numeric_limits<float>::quiet_NaN(), 0.f);
+    }
+  }
   // The last block's slice may end in a partial chunk: its entries are read from device memory in each pass by
   // threads 0 .. N-2 (no thread writes an entry another reads).
   const int tail = chunks * N + static_cast<int>(threadIdx.x);
@@ -496,7 +539,6 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   // ---- 1. normalisers: the warp's max, the warp's sums relative to it, then one cluster barrier
   Norm<float> norm[2];
   // kMassFromNorms: this thread's (offset, sum) of each distribution, for the direct terms' mass
-  constexpr bool MASS_FROM_NORMS = kMassFromNorms && DIRECT && !SPLIT && THREADS == kNarrowThreads;
   [[maybe_unused]] float own_norms[4] = {0.f, 0.f, 0.f, 0.f};
   {
     float mx[2] = {ninf<float>(), ninf<float>()};
@@ -578,32 +620,71 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   if constexpr (!kEarlyScale) scale_raw = p.base_scale();
   const float scale = static_cast<float>(scale_raw * static_cast<double>(p.inv_t));
   const RowNorms<float> rn = row_norms(norm[0], norm[1]);
-  // Visits this thread's entries with their points: its chunks from shared memory, then its tail entry from device
-  // memory, in a loop compiled for the row's offset choice (rn.close). WRITE: what `f` returns is the entry's
-  // gradient (before the scale), stored over the row of gs (alias-safe: a thread writes only entries it has read).
-  auto for_each_point = [&](auto write_c, auto&& f) {
+  // Visits this thread's entries with their logits: its chunks from shared memory, then its tail entry from device
+  // memory, in a loop compiled for the row's offset choice (rn.close), f(close_c, xs, xt) with close_c that choice as
+  // a type. WRITE: what `f` returns is the entry's gradient (before the factor gscale), stored over the row of gs
+  // (alias-safe: a thread writes only entries it has read).
+  auto for_each_entry = [&](auto write_c, float gscale, auto&& f) {
     constexpr bool WRITE = decltype(write_c)::value;
     auto pass = [&](auto close_c) {
-      constexpr bool CLOSE = decltype(close_c)::value;
       for (int c = threadIdx.x; c < chunks; c += THREADS) {
         const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
         Vec<T> g;
 #pragma unroll
         for (int q = 0; q < N; ++q) {
-          const float d = f(make_point<CLOSE>(entry_float(vs, q), entry_float(vt, q), k2, rn));
-          if (WRITE) g.v[q] = static_cast<T>(d * scale);
+          const float d = f(close_c, entry_float(vs, q), entry_float(vt, q));
+          if (WRITE) g.v[q] = static_cast<T>(d * gscale);
         }
         if (WRITE) store_chunk(gs + c * N, g, true);
       }
       if (has_tail) {
         const float xs_tail = STEP_DIRECT ? tail_xs : static_cast<float>(gsrc[tail]);
-        const float d = f(make_point<CLOSE>(xs_tail, static_cast<float>(gtsrc[tail]), k2, rn));
-        if (WRITE) gs[tail] = static_cast<T>(d * scale);
+        const float d = f(close_c, xs_tail, static_cast<float>(gtsrc[tail]));
+        if (WRITE) gs[tail] = static_cast<T>(d * gscale);
       }
     };
     if (rn.close) pass(std::true_type{});
     else pass(std::false_type{});
   };
+  // The same with each entry's point (make_point) and the gradient's factor scale.
+  auto for_each_point = [&](auto write_c, auto&& f) {
+    for_each_entry(write_c, scale, [&](auto close_c, float xsv, float xtv) {
+      return f(make_point<decltype(close_c)::value>(xsv, xtv, k2, rn));
+    });
+  };
+  // kFoldedOffsets (FOLD): each distribution's one offset c = mx + lz and its rounding e; `folded`, the row's
+  // offsets allow it. folded_point: an entry's point with ps' = ps 2^es, pt' = pt 2^et (ls, lt their logarithms) and
+  // make_point's d (its rounding is not the offsets': where not CLOSE, (lt2' - ls2') - (et - es)).
+  constexpr bool FOLD = kFoldedOffsets && MASS_FROM_NORMS;
+  struct Folded { float cs, es, ct, et; } fo{0.f, 0.f, 0.f, 0.f};
+  bool folded = false;
+  [[maybe_unused]] float2 sf = make_float2(0.f, 1.f);  // FOLD_SCALE: (lambda, 2^-lambda)
+  if constexpr (FOLD) {
+    two_sum(rn.s.mx, rn.s.lz, fo.cs, fo.es);
+    two_sum(rn.t.mx, rn.t.lz, fo.ct, fo.et);
+    if constexpr (FOLD_SCALE) {  // c - lambda, its rounding added to e's
+      sf = scale_fold;
+      float e;
+      two_sum(fo.cs, -sf.x, fo.cs, e);
+      fo.es += e;
+      two_sum(fo.ct, -sf.x, fo.ct, e);
+      fo.et += e;
+    }
+    folded = fabsf(fo.cs) < kFoldedOffsetMax && fabsf(fo.ct) < kFoldedOffsetMax;  // (NaN and -inf fail)
+  }
+  auto folded_point = [&](auto close_c, float xsv, float xtv) {
+    constexpr bool CLOSE = decltype(close_c)::value;
+    const float ls2 = d_fma(xsv, k2, -fo.cs), lt2 = d_fma(xtv, k2, -fo.ct);
+    Point<float> e;
+    e.ps = d_exp2(ls2);
+    e.pt = d_exp2(lt2);
+    e.ls = ls2 * static_cast<float>(kLn2);
+    e.lt = lt2 * static_cast<float>(kLn2);
+    e.d = CLOSE ? point_d<true>(xsv, xtv, k2, rn) : ((lt2 - ls2) - (fo.et - fo.es)) * static_cast<float>(kLn2);
+    return e;
+  };
+  // 2^x for a row's |x| <= 2^-13 (the offsets' roundings and their differences, where folded): 1 + x ln 2 to 4e-9
+  [[maybe_unused]] auto exp2_tiny = [](float x) { return d_fma(x, static_cast<float>(kLn2), 1.f); };
 
   // ---- 2. terms (and forward KL's gradient, which needs no row sum)
   // Where this loop writes no gradient (the forward alone; reverse KL, whose gradient needs ks), forward and
@@ -656,11 +737,14 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   {
     Terms<float> acc{0.f, 0.f, 0.f};
     float mass = 0.f;
+    [[maybe_unused]] float mass_s = 0.f, mass_t = 0.f;
     if constexpr (MASS_FROM_NORMS) {  // each distribution's sum over this thread's entries, 2^(o - mx - lz) sum
       auto own_mass = [](float o, float sum, const Norm<float>& n) {
         return sum == 0.f ? 0.f : sum * d_exp2((o - n.mx) - n.lz);  // (no entry with mass: 0, whatever the offsets)
       };
-      mass = own_mass(own_norms[0], own_norms[1], rn.s) + own_mass(own_norms[2], own_norms[3], rn.t);
+      mass_s = own_mass(own_norms[0], own_norms[1], rn.s);
+      mass_t = own_mass(own_norms[2], own_norms[3], rn.t);
+      mass = mass_s + mass_t;
     }
     if constexpr (KEEP_US) {  // the terms, each chunk's u_s written over its teacher's chunk
       // kJsdWeightedPoints: the points' probabilities carry the mixture's weights through the normalisers
@@ -772,7 +856,34 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
         acc.loss *= static_cast<float>(kLn2);
         acc.ks *= static_cast<float>(kLn2);
       }
-    } else
+    } else if (FOLD && folded) {
+      if constexpr (FOLD) {  // forward / reverse KL's direct terms from folded points (see kFoldedOffsets)
+        constexpr bool FWD = MODE == FORWARD_KL;
+        // p weights the summand (forward KL: pt), q is the other: q - p formed in q's units, q' - p' 2^(eq - ep)
+        const float ep = FWD ? fo.et : fo.es, eq = FWD ? fo.es : fo.et, x = eq - ep;
+        const float r = exp2_tiny(x);
+        const float gscale = FOLD_SCALE ? 1.f : scale * exp2_tiny(-fo.es);  // (FOLD_SCALE: 2^lambda is in qp)
+        for_each_entry(std::bool_constant<G>{}, gscale, [&](auto close_c, float xsv, float xtv) {
+          const Point<float> e = folded_point(close_c, xsv, xtv);
+          const float pp = FWD ? e.pt : e.ps, qq = FWD ? e.ps : e.pt;
+          const float qp = d_fma(-pp, r, qq);  // (q - p) 2^eq
+          // Forward KL tests no pt = 0 (kl_term_direct's test): 0 times an infinite d (a teacher's logit of -inf)
+          // is NaN, which sends the thread to its second sum, whose form has the test. Reverse KL keeps it (ks's).
+          if constexpr (FWD) acc.loss += d_fma(pp, e.d, qp);
+          else acc.loss += pp <= 0.f ? qq : d_fma(pp, -e.d, qp);  // (p = 0: qp is qq)
+          if (KS) acc.ks += e.ps > 0.f ? -e.ps * e.d : 0.f;       // (times 2^es)
+          return G ? qp : 0.f;  // forward KL: (ps - pt) 2^es (times 2^lambda), written times 2^-es (or as it is)
+        });
+        // The sum S' = 2^lambda (2^ep (sum p u + r' sum p) + 2^eq sum (q - p)) (r' = 2^x - r, r's own rounding;
+        // lambda 0 but for FOLD_SCALE) as the pair's: 2^-lambda 2^-ep S' - x ln 2 sum (q - p) - r' sum p, with the
+        // sums from this thread's masses
+        const float r_err = d_fma(x, static_cast<float>(kLn2), 1.f - r);  // (1 - r is exact)
+        const float mq_mp = FWD ? mass_s - mass_t : mass_t - mass_s, mp = FWD ? mass_t : mass_s;
+        const float unfold = FOLD_SCALE ? exp2_tiny(-ep) * sf.y : exp2_tiny(-ep);
+        acc.loss = d_fma(acc.loss, unfold, -d_fma(mq_mp, x * static_cast<float>(kLn2), r_err * mp));
+        if (KS) acc.ks *= exp2_tiny(-fo.es);
+      }
+    } else {
       for_each_point(std::bool_constant<G>{}, [&](const Point<float>& e) {
         if constexpr (DIRECT) {
           const bool fwd = MODE == FORWARD_KL;
@@ -791,6 +902,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
         if constexpr (G) return student_grad<MODE>(e, p.c, 0.f);
         else return 0.f;
       });
+    }
     constexpr double kMin = JSD_FWD_DIRECT ? kJsdDirectMin : kDirectMin;
     if ((DIRECT || JSD_FWD_DIRECT) && !(acc.loss >= static_cast<float>(kMin) * mass)) {  // this thread's entries again
       Terms<float> exact{0.f, 0.f, 0.f};
@@ -990,6 +1102,10 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
       }
     }
     if (has_tail) gs[tail] = static_cast<T>(grad(static_cast<float>(gsrc[tail]), us_tail));
+  } else if (FOLD && KS && folded) {  // reverse KL: ps' (-d - ks) times scale 2^-es
+    for_each_entry(std::true_type{}, scale * exp2_tiny(-fo.es), [&](auto close_c, float xsv, float xtv) {
+      return student_grad<MODE, sizeof(T) == 2>(folded_point(close_c, xsv, xtv), p.c, ks);
+    });
   } else if (KS) {
     for_each_point(std::true_type{},
                    [&](const Point<float>& e) { return student_grad<MODE, sizeof(T) == 2>(e, p.c, ks); });

@@ -312,6 +312,45 @@ def test_fast_rows_per_token(dtype, vocab):
     assert torch.equal(got[0], expect[0]) and torch.equal(buf, expect[1]), "in place"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
+def test_training_rows_with_offsets_far_from_zero(dtype):
+    # Forward and reverse KL's 16-bit training rows form each probability as 2^(x k2 - c) with one offset a
+    # distribution, c = max + log2 of the sum rounded once, and take that rounding out of the loss and the gradient:
+    # near c = 600 it is up to 2^-15, a loss 2e-5 off were it left in, ten times this test's bound. Rows with scaled
+    # logits around 190, 580 and 1100 (beyond 1024 the pair is kept), around -560, the teacher's offset apart from
+    # the student's (d then from the shifted logits, not their difference), a teacher with -inf entries, a masked
+    # row; per token against float64, and the gradients.
+    vocab, n = 50001, 9
+    width = vocab + (-vocab) % 8  # rows on 16-byte boundaries (fast_rows), the last slice in a partial chunk
+    t64 = logits((n, width), torch.float64, "cuda", scale=3.0)
+    s64 = logits((n, width), torch.float64, "cuda", scale=3.0)
+    shift_s = torch.tensor([130.0, 400.0, 760.0, 400.0, -400.0, 130.0, 400.0, 400.0, 400.0], dtype=torch.float64)
+    shift_t = torch.tensor([130.0, 400.0, 760.0, 403.0, -400.0, 400.0, 400.0, 400.0, 400.0], dtype=torch.float64)
+    s64[3] = t64[3] + 0.5 * torch.randn_like(t64[3])  # (then 3 apart: maxima apart, distributions close)
+    t64[6, vocab // 2:] = float("-inf")
+    s = (s64 + shift_s[:, None].cuda()).to(dtype)[:, :vocab]
+    t = (t64 + shift_t[:, None].cuda()).to(dtype)[:, :vocab]
+    lab = torch.arange(n, device="cuda").masked_fill(torch.arange(n, device="cuda") == 8, -100)
+    mod = K.load("cuda", extension="distill")
+    for beta in (0.0, 1.0, 0.5):
+        # (the kernel's own call with a gradient buffer on the 16-byte grid: the fast kernel, as the step of an odd
+        # vocabulary is not; reduction none, so each row's gradient is its own divergence's)
+        poison_allocator("cuda")
+        gs = torch.full((n, width), float("nan"), dtype=dtype, device="cuda")[:, :vocab]
+        out, gs = mod.distill_forward(s, t, None, None, lab, -100, beta, 1.0, 0, True, False, gs)[:2]
+        ref, (rs,) = reference(s.clone().requires_grad_(), t, torch.ones(n, dtype=torch.float64, device="cuda"),
+                               beta=beta, temperature=1.0, labels=lab, reduction="none")
+        assert out[8] == 0 and (gs[8] == 0).all(), beta
+        o, r = out[:8].double(), ref[:8]
+        inf = torch.isinf(r)  # (reverse KL's row 6: the student has mass where the teacher has none)
+        assert torch.equal(o[inf], r[inf]) and inf.sum() == (beta == 1.0), beta
+        err = ((o - r).abs() / r.abs())[~inf].max()
+        assert err <= 2e-6, f"beta={beta}: per-token error {err:.2e}"
+        for row in torch.nonzero(~inf).flatten().tolist():
+            assert_grad_close(gs[row], rs[row], dtype, f"beta={beta} grad row {row}")
+
+
 def split_phases(s, t, lab, beta, temp, widths, training):
     """The vocabulary-parallel kernels (distill_phase: normalisers, terms, gradients) in one process over slices
     of each row (``widths``), their statistics combined as the ranks combine them (distill_combine, in slice
