@@ -106,6 +106,16 @@ constexpr bool kJsdKeptPs = true;
 // -2.8% / -3.4% (logits of spread 2 / 3), every other kernel untouched (kernels/NOTES.md, version 50). Not in the
 // split's one-read kernel (SPLIT), which needs two GPUs to test. false: the kernels compile as before.
 constexpr bool kJsdBase2Terms = true;
+// The JSD's bfloat16 training rows sum ks from the kept, fp16-rounded u_s (each chunk's packed halves unpacked
+// again: one HADD2.F32 an entry) where it summed the exact ones, so that the gradient ps (u_s - ks) is that of the
+// rounded u_s throughout. Where one entry holds most of the student's mass (ps -> 1) u_s - ks cancels to ~(1 - ps)
+// of u_s, and the kept u_s' rounding (2^-12 |u_s|) against the exact ks was a relative error ~2^-12 / (1 - ps) of
+// that entry's gradient (8.7e-3 at ps = 0.96, beyond a bfloat16 gradient's rounding; kernels/NOTES.md, version 51);
+// against the rounded ks it scales with (1 - ps) as the gradient does. Entries whose u_s is not finite keep their
+// exact part (kept as 0, they would hide the NaN that sends the row to the guarded loop); the tail entry's u_s is
+// kept in float and its part exact. Rows summed again with the series (below kJsdDirectMin) keep the exact ks.
+// false: the kernels compile as before.
+constexpr bool kJsdKsFromKept = false;
 // Forward KL's 16-bit training rows in kNarrowThreads blocks too, summing the direct form of the summand with its
 // mass (kl_term_direct, as the forward alone does; 4 instructions an entry against kl_term's ~13): capped at 32
 // registers the mass had been a register too many (measured slower, kernels/NOTES.md, version 20). A thread whose
@@ -734,6 +744,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   static_assert(!PT_FROM_PS || kKeptUsDirect, "the plain chunks keep the terms' own u_s");
   constexpr bool BASE2 = kJsdBase2Terms && KEEP_US && !SPLIT && PT_FROM_PS;
   constexpr float kUnits = BASE2 ? static_cast<float>(kLog2e) : 1.f;  // the other entries' sums into those units
+  constexpr bool KS_FROM_KEPT = kJsdKsFromKept && KEPT_PS && BASE2;   // (see kJsdKsFromKept)
   {
     Terms<float> acc{0.f, 0.f, 0.f};
     float mass = 0.f;
@@ -757,15 +768,19 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
         rw.s.lz -= ps_exp;
         rw.t.lz -= ps_exp;
       }
+      [[maybe_unused]] float ks_kept = 0.f;  // KS_FROM_KEPT: sum (1 - beta) ps 2^ps_exp kept u_s (times kKeptUsScale)
       auto pass = [&](auto close_c) {
         constexpr bool CLOSE = decltype(close_c)::value;
-        auto entry = [&](float xsv, float xtv, float& wps) {
+        // (in_chunk: an entry of a chunk, whose kept u_s is fp16; else the tail's)
+        auto entry = [&](float xsv, float xtv, float& wps, bool in_chunk) {
           float us;
           if constexpr (kJsdWeightedPoints) {  // acc.ks sums (1 - beta) ps u_s, divided out below
             const Point<float> e = make_point<CLOSE>(xsv, xtv, k2, rw);
             float b;
             acc.loss += jsd_entry_weighted(e, p.c, us, b) * kUnits;
-            acc.ks += b * kUnits;
+            // KS_FROM_KEPT: a chunk's finite u_s counts from its kept value, below
+            if (!(KS_FROM_KEPT && in_chunk) || !(fabsf(us) < std::numeric_limits<float>::infinity()))
+              acc.ks += b * kUnits;
             wps = e.ps;
             return kept_us(e, us);
           } else {
@@ -787,7 +802,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
             float wps;
 #pragma unroll
             for (int q = 0; q < N; ++q)
-              kept.v[q] = static_cast<c10::Half>(entry(entry_float(vs, q), entry_float(vt, q), wps));
+              kept.v[q] = static_cast<c10::Half>(entry(entry_float(vs, q), entry_float(vt, q), wps, true));
             *reinterpret_cast<KeptVec*>(xt + c * N) = kept;  // this thread's own chunk, just read
             continue;
           }
@@ -829,26 +844,33 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
                 acc.loss += jsd_entry_plain(e, p.c, us, b);
                 kf[q] = kept_us(e, us);
               }
-              acc.ks += b;
+              if constexpr (!KS_FROM_KEPT) acc.ks += b;
             }
           } else {
 #pragma unroll
-            for (int q = 0; q < N; ++q) kf[q] = entry(entry_float(vs, q), entry_float(vt, q), kp[q]);
+            for (int q = 0; q < N; ++q) kf[q] = entry(entry_float(vs, q), entry_float(vt, q), kp[q], true);
           }
           auto store_halves = [&](T* dst, const float* f) {  // eight floats as fp16 (round to nearest, as the cast)
-            uint32_t words[N / 2];
+            __half2 h[N / 2];
+#pragma unroll
+            for (int q = 0; q < N / 2; ++q) h[q] = __floats2half2_rn(f[2 * q], f[2 * q + 1]);
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(h);
+            return *reinterpret_cast<const uint4*>(h);
+          };
+          const uint4 kept_us_words = store_halves(xt + c * N, kf);  // its own chunk, just read
+          if constexpr (KEPT_PS) store_halves(xs + c * N, kp);       // (likewise)
+          if constexpr (KS_FROM_KEPT) {  // ks from the kept u_s (times kKeptUsScale; a non-finite one kept as 0)
+            const __half2* h = reinterpret_cast<const __half2*>(&kept_us_words);
 #pragma unroll
             for (int q = 0; q < N / 2; ++q) {
-              const __half2 h = __floats2half2_rn(f[2 * q], f[2 * q + 1]);
-              words[q] = *reinterpret_cast<const uint32_t*>(&h);
+              const float2 u = __half22float2(h[q]);
+              ks_kept = d_fma(kp[2 * q], u.x, ks_kept);
+              ks_kept = d_fma(kp[2 * q + 1], u.y, ks_kept);
             }
-            *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
-          };
-          store_halves(xt + c * N, kf);                         // its own chunk, just read
-          if constexpr (KEPT_PS) store_halves(xs + c * N, kp);  // (likewise)
+          }
         }
         float wps_tail;  // (the tail's gradient forms its ps again)
-        if (has_tail) us_tail = entry(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), wps_tail);
+        if (has_tail) us_tail = entry(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), wps_tail, false);
       };
       if (rn.close) pass(std::true_type{});
       else pass(std::false_type{});
@@ -856,6 +878,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
         acc.loss *= static_cast<float>(kLn2);
         acc.ks *= static_cast<float>(kLn2);
       }
+      if constexpr (KS_FROM_KEPT) acc.ks += ks_kept * (1.f / kKeptUsScale);
     } else if (FOLD && folded) {
       if constexpr (FOLD) {  // forward / reverse KL's direct terms from folded points (see kFoldedOffsets)
         constexpr bool FWD = MODE == FORWARD_KL;
