@@ -326,9 +326,6 @@ template <int L2B = 0, typename T> __device__ __forceinline__ void cp_async16(un
 // took ~15 instructions a chunk pair from chunk indices; kernels/NOTES.md, version 23). Staged: the first three in
 // a commit group each and the rest in a fourth (empty groups included, so every thread has four), so that
 // for_each_landed can take each as it lands while the later ones are in flight; else one group, waited for whole.
-// A pointer the compiler must hold in a register from here on (an empty asm that may have changed it): the copy's
-// addresses are then that register plus an immediate, not recomputed from the row and the index under each
-// chunk's predicate.
 // a + b = s + e exactly (Knuth's two-sum: six roundings to nearest, whatever the operands' magnitudes)
 __device__ __forceinline__ void two_sum(float a, float b, float& s, float& e) {
   s = __fadd_rn(a, b);
@@ -336,6 +333,9 @@ __device__ __forceinline__ void two_sum(float a, float b, float& s, float& e) {
   e = __fadd_rn(__fsub_rn(a, __fsub_rn(s, bb)), __fsub_rn(b, bb));
 }
 
+// A pointer the compiler must hold in a register from here on (an empty asm that may have changed it): the copy's
+// addresses are then that register plus an immediate, not recomputed from the row and the index under each
+// chunk's predicate.
 template <typename P> __device__ __forceinline__ P* pinned(P* ptr) {
   asm("" : "+l"(ptr));
   return ptr;
@@ -525,14 +525,16 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   }
   double scale_raw = 0.0;  // kEarlyScale: the scale before 1 / T, loaded while the copy is in flight
   if constexpr (kEarlyScale) scale_raw = p.base_scale();
-  // kFoldedScale (FOLD_SCALE, below): (lambda, 2^-lambda), or NaN where the scale does not fold; read after the
-  // normalisers' exchange, whose first block barrier publishes it
+  auto gradient_scale = [&](double raw) { return static_cast<float>(raw * static_cast<double>(p.inv_t)); };
+  // kFoldedOffsets (FOLD) and kFoldedScale (FOLD_SCALE), below. FOLD_SCALE: (lambda, 2^-lambda), or NaN where the
+  // scale does not fold; read after the normalisers' exchange, whose first block barrier publishes it
+  constexpr bool FOLD = kFoldedOffsets && MASS_FROM_NORMS;
+  constexpr bool FOLD_SCALE = kFoldedScale && FOLD && kEarlyScale && G;
   __shared__ float2 scale_fold;
-  constexpr bool FOLD_SCALE = kFoldedScale && kFoldedOffsets && kEarlyScale && MASS_FROM_NORMS && G;
   if constexpr (FOLD_SCALE) {
     static_assert(TWO_LEVEL, "cluster_fold's block barrier publishes scale_fold");
     if (threadIdx.x == 0) {
-      const double g = static_cast<float>(scale_raw * static_cast<double>(p.inv_t));  // (as `scale`, below)
+      const double g = gradient_scale(scale_raw);
       const float lam = static_cast<float>(log2(g));
       scale_fold = g > 0.0 && fabsf(lam) <= 100.f
                        ? make_float2(lam, static_cast<float>(exp2(-static_cast<double>(lam))))
@@ -628,7 +630,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   };
   if (!KS) arrive_to_leave(norm[0].mx + norm[1].mx);
   if constexpr (!kEarlyScale) scale_raw = p.base_scale();
-  const float scale = static_cast<float>(scale_raw * static_cast<double>(p.inv_t));
+  const float scale = gradient_scale(scale_raw);
   const RowNorms<float> rn = row_norms(norm[0], norm[1]);
   // Visits this thread's entries with their logits: its chunks from shared memory, then its tail entry from device
   // memory, in a loop compiled for the row's offset choice (rn.close), f(close_c, xs, xt) with close_c that choice as
@@ -662,10 +664,9 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
       return f(make_point<decltype(close_c)::value>(xsv, xtv, k2, rn));
     });
   };
-  // kFoldedOffsets (FOLD): each distribution's one offset c = mx + lz and its rounding e; `folded`, the row's
-  // offsets allow it. folded_point: an entry's point with ps' = ps 2^es, pt' = pt 2^et (ls, lt their logarithms) and
-  // make_point's d (its rounding is not the offsets': where not CLOSE, (lt2' - ls2') - (et - es)).
-  constexpr bool FOLD = kFoldedOffsets && MASS_FROM_NORMS;
+  // FOLD: each distribution's one offset c = mx + lz and its rounding e; `folded`, the row's offsets allow it.
+  // folded_point: an entry's point with ps' = ps 2^es, pt' = pt 2^et (ls, lt their logarithms) and make_point's d
+  // (its rounding is not the offsets': where not CLOSE, (lt2' - ls2') - (et - es)).
   struct Folded { float cs, es, ct, et; } fo{0.f, 0.f, 0.f, 0.f};
   bool folded = false;
   [[maybe_unused]] float2 sf = make_float2(0.f, 1.f);  // FOLD_SCALE: (lambda, 2^-lambda)
