@@ -221,6 +221,10 @@ template <typename T> __device__ __forceinline__ void store_chunk(T* dst, const 
 }
 
 __host__ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+// The entries from x to the next 16-byte boundary (0 on it): a row's head, before its first whole chunk.
+template <typename T> __host__ __device__ __forceinline__ int row_head(const T* x) {
+  return static_cast<int>(((16u - (reinterpret_cast<uintptr_t>(x) & 15u)) & 15u) / sizeof(T));
+}
 
 // The largest of a chunk's raw values (packed max for 16-bit types: half the instructions).
 template <typename T> __device__ __forceinline__ float chunk_max(const Vec<T>& v) {
@@ -930,7 +934,8 @@ Params<T, A> base_params(const Rows& r, int64_t ignore_index, double beta, doubl
 
 // Whether a distill_forward call takes a fast kernel: fast_rows_kernel (distill_fast.cuh) for a full teacher row,
 // fast_topk_kernel (distill_fast_topk.cuh) for a top-k teacher; no teacher gradient, 16-bit or float32 logits,
-// slices in shared memory, every row of student, teacher and gradient starting on a 16-byte boundary.
+// slices in shared memory, every row of student, teacher and gradient starting on a 16-byte boundary (or, with a
+// full teacher row, the three rows of an index at one offset from it: fast_path_ok's `shifted`).
 // KLDIV_DISTILL_FAST=0 (a research knob) sends every call to rows_kernel, to compare the two.
 bool fast_allowed() {
   const char* env = std::getenv("KLDIV_DISTILL_FAST");
@@ -943,10 +948,28 @@ bool rows_on_grid(const at::Tensor& x) {
   return aligned16(x.data_ptr()) && (x.size(0) <= 1 || x.stride(0) % vec == 0);
 }
 
-bool fast_path_ok(const Rows& r, const Launch& l, const at::Tensor& gs, bool want_teacher) {
+// Every row of y [n, v] lies as far from the 16-byte grid as x's row of the same index (x's and y's entries of
+// one size): one row head for both (fast_slice's SHIFT).
+bool rows_co_aligned(const at::Tensor& x, const at::Tensor& y) {
+  const auto el = static_cast<int64_t>(x.element_size());
+  const auto px = reinterpret_cast<uintptr_t>(x.data_ptr()), py = reinterpret_cast<uintptr_t>(y.data_ptr());
+  return y.element_size() == el && px % el == 0 && ((px - py) & 15) == 0 &&
+         (x.size(0) <= 1 || ((x.stride(0) - y.stride(0)) * el) % 16 == 0);
+}
+
+// Every row of student, teacher (a full row) and gradient (where written) starts on the 16-byte grid.
+bool all_rows_on_grid(const Rows& r, const at::Tensor& gs) {
+  return rows_on_grid(r.s) && (r.topk() || rows_on_grid(r.t)) && (!gs.defined() || rows_on_grid(gs));
+}
+
+// shifted: the launch can take rows off the 16-byte grid where student, teacher and gradient rows share their
+// offsets from it (launch_fast's with a full teacher row: fast_rows and stream_forward, their SHIFT instances);
+// else every row must start on the grid.
+bool fast_path_ok(const Rows& r, const Launch& l, const at::Tensor& gs, bool want_teacher, bool shifted = false) {
   if (!fast_allowed()) return false;
   if (want_teacher || !l.use_smem || r.s.scalar_type() == at::kDouble) return false;
-  return rows_on_grid(r.s) && (r.topk() || rows_on_grid(r.t)) && (!gs.defined() || rows_on_grid(gs));
+  if (shifted && !r.topk()) return rows_co_aligned(r.s, r.t) && (!gs.defined() || rows_co_aligned(r.s, gs));
+  return all_rows_on_grid(r, gs);
 }
 
 // x [n, v] itself when its rows are on the 16-byte grid, else an uninitialised [n, v] view of a buffer whose rows
@@ -992,19 +1015,20 @@ bool staged_copy() {
 // fast_rows' instance for rows without a gradient, or none where launch_fast sends such rows to
 // stream_forward_kernel (forward and reverse KL, kStreamForward): those instances are not made at all (six kernels
 // fewer to compile, none that could be launched by mistake).
-template <typename T, int MODE> constexpr auto rows_alone_kernel() {
+template <typename T, int MODE, bool SHIFT> constexpr auto rows_alone_kernel() {
   using Kernel = void (*)(Params<T, float>);
   if constexpr (kStreamForward && MODE != JSD) return Kernel{nullptr};
-  else if constexpr (sizeof(T) == 2) return Kernel{fast_rows_kernel_16<T, MODE, false>};
-  else return Kernel{fast_rows_kernel<T, MODE, false>};
+  else if constexpr (sizeof(T) == 2) return Kernel{fast_rows_kernel_16<T, MODE, false, SHIFT>};
+  else return Kernel{fast_rows_kernel<T, MODE, false, SHIFT>};
 }
 
 // A fast kernel: fast_topk_kernel (distill_fast_topk.cuh) for a top-k teacher, whose cluster's rank 0 writes each
 // row's loss into rows_loss; else fast_rows_kernel (distill_fast.cuh), then each row's loss from its warps'
-// partial sums (fast_rows_total_kernel).
+// partial sums (fast_rows_total_kernel). shifted: some row starts off the 16-byte grid (fast_path_ok let it
+// through), so the full-teacher instances that take such rows (SHIFT) are launched.
 template <typename T, typename A>
 void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int64_t n, Params<T, A> p,
-                 at::Tensor& rows_loss, cudaStream_t stream) {
+                 at::Tensor& rows_loss, cudaStream_t stream, bool shifted) {
   if constexpr (std::is_same<A, double>::value) {
     TORCH_CHECK(false, "distill: no fast path for float64 logits");  // fast_path_ok refuses them first
   } else {
@@ -1012,9 +1036,11 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
       if (!topk && !want_student && mode != JSD) {
         TORCH_CHECK(n < (int64_t(1) << 31), "distill: too many rows for one launch");
         p.out = rows_loss.data_ptr<float>();
-        if (mode == FORWARD_KL)
-          stream_forward_kernel<T, FORWARD_KL><<<static_cast<unsigned>(n), kStreamFwdThreads, 0, stream>>>(p);
-        else stream_forward_kernel<T, REVERSE_KL><<<static_cast<unsigned>(n), kStreamFwdThreads, 0, stream>>>(p);
+        const auto kernel =
+            mode == FORWARD_KL
+                ? (shifted ? stream_forward_kernel<T, FORWARD_KL, true> : stream_forward_kernel<T, FORWARD_KL, false>)
+                : (shifted ? stream_forward_kernel<T, REVERSE_KL, true> : stream_forward_kernel<T, REVERSE_KL, false>);
+        kernel<<<static_cast<unsigned>(n), kStreamFwdThreads, 0, stream>>>(p);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         return;
       }
@@ -1040,17 +1066,24 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
           launch_rows(without_grad, l, n, &p, stream);
         }
       };
+      // A full teacher row's instances, SHIFT or not (a top-k teacher's rows are on the grid: fast_path_ok)
+      auto full_rows = [&](auto shift_c) {
+        constexpr bool SHIFT = decltype(shift_c)::value;
+        if constexpr (sizeof(T) == 2) {  // the register-capped instances (distill_fast.cuh)
+          // Where the mode's training rows are narrow (narrow == want_student here), the capped training
+          // instance is not instantiated at all: a kernel fewer to compile, none that could be launched by mistake.
+          if constexpr (MODE == FORWARD_KL ? kDirectStepTerms : kNarrowKsBlocks)
+            launch(fast_rows_kernel_narrow<T, MODE, SHIFT>, rows_alone_kernel<T, MODE, SHIFT>());
+          else launch(fast_rows_kernel_16<T, MODE, true, SHIFT>, rows_alone_kernel<T, MODE, SHIFT>());
+        } else launch(fast_rows_kernel<T, MODE, true, SHIFT>, rows_alone_kernel<T, MODE, SHIFT>());
+      };
       if (topk) {
+        TORCH_CHECK(!shifted, "distill: internal: a top-k teacher's rows off the 16-byte grid");
         if constexpr (sizeof(T) == 2 && kTopkNarrow)
           launch(fast_topk_kernel_narrow<T, MODE>, fast_topk_kernel<T, MODE, false>);
         else launch(fast_topk_kernel<T, MODE, true>, fast_topk_kernel<T, MODE, false>);
-      } else if constexpr (sizeof(T) == 2) {  // the register-capped instances (distill_fast.cuh)
-        // Where the mode's training rows are narrow (narrow == want_student here), the capped training instance
-        // is not instantiated at all: a kernel fewer to compile, none that could be launched by mistake.
-        if constexpr (MODE == FORWARD_KL ? kDirectStepTerms : kNarrowKsBlocks)
-          launch(fast_rows_kernel_narrow<T, MODE>, rows_alone_kernel<T, MODE>());
-        else launch(fast_rows_kernel_16<T, MODE, true>, rows_alone_kernel<T, MODE>());
-      } else launch(fast_rows_kernel<T, MODE, true>, rows_alone_kernel<T, MODE>());
+      } else if (shifted) full_rows(std::true_type{});
+      else full_rows(std::false_type{});
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (!topk) {
@@ -1201,8 +1234,8 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
       p.scale_host = inv_host;
       p.out = rows_loss.data_ptr<A>();
       const int cfg = want_teacher ? CFG_GENERIC : (want_student ? CFG_STUDENT : CFG_INFER);
-      if (fast_path_ok(r, l, gs, want_teacher)) {
-        launch_fast(l, mode_of(beta), r.topk(), want_student, r.n, p, rows_loss, stream);
+      if (fast_path_ok(r, l, gs, want_teacher, true)) {
+        launch_fast(l, mode_of(beta), r.topk(), want_student, r.n, p, rows_loss, stream, !all_rows_on_grid(r, gs));
         return;
       }
       dispatch_mode(mode_of(beta), [&](auto mode_c) {

@@ -114,8 +114,12 @@ constexpr bool kJsdBase2Terms = true;
 // against the rounded ks it scales with (1 - ps) as the gradient does. Entries whose u_s is not finite keep their
 // exact part (kept as 0, they would hide the NaN that sends the row to the guarded loop); the tail entry's u_s is
 // kept in float and its part exact. Rows summed again with the series (below kJsdDirectMin) keep the exact ks.
-// false: the kernels compile as before.
-constexpr bool kJsdKsFromKept = false;
+// The same holds where the row's gradient cancels whole (student and teacher uniform on a support: u_s the same at
+// every entry, the gradient 0): against the exact ks the kept u_s' rounding left ~ps 2^-12 |u_s| an entry.
+// Measured on an H200 (kernels/NOTES.md, version 52): the JSD step +3.0% (logits of spread 2 and 3); only in rows
+// where an entry holds over half the student's mass (a loop of its own) +1.7-2.1% even where no row took it,
+// and it left the uniform rows as they were. false: the kernels compile as before.
+constexpr bool kJsdKsFromKept = true;
 // Forward KL's 16-bit training rows in kNarrowThreads blocks too, summing the direct form of the summand with its
 // mass (kl_term_direct, as the forward alone does; 4 instructions an entry against kl_term's ~13): capped at 32
 // registers the mass had been a register too many (measured slower, kernels/NOTES.md, version 20). A thread whose
@@ -277,9 +281,16 @@ struct FastSlice {
   int ranks, rank;  // blocks in the cluster, this block's rank
   int64_t row, lo;  // the row, the slice's first entry
   int count;        // entries in this slice (the last block's may be short or empty)
+  int head;         // SHIFT: the row's entries before rank 0's slice (0 in the other ranks)
   int lane, warp;
 };
-template <typename T>
+// SHIFT: rows may start off the 16-byte grid (a vocabulary whose rows are not a whole number of 16-byte chunks,
+// e.g. 50257 bfloat16 entries, contiguous), the student's, teacher's and gradient's rows each at the same offset
+// from it (fast_path_ok checks that, row by row): the slices then start at the row's first entry on the grid, and
+// rank 0 visits the entries before it (its head, fewer than a chunk) one by one, as the last rank does its tail.
+// Without SHIFT the rows are on the grid (head 0), the instances that take no others (the top-k teacher's, the
+// split's) compile as before.
+template <bool SHIFT = false, typename T>
 __device__ __forceinline__ FastSlice fast_slice(const Params<T, float>& p, const cg::cluster_group& cluster) {
   FastSlice f;
   f.ranks = static_cast<int>(cluster.num_blocks());
@@ -287,19 +298,25 @@ __device__ __forceinline__ FastSlice fast_slice(const Params<T, float>& p, const
   unsigned cid;  // the cluster's index in the grid: the row (blockIdx.x / ranks without the integer division)
   asm("mov.u32 %0, %%clusterid.x;" : "=r"(cid));
   f.row = cid;
-  f.lo = static_cast<int64_t>(f.rank) * p.slice;
+  int64_t head = 0;
+  if constexpr (SHIFT) head = min64(row_head(p.s + f.row * p.s_stride), p.v);
+  f.head = f.rank == 0 ? static_cast<int>(head) : 0;
+  f.lo = head + static_cast<int64_t>(f.rank) * p.slice;
   f.count = static_cast<int>(max64(0, min64(p.v - f.lo, p.slice)));
   f.lane = threadIdx.x & 31;
   f.warp = threadIdx.x >> 5;
   return f;
 }
 
-// A masked row's slice of the gradient: zeros (no barrier: the whole cluster sees the same label).
-template <int THREADS = kFastThreads, typename T> __device__ __forceinline__ void zero_slice(T* gs, int count) {
+// A masked row's slice of the gradient: zeros (no barrier: the whole cluster sees the same label); and the `head`
+// entries before it (fast_slice's SHIFT).
+template <int THREADS = kFastThreads, typename T>
+__device__ __forceinline__ void zero_slice(T* gs, int count, int head = 0) {
   constexpr int N = Vec<T>::N;
   const Vec<T> zero{};
   for (int c = threadIdx.x; c < count / N; c += THREADS) store_chunk(gs + c * N, zero, true);
   for (int j = count / N * N + threadIdx.x; j < count; j += THREADS) gs[j] = zero.v[0];
+  if (head > 0 && threadIdx.x < static_cast<unsigned>(head)) gs[-1 - static_cast<int>(threadIdx.x)] = zero.v[0];
 }
 
 // The slices' copies may ask L2 to fetch 128 or 256 bytes around each 16-byte chunk (cp.async's .L2::128B /
@@ -458,7 +475,9 @@ struct FoldSum {
 // KL's warps' losses are its slice's (stage 1 follows in peer_terms_kernel); the JSD exchanges its slice's
 // (loss, ks) too (stage 1; stage 2 where the row is summed again with the series) before the gradient needs ks,
 // and writes the row's loss over the whole vocabulary into pr->rows_loss.
-template <typename T, int MODE, bool GRAD, int THREADS = kFastThreads, bool SPLIT = false>
+// SHIFT: rows may start off the 16-byte grid (fast_slice); the instances launched where some row does, every
+// other compiles as before such rows were taken (one instance for both measured the steps 1-3% slower, H200).
+template <typename T, int MODE, bool GRAD, int THREADS = kFastThreads, bool SPLIT = false, bool SHIFT = false>
 __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerRows* pr = nullptr) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();
@@ -490,7 +509,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   __shared__ float bcast[4];
 
   cg::cluster_group cluster = cg::this_cluster();
-  const FastSlice sl = fast_slice(p, cluster);
+  static_assert(!(SPLIT && SHIFT), "a split's rows are on the grid (distill_peer_terms)");
+  const FastSlice sl = fast_slice<SHIFT>(p, cluster);
   const int ranks = sl.ranks, count = sl.count, lane = sl.lane, warp = sl.warp;
   const T* gsrc = p.s + sl.row * p.s_stride + sl.lo;
   const T* gtsrc = p.t + sl.row * p.t_stride + sl.lo;
@@ -498,7 +518,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   float* partial = p.out + (sl.row * ranks + sl.rank) * WARPS;  // this block's warps' losses
 
   if (p.labels && p.labels[sl.row] == p.ignore_index) {  // masked: zeros, and no barrier (the cluster agrees)
-    if (GRAD) zero_slice<THREADS>(gs, count);
+    if (GRAD) zero_slice<THREADS>(gs, count, sl.head);
     if (threadIdx.x < WARPS) partial[threadIdx.x] = 0.f;
     if (SPLIT && MODE == JSD && sl.rank == 0 && threadIdx.x == 0) pr->rows_loss[sl.row] = 0.f;
     return;
@@ -542,9 +562,11 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
     }
   }
   // The last block's slice may end in a partial chunk: its entries are read from device memory in each pass by
-  // threads 0 .. N-2 (no thread writes an entry another reads).
-  const int tail = chunks * N + static_cast<int>(threadIdx.x);
-  const bool has_tail = tail < count;
+  // threads 0 .. N-2 (no thread writes an entry another reads); rank 0's head (fast_slice) by threads N .. 2N-2,
+  // at indices -head .. -1 of the slice: every "tail" below is such an entry, at either end.
+  const int tid = static_cast<int>(threadIdx.x);
+  const int tail = !SHIFT || tid < N ? chunks * N + tid : tid - N - sl.head;
+  const bool has_tail = !SHIFT || tid < N ? tail < count : tail < 0;
   const float k2 = p.k2;
   float tail_xs = 0.f;  // STEP_DIRECT: the tail entry's student logit, read before any gradient replaces it
 
@@ -729,11 +751,18 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   auto finite_us = [](float us) {
     return !(kJsdFoldedGrad || KEPT_PS) || SPLIT || fabsf(us) < std::numeric_limits<float>::infinity() ? us : 0.f;
   };
+  // A kept u_s (times kKeptUsScale) within fp16's range. u_s = -log z falls below -65504 / kKeptUsScale (~-128)
+  // only where the teacher outweighs the student by e^128 / beta, a student probability below float's smallest
+  // numbers (0, or a gradient term below ~1e-40): a finite logit that far below the row's (a -1e4 mask beside
+  // logits of ~1e4) was kept as -inf, and ps 0 times -inf made its gradient NaN. (A plain chunk's |d| < 64 keeps
+  // its u_s in range: only the other entries are clamped.)
+  auto in_fp16 = [](float kept) { return fminf(fmaxf(kept, -65504.f), 65504.f); };
   auto kept_us = [&](const Point<float>& e, float us) {
-    if constexpr (kKeptUsDirect) return finite_us(us) * kKeptUsScale;  // (rows summed again write theirs again, below)
+    if constexpr (kKeptUsDirect)  // (rows summed again write theirs again, below)
+      return in_fp16(finite_us(us) * kKeptUsScale);
     const float s =
         e.d * e.d < static_cast<float>(kJsdShortSeries * kJsdShortSeries) ? e.d * horner<4>(&p.c.us[0], e.d) : us;
-    return s * kKeptUsScale;
+    return in_fp16(s * kKeptUsScale);
   };
   float us_tail = 0.f;  // KEEP_US: the tail entry's (its logits stay in device memory)
   float ks = 0.f;
@@ -1021,7 +1050,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
           // kKeptUsDirect: each entry's u_s written again, in mixture_us_short's forms (the series near d = 0)
           auto entry = [&](const Point<float>& e) {
             point_terms<MODE, true, false>(e, p.c, exact);
-            return finite_us(mixture_us_short(e, p.c)) * kKeptUsScale;
+            return in_fp16(finite_us(mixture_us_short(e, p.c)) * kKeptUsScale);
           };
           auto pass = [&](auto close_c) {
             constexpr bool CLOSE = decltype(close_c)::value;
@@ -1145,18 +1174,19 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
 // capped its step ran 4% faster on an H200; with version 9's logs a cap had made it spill).
 // float32 slices are twice the size (shared memory limits those blocks first) and keep the
 // compiler's own choice: any cap there changed ptxas's strategy and made it spill.
-template <typename T, int MODE, bool GRAD>
+// (SHIFT: fast_rows')
+template <typename T, int MODE, bool GRAD, bool SHIFT = false>
 __global__ void __maxnreg__(32) fast_rows_kernel_16(const Params<T, float> p) {
-  fast_rows<T, MODE, GRAD>(p);
+  fast_rows<T, MODE, GRAD, kFastThreads, false, SHIFT>(p);
 }
-template <typename T, int MODE, bool GRAD>
+template <typename T, int MODE, bool GRAD, bool SHIFT = false>
 __global__ void __launch_bounds__(kFastThreads) fast_rows_kernel(const Params<T, float> p) {
-  fast_rows<T, MODE, GRAD>(p);
+  fast_rows<T, MODE, GRAD, kFastThreads, false, SHIFT>(p);
 }
 // The 16-bit training instances in narrower blocks, uncapped (kNarrowKsBlocks, kDirectStepTerms).
-template <typename T, int MODE>
+template <typename T, int MODE, bool SHIFT = false>
 __global__ void __launch_bounds__(kNarrowThreads, 7) fast_rows_kernel_narrow(const Params<T, float> p) {
-  fast_rows<T, MODE, true, kNarrowThreads>(p);
+  fast_rows<T, MODE, true, kNarrowThreads, false, SHIFT>(p);
 }
 
 // The split's one-read kernels (SPLIT; forward KL and the JSD's training rows, distill_peer_terms): as

@@ -141,7 +141,9 @@ __device__ __forceinline__ float stream_direct_kl(const StreamSums& r, float k2)
   return kl >= kStreamDirectMin * fmaxf(1.f, largest) ? kl : std::numeric_limits<float>::quiet_NaN();
 }
 
-template <typename T, int MODE>
+// SHIFT: rows may start off the 16-byte grid, each with its teacher's row at the same offset from it (fast_path_ok):
+// the instance launched where some row does; the other compiles as before such rows were taken.
+template <typename T, int MODE, bool SHIFT = false>
 __global__ void __launch_bounds__(kStreamFwdThreads) stream_forward_kernel(const Params<T, float> p) {
   static_assert(MODE == FORWARD_KL || MODE == REVERSE_KL, "the JSD has no plain three-sum form");
   constexpr int N = Vec<T>::N, U = kStreamFwdUnroll, WARPS = kStreamFwdThreads / 32;
@@ -154,12 +156,15 @@ __global__ void __launch_bounds__(kStreamFwdThreads) stream_forward_kernel(const
     if (threadIdx.x == 0) p.out[row] = 0.f;
     return;
   }
-  const T* s = p.s + row * p.s_stride;
-  const T* t = p.t + row * p.t_stride;
+  // A row off the 16-byte grid is taken from its first entry on the grid, s and t pointing there; its head, the
+  // entries before (fewer than a chunk), lies at -head .. -1.
+  const int head = SHIFT ? static_cast<int>(min64(row_head(p.s + row * p.s_stride), p.v)) : 0;
+  const T* s = p.s + row * p.s_stride + head;
+  const T* t = p.t + row * p.t_stride + head;
   const T* a = FWD ? t : s;
   const T* b = FWD ? s : t;
   const float k2 = p.k2;
-  const int count = static_cast<int>(p.v);
+  const int count = static_cast<int>(p.v) - head;
   const int chunks = count / N;
   StreamSums r{ninf<float>(), 0.f, ninf<float>(), 0.f, 0.f, 0.f, 0.f, 0.f};
   if constexpr (kRowRefs) {
@@ -175,7 +180,20 @@ __global__ void __launch_bounds__(kStreamFwdThreads) stream_forward_kernel(const
     const int valid = min(U, (chunks - c0 + kStreamFwdThreads - 1) / kStreamFwdThreads);
     stream_update(va, vb, valid, c0 == static_cast<int>(threadIdx.x), k2, r);
   }
-  if (threadIdx.x == 0 && count % N != 0) {  // the row's last entries, short of a chunk: padded with -inf
+  if constexpr (SHIFT) {  // the row's last entries, short of a chunk, and its head: padded with -inf
+    if (threadIdx.x == 0 && (count % N != 0 || head > 0)) {
+      Vec<T> va[2], vb[2];
+#pragma unroll
+      for (int q = 0; q < N; ++q) {
+        const int j = chunks * N + q, h = q - N;
+        va[0].v[q] = j < count ? a[j] : static_cast<T>(ninf<float>());
+        vb[0].v[q] = j < count ? b[j] : static_cast<T>(ninf<float>());
+        va[1].v[q] = h >= -head ? a[h] : static_cast<T>(ninf<float>());
+        vb[1].v[q] = h >= -head ? b[h] : static_cast<T>(ninf<float>());
+      }
+      stream_update(va, vb, 2, chunks == 0, k2, r);
+    }
+  } else if (threadIdx.x == 0 && count % N != 0) {  // the row's last entries, short of a chunk: padded with -inf
     Vec<T> va[1], vb[1];
 #pragma unroll
     for (int q = 0; q < N; ++q) {
@@ -226,6 +244,9 @@ __global__ void __launch_bounds__(kStreamFwdThreads) stream_forward_kernel(const
     }
     for (int j = chunks * N + static_cast<int>(threadIdx.x); j < count; j += kStreamFwdThreads)
       entry(static_cast<float>(s[j]), static_cast<float>(t[j]));
+    if constexpr (SHIFT)
+      for (int j = static_cast<int>(threadIdx.x) - head; j < 0; j += kStreamFwdThreads)  // the head
+        entry(static_cast<float>(s[j]), static_cast<float>(t[j]));
   };
   if (rn.close) pass(std::true_type{});
   else pass(std::false_type{});
