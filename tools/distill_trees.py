@@ -16,7 +16,9 @@ checks and normalises that teacher first in an eager step (distill_topk_prepare)
 ``--reps`` CUDA-event timings after 3 warm-up calls. Prints one row per case with each tree's medians, in ms, and
 the last tree's change against the first. ``--near SD``: the student is the teacher plus SD times standard normal
 noise (rows that nearly agree, a KL of ~SD^2 / (2 T^2) a token: below the one-pass forward alone's trust line for
-SD <~ 0.7, so its rows take the second sum; kernels/distill_stream_forward.cuh). ``--steps``: each process also
+SD <~ 0.7, so its rows take the second sum; kernels/distill_stream_forward.cuh). ``--vocab V``: rows of V entries
+in place of 128256 (an odd V, GPT-2's 50257, makes the rows start off the 16-byte grid: the kernels' SHIFT
+instances; kernels/NOTES.md, version 52). ``--steps``: each process also
 times the suite's own training steps (forward KL, the JSD and the top-k teacher: kldiv_inline.bench_distill's
 providers and inputs through harness.bench, as `bench --suites distill` times them, with autograd and the eager
 front end around the kernels): a kernel's gain alone need not show in the step (an L2 evict-first policy on
@@ -50,7 +52,7 @@ def suite_steps(reps: int) -> None:
         print(f"{name} {float(timed['median_ms'].iloc[0]):.4f}")
 
 
-def child(reps: int, spreads: list[float], near: float | None) -> None:
+def child(reps: int, spreads: list[float], near: float | None, vocab: int) -> None:
     """Times one tree (the one KLDIV_INLINE_KERNELS names): prints `case ms` lines, the cases of each spread."""
     import torch
 
@@ -65,7 +67,7 @@ def child(reps: int, spreads: list[float], near: float | None) -> None:
 
     def time_spread(spread: float, tag: str) -> None:  # (its tensors freed on return)
         torch.manual_seed(1)
-        n, v = 4096, 128256
+        n, v = 4096, vocab
         s = (torch.randn(n, v, device="cuda") * spread).bfloat16() if near is None else None
         t = (torch.randn(n, v, device="cuda") * spread).bfloat16()
         if near is not None:  # (drawn after t: the default cases keep their inputs)
@@ -94,12 +96,13 @@ def main() -> None:
                     help="the logits' standard deviations to time (each a set of cases; the suite's is 2)")
     ap.add_argument("--near", type=float, default=None,
                     help="the student as the teacher plus this much noise (rows that nearly agree)")
+    ap.add_argument("--vocab", type=int, default=128256, help="the rows' length (odd: rows off the 16-byte grid)")
     ap.add_argument("--steps", action="store_true",
                     help="also the suite's training steps, timed the suite's way (autograd and the front end)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.reps, args.spreads, args.near)
+        child(args.reps, args.spreads, args.near, args.vocab)
         if args.steps:
             suite_steps(args.reps)
         return
@@ -111,6 +114,7 @@ def main() -> None:
     build(args.trees, "import kldiv_inline as K; K.load('cuda', extension='distill')")
     cmd = [sys.executable, __file__, "--child", "--reps", str(args.reps), "--spreads",
            *(str(x) for x in args.spreads), *(["--near", str(args.near)] if args.near is not None else []),
+           "--vocab", str(args.vocab),
            *(["--steps"] if args.steps else [])]
     print_table(args.trees, time_rounds(args.trees, cmd, args.rounds), 22)
 
