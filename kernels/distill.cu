@@ -935,7 +935,7 @@ Params<T, A> base_params(const Rows& r, int64_t ignore_index, double beta, doubl
 // Whether a distill_forward call takes a fast kernel: fast_rows_kernel (distill_fast.cuh) for a full teacher row,
 // fast_topk_kernel (distill_fast_topk.cuh) for a top-k teacher; no teacher gradient, 16-bit or float32 logits,
 // slices in shared memory, every row of student, teacher and gradient starting on a 16-byte boundary (or, with a
-// full teacher row, the three rows of an index at one offset from it: fast_path_ok's `shifted`).
+// full teacher row, the three rows of an index at one offset from it: fast_path_ok's `allow_shift`).
 // KLDIV_DISTILL_FAST=0 (a research knob) sends every call to rows_kernel, to compare the two.
 bool fast_allowed() {
   const char* env = std::getenv("KLDIV_DISTILL_FAST");
@@ -962,13 +962,13 @@ bool all_rows_on_grid(const Rows& r, const at::Tensor& gs) {
   return rows_on_grid(r.s) && (r.topk() || rows_on_grid(r.t)) && (!gs.defined() || rows_on_grid(gs));
 }
 
-// shifted: the launch can take rows off the 16-byte grid where student, teacher and gradient rows share their
+// allow_shift: the launch can take rows off the 16-byte grid where student, teacher and gradient rows share their
 // offsets from it (launch_fast's with a full teacher row: fast_rows and stream_forward, their SHIFT instances);
 // else every row must start on the grid.
-bool fast_path_ok(const Rows& r, const Launch& l, const at::Tensor& gs, bool want_teacher, bool shifted = false) {
+bool fast_path_ok(const Rows& r, const Launch& l, const at::Tensor& gs, bool want_teacher, bool allow_shift = false) {
   if (!fast_allowed()) return false;
   if (want_teacher || !l.use_smem || r.s.scalar_type() == at::kDouble) return false;
-  if (shifted && !r.topk()) return rows_co_aligned(r.s, r.t) && (!gs.defined() || rows_co_aligned(r.s, gs));
+  if (allow_shift && !r.topk()) return rows_co_aligned(r.s, r.t) && (!gs.defined() || rows_co_aligned(r.s, gs));
   return all_rows_on_grid(r, gs);
 }
 

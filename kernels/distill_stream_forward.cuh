@@ -180,28 +180,22 @@ __global__ void __launch_bounds__(kStreamFwdThreads) stream_forward_kernel(const
     const int valid = min(U, (chunks - c0 + kStreamFwdThreads - 1) / kStreamFwdThreads);
     stream_update(va, vb, valid, c0 == static_cast<int>(threadIdx.x), k2, r);
   }
-  if constexpr (SHIFT) {  // the row's last entries, short of a chunk, and its head: padded with -inf
-    if (threadIdx.x == 0 && (count % N != 0 || head > 0)) {
-      Vec<T> va[2], vb[2];
-#pragma unroll
-      for (int q = 0; q < N; ++q) {
-        const int j = chunks * N + q, h = q - N;
-        va[0].v[q] = j < count ? a[j] : static_cast<T>(ninf<float>());
-        vb[0].v[q] = j < count ? b[j] : static_cast<T>(ninf<float>());
-        va[1].v[q] = h >= -head ? a[h] : static_cast<T>(ninf<float>());
-        vb[1].v[q] = h >= -head ? b[h] : static_cast<T>(ninf<float>());
-      }
-      stream_update(va, vb, 2, chunks == 0, k2, r);
-    }
-  } else if (threadIdx.x == 0 && count % N != 0) {  // the row's last entries, short of a chunk: padded with -inf
-    Vec<T> va[1], vb[1];
+  // The row's last entries, short of a chunk, and (SHIFT) its head before its first chunk: padded with -inf
+  if (threadIdx.x == 0 && (count % N != 0 || head > 0)) {
+    constexpr int PARTS = SHIFT ? 2 : 1;
+    Vec<T> va[PARTS], vb[PARTS];
 #pragma unroll
     for (int q = 0; q < N; ++q) {
       const int j = chunks * N + q;
       va[0].v[q] = j < count ? a[j] : static_cast<T>(ninf<float>());
       vb[0].v[q] = j < count ? b[j] : static_cast<T>(ninf<float>());
+      if constexpr (SHIFT) {
+        const int h = q - N;
+        va[1].v[q] = h >= -head ? a[h] : static_cast<T>(ninf<float>());
+        vb[1].v[q] = h >= -head ? b[h] : static_cast<T>(ninf<float>());
+      }
     }
-    stream_update(va, vb, 1, chunks == 0, k2, r);
+    stream_update(va, vb, PARTS, chunks == 0, k2, r);
   }
   // The row's sums: each warp's, then the warps' in a fixed order (deterministic).
   r = warp_fold<32>(r, [k2](const StreamSums& x, const StreamSums& y) { return combine_stream(x, y, k2); });
