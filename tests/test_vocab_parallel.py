@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_distill import cuda_kernels
 from test_readme import python_block
 
 import kldiv_inline as K
@@ -847,10 +848,7 @@ def _off_grid_body(rank, world, device, seed):
 
 def _assert_one_read(s, t, beta, group, what):
     """A split training step of s and t (this rank's slices) ran the one-read kernel (split_rows_kernel)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        K.generalized_jsd(s, t, beta=beta, group=group).backward()
-        torch.cuda.synchronize()
-    names = {e.name for e in prof.events()}
+    _, names = cuda_kernels(lambda: K.generalized_jsd(s, t, beta=beta, group=group).backward())
     assert any("split_rows_kernel" in n for n in names), (what, sorted(names))
 
 
