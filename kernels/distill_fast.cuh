@@ -112,8 +112,11 @@ constexpr bool kJsdBase2Terms = true;
 // of u_s, and the kept u_s' rounding (2^-12 |u_s|) against the exact ks was a relative error ~2^-12 / (1 - ps) of
 // that entry's gradient (8.7e-3 at ps = 0.96, beyond a bfloat16 gradient's rounding; kernels/NOTES.md, version 51);
 // against the rounded ks it scales with (1 - ps) as the gradient does. Entries whose u_s is not finite keep their
-// exact part (kept as 0, they would hide the NaN that sends the row to the guarded loop); the tail entry's u_s is
-// kept in float and its part exact. Rows summed again with the series (below kJsdDirectMin) keep the exact ks.
+// exact part (kept as 0, they would hide the NaN that sends the row to the guarded loop). The tail entry (a row's
+// last entries past its chunks; rows off the 16-byte grid: its head's too) keeps its u_s in a float register,
+// rounded to fp16 all the same, its part from that: with the exact tail, uniform rows of 100 bfloat16 entries (4 in
+// the tail) left ~4e-8 where the gradient is 0 (an H200, kernels/NOTES.md, version 53). Rows summed again with the
+// series (below kJsdDirectMin) keep the exact ks.
 // The same holds where the row's gradient cancels whole (student and teacher uniform on a support: u_s the same at
 // every entry, the gradient 0): against the exact ks the kept u_s' rounding left ~ps 2^-12 |u_s| an entry.
 // Measured on an H200 (kernels/NOTES.md, version 52): the JSD step +3.0% (logits of spread 2 and 3); only in rows
@@ -801,7 +804,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
       [[maybe_unused]] float ks_kept = 0.f;  // KS_FROM_KEPT: sum (1 - beta) ps 2^ps_exp kept u_s (times kKeptUsScale)
       auto pass = [&](auto close_c) {
         constexpr bool CLOSE = decltype(close_c)::value;
-        // (in_chunk: an entry of a chunk, whose kept u_s is fp16; else the tail's)
+        // (in_chunk: an entry whose kept u_s is fp16-rounded, a chunk's, or under KS_FROM_KEPT the tail's too)
         auto entry = [&](float xsv, float xtv, float& wps, bool in_chunk) {
           float us;
           if constexpr (kJsdWeightedPoints) {  // acc.ks sums (1 - beta) ps u_s, divided out below
@@ -900,7 +903,14 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
           }
         }
         float wps_tail;  // (the tail's gradient forms its ps again)
-        if (has_tail) us_tail = entry(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), wps_tail, false);
+        if (has_tail) {
+          // KS_FROM_KEPT: the tail's u_s rounded as a chunk's is, and its part of ks from that rounded u_s
+          us_tail = entry(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), wps_tail, KS_FROM_KEPT);
+          if constexpr (KS_FROM_KEPT) {
+            us_tail = __half2float(__float2half_rn(us_tail));
+            ks_kept = d_fma(wps_tail, us_tail, ks_kept);
+          }
+        }
       };
       if (rn.close) pass(std::true_type{});
       else pass(std::false_type{});

@@ -575,19 +575,28 @@ def test_entries_without_mass_in_both(device, beta):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=_id)
-@pytest.mark.parametrize("vocab", [100, 104])
-def test_huge_logits(device, dtype, vocab):
+@pytest.mark.parametrize("rows, vocab", [(4, 100), (4, 104), (1, 100)])
+def test_huge_logits(device, dtype, rows, vocab):
     # Logits around +-1e4 (softmax is shift-invariant, so only the spread matters) and entries at -1e4 beside
-    # O(1) ones (no mass): no overflow, no NaN, the float64 reference's value. (On CUDA, rows of 100 16-bit entries
-    # take the fast kernels' instances for rows off the 16-byte grid, rows of 104 the others: the JSD's bfloat16
-    # training rows kept such an entry's u_s, ~-2e4, as fp16's -inf, and its gradient was NaN.)
-    s = logits((4, vocab), torch.float64, device, scale=3.0) + 1e4
-    t = logits((4, vocab), torch.float64, device, scale=3.0) - 1e4
+    # O(1) ones (no mass): no overflow, no NaN, the float64 reference's value. (On CUDA, 4 rows of 100 16-bit
+    # entries take the fast kernels' instances for rows off the 16-byte grid, rows of 104 the others, one row of 100
+    # the others with a tail of 4 entries past the chunks: the JSD's bfloat16 training rows kept such an entry's u_s,
+    # ~-2e4, as fp16's -inf, and its gradient was NaN; and in bf16 the student's rows are uniform on entries 10-99,
+    # where a tail whose part of ks was exact beside the chunks' rounded u_s left ~4e-8 in a gradient that is 0.)
+    s = logits((rows, vocab), torch.float64, device, scale=3.0) + 1e4
+    t = logits((rows, vocab), torch.float64, device, scale=3.0) - 1e4
     s[:, :10] = -1e4
     s, t = s.to(dtype).requires_grad_(), t.to(dtype)
     for beta in (0.0, 0.5, 1.0):
-        out, (gs,) = run(s, t, None, beta=beta, temperature=1.0, reduction="none")
-        ref, (rs,) = reference(s, t, torch.ones(4, dtype=torch.float64, device=device), beta=beta,
+        def step(beta=beta):
+            return run(s, t, None, beta=beta, temperature=1.0, reduction="none")
+
+        if device == "cuda":
+            (out, (gs,)), names = cuda_kernels(step)
+            assert dtype == torch.float64 or not general_kernel(names), names  # (the fast kernels took the rows)
+        else:
+            out, (gs,) = step()
+        ref, (rs,) = reference(s, t, torch.ones(rows, dtype=torch.float64, device=device), beta=beta,
                                temperature=1.0, reduction="none")
         assert torch.isfinite(out).all() and torch.isfinite(gs).all()
         assert_close(out, ref, 1e-12 if dtype == torch.float64 else 1e-5, "loss")
