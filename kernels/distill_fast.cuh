@@ -114,9 +114,10 @@ constexpr bool kJsdBase2Terms = true;
 // against the rounded ks it scales with (1 - ps) as the gradient does. Entries whose u_s is not finite keep their
 // exact part (kept as 0, they would hide the NaN that sends the row to the guarded loop). The tail entry (a row's
 // last entries past its chunks; rows off the 16-byte grid: its head's too) keeps its u_s in a float register,
-// rounded to fp16 all the same, its part from that: with the exact tail, uniform rows of 100 bfloat16 entries (4 in
-// the tail) left ~4e-8 where the gradient is 0 (an H200, kernels/NOTES.md, version 53). Rows summed again with the
-// series (below kJsdDirectMin) keep the exact ks.
+// rounded to fp16 all the same, its part from that. Rows summed again with the series (below kJsdDirectMin: the
+// distributions nearly agree) sum ks from the u_s they keep again, rounded likewise: with the series' exact ks
+// there, rows uniform on a support left ~4e-8 in a gradient that is 0 (bfloat16 rows of 100 and 104 entries, an
+// H200; kernels/NOTES.md, version 53).
 // The same holds where the row's gradient cancels whole (student and teacher uniform on a support: u_s the same at
 // every entry, the gradient 0): against the exact ks the kept u_s' rounding left ~ps 2^-12 |u_s| an entry.
 // Measured on an H200 (kernels/NOTES.md, version 52): the JSD step +3.0% (logits of spread 2 and 3); only in rows
@@ -1057,10 +1058,23 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
       if (!(sums.y >= static_cast<float>(kJsdDirectMin))) {  // the row again, with the series
         Terms<float> exact{0.f, 0.f, 0.f};
         if constexpr (KEEP_US) {  // the teacher's logits from device memory (shared memory holds u_s now)
-          // kKeptUsDirect: each entry's u_s written again, in mixture_us_short's forms (the series near d = 0)
+          // kKeptUsDirect: each entry's u_s written again, in mixture_us_short's forms (the series near d = 0).
+          // KS_FROM_KEPT: ks summed from the u_s as kept (fp16-rounded), as the first pass does; a u_s that is not
+          // finite (kept as 0) adds its exact part. (These are rows whose distributions nearly agree, where the
+          // gradient cancels most: with the series' exact ks, rows uniform on a support left ~4e-8 in a gradient
+          // that is 0; kernels/NOTES.md, version 53.)
           auto entry = [&](const Point<float>& e) {
-            point_terms<MODE, true, false>(e, p.c, exact);
-            return in_fp16(finite_us(mixture_us_short(e, p.c)) * kKeptUsScale);
+            point_terms<MODE, !KS_FROM_KEPT, false>(e, p.c, exact);
+            const float us = mixture_us_short(e, p.c);
+            const float kept = in_fp16(finite_us(us) * kKeptUsScale);
+            if constexpr (!KS_FROM_KEPT) {
+              return kept;
+            } else {
+              const float rounded = __half2float(__float2half_rn(kept));
+              const bool finite = fabsf(us) < std::numeric_limits<float>::infinity();
+              if (e.ps > 0.f) exact.ks += e.ps * (finite ? rounded * (1.f / kKeptUsScale) : us);
+              return rounded;
+            }
           };
           auto pass = [&](auto close_c) {
             constexpr bool CLOSE = decltype(close_c)::value;
