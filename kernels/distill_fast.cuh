@@ -124,6 +124,20 @@ constexpr bool kJsdBase2Terms = true;
 // where an entry holds over half the student's mass (a loop of its own) +1.7-2.1% even where no row took it,
 // and it left the uniform rows as they were. false: the kernels compile as before.
 constexpr bool kJsdKsFromKept = true;
+// The JSD's bfloat16 training rows keep u_s less its largest value u_max = -log(1 - beta) (ps / m <= 1 / (1 - beta)),
+// kept times kKeptUsScale by one FFMA where it was one FMUL; rows summed again (below kJsdDirectMin) keep it less
+// the first pass's ks. ks, summed from the kept values (kJsdKsFromKept), moves by the same offset, and the gradient
+// ps (u_s - ks) is unchanged but for rounding. Why: the fp16 kept u_s is good to 2^-12 |u_s| absolute, and where
+// the student's mass lies on entries the teacher gives little, u_s is near u_max at each of them (log 2 at beta
+// 0.5) and ks too, so u_s - ks is a small part of u_s and the kept u_s' rounding a large part of the gradient.
+// tools/emulate_kept_us.py (the kernel's fp16 and bfloat16 roundings in float64; bfloat16 rows of 50001 entries):
+// independent student and teacher of spread 3 at beta 0.5, 4.1e-3 to 5.6e-3 of the gradient's norm as kept now,
+// 1.9e-3 to 2.8e-3 with this, bfloat16's own rounding of the exact gradient being 1.9e-3 to 2.8e-3; rows drawn
+// around the teacher, at that floor either way (less u_max alone, near rows at beta 0.9 would be 2.9e-3 against
+// 2.2e-3: hence the first pass's ks for the rows summed again). An H200 measured 4e-3 to 8.2e-3 on such rows
+// (test_training_rows_with_offsets_far_from_zero, bound 8e-3; kernels/NOTES.md, version 53). Off until a GPU has
+// run the JSD's tests with it and timed it; false: the kernels compile as before.
+constexpr bool kJsdKeptUsOffset = false;
 // Forward KL's 16-bit training rows in kNarrowThreads blocks too, summing the direct form of the summand with its
 // mass (kl_term_direct, as the forward alone does; 4 instructions an entry against kl_term's ~13): capped at 32
 // registers the mass had been a register too many (measured slower, kernels/NOTES.md, version 20). A thread whose
@@ -755,6 +769,17 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   auto finite_us = [](float us) {
     return !(kJsdFoldedGrad || KEPT_PS) || SPLIT || fabsf(us) < std::numeric_limits<float>::infinity() ? us : 0.f;
   };
+  // kJsdBase2Terms: the plain chunks in base 2; the terms pass's sums then in log2(e) units until its end
+  // (PT_FROM_PS: see jsd_entry_plain_from_ps; the plain chunks' teacher probabilities made from the student's)
+  constexpr bool PT_FROM_PS = kJsdPtFromPs && kJsdPlainChunks && kJsdWeightedPoints;
+  static_assert(!PT_FROM_PS || kKeptUsDirect, "the plain chunks keep the terms' own u_s");
+  constexpr bool BASE2 = kJsdBase2Terms && KEEP_US && !SPLIT && PT_FROM_PS;
+  constexpr float kUnits = BASE2 ? static_cast<float>(kLog2e) : 1.f;  // the other entries' sums into those units
+  constexpr bool KS_FROM_KEPT = kJsdKsFromKept && KEPT_PS && BASE2;   // (see kJsdKsFromKept)
+  // kJsdKeptUsOffset: u_s kept less its largest value -log(1 - beta) (rows summed again: less the first pass's
+  // ks); ks, summed from the kept values, then moves by the same
+  constexpr bool US_OFFSET = kJsdKeptUsOffset && KS_FROM_KEPT;
+  [[maybe_unused]] const float kept_off = US_OFFSET && p.c.beta < 1.f ? kKeptUsScale * log1pf(-p.c.beta) : 0.f;
   // A kept u_s (times kKeptUsScale) within fp16's range. u_s = -log z falls below -65504 / kKeptUsScale (~-128)
   // only where the teacher outweighs the student by e^128 / beta, a student probability below float's smallest
   // numbers (0, or a gradient term below ~1e-40): a finite logit that far below the row's (a -1e4 mask beside
@@ -762,7 +787,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   // its u_s in range: only the other entries are clamped.)
   auto in_fp16 = [](float kept) { return fminf(fmaxf(kept, -65504.f), 65504.f); };
   auto kept_us = [&](const Point<float>& e, float us) {
-    if constexpr (kKeptUsDirect)  // (rows summed again write theirs again, below)
+    if constexpr (kKeptUsDirect && US_OFFSET) return in_fp16(d_fma(finite_us(us), kKeptUsScale, kept_off));
+    else if constexpr (kKeptUsDirect)  // (rows summed again write theirs again, below)
       return in_fp16(finite_us(us) * kKeptUsScale);
     const float s =
         e.d * e.d < static_cast<float>(kJsdShortSeries * kJsdShortSeries) ? e.d * horner<4>(&p.c.us[0], e.d) : us;
@@ -772,13 +798,6 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   float ks = 0.f;
   [[maybe_unused]] float ps_exp = 0.f;
   if constexpr (KEPT_PS) ps_exp = 15.f + fminf(fmaxf(floorf(rn.s.lz), 0.f), 64.f);  // (a NaN lz: 0)
-  // kJsdBase2Terms: the plain chunks in base 2; the terms pass's sums then in log2(e) units until its end
-  // (PT_FROM_PS: see jsd_entry_plain_from_ps; the plain chunks' teacher probabilities made from the student's)
-  constexpr bool PT_FROM_PS = kJsdPtFromPs && kJsdPlainChunks && kJsdWeightedPoints;
-  static_assert(!PT_FROM_PS || kKeptUsDirect, "the plain chunks keep the terms' own u_s");
-  constexpr bool BASE2 = kJsdBase2Terms && KEEP_US && !SPLIT && PT_FROM_PS;
-  constexpr float kUnits = BASE2 ? static_cast<float>(kLog2e) : 1.f;  // the other entries' sums into those units
-  constexpr bool KS_FROM_KEPT = kJsdKsFromKept && KEPT_PS && BASE2;   // (see kJsdKsFromKept)
   {
     Terms<float> acc{0.f, 0.f, 0.f};
     float mass = 0.f;
@@ -864,7 +883,9 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
                 const float ps = d_exp2(log2_prob(xsv, k2, rw.s));
                 float lz2;
                 acc.loss += jsd_entry_plain_base2(ps, d2, pt_per_ps, p.c, lz2, b);
-                kf[q] = lz2 * static_cast<float>(-kKeptUsScale * kLn2);  // u_s = -lz2 ln 2, kept times kKeptUsScale
+                // u_s = -lz2 ln 2, kept times kKeptUsScale (US_OFFSET: less -log(1 - beta))
+                if constexpr (US_OFFSET) kf[q] = d_fma(lz2, static_cast<float>(-kKeptUsScale * kLn2), kept_off);
+                else kf[q] = lz2 * static_cast<float>(-kKeptUsScale * kLn2);
                 if constexpr (KEPT_PS) kp[q] = ps;
               } else if constexpr (PT_FROM_PS) {
                 const float xsv = entry_float(vs, q);
@@ -1062,11 +1083,18 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
           // KS_FROM_KEPT: ks summed from the u_s as kept (fp16-rounded), as the first pass does; a u_s that is not
           // finite (kept as 0) adds its exact part. (These are rows whose distributions nearly agree, where the
           // gradient cancels most: with the series' exact ks, rows uniform on a support left ~4e-8 in a gradient
-          // that is 0; kernels/NOTES.md, version 53.)
+          // that is 0; kernels/NOTES.md, version 53.) US_OFFSET: kept less the first pass's ks (back in u_s's
+          // units; it kept u_s less u_max), near this pass's: u_s - ks then keeps its digits where u_s ~ ks.
+          [[maybe_unused]] float again_off = 0.f;  // (times kKeptUsScale)
+          if constexpr (US_OFFSET) {
+            const float first = d_fma(sums.x, -kKeptUsScale, kept_off);
+            again_off = fabsf(first) < std::numeric_limits<float>::infinity() ? first : kept_off;
+          }
           auto entry = [&](const Point<float>& e) {
             point_terms<MODE, !KS_FROM_KEPT, false>(e, p.c, exact);
             const float us = mixture_us_short(e, p.c);
-            const float kept = in_fp16(finite_us(us) * kKeptUsScale);
+            const float kept =
+                in_fp16(US_OFFSET ? d_fma(finite_us(us), kKeptUsScale, again_off) : finite_us(us) * kKeptUsScale);
             if constexpr (!KS_FROM_KEPT) {
               return kept;
             } else {
