@@ -21,12 +21,16 @@
 #                                  #   --once (forward KL's, the JSD's; its forward alone takes stream_forward_kernel)
 #                                  #   and the top-k teacher's fast_topk_kernel launch: stall reasons and
 #                                  #   instructions per SASS line -> ${OUT:-/tmp}/fast_rows_*.csv
+#   tools/gpu_session.sh kept-offset  # kJsdKeptUsOffset switched on in a copy of kernels/: the JSD's GPU tests
+#                                  #   with it, test_training_rows_with_offsets_far_from_zero over 8 draws, then
+#                                  #   tools/distill_trees.py kernels/ against the copy (with --near 0.3: rows
+#                                  #   summed again) -> decide whether to turn it on (kernels/NOTES.md, version 53)
 #   tools/gpu_session.sh x2        # two GPUs: the two-GPU tests, then the committed run of the split
 #                                  #   (bench_vocab_parallel --reps 10 --warmup 3 --graph) -> ${RESULTS:-results}/<card>-x2/
 # Two GPUs: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2 \
 #   tools/bench_vocab_parallel.py    # the vocabulary split across GPUs -> results/<card>-x2/
 set -euo pipefail
-mode=${1:?test|results|notebooks|sweep|errors|split|topk|graph|accuracy|profile|x2}
+mode=${1:?test|results|notebooks|sweep|errors|split|topk|graph|accuracy|profile|kept-offset|x2}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -69,6 +73,19 @@ case $mode in
       -f -o "$out/fast_rows" python3 tools/distill_probe.py --once --no-peers
     ncu -i "$out/fast_rows.ncu-rep" --page details --csv > "$out/fast_rows_details.csv"
     ncu -i "$out/fast_rows.ncu-rep" --page source --print-source sass --csv > "$out/fast_rows_source.csv" ;;
+  kept-offset)
+    on=$(mktemp -d) && cp -r kernels "$on/"
+    sed -i 's/constexpr bool kJsdKeptUsOffset = false;/constexpr bool kJsdKeptUsOffset = true;/' "$on/kernels/distill_fast.cuh"
+    grep -q "kJsdKeptUsOffset = true" "$on/kernels/distill_fast.cuh"
+    KLDIV_INLINE_KERNELS="$on/kernels" python3 -c "import kldiv_inline as K; K.load('cuda', extension='distill')" &
+    python3 -c "import kldiv_inline as K; K.load('cuda', extension='distill')" & wait
+    KLDIV_INLINE_KERNELS="$on/kernels" python3 -m pytest -q -m gpu tests/test_distill.py \
+      -k "jsd or far_from_zero or huge or nearly or fast or off_the_grid or graph or deterministic" || true
+    for i in 1 2 3 4 5 6 7 8; do
+      KLDIV_INLINE_KERNELS="$on/kernels" python3 -m pytest -q -m gpu tests/test_distill.py -k far_from_zero | tail -1
+    done
+    python3 tools/distill_trees.py kernels "$on/kernels" --rounds 2
+    python3 tools/distill_trees.py kernels "$on/kernels" --rounds 1 --near 0.3 ;;
   x2)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     python3 -m pytest -q -x -m gpu tests/test_vocab_parallel.py
