@@ -82,7 +82,7 @@ case $mode in
     KLDIV_INLINE_KERNELS="$on/kernels" python3 -m pytest -q -m gpu tests/test_distill.py \
       -k "jsd or far_from_zero or huge or nearly or fast or off_the_grid or graph or deterministic" || true
     for i in 1 2 3 4 5 6 7 8; do
-      KLDIV_INLINE_KERNELS="$on/kernels" python3 -m pytest -q -m gpu tests/test_distill.py -k far_from_zero | tail -1
+      KLDIV_INLINE_KERNELS="$on/kernels" python3 -m pytest -q -m gpu tests/test_distill.py -k far_from_zero | tail -1 || true
     done
     python3 tools/distill_trees.py kernels "$on/kernels" --rounds 2
     python3 tools/distill_trees.py kernels "$on/kernels" --rounds 1 --near 0.3 ;;
