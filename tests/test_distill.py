@@ -584,7 +584,8 @@ def test_huge_logits(device, dtype, rows, vocab):
     # entries take the fast kernels' instances for rows off the 16-byte grid, rows of 104 the others, one row of 100
     # the others with a tail of 4 entries past the chunks: the JSD's bfloat16 training rows kept such an entry's u_s,
     # ~-2e4, as fp16's -inf, and its gradient was NaN; and in bf16 the student's rows are uniform on entries 10-99,
-    # where a tail whose part of ks was exact beside the chunks' rounded u_s left ~4e-8 in a gradient that is 0.)
+    # close to the teacher, so they are summed again, where an exact ks beside the rounded kept u_s left ~4e-8 in a
+    # gradient that is 0.)
     s = logits((rows, vocab), torch.float64, device, scale=3.0) + 1e4
     t = logits((rows, vocab), torch.float64, device, scale=3.0) - 1e4
     s[:, :10] = -1e4
