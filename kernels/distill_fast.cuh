@@ -786,10 +786,14 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   // logits of ~1e4) was kept as -inf, and ps 0 times -inf made its gradient NaN. (A plain chunk's |d| < 64 keeps
   // its u_s in range: only the other entries are clamped.)
   auto in_fp16 = [](float kept) { return fminf(fmaxf(kept, -65504.f), 65504.f); };
+  // u_s as kept: times kKeptUsScale (US_OFFSET: plus off, already times it), a u_s not finite as 0, in fp16's range
+  auto keep = [&](float us, float off) {
+    if constexpr (US_OFFSET) return in_fp16(d_fma(finite_us(us), kKeptUsScale, off));
+    else return in_fp16(finite_us(us) * kKeptUsScale);
+  };
+  auto fp16_rounded = [](float x) { return __half2float(__float2half_rn(x)); };  // (KS_FROM_KEPT: as stored)
   auto kept_us = [&](const Point<float>& e, float us) {
-    if constexpr (kKeptUsDirect && US_OFFSET) return in_fp16(d_fma(finite_us(us), kKeptUsScale, kept_off));
-    else if constexpr (kKeptUsDirect)  // (rows summed again write theirs again, below)
-      return in_fp16(finite_us(us) * kKeptUsScale);
+    if constexpr (kKeptUsDirect) return keep(us, kept_off);  // (rows summed again write theirs again, below)
     const float s =
         e.d * e.d < static_cast<float>(kJsdShortSeries * kJsdShortSeries) ? e.d * horner<4>(&p.c.us[0], e.d) : us;
     return in_fp16(s * kKeptUsScale);
@@ -929,7 +933,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
           // KS_FROM_KEPT: the tail's u_s rounded as a chunk's is, and its part of ks from that rounded u_s
           us_tail = entry(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), wps_tail, KS_FROM_KEPT);
           if constexpr (KS_FROM_KEPT) {
-            us_tail = __half2float(__float2half_rn(us_tail));
+            us_tail = fp16_rounded(us_tail);
             ks_kept = d_fma(wps_tail, us_tail, ks_kept);
           }
         }
@@ -1093,12 +1097,11 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
           auto entry = [&](const Point<float>& e) {
             point_terms<MODE, !KS_FROM_KEPT, false>(e, p.c, exact);
             const float us = mixture_us_short(e, p.c);
-            const float kept =
-                in_fp16(US_OFFSET ? d_fma(finite_us(us), kKeptUsScale, again_off) : finite_us(us) * kKeptUsScale);
+            const float kept = keep(us, again_off);
             if constexpr (!KS_FROM_KEPT) {
               return kept;
             } else {
-              const float rounded = __half2float(__float2half_rn(kept));
+              const float rounded = fp16_rounded(kept);
               const bool finite = fabsf(us) < std::numeric_limits<float>::infinity();
               if (e.ps > 0.f) exact.ks += e.ps * (finite ? rounded * (1.f / kKeptUsScale) : us);
               return rounded;
