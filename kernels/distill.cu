@@ -962,13 +962,17 @@ bool all_rows_on_grid(const Rows& r, const at::Tensor& gs) {
   return rows_on_grid(r.s) && (r.topk() || rows_on_grid(r.t)) && (!gs.defined() || rows_on_grid(gs));
 }
 
-// allow_shift: the launch can take rows off the 16-byte grid where student, teacher and gradient rows share their
-// offsets from it (launch_fast's with a full teacher row: fast_rows and stream_forward, their SHIFT instances);
-// else every row must start on the grid.
+// allow_shift: the launch can take rows off the 16-byte grid where student, teacher (a full row) and gradient rows
+// share their offsets from it (launch_fast's: fast_rows, stream_forward and fast_topk_kernel, their SHIFT
+// instances; a top-k teacher's SHIFT instances need kTopkHeadPad bytes more shared memory); else every row must
+// start on the grid.
 bool fast_path_ok(const Rows& r, const Launch& l, const at::Tensor& gs, bool want_teacher, bool allow_shift = false) {
   if (!fast_allowed()) return false;
   if (want_teacher || !l.use_smem || r.s.scalar_type() == at::kDouble) return false;
-  if (allow_shift && !r.topk()) return rows_co_aligned(r.s, r.t) && (!gs.defined() || rows_co_aligned(r.s, gs));
+  if (allow_shift && !all_rows_on_grid(r, gs)) {
+    const bool co_aligned = rows_co_aligned(r.s, r.topk() ? r.s : r.t) && (!gs.defined() || rows_co_aligned(r.s, gs));
+    return co_aligned && (!r.topk() || (kTopkShift && l.smem + kTopkHeadPad <= kSmemMax));
+  }
   return all_rows_on_grid(r, gs);
 }
 
@@ -1025,7 +1029,7 @@ template <typename T, int MODE, bool SHIFT> constexpr auto rows_alone_kernel() {
 // A fast kernel: fast_topk_kernel (distill_fast_topk.cuh) for a top-k teacher, whose cluster's rank 0 writes each
 // row's loss into rows_loss; else fast_rows_kernel (distill_fast.cuh), then each row's loss from its warps'
 // partial sums (fast_rows_total_kernel). shifted: some row starts off the 16-byte grid (fast_path_ok let it
-// through), so the full-teacher instances that take such rows (SHIFT) are launched.
+// through), so the instances that take such rows (SHIFT) are launched.
 template <typename T, typename A>
 void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int64_t n, Params<T, A> p,
                  at::Tensor& rows_loss, cudaStream_t stream, bool shifted) {
@@ -1077,11 +1081,18 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
           else launch(fast_rows_kernel_16<T, MODE, true, SHIFT>, rows_alone_kernel<T, MODE, SHIFT>());
         } else launch(fast_rows_kernel<T, MODE, true, SHIFT>, rows_alone_kernel<T, MODE, SHIFT>());
       };
-      if (topk) {
-        TORCH_CHECK(!shifted, "distill: internal: a top-k teacher's rows off the 16-byte grid");
+      // A top-k teacher's instances, SHIFT or not (SHIFT: the head's room below rank 0's slice)
+      auto topk_rows = [&](auto shift_c) {
+        constexpr bool SHIFT = decltype(shift_c)::value;
+        if constexpr (SHIFT) l.smem += kTopkHeadPad;
         if constexpr (sizeof(T) == 2 && kTopkNarrow)
-          launch(fast_topk_kernel_narrow<T, MODE>, fast_topk_kernel<T, MODE, false>);
-        else launch(fast_topk_kernel<T, MODE, true>, fast_topk_kernel<T, MODE, false>);
+          launch(fast_topk_kernel_narrow<T, MODE, SHIFT>, fast_topk_kernel<T, MODE, false, SHIFT>);
+        else launch(fast_topk_kernel<T, MODE, true, SHIFT>, fast_topk_kernel<T, MODE, false, SHIFT>);
+      };
+      if (topk) {
+        if (!shifted) topk_rows(std::false_type{});
+        else if constexpr (kTopkShift) topk_rows(std::true_type{});
+        else TORCH_CHECK(false, "distill: internal: a top-k teacher's rows off the 16-byte grid");
       } else if (shifted) full_rows(std::true_type{});
       else full_rows(std::false_type{});
     });

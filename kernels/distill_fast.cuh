@@ -125,19 +125,19 @@ constexpr bool kJsdBase2Terms = true;
 // and it left the uniform rows as they were. false: the kernels compile as before.
 constexpr bool kJsdKsFromKept = true;
 // The JSD's bfloat16 training rows keep u_s less its largest value u_max = -log(1 - beta) (ps / m <= 1 / (1 - beta)),
-// kept times kKeptUsScale by one FFMA where it was one FMUL; rows summed again (below kJsdDirectMin) keep it less
-// the first pass's ks. ks, summed from the kept values (kJsdKsFromKept), moves by the same offset, and the gradient
-// ps (u_s - ks) is unchanged but for rounding. Why: the fp16 kept u_s is good to 2^-12 |u_s| absolute, and where
-// the student's mass lies on entries the teacher gives little, u_s is near u_max at each of them (log 2 at beta
-// 0.5) and ks too, so u_s - ks is a small part of u_s and the kept u_s' rounding a large part of the gradient.
-// tools/emulate_kept_us.py (the kernel's fp16 and bfloat16 roundings in float64; bfloat16 rows of 50001 entries):
-// independent student and teacher of spread 3 at beta 0.5, 4.1e-3 to 5.6e-3 of the gradient's norm as kept now,
-// 1.9e-3 to 2.8e-3 with this, bfloat16's own rounding of the exact gradient being 1.9e-3 to 2.8e-3; rows drawn
-// around the teacher, at that floor either way (less u_max alone, near rows at beta 0.9 would be 2.9e-3 against
-// 2.2e-3: hence the first pass's ks for the rows summed again). An H200 measured 4e-3 to 8.2e-3 on such rows
-// (test_training_rows_with_offsets_far_from_zero, bound 8e-3; kernels/NOTES.md, version 53). Off until a GPU has
-// run the JSD's tests with it and timed it; false: the kernels compile as before.
-constexpr bool kJsdKeptUsOffset = false;
+// kept times kKeptUsScale by one FFMA where it was one FMUL. ks, summed from the kept values (kJsdKsFromKept),
+// moves by the same offset, and the gradient ps (u_s - ks) is unchanged but for rounding. Why: the fp16 kept u_s is
+// good to 2^-12 |u_s| absolute, and where the student's mass lies on entries the teacher gives little, u_s is near
+// u_max at each of them (log 2 at beta 0.5) and ks too, so u_s - ks is a small part of u_s and the kept u_s'
+// rounding a large part of the gradient. Rows summed again (below kJsdDirectMin) keep u_s itself: theirs are small,
+// and where student and teacher agree exactly every kept u_s is 0 and the gradient exactly 0 (an offset left it at
+// its rounding: test_jsd_gradient_where_distributions_nearly_agree failed so on an H200). Measured on an H200
+// (tools/probe_kept_us.py, bfloat16 rows of 50001 entries, 10 draws of each kind, two seeds): student and teacher
+// independent draws of spread 3 at beta 0.5, 4.7e-3 to 6.4e-3 of the gradient's norm from float64 without it, 1.9e-3
+// to 3.0e-3 with it, bfloat16's own rounding of the exact gradient being 1.9e-3 to 3.0e-3 (within 0.1e-3 of it in
+// every row kind and beta 0.1 / 0.5 / 0.9); the JSD step +0.8% (tools/distill_trees.py, one round; kernels/NOTES.md,
+// version 54). false: the kernels compile as before.
+constexpr bool kJsdKeptUsOffset = true;
 // Forward KL's 16-bit training rows in kNarrowThreads blocks too, summing the direct form of the summand with its
 // mass (kl_term_direct, as the forward alone does; 4 instructions an entry against kl_term's ~13): capped at 32
 // registers the mass had been a register too many (measured slower, kernels/NOTES.md, version 20). A thread whose
@@ -776,8 +776,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   constexpr bool BASE2 = kJsdBase2Terms && KEEP_US && !SPLIT && PT_FROM_PS;
   constexpr float kUnits = BASE2 ? static_cast<float>(kLog2e) : 1.f;  // the other entries' sums into those units
   constexpr bool KS_FROM_KEPT = kJsdKsFromKept && KEPT_PS && BASE2;   // (see kJsdKsFromKept)
-  // kJsdKeptUsOffset: u_s kept less its largest value -log(1 - beta) (rows summed again: less the first pass's
-  // ks); ks, summed from the kept values, then moves by the same
+  // kJsdKeptUsOffset: u_s kept less its largest value -log(1 - beta) in the first pass (rows summed again keep u_s
+  // itself); ks, summed from the kept values, then moves by the same offset
   constexpr bool US_OFFSET = kJsdKeptUsOffset && KS_FROM_KEPT;
   [[maybe_unused]] const float kept_off = US_OFFSET && p.c.beta < 1.f ? kKeptUsScale * log1pf(-p.c.beta) : 0.f;
   // A kept u_s (times kKeptUsScale) within fp16's range. u_s = -log z falls below -65504 / kKeptUsScale (~-128)
@@ -1087,17 +1087,13 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
           // KS_FROM_KEPT: ks summed from the u_s as kept (fp16-rounded), as the first pass does; a u_s that is not
           // finite (kept as 0) adds its exact part. (These are rows whose distributions nearly agree, where the
           // gradient cancels most: with the series' exact ks, rows uniform on a support left ~4e-8 in a gradient
-          // that is 0; kernels/NOTES.md, version 53.) US_OFFSET: kept less the first pass's ks (back in u_s's
-          // units; it kept u_s less u_max), near this pass's: u_s - ks then keeps its digits where u_s ~ ks.
-          [[maybe_unused]] float again_off = 0.f;  // (times kKeptUsScale)
-          if constexpr (US_OFFSET) {
-            const float first = d_fma(sums.x, -kKeptUsScale, kept_off);
-            again_off = fabsf(first) < std::numeric_limits<float>::infinity() ? first : kept_off;
-          }
+          // that is 0; kernels/NOTES.md, version 53.) US_OFFSET or not, these keep u_s itself: their u_s are small
+          // (the distributions nearly agree), and where they agree exactly every kept u_s is 0 and so is the
+          // gradient, which an offset would leave at its rounding (kernels/NOTES.md, version 54).
           auto entry = [&](const Point<float>& e) {
             point_terms<MODE, !KS_FROM_KEPT, false>(e, p.c, exact);
             const float us = mixture_us_short(e, p.c);
-            const float kept = keep(us, again_off);
+            const float kept = keep(us, 0.f);
             if constexpr (!KS_FROM_KEPT) {
               return kept;
             } else {

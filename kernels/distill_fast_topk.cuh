@@ -47,14 +47,30 @@ static_assert(!kTopkPush || kTopkMemberRegs, "kTopkPush pushes the members kTopk
 // H200: the top-k step's kernel 0.590 -> 0.580 ms (-1.7%). false: the loads as before.
 constexpr bool kTopkLabelFirst = true;
 
+// Top-k teachers' student rows off the 16-byte grid (a vocabulary whose rows are not a whole number of 16-byte
+// chunks, contiguous: GPT-2's 50257 in bfloat16) in fast_topk_kernel's SHIFT instances (fast_topk_rows), as
+// fast_rows takes a full teacher's. false: such rows take the general kernel (rows_kernel, ~3-4 x slower), and the
+// SHIFT instances are not compiled.
+constexpr bool kTopkShift = true;
+// The SHIFT instances' room below rank 0's slice in shared memory: a word for the head's members' bits, then 16
+// bytes for its entries (fewer than a chunk), added to the launch's dynamic shared memory where some row is off
+// the grid.
+constexpr size_t kTopkHeadPad = 32;
+
 // Tried and not kept (kernels/NOTES.md; the code is in the commits named there): the arrive before leaving relaxed,
 // as fast_rows' kRelaxedLeave (+4% on the top-k step, version 39, 9c72496), and only rank 0's warp 0 waiting for
 // the warps' member sums where the gradient needs none (-0.5%, version 41, bfa90f1); the 16-bit gradient pass with
 // its factor folded into the exponent, as kJsdFoldedGrad (two instructions an entry fewer, +0.5%: version 44,
 // e229bd5).
 
+// SHIFT: the student's rows may start off the 16-byte grid (a vocabulary whose rows are not a whole number of
+// 16-byte chunks, contiguous; the gradient's rows at the student's offsets: fast_path_ok), as fast_rows' SHIFT
+// (fast_slice): the slices start at the row's first entry on the grid, and rank 0's head (fewer than a chunk)
+// is copied one entry a thread, as the last rank's tail, into the kTopkHeadPad bytes below its slice in shared
+// memory (so that xs[x - lo] holds a member x of the head as of the slice, for every reader, remote ones too),
+// its members' bits in a word of their own. Without SHIFT the instances compile as before.
 // THREADS: the block's threads (kFastThreads, or kNarrowThreads where kTopkNarrow says).
-template <typename T, int MODE, bool GRAD, int THREADS = kFastThreads>
+template <typename T, int MODE, bool GRAD, int THREADS = kFastThreads, bool SHIFT = false>
 __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();
@@ -76,9 +92,10 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   [[maybe_unused]] const unsigned bar_norms = smem_u32(&push_bars[0]), bar_members = smem_u32(&push_bars[1]);
 
   cg::cluster_group cluster = cg::this_cluster();
-  const FastSlice sl = fast_slice(p, cluster);
+  const FastSlice sl = fast_slice<SHIFT>(p, cluster);
   const int ranks = sl.ranks, rank = sl.rank, count = sl.count, lane = sl.lane, warp = sl.warp;
   const int64_t row = sl.row, lo = sl.lo;
+  const int head = SHIFT ? sl.head : 0;  // rank 0's entries before its slice (SHIFT), 0 elsewhere
   const T* gsrc = p.s + row * p.s_stride + lo;
   T* gs = GRAD ? p.gs + row * p.gs_stride + lo : nullptr;
   const int64_t* idx = p.idx + row * p.k;
@@ -91,7 +108,10 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   [[maybe_unused]] float l0 = 0.f;
   [[maybe_unused]] int64_t x_raw = -1;  // kTopkLabelFirst: the index as loaded, checked after the label's test
   const bool has0 = threadIdx.x < p.k;
-  auto in_slice = [&](int64_t x) { return x >= lo && x < lo + count; };  // a vocabulary index this block holds
+  auto in_slice = [&](int64_t x) {  // a vocabulary index this block holds (SHIFT: rank 0's head too)
+    if constexpr (SHIFT) return x >= lo - head && x < lo + count;
+    else return x >= lo && x < lo + count;
+  };
   if constexpr (kTopkMemberRegs) {
     if (has0) {
       const int64_t x = idx[threadIdx.x];
@@ -111,7 +131,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   };
 
   if (p.labels && (kTopkLabelFirst ? label : p.labels[row]) == p.ignore_index) {  // masked: zeros, and no barrier
-    if (GRAD) zero_slice<THREADS>(gs, count);                                     // (the cluster agrees)
+    if (GRAD) zero_slice<THREADS>(gs, count, head);                               // (the cluster agrees)
     if (rank == 0 && threadIdx.x == 0) p.out[row] = 0.f;
     return;
   }
@@ -128,8 +148,13 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   }
 
   // The copy (issue_copy, as fast_rows): each thread its own chunks.
-  T* xs = reinterpret_cast<T*>(smem_raw);
-  unsigned* bits = reinterpret_cast<unsigned*>(smem_raw + static_cast<size_t>(p.slice) * sizeof(T));
+  // SHIFT: the head's members' bits (bit j for the entry lo - 1 - j) in the first word of kTopkHeadPad bytes, the
+  // head's entries in its last 16 bytes, below the slice (a static __shared__ word would move the other instances'
+  // shared memory, so their code)
+  constexpr int PAD = SHIFT ? kTopkHeadPad : 0;
+  [[maybe_unused]] unsigned* head_bits = reinterpret_cast<unsigned*>(smem_raw);
+  T* xs = reinterpret_cast<T*>(smem_raw + PAD);
+  unsigned* bits = reinterpret_cast<unsigned*>(smem_raw + PAD + static_cast<size_t>(p.slice) * sizeof(T));
   const int chunks = count / N;
   const unsigned bs = static_cast<unsigned>(__cvta_generic_to_shared(xs));
   const int mine = chunk_count<THREADS>(chunks);
@@ -142,9 +167,11 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   [[maybe_unused]] double scale_raw = 0.0;  // kEarlyScaleTopk: the scale before 1 / T, loaded during the copy
   if constexpr (kEarlyScaleTopk) scale_raw = p.base_scale();
   // The last block's partial chunk: threads 0 .. N-2 copy one entry each, by plain loads (the members' pass and
-  // the gradient read every logit from shared memory: the gradient may overwrite the logits in device memory).
-  const int tail = chunks * N + static_cast<int>(threadIdx.x);
-  const bool has_tail = tail < count;
+  // the gradient read every logit from shared memory: the gradient may overwrite the logits in device memory);
+  // rank 0's head (SHIFT) threads N .. 2N-2, at indices -head .. -1: every "tail" below is such an entry.
+  const int tid = static_cast<int>(threadIdx.x);
+  const int tail = !SHIFT || tid < N ? chunks * N + tid : tid - N - head;
+  const bool has_tail = !SHIFT || tid < N ? tail < count : tail < 0;
   float x_tail = ninf<float>();
   if (has_tail) {
     const T x = gsrc[tail];
@@ -156,6 +183,9 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   // (every block sees them) or repeated (the block holding them sees it) make the row NaN, as on the CPU.
   const int words = (count + 31) / 32;
   for (int w = threadIdx.x; w < words; w += THREADS) bits[w] = 0u;
+  if constexpr (SHIFT) {
+    if (threadIdx.x == 0) *head_bits = 0u;
+  }
   if constexpr (PUSH) {  // (and the bytes of the first members' logits other blocks will push: 4 a valid index)
     const int pushed = __syncthreads_count(has0 && x0 >= 0 && !in_slice(x0));
     if (threadIdx.x == 0) mbar_expect(bar_members, static_cast<unsigned>(pushed) * 4u);
@@ -171,8 +201,15 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
       if (x < 0 || x >= p.v) {
         bad = true;
       } else if (in_slice(x)) {
-        const unsigned bit = 1u << ((x - lo) & 31);
-        if (atomicOr(&bits[(x - lo) >> 5], bit) & bit) bad = true;
+        // (the other instances' expressions kept as they were: written once for both, their code changed)
+        if constexpr (SHIFT) {
+          const int64_t i = x - lo;
+          const unsigned bit = 1u << (i < 0 ? static_cast<int>(-1 - i) : (i & 31));
+          if (atomicOr(i < 0 ? head_bits : &bits[i >> 5], bit) & bit) bad = true;
+        } else {
+          const unsigned bit = 1u << ((x - lo) & 31);
+          if (atomicOr(&bits[(x - lo) >> 5], bit) & bit) bad = true;
+        }
       }
     });
     q = warp_sum(q);
@@ -217,7 +254,8 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   if (has_tail) {
     const float e = d_exp2(x_tail * k2 - o);
     sm += e;
-    st += (bits[tail >> 5] >> (tail & 31)) & 1u ? 0.f : e;
+    const bool member = SHIFT && tail < 0 ? (*head_bits >> (-1 - tail)) & 1u : (bits[tail >> 5] >> (tail & 31)) & 1u;
+    st += member ? 0.f : e;
   }
   sm = part_sum(warp_sum(sm), o);  // (a warp of padding beyond the lanes' range: a stand-in)
   st = part_sum(warp_sum(st), o);
@@ -277,8 +315,15 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     Terms<float> acc{0.f, 0.f, 0.f};
     auto remote_member = [&](int64_t x, float l) {
       if (x < 0 || x >= p.v) return;  // the row is NaN (bad)
-      const int owner = static_cast<int>(x / p.slice);
-      const T xv = *cluster.map_shared_rank(xs + (x - static_cast<int64_t>(owner) * p.slice), owner);
+      T xv;
+      if constexpr (SHIFT) {  // the slices start after the row's head; a member of the head is rank 0's
+        const int64_t from = x - (lo - static_cast<int64_t>(rank) * p.slice);
+        const int owner = from < 0 ? 0 : static_cast<int>(from / p.slice);
+        xv = *cluster.map_shared_rank(xs + (from - static_cast<int64_t>(owner) * p.slice), owner);
+      } else {
+        const int owner = static_cast<int>(x / p.slice);
+        xv = *cluster.map_shared_rank(xs + (x - static_cast<int64_t>(owner) * p.slice), owner);
+      }
       point_terms<MODE, KS, false>(member_point(static_cast<float>(xv), l), p.c, acc);
     };
     if constexpr (PUSH) {
@@ -344,9 +389,9 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
 #endif
 }
 
-template <typename T, int MODE, bool GRAD>
+template <typename T, int MODE, bool GRAD, bool SHIFT = false>
 __global__ void __launch_bounds__(kFastThreads) fast_topk_kernel(const Params<T, float> p) {
-  fast_topk_rows<T, MODE, GRAD>(p);
+  fast_topk_rows<T, MODE, GRAD, kFastThreads, SHIFT>(p);
 }
 // kTopkNarrow: the 16-bit training instances in blocks of kNarrowThreads threads, as fast_rows' narrow instances
 // (kNarrowKsBlocks). Written for slices of ~17 KB (clusters of 16), where 128 threads at up to 40 registers let 12
@@ -358,7 +403,7 @@ __global__ void __launch_bounds__(kFastThreads) fast_topk_kernel(const Params<T,
 // of 16 for it (KLDIV_DISTILL_CLUSTER=16, so 12 blocks an SM) were 19% slower (kernels/NOTES.md, version 40).
 // false: the kernels compile as before.
 constexpr bool kTopkNarrow = true;
-template <typename T, int MODE>
+template <typename T, int MODE, bool SHIFT = false>
 __global__ void __launch_bounds__(kNarrowThreads, 12) fast_topk_kernel_narrow(const Params<T, float> p) {
-  fast_topk_rows<T, MODE, true, kNarrowThreads>(p);
+  fast_topk_rows<T, MODE, true, kNarrowThreads, SHIFT>(p);
 }

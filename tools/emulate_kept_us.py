@@ -9,7 +9,7 @@ GPU's ex2/lg2.approx and float32 sums are not emulated (they are ~2^-22, far bel
 For each row kind and beta it prints the row's JSD and the gradient's error (norm of the difference over the norm
 of the float64 gradient, the largest of the draws): the kept u_s as the kernel keeps it; kept less its largest value
 u_max = -log(1 - beta); kept less the row's ks; as kJsdKeptUsOffset keeps it (less u_max, and rows whose JSD is
-below kJsdDirectMin = 1/16, which the kernel sums again, less the first pass's ks); and bfloat16's own rounding of
+below kJsdDirectMin = 1/16, which the kernel sums again, as kept: no offset); and bfloat16's own rounding of
 the exact gradient (the floor of any bfloat16 gradient). Rows: bfloat16 logits of 50001 entries, student and teacher
 independent draws of spread 3 (the rows of tests/test_distill.py::test_training_rows_with_offsets_far_from_zero, at
 their offsets), and students drawn around the teacher. Where the student's mass lies on entries the teacher gives
@@ -47,8 +47,8 @@ def gradients(s, t, beta):
         kept = fp16((u - off) * KEPT_US_SCALE).clamp(-65504, 65504) / KEPT_US_SCALE
         kept_ks = (weights * kept).sum() / ((1 - beta) * 2.0**ps_exp)  # ks from the kept u_s (kJsdKsFromKept)
         out[name] = (kept_ps * 2.0**-ps_exp * (kept - kept_ks)).to(torch.bfloat16).double()
-    # kJsdKeptUsOffset: less u_max; rows whose JSD is below kJsdDirectMin (1/16) keep theirs again, less ks
-    out["switch"] = out["ks"] if jsd < 1 / 16 else out["u_max"]
+    # kJsdKeptUsOffset: less u_max; rows whose JSD is below kJsdDirectMin (1/16) keep theirs again, with no offset
+    out["switch"] = out["kept"] if jsd < 1 / 16 else out["u_max"]
     out["bf16"] = exact.to(torch.bfloat16).double()
     return exact, jsd, out
 
