@@ -1070,7 +1070,7 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
           launch_rows(without_grad, l, n, &p, stream);
         }
       };
-      // A full teacher row's instances, SHIFT or not (a top-k teacher's rows are on the grid: fast_path_ok)
+      // A full teacher row's instances, SHIFT or not
       auto full_rows = [&](auto shift_c) {
         constexpr bool SHIFT = decltype(shift_c)::value;
         if constexpr (sizeof(T) == 2) {  // the register-capped instances (distill_fast.cuh)

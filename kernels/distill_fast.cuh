@@ -306,8 +306,8 @@ struct FastSlice {
 // e.g. 50257 bfloat16 entries, contiguous), the student's, teacher's and gradient's rows each at the same offset
 // from it (fast_path_ok checks that, row by row): the slices then start at the row's first entry on the grid, and
 // rank 0 visits the entries before it (its head, fewer than a chunk) one by one, as the last rank does its tail.
-// Without SHIFT the rows are on the grid (head 0), the instances that take no others (the top-k teacher's, the
-// split's) compile as before.
+// Without SHIFT the rows are on the grid (head 0), the instances that take no others (the split's; the top-k
+// teacher's SHIFT instances keep their head below the slice: distill_fast_topk.cuh) compile as before.
 template <bool SHIFT = false, typename T>
 __device__ __forceinline__ FastSlice fast_slice(const Params<T, float>& p, const cg::cluster_group& cluster) {
   FastSlice f;
