@@ -326,6 +326,28 @@ def general_kernel(names):
     return any(re.search(r"[^\w]rows_kernel<", x) for x in names)
 
 
+def assert_training_rows(out, gs, ref, rs, lab, go, dtype, what):
+    """A training call's per-token losses against float64, masked rows 0 with zero gradients, every other row's
+    gradient within its dtype's rounding (go: the rows' gradients of the output)."""
+    assert_close(out, ref, 2e-6, what)
+    assert (out[lab == -100] == 0).all() and (gs[lab == -100] == 0).all(), what
+    for row in range(len(lab)):
+        if lab[row] != -100:  # (a masked row's gradient is 0, above)
+            assert_grad_close(gs[row], rs[row], dtype, f"{what} grad row {row}", go[row])
+
+
+def assert_gradient_in_place(s, t, idx, lp, lab, betas):
+    """distill_forward's gradient written over the student's logits (as the fused head writes it) is the one it
+    writes into a buffer of its own, bit for bit, and so is the loss (a full teacher t, or a top-k one idx, lp)."""
+    mod = K.load("cuda", extension="distill")
+    for beta in betas:
+        expect = mod.distill_forward(s, t, idx, lp, lab, -100, beta, 1.7, 0, True, False, None)
+        buf = s.clone()
+        got = mod.distill_forward(buf, t, idx, lp, lab, -100, beta, 1.7, 0, True, False, buf)
+        assert got[1].data_ptr() == buf.data_ptr()
+        assert torch.equal(got[0], expect[0]) and torch.equal(buf, expect[1]), f"in place beta={beta}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=_id)
 @pytest.mark.parametrize("vocab", [50001, 50257, 3, 13])
@@ -355,19 +377,8 @@ def test_fast_kernels_take_contiguous_rows_off_the_grid(dtype, vocab):
         assert (out[lab == -100] == 0).all()
         (out, (gs,)), names = cuda_kernels(lambda sw=sw, kw=kw: run(sw, t, go, **kw))
         assert not general_kernel(names) and any("fast_rows" in x for x in names), names
-        what = f"training beta={beta}"
-        assert_close(out, ref, 2e-6, what)
-        assert (out[lab == -100] == 0).all() and (gs[lab == -100] == 0).all(), what
-        for row in range(n):
-            if lab[row] != -100:  # (a masked row's gradient is 0, above)
-                assert_grad_close(gs[row], rs[row], dtype, f"{what} grad row {row}", go[row])
-    mod = K.load("cuda", extension="distill")
-    for beta in (0.0, 0.5):  # the gradient over the student's logits (as the fused head writes it)
-        expect = mod.distill_forward(s, t, None, None, lab, -100, beta, 1.7, 0, True, False, None)
-        buf = s.clone()
-        got = mod.distill_forward(buf, t, None, None, lab, -100, beta, 1.7, 0, True, False, buf)
-        assert got[1].data_ptr() == buf.data_ptr()
-        assert torch.equal(got[0], expect[0]) and torch.equal(buf, expect[1]), f"in place beta={beta}"
+        assert_training_rows(out, gs, ref, rs, lab, go, dtype, f"training beta={beta}")
+    assert_gradient_in_place(s, t, None, None, lab, (0.0, 0.5))
 
 
 @pytest.mark.gpu
@@ -402,19 +413,8 @@ def test_fast_topk_takes_contiguous_rows_off_the_grid(dtype, vocab, k):
         poison_allocator("cuda")
         (out, (gs,)), names = cuda_kernels(lambda sw=sw, kw=kw: run(sw, None, go, **kw))
         assert not general_kernel(names) and any("fast_topk" in x for x in names), names
-        what = f"training beta={beta}"
-        assert_close(out, ref, 2e-6, what)
-        assert (out[lab == -100] == 0).all() and (gs[lab == -100] == 0).all(), what
-        for row in range(n):
-            if lab[row] != -100:
-                assert_grad_close(gs[row], rs[row], dtype, f"{what} grad row {row}", go[row])
-    mod = K.load("cuda", extension="distill")
-    for beta in (0.0, 0.5):  # the gradient over the student's logits (as the fused head writes it)
-        expect = mod.distill_forward(s, None, *topk, lab, -100, beta, 1.7, 0, True, False, None)
-        buf = s.clone()
-        got = mod.distill_forward(buf, None, *topk, lab, -100, beta, 1.7, 0, True, False, buf)
-        assert got[1].data_ptr() == buf.data_ptr()
-        assert torch.equal(got[0], expect[0]) and torch.equal(buf, expect[1]), f"in place beta={beta}"
+        assert_training_rows(out, gs, ref, rs, lab, go, dtype, f"training beta={beta}")
+    assert_gradient_in_place(s, None, *topk, lab, (0.0, 0.5))
 
 
 @pytest.mark.gpu
