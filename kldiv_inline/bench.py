@@ -32,7 +32,8 @@ PEERS = ["torch_eager", "torch_compile", "liger"]       # the speed-up chart's p
 COLUMNS = ["device", "impl", "pass", "form", "dtype", "batch", "features", "median_ms", "q20_ms", "q80_ms",
            "gbps", "floor_ms", "x_floor", "rel_err", "status", "timer", "bytes", "floor_gbps", "floor_source",
            "pct_of_peak", "beta", "peak_mib", "hidden", "extra_mib", "matmul_tflops", "loss_rel_err", "grad_rel_err",
-           "grad_rel_err_torch", "loss_rel_err_torch", "moved_bytes", "x_floor_moved"]
+           "grad_rel_err_torch", "loss_rel_err_torch", "moved_bytes", "x_floor_moved", "matmul_tflops_sustained",
+           "x_floor_sustained"]
 
 
 @dataclasses.dataclass

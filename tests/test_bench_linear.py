@@ -18,6 +18,10 @@ def test_suite_rows_on_cpu():
         assert r["matmul_tflops"] > 0
         assert math.isclose(r["floor_ms"], 8 * 24 * 16 * 96 / (r["matmul_tflops"] * 1e12) * 1e3)
         assert math.isclose(r["x_floor"], r["median_ms"] / r["floor_ms"])
+        # the floor at the rate kept back to back (not the goals'): the same FLOP over that rate
+        assert r["matmul_tflops_sustained"] > 0
+        assert math.isclose(r["x_floor_sustained"],
+                            r["median_ms"] / (8 * 24 * 16 * 96 / (r["matmul_tflops_sustained"] * 1e12) * 1e3))
         assert r["rel_err"] <= bench_linear.CHECK_TOLERANCE
     ours = [r for r in rows if r["impl"] == "kldiv_inline"]
     for r in ours:
