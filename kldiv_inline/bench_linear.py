@@ -223,12 +223,13 @@ def accuracy(args: tuple, beta: float) -> dict:
 def _with_floor(rows: list[dict], tokens: int, hidden: int, vocab: int, tflops: float, grads_mib: float,
                 sustained: float) -> None:
     floor_ms = 8 * tokens * hidden * vocab / (tflops * 1e12) * 1e3
+    sustained_floor_ms = floor_ms * tflops / sustained  # the same FLOP at the sustained rate
     for r in rows:
         r.update(floor_ms=floor_ms, floor_source=f"bf16 matmul {tflops:.4g} TFLOP/s", matmul_tflops=tflops,
                  matmul_tflops_sustained=sustained)
         if r.get("status") == "ok":
             r["x_floor"] = r["median_ms"] / floor_ms
-            r["x_floor_sustained"] = r["median_ms"] / (floor_ms * tflops / sustained)
+            r["x_floor_sustained"] = r["median_ms"] / sustained_floor_ms
             r["extra_mib"] = r.get("peak_mib", math.nan) - grads_mib
 
 

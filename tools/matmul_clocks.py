@@ -16,8 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpu_clocks import median, sampled  # noqa: E402  (tools/, the script's own folder)
 
-from kldiv_inline.bench_linear import matmul_tflops  # noqa: E402
-from kldiv_inline.timing import quantiles, time_cuda  # noqa: E402
+from kldiv_inline.bench_linear import matmul_tflops, matmul_tflops_sustained  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--size", type=int, default=8192)
@@ -25,14 +24,10 @@ ap.add_argument("--seconds", type=float, default=3.0, help="back-to-back product
 args = ap.parse_args()
 print(torch.cuda.get_device_name(), torch.__version__, flush=True)
 n = args.size
-a = torch.randn(n, n, device="cuda").bfloat16()
-b = torch.randn(n, n, device="cuda").bfloat16()
-flop = 2 * n**3
 time.sleep(1.0)  # a pause, as between the bench's cases
 burst, c1, w1 = sampled(lambda: matmul_tflops("cuda", size=n))
-reps = max(10, int(args.seconds / (flop / (burst * 1e12))))
-sustained_ms, c2, w2 = sampled(lambda: time_cuda(torch.matmul, [(a, b)], reps=50, warmup=reps))
-sustained = flop / (quantiles(sustained_ms)[0] * 1e-3) / 1e12
+# the bench's own sustained rate (its x_floor_sustained), here after --seconds of products
+sustained, c2, w2 = sampled(lambda: matmul_tflops_sustained("cuda", size=n, seconds=args.seconds, reps=50))
 print(f"{'':24} {'TFLOP/s':>8} {'SM MHz (median)':>16} {'W (median)':>11}")
 print(f"{'burst (the bench floor)':24} {burst:8.1f} {median(c1):16.0f} {median(w1):11.0f}")
 print(f"{'sustained':24} {sustained:8.1f} {median(c2):16.0f} {median(w2):11.0f}")
