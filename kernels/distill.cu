@@ -989,6 +989,73 @@ at::Tensor on_grid(const at::Tensor& x) {
   return y;
 }
 
+// x [n, v] itself when each of its rows lies as far from the 16-byte grid as ref's row of the same index, else an
+// uninitialised [n, v] view of a new buffer laid out so: ref's offset within its first 16 bytes, a row stride equal
+// to ref's modulo a chunk (at least v, so no wider than it must be). The caching allocator's blocks start on the
+// grid (they are aligned to 512 bytes).
+at::Tensor co_aligned_like(const at::Tensor& ref, const at::Tensor& x) {
+  if (rows_co_aligned(ref, x)) return x;
+  const int64_t el = x.element_size(), vec = 16 / el, n = x.size(0), v = x.size(1);
+  const int64_t stride = v + (((ref.stride(0) - v) % vec) + vec) % vec;
+  const int64_t head = static_cast<int64_t>(reinterpret_cast<uintptr_t>(ref.data_ptr()) & 15u) / el;
+  const at::Tensor buf = at::empty({head + (n - 1) * stride + v}, x.options());
+  TORCH_CHECK(aligned16(buf.data_ptr()), "distill: internal: a new buffer off the 16-byte grid");
+  return buf.as_strided({n, v}, {stride, 1}, buf.storage_offset() + head);
+}
+
+// The layout a distill_forward call's fast kernel can take where the rows as given would send it to the general
+// kernel (rows_kernel, ~3-4 x slower: kernels/NOTES.md, version 52) because student, teacher and gradient rows of
+// an index lie at different offsets from the 16-byte grid: logits sliced out of a padded vocabulary (a row stride
+// of 50304 entries, V = 50257) beside a contiguous gradient or a contiguous teacher, say. One of the three is kept
+// as it is (the reference) and each other one that does not share its offsets gets a buffer that does: an input
+// is copied into its buffer before the launch, the gradient copied out of its own after it (fill_inputs,
+// gradient_out). Each copied tensor costs one more read and write of its bytes, and its bytes held until the call
+// returns; the reference is the one that leaves the fewest bytes to copy (the student on a tie). Where even that
+// layout is refused (a top-k teacher's shifted rows without room for their heads) every row is put on the grid.
+// `used` false: no layout helps (the fast kernel takes the rows as they are, or takes none of these calls).
+struct CoAlignedRows {
+  bool used = false;
+  Rows r;        // the rows the kernel reads (the given ones, or buffers to fill)
+  at::Tensor g;  // where the kernel writes the student's gradient (the given buffer, or one to copy out of)
+  void fill_inputs(const Rows& given) {
+    if (!r.s.is_same(given.s)) r.s.copy_(given.s);
+    if (r.t.defined() && !r.t.is_same(given.t)) r.t.copy_(given.t);
+  }
+  void gradient_out(at::Tensor& gs) const {
+    if (gs.defined() && !g.is_same(gs)) gs.copy_(g);
+  }
+};
+CoAlignedRows co_aligned_rows(const Rows& r, const Launch& l, const at::Tensor& gs, bool want_teacher) {
+  CoAlignedRows out;
+  if (!fast_allowed() || want_teacher || !l.use_smem || r.s.scalar_type() == at::kDouble) return out;
+  if (fast_path_ok(r, l, gs, want_teacher, true)) return out;
+  const at::Tensor t = r.topk() ? at::Tensor() : r.t;
+  std::vector<at::Tensor> members = {r.s};
+  if (t.defined()) members.push_back(t);
+  if (gs.defined()) members.push_back(gs);
+  size_t best = 0;
+  int64_t best_bytes = -1;
+  for (size_t i = 0; i < members.size(); ++i) {
+    int64_t bytes = 0;
+    for (const at::Tensor& x : members)
+      if (!rows_co_aligned(members[i], x)) bytes += x.numel() * static_cast<int64_t>(x.element_size());
+    if (best_bytes < 0 || bytes < best_bytes) best = i, best_bytes = bytes;
+  }
+  const at::Tensor& ref = members[best];
+  out.r = r;
+  out.r.s = co_aligned_like(ref, r.s);
+  if (t.defined()) out.r.t = co_aligned_like(ref, t);
+  out.g = gs.defined() ? co_aligned_like(ref, gs) : gs;
+  if (!fast_path_ok(out.r, l, out.g, false, true)) {
+    out.r.s = on_grid_like(r.s);
+    if (t.defined()) out.r.t = on_grid_like(t);
+    out.g = gs.defined() ? on_grid_like(gs) : gs;
+    if (!fast_path_ok(out.r, l, out.g, false, true)) return CoAlignedRows{};
+  }
+  out.used = true;
+  return out;
+}
+
 // Calls f(mode, grad, phase), each a std::integral_constant, for the kernel instance a split's terms or gradient
 // phase launches: its only gradient is the student's, forward KL's in the terms phase (when `grad`), the others'
 // in the gradient phase (forward KL launches nothing there).
@@ -1247,6 +1314,20 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
       const int cfg = want_teacher ? CFG_GENERIC : (want_student ? CFG_STUDENT : CFG_INFER);
       if (fast_path_ok(r, l, gs, want_teacher, true)) {
         launch_fast(l, mode_of(beta), r.topk(), want_student, r.n, p, rows_loss, stream, !all_rows_on_grid(r, gs));
+        return;
+      }
+      CoAlignedRows co = co_aligned_rows(r, l, gs, want_teacher);
+      if (co.used) {  // rows at different offsets from the grid: copies onto one layout, then the fast kernel
+        co.fill_inputs(r);
+        Params<T, A> q = base_params<T, A>(co.r, ignore_index, beta, temperature, l);
+        q.gs = want_student ? co.g.data_ptr<T>() : nullptr;
+        q.gs_stride = want_student ? co.g.stride(0) : 0;
+        q.gt = nullptr;
+        q.scale_dev = p.scale_dev;
+        q.scale_host = p.scale_host;
+        q.out = p.out;
+        launch_fast(l, mode_of(beta), r.topk(), want_student, r.n, q, rows_loss, stream, !all_rows_on_grid(co.r, co.g));
+        co.gradient_out(gs);
         return;
       }
       dispatch_mode(mode_of(beta), [&](auto mode_c) {

@@ -417,6 +417,69 @@ def test_fast_topk_takes_contiguous_rows_off_the_grid(dtype, vocab, k):
     assert_gradient_in_place(s, None, *topk, lab, (0.0, 0.5))
 
 
+def sliced_rows(n, vocab, dtype, width=None):
+    """Logits [n, vocab] sliced out of a padded vocabulary (rows of `width` entries, a multiple of 64, so every row
+    starts on the 16-byte grid while a contiguous [n, vocab] tensor's rows do not)."""
+    width = width or vocab + (-vocab) % 64
+    return logits((n, width), dtype, "cuda", scale=3.0)[:, :vocab]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=_id)
+@pytest.mark.parametrize("vocab", [50257, 13])
+@pytest.mark.parametrize("layout", ["both_sliced", "teacher_sliced", "student_sliced", "topk_student_sliced"])
+def test_fast_kernels_take_rows_at_different_offsets(dtype, vocab, layout):
+    # Student, teacher and gradient rows of one index at different offsets from the 16-byte grid: logits sliced out
+    # of a padded vocabulary (V = 50257 of rows of 50304) beside a contiguous teacher, or beside the contiguous
+    # gradient the op returns. The general kernel took such calls, ~3-4 x slower; now the rows that do not share
+    # the offsets of the one kept (the reference) are copied onto them (the gradient copied out after the launch)
+    # and the fast kernel runs. Per token against float64 (masked rows, betas 0 / 0.5 / 1; training and forward
+    # alone), the gradients (poisoned memory), the fast kernel launched and the general one not; and a gradient
+    # buffer given at a third offset (all three rows apart: two copies).
+    n = 19
+    sliced, contiguous = sliced_rows(n, vocab, dtype), logits((n, vocab), dtype, "cuda", scale=3.0)
+    s = sliced if layout in ("both_sliced", "student_sliced", "topk_student_sliced") else contiguous
+    t = {"both_sliced": sliced_rows(n, vocab, dtype), "teacher_sliced": sliced_rows(n, vocab, dtype),
+         "student_sliced": logits((n, vocab), dtype, "cuda", scale=3.0)}.get(layout)
+    assert not s.is_contiguous() or not t.is_contiguous()
+    topk = None
+    if t is None:
+        k = min(vocab, 100)
+        lp, idx = torch.log_softmax(torch.randn(n, vocab, dtype=torch.float64) * 2.5, -1).topk(k, dim=-1)
+        topk = (idx.cuda(), lp.float().cuda())
+    lab = labels_for((n,), "cuda")
+    go = random_grad_out(torch.ones(n, device="cuda"))
+    fast = "fast_topk" if topk else "fast_rows"
+    for beta in (0.0, 0.5, 1.0):
+        kw = dict(teacher_topk=topk, beta=beta, temperature=1.7, labels=lab, reduction="none")
+        # (a leaf of s's values and layout)
+        sw = s.detach().clone() if s.is_contiguous() else sliced_rows(n, vocab, dtype, s.stride(0)).copy_(s)
+        sw.requires_grad_()
+        assert sw.data_ptr() % 16 == s.data_ptr() % 16 and sw.stride() == s.stride()
+        ref, (rs,) = reference(sw, t, go, **kw)
+        if t is not None:
+            with torch.no_grad():
+                poison_allocator("cuda")
+                out, names = cuda_kernels(lambda kw=kw: K.generalized_jsd(s, t, **kw))
+            assert not general_kernel(names) and any("fast_rows" in x or "stream_forward" in x for x in names), names
+            assert_close(out, ref, 2e-6, f"{layout} forward alone beta={beta}")
+            assert (out[lab == -100] == 0).all()
+        (out, (gs,)), names = cuda_kernels(lambda sw=sw, kw=kw: run(sw, t, go, **kw))
+        assert not general_kernel(names) and any(fast in x for x in names), (layout, names)
+        assert gs.shape == s.shape
+        assert_training_rows(out, gs, ref, rs, lab, go, dtype, f"{layout} training beta={beta}")
+    mod = K.load("cuda", extension="distill")
+    idx, lp = topk if topk else (None, None)
+    own = torch.empty(n * vocab + 1, dtype=dtype, device="cuda")[1:].view(n, vocab)  # (a third offset)
+    poison_allocator("cuda")
+    own.fill_(float("nan"))
+    got, names = cuda_kernels(lambda: mod.distill_forward(s, t, idx, lp, lab, -100, 0.5, 1.7, 0, True, False, own))
+    assert got[1].data_ptr() == own.data_ptr() and not general_kernel(names), names
+    ref, (rs,) = reference(s.detach().clone().requires_grad_(), t, torch.ones(n, device="cuda"), teacher_topk=topk,
+                           beta=0.5, temperature=1.7, labels=lab, reduction="none")
+    assert_training_rows(got[0], own, ref, rs, lab, torch.ones(n, device="cuda"), dtype, f"{layout} given buffer")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
 def test_training_rows_with_offsets_far_from_zero(dtype):
