@@ -989,6 +989,88 @@ at::Tensor on_grid(const at::Tensor& x) {
   return y;
 }
 
+// Out word i of 16 bytes that start `shift` bytes into word Q of w (a 32-byte window of the source).
+template <int Q> __device__ __forceinline__ uint4 window_chunk(const uint32_t (&w)[8], unsigned shift) {
+  return make_uint4(__funnelshift_r(w[Q], w[Q + 1], shift), __funnelshift_r(w[Q + 1], w[Q + 2], shift),
+                    __funnelshift_r(w[Q + 2], w[Q + 3], shift), __funnelshift_r(w[Q + 3], w[Q + 4], shift));
+}
+
+// Copies rows [n, v] of src into dst (each its own row stride and offsets from the 16-byte grid; one element size
+// of 2 or 4 bytes). Each aligned 16-byte store of dst takes its entries from the two aligned 16-byte words of src
+// that hold them (funnel shifts; the second word only where the entries straddle, so no read lies past the row),
+// so rows whose offsets differ move at the copy's bandwidth: PyTorch's copy_ of such strided rows ran at ~40% of
+// it on an H200 (kernels/NOTES.md, version 55). dst's entries before its first aligned chunk and after its last
+// one are copied one by one. Rows by blockIdx.y (striding), a row's chunks by blockIdx.x and the threads.
+template <typename T>
+__global__ void copy_rows_kernel(const T* __restrict__ src, int64_t src_stride, T* __restrict__ dst, int64_t dst_stride,
+                                 int64_t n, int64_t v) {
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "copy_rows_kernel: 2- or 4-byte entries");
+  constexpr int N = 16 / sizeof(T);
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.y; i < n; i += gridDim.y) {
+    const T* s = src + i * src_stride;
+    T* d = dst + i * dst_stride;
+    const int64_t head = min64(row_head(d), v), chunks = (v - head) / N, rest = v - head - chunks * N;
+    const auto at = reinterpret_cast<uintptr_t>(s + head);
+    const unsigned off = static_cast<unsigned>(at & 15u), shift = 8u * (off & 3u);
+    const uint4* s16 = reinterpret_cast<const uint4*>(at - off);
+    uint4* d16 = reinterpret_cast<uint4*>(d + head);
+    for (int64_t c = first; c < chunks; c += step) {
+      const uint4 a = s16[c], b = off ? s16[c + 1] : make_uint4(0u, 0u, 0u, 0u);
+      const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      switch (off >> 2) {
+        case 0:
+          d16[c] = window_chunk<0>(w, shift);
+          break;
+        case 1:
+          d16[c] = window_chunk<1>(w, shift);
+          break;
+        case 2:
+          d16[c] = window_chunk<2>(w, shift);
+          break;
+        default:
+          d16[c] = window_chunk<3>(w, shift);
+          break;
+      }
+    }
+    for (int64_t j = first; j < head + rest; j += step) {
+      const int64_t e = j < head ? j : head + chunks * N + (j - head);
+      d[e] = s[e];
+    }
+  }
+}
+
+// dst [n, v] = src [n, v] (same dtype and device, unit stride along v) on the current stream: copy_rows_kernel for
+// 2- and 4-byte entries, PyTorch's copy_ for others.
+void copy_rows(const at::Tensor& src, at::Tensor& dst) {
+  TORCH_CHECK(src.sizes() == dst.sizes() && src.dim() == 2 && src.scalar_type() == dst.scalar_type() &&
+                  (src.size(1) <= 1 || (src.stride(1) == 1 && dst.stride(1) == 1)),
+              "distill: internal: copy_rows needs [n, v] rows of one dtype with unit stride along v");
+  const int64_t n = src.size(0), v = src.size(1), el = src.element_size();
+  if (n == 0 || v == 0) return;
+  if (el != 2 && el != 4) {
+    dst.copy_(src);
+    return;
+  }
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  constexpr int kThreads = 256;
+  const int64_t per_block = kThreads * (16 / el);
+  const auto gx = static_cast<unsigned>(std::min<int64_t>((v + per_block - 1) / per_block, 1 << 16));
+  const auto gy = static_cast<unsigned>(std::min<int64_t>(n, 65535));
+  const dim3 grid(gx, gy);
+  if (el == 2) {
+    copy_rows_kernel<uint16_t><<<grid, kThreads, 0, stream>>>(static_cast<const uint16_t*>(src.data_ptr()),
+                                                              src.stride(0), static_cast<uint16_t*>(dst.data_ptr()),
+                                                              dst.stride(0), n, v);
+  } else {
+    copy_rows_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(static_cast<const uint32_t*>(src.data_ptr()),
+                                                              src.stride(0), static_cast<uint32_t*>(dst.data_ptr()),
+                                                              dst.stride(0), n, v);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // x [n, v] itself when each of its rows lies as far from the 16-byte grid as ref's row of the same index, else an
 // uninitialised [n, v] view of a new buffer laid out so: ref's offset within its first 16 bytes, a row stride equal
 // to ref's modulo a chunk (at least v, so no wider than it must be). The caching allocator's blocks start on the
@@ -1018,11 +1100,11 @@ struct CoAlignedRows {
   Rows r;        // the rows the kernel reads (the given ones, or buffers to fill)
   at::Tensor g;  // where the kernel writes the student's gradient (the given buffer, or one to copy out of)
   void fill_inputs(const Rows& given) {
-    if (!r.s.is_same(given.s)) r.s.copy_(given.s);
-    if (r.t.defined() && !r.t.is_same(given.t)) r.t.copy_(given.t);
+    if (!r.s.is_same(given.s)) copy_rows(given.s, r.s);
+    if (r.t.defined() && !r.t.is_same(given.t)) copy_rows(given.t, r.t);
   }
   void gradient_out(at::Tensor& gs) const {
-    if (gs.defined() && !g.is_same(gs)) gs.copy_(g);
+    if (gs.defined() && !g.is_same(gs)) copy_rows(g, gs);
   }
 };
 CoAlignedRows co_aligned_rows(const Rows& r, const Launch& l, const at::Tensor& gs, bool want_teacher) {
@@ -1282,7 +1364,7 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
   const auto acc = acc_type(r.s.scalar_type());
   const auto dopts = r.s.options().dtype(at::kDouble);
   at::Tensor rows_loss = at::empty({r.n}, r.s.options().dtype(acc));
-  at::Tensor gs = want_student ? grad_buffer(grad_student_out, r) : at::Tensor();
+  at::Tensor gs = want_student ? grad_buffer(grad_student_out, r, true) : at::Tensor();
   at::Tensor gt = want_teacher ? at::empty({r.n, r.v}, r.s.options()) : at::Tensor();
   // The scale of the loss and its gradients: loss_scale, over the divisor for batchmean. batchmean with labels: the
   // divisor is counted on the device (no synchronisation); otherwise known here.

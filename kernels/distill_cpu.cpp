@@ -318,7 +318,7 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
   const double* scale_given = forward_scale(scale, r, reduction, loss_scale);
   const auto acc = acc_type(r.s.scalar_type());
   at::Tensor rows_loss = at::empty({r.n}, r.s.options().dtype(acc));
-  at::Tensor gs = want_student ? grad_buffer(grad_student_out, r) : at::Tensor();
+  at::Tensor gs = want_student ? grad_buffer(grad_student_out, r, true) : at::Tensor();
   at::Tensor gt = want_teacher ? at::empty({r.n, r.v}, r.s.options()) : at::Tensor();
   // The gradients are those of the reduced loss.
   const double inv_div = scale_given ? *scale_given : reduction_inv(r.labels, r.n, ignore_index, reduction, loss_scale);

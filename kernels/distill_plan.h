@@ -141,10 +141,25 @@ inline at::Tensor scaled_rows(at::Tensor& rows_loss, double loss_scale) {
   return rows_loss;
 }
 
+// A new gradient for the student's rows [n, v], laid out as they are modulo a 16-byte chunk: its row stride the
+// student's modulo a chunk (at least v, so never more than a chunk's padding a row), its storage offset the
+// student's modulo a chunk (on a buffer that starts on the grid). Contiguous rows get a contiguous gradient; rows
+// sliced out of a padded vocabulary (50257 entries of rows of 50304) get one whose rows lie on the 16-byte grid as
+// theirs do, so that the fast kernels take student, teacher and gradient rows without a copy. The fake of
+// distill_forward (kldiv_inline/distill.py, _grad_like_rows) gives the same strides.
+inline at::Tensor grad_like_rows(const Rows& r) {
+  const int64_t vec = 16 / static_cast<int64_t>(r.s.element_size()), n = r.n, v = r.v;
+  const int64_t stride = n > 1 ? v + ((r.s.stride(0) - v) % vec + vec) % vec : v;
+  const int64_t head = r.s.storage_offset() % vec;
+  if (n == 0 || (stride == v && head == 0)) return at::empty({n, v}, r.s.options());
+  const at::Tensor buf = at::empty({head + (n - 1) * stride + v}, r.s.options());
+  return buf.as_strided({n, v}, {stride, 1}, head);
+}
+
 // Output buffer for the student's gradient: a given one (written in place, e.g. over the logits themselves) or
-// a new one.
-inline at::Tensor grad_buffer(const c10::optional<at::Tensor>& given, const Rows& r) {
-  if (!given.has_value()) return at::empty({r.n, r.v}, r.s.options());
+// a new one (like_rows: laid out as the student's rows, grad_like_rows; else contiguous).
+inline at::Tensor grad_buffer(const c10::optional<at::Tensor>& given, const Rows& r, bool like_rows = false) {
+  if (!given.has_value()) return like_rows ? grad_like_rows(r) : at::empty({r.n, r.v}, r.s.options());
   const at::Tensor& g = *given;
   TORCH_CHECK(g.dim() == 2 && g.size(0) == r.n && g.size(1) == r.v && g.stride(1) == 1 &&
                   g.scalar_type() == r.s.scalar_type() && g.device() == r.s.device(),

@@ -76,12 +76,26 @@ def _forward_impl(student: Tensor, teacher: Tensor | None, topk_idx: Tensor | No
 _forward_op = torch.library.custom_op("kldiv_inline::distill_forward", mutates_args=())(_forward_impl)
 
 
+def _grad_like_rows(student: Tensor) -> Tensor:
+    """A new gradient for the student's rows [n, v] as distill_forward lays it out (grad_like_rows in
+    kernels/distill_plan.h): row stride and storage offset those of the student modulo a 16-byte chunk, so that
+    rows sliced out of a padded vocabulary get a gradient whose rows lie on the 16-byte grid as theirs do (and
+    contiguous rows a contiguous one)."""
+    n, v = student.shape
+    vec = 16 // student.element_size()
+    stride = v + (student.stride(0) - v) % vec if n > 1 else v
+    head = student.storage_offset() % vec
+    if n == 0 or (stride == v and head == 0):
+        return student.new_empty((n, v))
+    return student.new_empty((head + (n - 1) * stride + v,)).as_strided((n, v), (stride, 1), head)
+
+
 @_forward_op.register_fake
 def _(student, teacher, topk_idx, topk_lp, labels, ignore_index, beta, temperature, reduction, loss_scale,
       want_student, want_teacher):
     acc = _acc_dtype(student.dtype)
     loss = student.new_empty((student.shape[0],) if reduction == 0 else (), dtype=acc)
-    gs = student.new_empty(student.shape) if want_student else student.new_empty((0,))
+    gs = _grad_like_rows(student) if want_student else student.new_empty((0,))
     gt = student.new_empty(student.shape) if want_teacher else student.new_empty((0,))
     return loss, gs, gt
 

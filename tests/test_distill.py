@@ -429,13 +429,13 @@ def sliced_rows(n, vocab, dtype, width=None):
 @pytest.mark.parametrize("vocab", [50257, 13])
 @pytest.mark.parametrize("layout", ["both_sliced", "teacher_sliced", "student_sliced", "topk_student_sliced"])
 def test_fast_kernels_take_rows_at_different_offsets(dtype, vocab, layout):
-    # Student, teacher and gradient rows of one index at different offsets from the 16-byte grid: logits sliced out
-    # of a padded vocabulary (V = 50257 of rows of 50304) beside a contiguous teacher, or beside the contiguous
-    # gradient the op returns. The general kernel took such calls, ~3-4 x slower; now the rows that do not share
-    # the offsets of the one kept (the reference) are copied onto them (the gradient copied out after the launch)
-    # and the fast kernel runs. Per token against float64 (masked rows, betas 0 / 0.5 / 1; training and forward
-    # alone), the gradients (poisoned memory), the fast kernel launched and the general one not; and a gradient
-    # buffer given at a third offset (all three rows apart: two copies).
+    # Student and teacher rows of one index at different offsets from the 16-byte grid: logits sliced out of a
+    # padded vocabulary (V = 50257 of rows of 50304) beside a contiguous teacher or student. The general kernel took
+    # such calls, ~3-4 x slower; now the rows that do not share the offsets of the one kept (the reference) are
+    # copied onto them (copy_rows_kernel) and the fast kernel runs. Both sliced: the gradient's rows lie as the
+    # student's (grad_like_rows), no copy. Per token against float64 (masked rows, betas 0 / 0.5 / 1; training and
+    # forward alone), the gradients (poisoned memory), the fast kernel launched and the general one not; and a
+    # gradient buffer given at a third offset (all three rows apart: an input copied in, the gradient copied out).
     n = 19
     sliced, contiguous = sliced_rows(n, vocab, dtype), logits((n, vocab), dtype, "cuda", scale=3.0)
     s = sliced if layout in ("both_sliced", "student_sliced", "topk_student_sliced") else contiguous
@@ -1776,6 +1776,42 @@ def test_opcheck(device):
     idx, lp = topk_teacher((4,), 37, 5, device)
     torch.library.opcheck(torch.ops.kldiv_inline.distill_forward.default,
                           (s, None, idx, lp, None, -100, 0.0, 1.0, 0, 0.25, True, False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_id)
+@pytest.mark.parametrize("case", ["contiguous", "sliced", "sliced_offset", "one_row", "vocab_one"])
+def test_gradient_lies_like_the_student_rows(device, dtype, case):
+    # distill_forward's new gradient takes the student rows' row stride and storage offset modulo a 16-byte chunk
+    # (grad_like_rows): rows sliced out of a padded vocabulary get a gradient whose rows lie on the 16-byte grid as
+    # theirs do, so the fast kernels need no copy (a contiguous gradient beside them took the general kernel, ~3-4 x
+    # slower), and contiguous rows a contiguous gradient. The fake (torch.compile's view) must give the same strides:
+    # checked here against the real call under FakeTensorMode. Values: those of the contiguous rows, per row.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    vec = 16 // torch.empty((), dtype=dtype).element_size()
+    n, v = (1, 37) if case == "one_row" else (5, 1) if case == "vocab_one" else (5, 37)
+    width = v if case == "contiguous" else v + 2 * vec + 3
+    big = logits((n + 1, width + 3), dtype, device)
+    s = big[1:, 3 : 3 + v] if case == "sliced_offset" else big[:n, :v]
+    if case == "contiguous":
+        s = s.contiguous()
+    t = logits((n, v), dtype, device)
+    lab = torch.tensor([1, -100, 2, 3, 4][:n], device=device)
+    op = torch.ops.kldiv_inline.distill_forward.default
+    args = (None, None, lab, -100, 0.5, 2.0, 0, 1.0, True, False)
+    poison_allocator(device)
+    loss, gs, _ = op(s, t, *args)
+    stride = v + (s.stride(0) - v) % vec if n > 1 else v
+    assert gs.shape == s.shape and gs.stride() == (stride, 1), (gs.stride(), s.stride())
+    assert gs.storage_offset() % vec == s.storage_offset() % vec
+    if case == "contiguous":
+        assert gs.is_contiguous()
+    with FakeTensorMode() as fm:
+        fake = op(fm.from_tensor(s), fm.from_tensor(t), None, None, fm.from_tensor(lab), *args[3:])
+    assert fake[1].shape == gs.shape and fake[1].stride() == gs.stride(), (fake[1].stride(), gs.stride())
+    loss_c, gs_c, _ = op(s.contiguous(), t, *args)
+    assert_close(loss, loss_c, 1e-6, case)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(gs.float(), gs_c.float(), rtol=tol, atol=tol * float(gs_c.float().abs().max()))
 
 
 @pytest.mark.slow
