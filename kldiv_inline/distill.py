@@ -491,9 +491,11 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     """Divergence between the student's and the teacher's softmax(logits / temperature), per token.
 
     ``student_logits``, ``teacher_logits``: ``[..., V]`` (vocabulary last), float16/bfloat16/float32/float64 of
-    one dtype, any strides. ``beta = 0``: forward KL(teacher || student); ``beta = 1``: reverse
-    KL(student || teacher); in between the generalized JSD ``beta KL(t || m) + (1 - beta) KL(s || m)``,
-    ``m = (1 - beta) p_s + beta p_t``. No ``T**2`` factor is applied (multiply the loss yourself if you want it).
+    one dtype, any strides (rows sliced out of a padded vocabulary, ``logits[..., :V]``, get a gradient laid out
+    like them: padded rows, of their stride modulo 16 bytes). ``beta = 0``: forward KL(teacher || student);
+    ``beta = 1``: reverse KL(student || teacher); in between the generalized JSD
+    ``beta KL(t || m) + (1 - beta) KL(s || m)``, ``m = (1 - beta) p_s + beta p_t``. No ``T**2`` factor is applied
+    (multiply the loss yourself if you want it).
 
     ``labels`` (the leading shape, integer): tokens whose label is ``ignore_index`` contribute 0 and get a zero
     gradient. ``reduction``: ``"batchmean"`` (sum over tokens / unmasked tokens; 0 when all are masked),
