@@ -1815,8 +1815,12 @@ def test_gradient_lies_like_the_student_rows(device, dtype, case):
 
 
 @pytest.mark.slow
-def test_torch_compile_fullgraph(device):
-    s = logits((8, 200), torch.float32, device).requires_grad_()
+@pytest.mark.parametrize("sliced", [False, True], ids=["contiguous", "sliced"])
+def test_torch_compile_fullgraph(device, sliced):
+    # (sliced: student rows of 200 out of rows of 203, whose gradient is laid out like them, stride 203, in the
+    # compiled graph as in eager; test_gradient_lies_like_the_student_rows checks the fake's strides themselves)
+    s = (logits((8, 203), torch.float32, device)[:, :200] if sliced else logits((8, 200), torch.float32, device))
+    s.requires_grad_()
     t = logits((8, 200), torch.float32, device)
     lab = labels_for((8,), device)
 
