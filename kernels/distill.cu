@@ -789,8 +789,8 @@ struct Launch {
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// The smallest cluster whose blocks' slices fit the shared-memory target (else the maximum), or global-memory
-// passes for rows longer than a cluster of 16 can hold.
+// The smallest cluster whose blocks' slices fit the shared-memory target, else clusters of 16 up to the maximum,
+// or global-memory passes for rows longer than a cluster of 16 can hold.
 Launch plan_launch(int64_t v, size_t entry_bytes, bool topk) {
   Launch l;
   // A research knob: KLDIV_DISTILL_CLUSTER_POLICY=1 asks for the load-balancing cluster scheduling policy (the
@@ -821,9 +821,13 @@ Launch plan_launch(int64_t v, size_t entry_bytes, bool topk) {
     TORCH_CHECK(c >= 1 && c <= 16, "distill: KLDIV_DISTILL_CLUSTER must be 1-16, got ", env);
     if (fits(c, kSmemMax)) return l;
   }
-  for (size_t budget : {target, kSmemMax})
-    for (int c : {1, 2, 4, 8, 16})
-      if (fits(c, budget)) return l;
+  // Within the target the smallest cluster that fits (the fewest blocks a row waits on); beyond it clusters of 16,
+  // the smallest slices: the most blocks an SM holds. Rows of 256000 bf16 entries (1 MB for student and teacher)
+  // had taken clusters of 8 (128 KB slices, one block an SM) and ran at 2.2-3.3 x their floor where clusters of 16
+  // (64 KB, three blocks an SM) measured 1.4-2.0 x (an H200, kernels/NOTES.md, version 56).
+  for (int c : {1, 2, 4, 8, 16})
+    if (fits(c, target)) return l;
+  if (fits(16, kSmemMax)) return l;
   l.use_smem = false;  // read each pass from device memory: a cluster of 16 keeps the row's passes in L2
   l.cluster = 16;
   l.slice = round_up((v + 15) / 16, kSliceAlign);

@@ -417,6 +417,33 @@ def test_fast_topk_takes_contiguous_rows_off_the_grid(dtype, vocab, k):
     assert_gradient_in_place(s, None, *topk, lab, (0.0, 0.5))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, vocab", [(torch.bfloat16, 256000), (torch.bfloat16, 200003), (torch.float32, 100000)],
+                         ids=["bf16-256000", "bf16-200003", "fp32-100000"])
+def test_long_rows_in_clusters_of_16(dtype, vocab):
+    # Rows whose student and teacher slices overflow the 40 KB shared-memory target in clusters of 16 (bf16 rows
+    # beyond 163840 entries, Gemma's 256000; float32 beyond 81920) take clusters of 16 with larger slices (up to
+    # 200 KB), where they took clusters of 8 (one block an SM: 2.2-3.3 x the floor on an H200). Per token against
+    # float64 (masked rows, betas 0 / 0.5 / 1; training and forward alone) and the gradients, the fast kernels.
+    n = 5
+    s = logits((n, vocab), dtype, "cuda", scale=3.0)
+    t = logits((n, vocab), dtype, "cuda", scale=3.0)
+    lab = torch.tensor([1, -100, 2, 3, 4], device="cuda")
+    go = random_grad_out(torch.ones(n, device="cuda"))
+    for beta in (0.0, 0.5, 1.0):
+        kw = dict(beta=beta, temperature=1.7, labels=lab, reduction="none")
+        sw = s.clone().requires_grad_()
+        ref, (rs,) = reference(sw, t, go, **kw)
+        with torch.no_grad():
+            poison_allocator("cuda")
+            out, names = cuda_kernels(lambda kw=kw: K.generalized_jsd(s, t, **kw))
+        assert not general_kernel(names), names
+        assert_close(out, ref, 2e-6, f"forward alone beta={beta}")
+        (out, (gs,)), names = cuda_kernels(lambda sw=sw, kw=kw: run(sw, t, go, **kw))
+        assert not general_kernel(names) and any("fast_rows" in x for x in names), names
+        assert_training_rows(out, gs, ref, rs, lab, go, dtype, f"training beta={beta}")
+
+
 def sliced_rows(n, vocab, dtype, width=None):
     """Logits [n, vocab] sliced out of a padded vocabulary (rows of `width` entries, a multiple of 64, so every row
     starts on the 16-byte grid while a contiguous [n, vocab] tensor's rows do not)."""
