@@ -970,14 +970,19 @@ bool all_rows_on_grid(const Rows& r, const at::Tensor& gs) {
 // share their offsets from it (launch_fast's: fast_rows, stream_forward and fast_topk_kernel, their SHIFT
 // instances; a top-k teacher's SHIFT instances need kTopkHeadPad bytes more shared memory); else every row must
 // start on the grid.
-bool fast_path_ok(const Rows& r, const Launch& l, const at::Tensor& gs, bool want_teacher, bool allow_shift = false) {
-  if (!fast_allowed()) return false;
-  if (want_teacher || !l.use_smem || r.s.scalar_type() == at::kDouble) return false;
+// fast_kernel_takes: what the fast kernels refuse whatever the rows' layout; fast_layout_ok: the layout.
+bool fast_kernel_takes(const Rows& r, const Launch& l, bool want_teacher) {
+  return fast_allowed() && !want_teacher && l.use_smem && r.s.scalar_type() != at::kDouble;
+}
+bool fast_layout_ok(const Rows& r, const Launch& l, const at::Tensor& gs, bool allow_shift) {
   if (allow_shift && !all_rows_on_grid(r, gs)) {
     const bool co_aligned = rows_co_aligned(r.s, r.topk() ? r.s : r.t) && (!gs.defined() || rows_co_aligned(r.s, gs));
     return co_aligned && (!r.topk() || (kTopkShift && l.smem + kTopkHeadPad <= kSmemMax));
   }
   return all_rows_on_grid(r, gs);
+}
+bool fast_path_ok(const Rows& r, const Launch& l, const at::Tensor& gs, bool want_teacher, bool allow_shift = false) {
+  return fast_kernel_takes(r, l, want_teacher) && fast_layout_ok(r, l, gs, allow_shift);
 }
 
 // x [n, v] itself when its rows are on the 16-byte grid, else an uninitialised [n, v] view of a buffer whose rows
@@ -1045,18 +1050,15 @@ __global__ void copy_rows_kernel(const T* __restrict__ src, int64_t src_stride, 
   }
 }
 
-// dst [n, v] = src [n, v] (same dtype and device, unit stride along v) on the current stream: copy_rows_kernel for
-// 2- and 4-byte entries, PyTorch's copy_ for others.
-void copy_rows(const at::Tensor& src, at::Tensor& dst) {
-  TORCH_CHECK(src.sizes() == dst.sizes() && src.dim() == 2 && src.scalar_type() == dst.scalar_type() &&
-                  (src.size(1) <= 1 || (src.stride(1) == 1 && dst.stride(1) == 1)),
-              "distill: internal: copy_rows needs [n, v] rows of one dtype with unit stride along v");
+// dst [n, v] = src [n, v] (same dtype and device, 2- or 4-byte entries: the fast kernels' logits; unit stride along
+// v) on the current stream.
+void copy_rows(const at::Tensor& src, const at::Tensor& dst) {
+  TORCH_CHECK(src.dim() == 2, "distill: internal: copy_rows needs [n, v] rows");
   const int64_t n = src.size(0), v = src.size(1), el = src.element_size();
+  TORCH_CHECK(src.sizes() == dst.sizes() && src.scalar_type() == dst.scalar_type() && (el == 2 || el == 4) &&
+                  (v <= 1 || (src.stride(1) == 1 && dst.stride(1) == 1)),
+              "distill: internal: copy_rows needs [n, v] rows of one 16-bit or 32-bit dtype, unit stride along v");
   if (n == 0 || v == 0) return;
-  if (el != 2 && el != 4) {
-    dst.copy_(src);
-    return;
-  }
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   constexpr int kThreads = 256;
   const int64_t per_block = kThreads * (16 / el);
@@ -1076,34 +1078,34 @@ void copy_rows(const at::Tensor& src, at::Tensor& dst) {
 }
 
 // x [n, v] itself when each of its rows lies as far from the 16-byte grid as ref's row of the same index, else an
-// uninitialised [n, v] view of a new buffer laid out so: ref's offset within its first 16 bytes, a row stride equal
-// to ref's modulo a chunk (at least v, so no wider than it must be). The caching allocator's blocks start on the
-// grid (they are aligned to 512 bytes).
+// uninitialised [n, v] view of a new buffer laid out so (rows_laid_out, distill_plan.h: ref's offset within its
+// first 16 bytes, read from its address; a row stride equal to ref's modulo a chunk).
 at::Tensor co_aligned_like(const at::Tensor& ref, const at::Tensor& x) {
   if (rows_co_aligned(ref, x)) return x;
-  const int64_t el = x.element_size(), vec = 16 / el, n = x.size(0), v = x.size(1);
-  const int64_t stride = v + (((ref.stride(0) - v) % vec) + vec) % vec;
+  const int64_t el = x.element_size();
   const int64_t head = static_cast<int64_t>(reinterpret_cast<uintptr_t>(ref.data_ptr()) & 15u) / el;
-  const at::Tensor buf = at::empty({head + (n - 1) * stride + v}, x.options());
-  TORCH_CHECK(aligned16(buf.data_ptr()), "distill: internal: a new buffer off the 16-byte grid");
-  return buf.as_strided({n, v}, {stride, 1}, buf.storage_offset() + head);
+  const at::Tensor y = rows_laid_out(x.size(0), x.size(1), ref.stride(0), head, x.options());
+  TORCH_CHECK(rows_co_aligned(ref, y), "distill: internal: a new buffer off its reference's offsets");
+  return y;
 }
 
-// The layout a distill_forward call's fast kernel can take where the rows as given would send it to the general
+// The rows a distill_forward call's kernel reads and the buffer it writes the student's gradient to, and whether
+// that kernel is a fast one (fast_layout). Where the rows as given would send a fast kernel's call to the general
 // kernel (rows_kernel, ~3-4 x slower: kernels/NOTES.md, version 52) because student, teacher and gradient rows of
-// an index lie at different offsets from the 16-byte grid: logits sliced out of a padded vocabulary (a row stride
-// of 50304 entries, V = 50257) beside a contiguous gradient or a contiguous teacher, say. One of the three is kept
-// as it is (the reference) and each other one that does not share its offsets gets a buffer that does: an input
-// is copied into its buffer before the launch, the gradient copied out of its own after it (fill_inputs,
-// gradient_out). Each copied tensor costs one more read and write of its bytes, and its bytes held until the call
-// returns; the reference is the one that leaves the fewest bytes to copy (the student on a tie). Where even that
-// layout is refused (a top-k teacher's shifted rows without room for their heads) every row is put on the grid.
-// `used` false: no layout helps (the fast kernel takes the rows as they are, or takes none of these calls).
-struct CoAlignedRows {
-  bool used = false;
+// an index lie at different offsets from the 16-byte grid (logits sliced out of a padded vocabulary, a row stride
+// of 50304 entries for V = 50257, beside a contiguous gradient or a contiguous teacher, say), one of the three is
+// kept as it is (the reference) and each other one that does not share its offsets gets a buffer that does: an
+// input is copied into its buffer before the launch, the gradient copied out of its own after it (fill_inputs,
+// gradient_out; both nothing where the rows are the given ones). Each copied tensor costs one more read and write
+// of its bytes, and its bytes held until the call returns; the reference is the one that leaves the fewest bytes to
+// copy (the student on a tie). Where even that layout is refused (a top-k teacher's shifted rows without room for
+// their heads) every row is put on the grid; where that is refused too, or the fast kernels take no such call
+// (fast_kernel_takes), the general kernel takes the rows as given.
+struct KernelRows {
+  bool fast = false;
   Rows r;        // the rows the kernel reads (the given ones, or buffers to fill)
   at::Tensor g;  // where the kernel writes the student's gradient (the given buffer, or one to copy out of)
-  void fill_inputs(const Rows& given) {
+  void fill_inputs(const Rows& given) const {
     if (!r.s.is_same(given.s)) copy_rows(given.s, r.s);
     if (r.t.defined() && !r.t.is_same(given.t)) copy_rows(given.t, r.t);
   }
@@ -1111,10 +1113,10 @@ struct CoAlignedRows {
     if (gs.defined() && !g.is_same(gs)) copy_rows(g, gs);
   }
 };
-CoAlignedRows co_aligned_rows(const Rows& r, const Launch& l, const at::Tensor& gs, bool want_teacher) {
-  CoAlignedRows out;
-  if (!fast_allowed() || want_teacher || !l.use_smem || r.s.scalar_type() == at::kDouble) return out;
-  if (fast_path_ok(r, l, gs, want_teacher, true)) return out;
+KernelRows fast_layout(const Rows& r, const Launch& l, const at::Tensor& gs, bool want_teacher) {
+  const KernelRows given{false, r, gs};
+  if (!fast_kernel_takes(r, l, want_teacher)) return given;
+  if (fast_layout_ok(r, l, gs, true)) return KernelRows{true, r, gs};
   const at::Tensor t = r.topk() ? at::Tensor() : r.t;
   std::vector<at::Tensor> members = {r.s};
   if (t.defined()) members.push_back(t);
@@ -1127,19 +1129,17 @@ CoAlignedRows co_aligned_rows(const Rows& r, const Launch& l, const at::Tensor& 
       if (!rows_co_aligned(members[i], x)) bytes += x.numel() * static_cast<int64_t>(x.element_size());
     if (best_bytes < 0 || bytes < best_bytes) best = i, best_bytes = bytes;
   }
-  const at::Tensor& ref = members[best];
-  out.r = r;
-  out.r.s = co_aligned_like(ref, r.s);
-  if (t.defined()) out.r.t = co_aligned_like(ref, t);
-  out.g = gs.defined() ? co_aligned_like(ref, gs) : gs;
-  if (!fast_path_ok(out.r, l, out.g, false, true)) {
-    out.r.s = on_grid_like(r.s);
-    if (t.defined()) out.r.t = on_grid_like(t);
-    out.g = gs.defined() ? on_grid_like(gs) : gs;
-    if (!fast_path_ok(out.r, l, out.g, false, true)) return CoAlignedRows{};
-  }
-  out.used = true;
-  return out;
+  auto laid = [&](auto like) {
+    KernelRows out{true, r, gs};
+    out.r.s = like(r.s);
+    if (t.defined()) out.r.t = like(t);
+    if (gs.defined()) out.g = like(gs);
+    return out;
+  };
+  const KernelRows co = laid([&](const at::Tensor& x) { return co_aligned_like(members[best], x); });
+  if (fast_layout_ok(co.r, l, co.g, true)) return co;
+  const KernelRows grid = laid([](const at::Tensor& x) { return on_grid_like(x); });
+  return fast_layout_ok(grid.r, l, grid.g, true) ? grid : given;
 }
 
 // Calls f(mode, grad, phase), each a std::integral_constant, for the kernel instance a split's terms or gradient
@@ -1390,32 +1390,21 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
       using A = typename AccOf<T>::type;
       const Launch l = plan_launch(r.v, sizeof(T) * (r.topk() ? 1 : 2), r.topk());
       check_in_place(gs, r, l);
-      Params<T, A> p = base_params<T, A>(r, ignore_index, beta, temperature, l);
-      p.gs = want_student ? gs.data_ptr<T>() : nullptr;
-      p.gs_stride = want_student ? gs.stride(0) : 0;
+      const KernelRows kr = fast_layout(r, l, gs, want_teacher);
+      Params<T, A> p = base_params<T, A>(kr.r, ignore_index, beta, temperature, l);
+      p.gs = want_student ? kr.g.data_ptr<T>() : nullptr;
+      p.gs_stride = want_student ? kr.g.stride(0) : 0;
       p.gt = want_teacher ? gt.data_ptr<T>() : nullptr;
       p.scale_dev = scale_given ? scale_given : inv_div.defined() ? inv_div.data_ptr<double>() : nullptr;
       p.scale_host = inv_host;
       p.out = rows_loss.data_ptr<A>();
+      if (kr.fast) {
+        kr.fill_inputs(r);
+        launch_fast(l, mode_of(beta), r.topk(), want_student, r.n, p, rows_loss, stream, !all_rows_on_grid(kr.r, kr.g));
+        kr.gradient_out(gs);
+        return;
+      }
       const int cfg = want_teacher ? CFG_GENERIC : (want_student ? CFG_STUDENT : CFG_INFER);
-      if (fast_path_ok(r, l, gs, want_teacher, true)) {
-        launch_fast(l, mode_of(beta), r.topk(), want_student, r.n, p, rows_loss, stream, !all_rows_on_grid(r, gs));
-        return;
-      }
-      CoAlignedRows co = co_aligned_rows(r, l, gs, want_teacher);
-      if (co.used) {  // rows at different offsets from the grid: copies onto one layout, then the fast kernel
-        co.fill_inputs(r);
-        Params<T, A> q = base_params<T, A>(co.r, ignore_index, beta, temperature, l);
-        q.gs = want_student ? co.g.data_ptr<T>() : nullptr;
-        q.gs_stride = want_student ? co.g.stride(0) : 0;
-        q.gt = nullptr;
-        q.scale_dev = p.scale_dev;
-        q.scale_host = p.scale_host;
-        q.out = p.out;
-        launch_fast(l, mode_of(beta), r.topk(), want_student, r.n, q, rows_loss, stream, !all_rows_on_grid(co.r, co.g));
-        co.gradient_out(gs);
-        return;
-      }
       dispatch_mode(mode_of(beta), [&](auto mode_c) {
         constexpr int MODE = decltype(mode_c)::value;
         if (r.topk()) launch_for<T, MODE, true>(l, cfg, r.n, p, stream);

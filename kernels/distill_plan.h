@@ -141,6 +141,19 @@ inline at::Tensor scaled_rows(at::Tensor& rows_loss, double loss_scale) {
   return rows_loss;
 }
 
+// An uninitialised [n, v] view of a new buffer whose row i lies as far from the 16-byte grid as row i of rows with
+// row stride `stride` whose first row lies `head` entries past the grid: a row stride equal to `stride` modulo a
+// chunk (the narrowest one of at least v: at most a chunk's padding a row) and a storage offset of `head` into a
+// buffer that starts on the grid (the allocators' blocks do). Contiguous where that is the layout (head 0, v a
+// multiple of a chunk's entries modulo it, or one row).
+inline at::Tensor rows_laid_out(int64_t n, int64_t v, int64_t stride, int64_t head, const at::TensorOptions& o) {
+  const int64_t vec = 16 / static_cast<int64_t>(o.dtype().itemsize());
+  const int64_t row = n > 1 ? v + ((stride - v) % vec + vec) % vec : v;
+  if (n == 0 || (row == v && head == 0)) return at::empty({n, v}, o);
+  const at::Tensor buf = at::empty({head + (n - 1) * row + v}, o);
+  return buf.as_strided({n, v}, {row, 1}, head);
+}
+
 // A new gradient for the student's rows [n, v], laid out as they are modulo a 16-byte chunk: its row stride the
 // student's modulo a chunk (at least v, so never more than a chunk's padding a row), its storage offset the
 // student's modulo a chunk (on a buffer that starts on the grid). Contiguous rows get a contiguous gradient; rows
@@ -148,12 +161,8 @@ inline at::Tensor scaled_rows(at::Tensor& rows_loss, double loss_scale) {
 // theirs do, so that the fast kernels take student, teacher and gradient rows without a copy. The fake of
 // distill_forward (kldiv_inline/distill.py, _grad_like_rows) gives the same strides.
 inline at::Tensor grad_like_rows(const Rows& r) {
-  const int64_t vec = 16 / static_cast<int64_t>(r.s.element_size()), n = r.n, v = r.v;
-  const int64_t stride = n > 1 ? v + ((r.s.stride(0) - v) % vec + vec) % vec : v;
-  const int64_t head = r.s.storage_offset() % vec;
-  if (n == 0 || (stride == v && head == 0)) return at::empty({n, v}, r.s.options());
-  const at::Tensor buf = at::empty({head + (n - 1) * stride + v}, r.s.options());
-  return buf.as_strided({n, v}, {stride, 1}, head);
+  const int64_t vec = 16 / static_cast<int64_t>(r.s.element_size());
+  return rows_laid_out(r.n, r.v, r.s.stride(0), r.s.storage_offset() % vec, r.s.options());
 }
 
 // Output buffer for the student's gradient: a given one (written in place, e.g. over the logits themselves) or

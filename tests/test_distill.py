@@ -348,6 +348,32 @@ def assert_gradient_in_place(s, t, idx, lp, lab, betas):
         assert torch.equal(got[0], expect[0]) and torch.equal(buf, expect[1]), f"in place beta={beta}"
 
 
+def assert_fast_rows_betas(s, t, lab, go, dtype, what, topk=None, leaf=None, training="fast_rows", names_ok=None):
+    """For betas 0 / 0.5 / 1 on rows s (a full teacher t, or a top-k one): the forward alone (a full teacher) and
+    the training step, each into poisoned memory, per token against float64 (masked rows 0 with zero gradients;
+    assert_training_rows), the fast kernels launched (`training`: the training step's) and the general one not.
+    leaf(s): a leaf of s's values for the step (s.clone() unless given; a sliced student's layout, say);
+    names_ok(names, train): a test's own check of the kernels launched."""
+    for beta in (0.0, 0.5, 1.0):
+        kw = dict(teacher_topk=topk, beta=beta, temperature=1.7, labels=lab, reduction="none")
+        sw = (leaf(s) if leaf else s.detach().clone()).requires_grad_()
+        ref, (rs,) = reference(sw, t, go, **kw)
+        if t is not None:
+            with torch.no_grad():
+                poison_allocator("cuda")
+                out, names = cuda_kernels(lambda kw=kw: K.generalized_jsd(s, t, **kw))
+            assert not general_kernel(names) and any("fast_rows" in x or "stream_forward" in x for x in names), names
+            assert names_ok is None or names_ok(names, False), names
+            assert_close(out, ref, 2e-6, f"{what} forward alone beta={beta}")
+            assert (out[lab == -100] == 0).all()
+        poison_allocator("cuda")
+        (out, (gs,)), names = cuda_kernels(lambda sw=sw, kw=kw: run(sw, t, go, **kw))
+        assert not general_kernel(names) and any(training in x for x in names), (what, names)
+        assert names_ok is None or names_ok(names, True), names
+        assert gs.shape == s.shape
+        assert_training_rows(out, gs, ref, rs, lab, go, dtype, f"{what} training beta={beta}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=_id)
 @pytest.mark.parametrize("vocab", [50001, 50257, 3, 13])
@@ -364,20 +390,7 @@ def test_fast_kernels_take_contiguous_rows_off_the_grid(dtype, vocab):
     t = logits((n, vocab), dtype, "cuda", scale=3.0)
     assert len({s[r].data_ptr() % 16 for r in range(n)}) == 16 // s.element_size()  # (every offset there is)
     lab = labels_for((n,), "cuda")
-    go = random_grad_out(torch.ones(n, device="cuda"))
-    for beta in (0.0, 0.5, 1.0):
-        kw = dict(beta=beta, temperature=1.7, labels=lab, reduction="none")
-        sw = s.clone().requires_grad_()
-        ref, (rs,) = reference(sw, t, go, **kw)
-        with torch.no_grad():
-            poison_allocator("cuda")
-            out, names = cuda_kernels(lambda kw=kw: K.generalized_jsd(s, t, **kw))
-        assert not general_kernel(names) and any("fast_rows" in x or "stream_forward" in x for x in names), names
-        assert_close(out, ref, 2e-6, f"forward alone beta={beta}")
-        assert (out[lab == -100] == 0).all()
-        (out, (gs,)), names = cuda_kernels(lambda sw=sw, kw=kw: run(sw, t, go, **kw))
-        assert not general_kernel(names) and any("fast_rows" in x for x in names), names
-        assert_training_rows(out, gs, ref, rs, lab, go, dtype, f"training beta={beta}")
+    assert_fast_rows_betas(s, t, lab, random_grad_out(torch.ones(n, device="cuda")), dtype, f"V={vocab}")
     assert_gradient_in_place(s, t, None, None, lab, (0.0, 0.5))
 
 
@@ -405,21 +418,15 @@ def test_fast_topk_takes_contiguous_rows_off_the_grid(dtype, vocab, k):
     perm = torch.argsort(torch.rand(n, k), dim=-1)
     topk = (idx.gather(-1, perm).cuda(), lp.gather(-1, perm).float().cuda())
     lab = labels_for((n,), "cuda")
-    go = random_grad_out(torch.ones(n, device="cuda"))
-    for beta in (0.0, 0.5, 1.0):
-        kw = dict(teacher_topk=topk, beta=beta, temperature=1.7, labels=lab, reduction="none")
-        sw = s.clone().requires_grad_()
-        ref, (rs,) = reference(sw, None, go, **kw)
-        poison_allocator("cuda")
-        (out, (gs,)), names = cuda_kernels(lambda sw=sw, kw=kw: run(sw, None, go, **kw))
-        assert not general_kernel(names) and any("fast_topk" in x for x in names), names
-        assert_training_rows(out, gs, ref, rs, lab, go, dtype, f"training beta={beta}")
+    assert_fast_rows_betas(s, None, lab, random_grad_out(torch.ones(n, device="cuda")), dtype, f"V={vocab} k={k}",
+                           topk=topk, training="fast_topk")
     assert_gradient_in_place(s, None, *topk, lab, (0.0, 0.5))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, vocab", [(torch.bfloat16, 256000), (torch.bfloat16, 200003), (torch.float32, 100000)],
-                         ids=["bf16-256000", "bf16-200003", "fp32-100000"])
+@pytest.mark.parametrize("dtype, vocab", [(torch.bfloat16, 256000), (torch.float16, 262144), (torch.bfloat16, 200003),
+                                          (torch.float32, 100000)],
+                         ids=["bf16-256000", "fp16-262144", "bf16-200003", "fp32-100000"])
 def test_long_rows_in_clusters_of_16(dtype, vocab):
     # Rows whose student and teacher slices overflow the 40 KB shared-memory target in clusters of 16 (bf16 rows
     # beyond 163840 entries, Gemma's 256000; float32 beyond 81920) take clusters of 16 with larger slices (up to
@@ -429,19 +436,7 @@ def test_long_rows_in_clusters_of_16(dtype, vocab):
     s = logits((n, vocab), dtype, "cuda", scale=3.0)
     t = logits((n, vocab), dtype, "cuda", scale=3.0)
     lab = torch.tensor([1, -100, 2, 3, 4], device="cuda")
-    go = random_grad_out(torch.ones(n, device="cuda"))
-    for beta in (0.0, 0.5, 1.0):
-        kw = dict(beta=beta, temperature=1.7, labels=lab, reduction="none")
-        sw = s.clone().requires_grad_()
-        ref, (rs,) = reference(sw, t, go, **kw)
-        with torch.no_grad():
-            poison_allocator("cuda")
-            out, names = cuda_kernels(lambda kw=kw: K.generalized_jsd(s, t, **kw))
-        assert not general_kernel(names), names
-        assert_close(out, ref, 2e-6, f"forward alone beta={beta}")
-        (out, (gs,)), names = cuda_kernels(lambda sw=sw, kw=kw: run(sw, t, go, **kw))
-        assert not general_kernel(names) and any("fast_rows" in x for x in names), names
-        assert_training_rows(out, gs, ref, rs, lab, go, dtype, f"training beta={beta}")
+    assert_fast_rows_betas(s, t, lab, random_grad_out(torch.ones(n, device="cuda")), dtype, f"V={vocab}")
 
 
 def sliced_rows(n, vocab, dtype, width=None):
@@ -475,26 +470,14 @@ def test_fast_kernels_take_rows_at_different_offsets(dtype, vocab, layout):
         lp, idx = torch.log_softmax(torch.randn(n, vocab, dtype=torch.float64) * 2.5, -1).topk(k, dim=-1)
         topk = (idx.cuda(), lp.float().cuda())
     lab = labels_for((n,), "cuda")
-    go = random_grad_out(torch.ones(n, device="cuda"))
-    fast = "fast_topk" if topk else "fast_rows"
-    for beta in (0.0, 0.5, 1.0):
-        kw = dict(teacher_topk=topk, beta=beta, temperature=1.7, labels=lab, reduction="none")
-        # (a leaf of s's values and layout)
+
+    def leaf(s):  # a leaf of s's values and layout
         sw = s.detach().clone() if s.is_contiguous() else sliced_rows(n, vocab, dtype, s.stride(0)).copy_(s)
-        sw.requires_grad_()
         assert sw.data_ptr() % 16 == s.data_ptr() % 16 and sw.stride() == s.stride()
-        ref, (rs,) = reference(sw, t, go, **kw)
-        if t is not None:
-            with torch.no_grad():
-                poison_allocator("cuda")
-                out, names = cuda_kernels(lambda kw=kw: K.generalized_jsd(s, t, **kw))
-            assert not general_kernel(names) and any("fast_rows" in x or "stream_forward" in x for x in names), names
-            assert_close(out, ref, 2e-6, f"{layout} forward alone beta={beta}")
-            assert (out[lab == -100] == 0).all()
-        (out, (gs,)), names = cuda_kernels(lambda sw=sw, kw=kw: run(sw, t, go, **kw))
-        assert not general_kernel(names) and any(fast in x for x in names), (layout, names)
-        assert gs.shape == s.shape
-        assert_training_rows(out, gs, ref, rs, lab, go, dtype, f"{layout} training beta={beta}")
+        return sw
+
+    assert_fast_rows_betas(s, t, lab, random_grad_out(torch.ones(n, device="cuda")), dtype, layout, topk=topk,
+                           leaf=leaf, training="fast_topk" if topk else "fast_rows")
     mod = K.load("cuda", extension="distill")
     idx, lp = topk if topk else (None, None)
     own = torch.empty(n * vocab + 1, dtype=dtype, device="cuda")[1:].view(n, vocab)  # (a third offset)
