@@ -1207,7 +1207,9 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
     // (kNarrowKsBlocks), forward KL's (kDirectStepTerms), the top-k teacher's (kTopkNarrow)
     const bool narrow = sizeof(T) == 2 && want_student &&
                         (topk ? kTopkNarrow : (mode == FORWARD_KL ? kDirectStepTerms : kNarrowKsBlocks));
-    l.threads = narrow ? kNarrowThreads : kFastThreads;
+    // and, where their slices overflow the shared-memory target (long rows, on the grid), in kWideThreads blocks
+    const bool wide = kWideLongRows && narrow && !topk && !shifted && plan.smem > kSmemTarget;
+    l.threads = wide ? kWideThreads : narrow ? kNarrowThreads : kFastThreads;
     p.staged = staged_copy();
     const int per_row = l.cluster * (l.threads / 32);  // the partial losses: one a warp
     at::Tensor partial = topk ? rows_loss : at::empty({n * per_row}, rows_loss.options());
@@ -1229,9 +1231,12 @@ void launch_fast(const Launch& plan, int mode, bool topk, bool want_student, int
         if constexpr (sizeof(T) == 2) {  // the register-capped instances (distill_fast.cuh)
           // Where the mode's training rows are narrow (narrow == want_student here), the capped training
           // instance is not instantiated at all: a kernel fewer to compile, none that could be launched by mistake.
-          if constexpr (MODE == FORWARD_KL ? kDirectStepTerms : kNarrowKsBlocks)
+          if constexpr (MODE == FORWARD_KL ? kDirectStepTerms : kNarrowKsBlocks) {
+            if constexpr (kWideLongRows && !SHIFT) {
+              if (wide) return launch(fast_rows_kernel_wide<T, MODE>, rows_alone_kernel<T, MODE, SHIFT>());
+            }
             launch(fast_rows_kernel_narrow<T, MODE, SHIFT>, rows_alone_kernel<T, MODE, SHIFT>());
-          else launch(fast_rows_kernel_16<T, MODE, true, SHIFT>, rows_alone_kernel<T, MODE, SHIFT>());
+          } else launch(fast_rows_kernel_16<T, MODE, true, SHIFT>, rows_alone_kernel<T, MODE, SHIFT>());
         } else launch(fast_rows_kernel<T, MODE, true, SHIFT>, rows_alone_kernel<T, MODE, SHIFT>());
       };
       // A top-k teacher's instances, SHIFT or not (SHIFT: the head's room below rank 0's slice)

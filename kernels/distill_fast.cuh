@@ -30,6 +30,13 @@ constexpr int kFastWarps = kFastThreads / 32;
 // kernel compiles to the instructions it had before (tools/sass_compare.py), to measure against.
 constexpr bool kNarrowKsBlocks = true;
 constexpr int kNarrowThreads = 128;
+// Rows whose slices overflow the 40 KB shared-memory target (bfloat16 rows beyond 163840 entries: Gemma's 256000)
+// take 64 KB or more a block, three blocks an SM at most: in kNarrowThreads blocks that is 12 warps an SM to hide the
+// copy's and the cluster barriers' latency, against 28 at 128256 entries. Their 16-bit training rows (one device,
+// rows on the 16-byte grid) take blocks of kWideThreads with the narrow instances' forms and no register cap beyond
+// three blocks an SM's (fast_rows_kernel_wide): 24 warps an SM. false: they take the narrow instances, as before.
+constexpr bool kWideLongRows = true;
+constexpr int kWideThreads = 256;
 // The JSD's bfloat16 training rows keep each entry's u_s from the terms pass, in 16 bits over the teacher's logit
 // in shared memory (dead after that pass), so the gradient pass forms only ps (1 MUFU) where it formed ps, e^d and
 // log z (3): kernels/NOTES.md, "The JSD step after version 23". u_s is stored as fp16 times kKeptUsScale (so that
@@ -495,7 +502,9 @@ struct FoldSum {
 // and writes the row's loss over the whole vocabulary into pr->rows_loss.
 // SHIFT: rows may start off the 16-byte grid (fast_slice); the instances launched where some row does, every
 // other compiles as before such rows were taken (one instance for both measured the steps 1-3% slower, H200).
-template <typename T, int MODE, bool GRAD, int THREADS = kFastThreads, bool SPLIT = false, bool SHIFT = false>
+// UNCAPPED: the forms tuned for the uncapped training instances (narrow blocks, and the wide blocks of long rows).
+template <typename T, int MODE, bool GRAD, int THREADS = kFastThreads, bool SPLIT = false, bool SHIFT = false,
+          bool UNCAPPED = THREADS == kNarrowThreads>
 __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerRows* pr = nullptr) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();
@@ -505,12 +514,12 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   // The gradient needs the row sum ks first (reverse KL, JSD).
   constexpr bool KS = GRAD && student_needs_k<MODE>();
   // Forward KL's training rows in narrow blocks (kDirectStepTerms): direct terms, the tail's student logit kept.
-  constexpr bool STEP_DIRECT = kDirectStepTerms && GRAD && !KS && THREADS == kNarrowThreads;
+  constexpr bool STEP_DIRECT = kDirectStepTerms && GRAD && !KS && UNCAPPED;
   // The terms pass's forms ("2. terms" below says why): G, its loop writes forward KL's gradient; DIRECT, it sums
   // forward or reverse KL's direct summand and tests it against the thread's mass.
   constexpr bool G = GRAD && !KS;
   constexpr bool DIRECT = kDirectTerms && MODE != JSD && (!G || STEP_DIRECT);
-  constexpr bool MASS_FROM_NORMS = kMassFromNorms && DIRECT && !SPLIT && THREADS == kNarrowThreads;
+  constexpr bool MASS_FROM_NORMS = kMassFromNorms && DIRECT && !SPLIT && UNCAPPED;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // kTwoLevelExchange where it measured faster (one H200, kernels/NOTES.md, version 29): forward KL (its step -4%,
   // its forward alone -1.4%) and the JSD's training rows (-1.4%). Reverse KL (its step +1.1%, its forward alone
@@ -1238,6 +1247,11 @@ __global__ void __launch_bounds__(kFastThreads) fast_rows_kernel(const Params<T,
 template <typename T, int MODE, bool SHIFT = false>
 __global__ void __launch_bounds__(kNarrowThreads, 7) fast_rows_kernel_narrow(const Params<T, float> p) {
   fast_rows<T, MODE, true, kNarrowThreads, false, SHIFT>(p);
+}
+// The same for long rows (kWideLongRows): three blocks an SM leave each thread up to 85 registers.
+template <typename T, int MODE>
+__global__ void __launch_bounds__(kWideThreads, 3) fast_rows_kernel_wide(const Params<T, float> p) {
+  fast_rows<T, MODE, true, kWideThreads, false, false, true>(p);
 }
 
 // The split's one-read kernels (SPLIT; forward KL and the JSD's training rows, distill_peer_terms): as

@@ -430,13 +430,21 @@ def test_fast_topk_takes_contiguous_rows_off_the_grid(dtype, vocab, k):
 def test_long_rows_in_clusters_of_16(dtype, vocab):
     # Rows whose student and teacher slices overflow the 40 KB shared-memory target in clusters of 16 (bf16 rows
     # beyond 163840 entries, Gemma's 256000; float32 beyond 81920) take clusters of 16 with larger slices (up to
-    # 200 KB), where they took clusters of 8 (one block an SM: 2.2-3.3 x the floor on an H200). Per token against
-    # float64 (masked rows, betas 0 / 0.5 / 1; training and forward alone) and the gradients, the fast kernels.
+    # 200 KB), where they took clusters of 8 (one block an SM: 2.2-3.3 x the floor on an H200); their 16-bit
+    # training rows on the 16-byte grid in wide blocks (fast_rows_kernel_wide; an odd V's rows lie off the grid
+    # and take the narrow blocks). Per token against float64 (masked rows, betas 0 / 0.5 / 1; training and forward
+    # alone) and the gradients, the fast kernels.
     n = 5
     s = logits((n, vocab), dtype, "cuda", scale=3.0)
     t = logits((n, vocab), dtype, "cuda", scale=3.0)
     lab = torch.tensor([1, -100, 2, 3, 4], device="cuda")
-    assert_fast_rows_betas(s, t, lab, random_grad_out(torch.ones(n, device="cuda")), dtype, f"V={vocab}")
+    wide = dtype != torch.float32 and vocab % 8 == 0  # (16-bit rows on the grid: the wide blocks' training rows)
+
+    def names_ok(names, train):
+        return any("fast_rows_kernel_wide" in x for x in names) == (train and wide)
+
+    assert_fast_rows_betas(s, t, lab, random_grad_out(torch.ones(n, device="cuda")), dtype, f"V={vocab}",
+                           names_ok=names_ok)
 
 
 def sliced_rows(n, vocab, dtype, width=None):
