@@ -1395,20 +1395,51 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
       using A = typename AccOf<T>::type;
       const Launch l = plan_launch(r.v, sizeof(T) * (r.topk() ? 1 : 2), r.topk());
       check_in_place(gs, r, l);
+      // Params of a launch over rows kr of the divergence of `b`, the student's gradient (where ws) into kr.g.
+      auto params = [&](const KernelRows& kr, double b, bool ws) {
+        Params<T, A> p = base_params<T, A>(kr.r, ignore_index, b, temperature, l);
+        p.gs = ws ? kr.g.data_ptr<T>() : nullptr;
+        p.gs_stride = ws ? kr.g.stride(0) : 0;
+        p.scale_dev = scale_given ? scale_given : inv_div.defined() ? inv_div.data_ptr<double>() : nullptr;
+        p.scale_host = inv_host;
+        p.out = rows_loss.data_ptr<A>();
+        return p;
+      };
+      // A fast kernel's launch: kr's copies of the given rows in, the kernel (the rows' losses into `losses`), the
+      // gradient copied out of kr.g into g.
+      auto run_fast = [&](const KernelRows& kr, const Rows& given, double b, bool ws, at::Tensor& losses,
+                          at::Tensor& g) {
+        kr.fill_inputs(given);
+        launch_fast(l, mode_of(b), kr.r.topk(), ws, r.n, params(kr, b, ws), losses, stream,
+                    !all_rows_on_grid(kr.r, kr.g));
+        kr.gradient_out(g);
+      };
+      if (want_teacher && !r.topk()) {
+        // The teacher's gradient (self-distillation) from the fast kernels too, as a student's: exchanging the two
+        // rows and beta for 1 - beta leaves the divergence as it is (forward KL becomes reverse KL with the rows
+        // exchanged, and the JSD's mixture (1 - beta) p_s + beta p_t is the same), so the teacher's gradient is
+        // that launch's student gradient. Two launches, each reading both rows: 6 tensors' bytes where one kernel
+        // could move 4, against rows_kernel's generic instance at 2.2 x (forward and reverse KL) and 4.5 x (the
+        // JSD) the 4-tensor floor on an H200 (kernels/NOTES.md, version 58). The teacher's launch comes first: a
+        // student gradient written over the student's logits (the fused head's) must follow every read of them.
+        Rows exchanged = r;
+        std::swap(exchanged.s, exchanged.t);
+        const KernelRows kt = fast_layout(exchanged, l, gt, false);
+        const KernelRows ks = want_student ? fast_layout(r, l, gs, false) : KernelRows{true, r, gs};
+        if (kt.fast && ks.fast) {
+          at::Tensor unused = want_student ? at::empty_like(rows_loss) : rows_loss;  // (its losses: the same)
+          run_fast(kt, exchanged, 1.0 - beta, true, unused, gt);
+          if (want_student) run_fast(ks, r, beta, true, rows_loss, gs);
+          return;
+        }
+      }
       const KernelRows kr = fast_layout(r, l, gs, want_teacher);
-      Params<T, A> p = base_params<T, A>(kr.r, ignore_index, beta, temperature, l);
-      p.gs = want_student ? kr.g.data_ptr<T>() : nullptr;
-      p.gs_stride = want_student ? kr.g.stride(0) : 0;
-      p.gt = want_teacher ? gt.data_ptr<T>() : nullptr;
-      p.scale_dev = scale_given ? scale_given : inv_div.defined() ? inv_div.data_ptr<double>() : nullptr;
-      p.scale_host = inv_host;
-      p.out = rows_loss.data_ptr<A>();
       if (kr.fast) {
-        kr.fill_inputs(r);
-        launch_fast(l, mode_of(beta), r.topk(), want_student, r.n, p, rows_loss, stream, !all_rows_on_grid(kr.r, kr.g));
-        kr.gradient_out(gs);
+        run_fast(kr, r, beta, want_student, rows_loss, gs);
         return;
       }
+      Params<T, A> p = params(kr, beta, want_student);
+      p.gt = want_teacher ? gt.data_ptr<T>() : nullptr;
       const int cfg = want_teacher ? CFG_GENERIC : (want_student ? CFG_STUDENT : CFG_INFER);
       dispatch_mode(mode_of(beta), [&](auto mode_c) {
         constexpr int MODE = decltype(mode_c)::value;

@@ -447,6 +447,46 @@ def test_long_rows_in_clusters_of_16(dtype, vocab):
                            names_ok=names_ok)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=_id)
+@pytest.mark.parametrize("vocab", [4096, 50257, 13])
+def test_teacher_gradient_from_the_fast_kernels(dtype, vocab):
+    # Self-distillation (the teacher's logits require grad too) on the fast kernels: the teacher's gradient is the
+    # student gradient of the same divergence with the rows exchanged and beta -> 1 - beta, a launch of its own
+    # before the student's (rows_kernel's generic instance took these calls, at 2.2-4.5 x the 4-tensor floor on an
+    # H200). Per token against float64 (masked rows; betas 0 / 0.3 / 0.5 / 1), both gradients (the teacher's alone
+    # where the student needs none), entries at -inf in both rows (a padded vocabulary), the fast kernels launched
+    # and the general one not; and the student's gradient written over its logits beside the teacher's (its launch
+    # follows the teacher's, which reads those logits) as written into a buffer of its own, bit for bit.
+    n = 19
+    s = logits((n, vocab), dtype, "cuda", scale=3.0)
+    t = logits((n, vocab), dtype, "cuda", scale=3.0)
+    if vocab > 13:
+        s[:, -7:] = t[:, -7:] = float("-inf")
+    lab = labels_for((n,), "cuda")
+    go = random_grad_out(torch.ones(n, device="cuda"))
+    for beta in (0.0, 0.3, 0.5, 1.0):
+        kw = dict(beta=beta, temperature=1.7, labels=lab, reduction="none")
+        for student_grad in (True, False):
+            sw, tw = s.clone().requires_grad_(student_grad), t.clone().requires_grad_()
+            ref, rg = reference(sw, tw, go, **kw)
+            (out, grads), names = cuda_kernels(lambda sw=sw, tw=tw, kw=kw: run(sw, tw, go, **kw))
+            assert not general_kernel(names) and any("fast_rows" in x for x in names), names
+            what = f"beta={beta} student_grad={student_grad}"
+            assert len(grads) == len(rg) == (2 if student_grad else 1), what
+            if student_grad:
+                assert_training_rows(out, grads[0], ref, rg[0], lab, go, dtype, f"{what} student")
+            assert_training_rows(out, grads[-1], ref, rg[-1], lab, go, dtype, f"{what} teacher")
+    mod = K.load("cuda", extension="distill")
+    for beta in (0.0, 0.5, 1.0):
+        expect = mod.distill_forward(s, t, None, None, lab, -100, beta, 1.7, 0, True, True, None)
+        buf = s.clone()
+        got = mod.distill_forward(buf, t, None, None, lab, -100, beta, 1.7, 0, True, True, buf)
+        assert got[1].data_ptr() == buf.data_ptr()
+        assert torch.equal(got[0], expect[0]) and torch.equal(buf, expect[1]), f"in place beta={beta}"
+        assert torch.equal(got[2], expect[2]), f"the teacher's gradient beside an in-place one, beta={beta}"
+
+
 def sliced_rows(n, vocab, dtype, width=None):
     """Logits [n, vocab] sliced out of a padded vocabulary (rows of `width` entries, a multiple of 64, so every row
     starts on the 16-byte grid while a contiguous [n, vocab] tensor's rows do not)."""

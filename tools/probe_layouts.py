@@ -1,6 +1,6 @@
 """Times the distillation step on rows whose student, teacher and gradient lie at different offsets from the 16-byte
 grid (logits sliced out of a padded vocabulary beside contiguous tensors): the fast kernel after copying the rows
-that do not share the reference's offsets (kernels/distill.cu, co_aligned_rows) against the general kernel those
+that do not share the reference's offsets (kernels/distill.cu, fast_layout) against the general kernel those
 calls took before (KLDIV_DISTILL_FAST=0, read on every call), and against contiguous rows of the same size (no copy).
 The copies are copy_rows_kernel's (kernels/distill.cu); for comparison, each vocabulary also times PyTorch's copy_
 of one tensor of its logits between the two layouts (sliced -> contiguous and back), against its 2-pass floor.
@@ -50,14 +50,14 @@ def kernels_of(fn) -> str:
 def time_cases(s, t, lab, reps, floor, base) -> list[dict]:
     """The three passes on one layout, each by the new path and by the general kernel."""
     out = []
-    sw = s.requires_grad_()  # (a leaf: a slice of a tensor that needs no gradient, or one that is whole)
+    s.requires_grad_()  # (a leaf: a slice of a tensor that needs no gradient, or one that is whole)
     for beta, grad in ((0.0, True), (0.5, True), (0.0, False)):
         kw = dict(beta=beta, temperature=2.0, labels=lab)
 
         def step(kw=kw, grad=grad):
             if grad:
-                loss = K.generalized_jsd(sw, t, **kw)
-                return loss, torch.autograd.grad(loss, [sw])[0]
+                loss = K.generalized_jsd(s, t, **kw)
+                return loss, torch.autograd.grad(loss, [s])[0]
             with torch.no_grad():
                 return K.generalized_jsd(s, t, **kw), None
 
