@@ -171,8 +171,14 @@ def test_matches_float64(device, dtype, beta, reduction):
     row = go.double() * kept / (kept.sum() if reduction == "batchmean" else 1.0)
     scale = entry_scale(ps, pt) * (row.abs() / kw["temperature"]).unsqueeze(-1)
     if dtype != torch.float64:  # entry by entry, at each entry's conditioning (see assert_entries_close)
-        assert_entries_close(gs, rs, scale, "student grad")
-        assert_entries_close(gt, rt, scale, "teacher grad")
+        # The fast kernels' bfloat16 JSD gradients (on CUDA both, the teacher's as the student gradient of the rows
+        # exchanged) keep each entry's u_s and (1 - beta) ps in fp16 between their passes (distill_fast.cuh,
+        # kJsdKeepUs, kJsdKeptPs): beyond the gradient's own rounding, up to ~2^-12 of the entry's scale, 1/32 of a
+        # bfloat16 spacing of it, where float32 lanes throughout stay within a few float32 roundings.
+        kept16 = device == "cuda" and dtype == torch.bfloat16 and 0.0 < beta < 1.0
+        bound = dict(roundings=1 / 16, unit=torch.bfloat16) if kept16 else {}
+        assert_entries_close(gs, rs, scale, "student grad", **bound)
+        assert_entries_close(gt, rt, scale, "teacher grad", **bound)
     else:  # within GRAD_TOL of the whole gradient or, where its entries cancel beyond that, entry by entry
         # A draw whose rows are sharp (seed 2100074984: the JSD at T = 0.62, top teacher probabilities 0.45-0.9996)
         # leaves the teacher's gradient u - K ~1e-5 of its terms: against an exact (mpmath) gradient the kit's was
