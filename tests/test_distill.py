@@ -117,7 +117,7 @@ def entry_scale(ps, pt):
     return (ps + pt) * (1 + log_ratio) + plogp(ps) + plogp(pt)
 
 
-def assert_entries_close(g, ref, scale, what, roundings=16, unit=torch.float32):
+def assert_entries_close(g, ref, scale, what, roundings=16, unit=torch.float32, row_share=0.0):
     """A gradient computed in float32 lanes against float64 entry by entry: beyond its own rounding (2e-5 of itself
     for float32; for a 16-bit gradient two roundings to its dtype, the forward's and the backward's product with
     grad_output, each half a spacing, subnormal spacings included), each entry may be off by `roundings` float32
@@ -126,14 +126,16 @@ def assert_entries_close(g, ref, scale, what, roundings=16, unit=torch.float32):
     u - K of the reverse KL's and the JSD's gradients, both near the same log ratio, which cancel to ~(1 - p) while
     their float32 roundings (on the GPU lg2.approx's, ~2^-22 of the log) do not. The per-entry bound holds each
     entry to its own scale, so a skipped, swapped or zeroed entry still fails it. ``unit``: the dtype whose
-    roundings count (float64 for a float64 gradient, test_matches_float64's fallback)."""
+    roundings count (float64 for a float64 gradient, test_matches_float64's fallback). ``row_share``: an absolute
+    allowance of that share of the largest scale in the entry's row (the last dim), for kernels whose intermediate
+    values of a row share one fixed-point-like scale (fp16 kept with the row's largest value near 2^15)."""
     r = ref.detach().double()
     if g.dtype == torch.float32:
         slack = 2e-5 * r.abs()
     else:
         fi = torch.finfo(g.dtype)
         slack = fi.eps * r.abs() + 2 * fi.smallest_normal * fi.eps
-    excess = (g.detach().double() - r).abs() - slack
+    excess = (g.detach().double() - r).abs() - slack - row_share * scale.amax(-1, keepdim=True)
     # (an entry of scale 0, as a masked row's, must be exact)
     worst = float(torch.where(excess > 0, excess / (torch.finfo(unit).eps * scale), 0.0).max())
     assert worst <= roundings, f"{what}: an entry {worst:.1f} {unit} roundings of its scale away from float64"
@@ -173,10 +175,13 @@ def test_matches_float64(device, dtype, beta, reduction):
     if dtype != torch.float64:  # entry by entry, at each entry's conditioning (see assert_entries_close)
         # The fast kernels' bfloat16 JSD gradients (on CUDA both, the teacher's as the student gradient of the rows
         # exchanged) keep each entry's u_s and (1 - beta) ps in fp16 between their passes (distill_fast.cuh,
-        # kJsdKeepUs, kJsdKeptPs): beyond the gradient's own rounding, up to ~2^-12 of the entry's scale, 1/32 of a
-        # bfloat16 spacing of it, where float32 lanes throughout stay within a few float32 roundings.
+        # kJsdKeepUs, kJsdKeptPs): beyond the gradient's own rounding, up to ~2^-12 of the entry's scale (1/32 of a
+        # bfloat16 spacing of it), and the kept ps, scaled so that the row's largest lies near 2^15, is an fp16
+        # subnormal below 2^-29 of it, rounded to 2^-39 of the row's largest ps (times |u_s - ks|, < ~55): an
+        # entry 2^-31 of the row's scale measured 0.78 bfloat16 spacings of its own scale off (an H200, seed
+        # 889728415). Float32 lanes throughout stay within a few float32 roundings of each entry's own scale.
         kept16 = device == "cuda" and dtype == torch.bfloat16 and 0.0 < beta < 1.0
-        bound = dict(roundings=1 / 16, unit=torch.bfloat16) if kept16 else {}
+        bound = dict(roundings=1 / 16, unit=torch.bfloat16, row_share=2.0**-32) if kept16 else {}
         assert_entries_close(gs, rs, scale, "student grad", **bound)
         assert_entries_close(gt, rt, scale, "teacher grad", **bound)
     else:  # within GRAD_TOL of the whole gradient or, where its entries cancel beyond that, entry by entry
@@ -332,10 +337,15 @@ def general_kernel(names):
     return any(re.search(r"[^\w]rows_kernel<", x) for x in names)
 
 
-def assert_training_rows(out, gs, ref, rs, lab, go, dtype, what):
+def assert_training_rows(out, gs, ref, rs, lab, go, dtype, what, loss_slack=None):
     """A training call's per-token losses against float64, masked rows 0 with zero gradients, every other row's
-    gradient within its dtype's rounding (go: the rows' gradients of the output)."""
-    assert_close(out, ref, 2e-6, what)
+    gradient within its dtype's rounding (go: the rows' gradients of the output). loss_slack: each row's loss may
+    be off by that much more where the rows together miss the bound (topk_loss_slack)."""
+    if loss_slack is None or relative_error(out.detach(), ref.detach()) <= 2e-6:
+        assert_close(out, ref, 2e-6, what)
+    else:
+        excess = (out.detach().double() - ref.detach()).abs() - 2e-6 * ref.detach().abs() - loss_slack
+        assert float(excess.max()) <= 0, f"{what}: a row's loss {float(excess.max()):.2e} beyond its bound"
     assert (out[lab == -100] == 0).all() and (gs[lab == -100] == 0).all(), what
     for row in range(len(lab)):
         if lab[row] != -100:  # (a masked row's gradient is 0, above)
@@ -352,6 +362,19 @@ def assert_gradient_in_place(s, t, idx, lp, lab, betas):
         got = mod.distill_forward(buf, t, idx, lp, lab, -100, beta, 1.7, 0, True, False, buf)
         assert got[1].data_ptr() == buf.data_ptr()
         assert torch.equal(got[0], expect[0]) and torch.equal(buf, expect[1]), f"in place beta={beta}"
+
+
+def topk_loss_slack(lp, vocab):
+    """Each row's loss error that the teacher's tail mass carries in any float32 kernel: the tail, 1 - the sum of
+    its k probabilities, is off by up to ~(k + 1) float32 roundings of 1 (the sum's), so its log by that over the
+    tail, and the loss by that times the tail buckets' weights and log ratio (< ~30). A teacher whose k tokens hold
+    all but 1e-3 of its mass (a rare draw at V = 13, k = 1: seed 4157797692) puts 6e-5 on its row's loss. 0 where
+    k = V (no tail)."""
+    k = lp.shape[-1]
+    if k == vocab:
+        return torch.zeros(lp.shape[:-1], dtype=torch.float64, device=lp.device)
+    tail = (1.0 - lp.double().exp().sum(-1)).clamp(min=1e-300)
+    return (k + 1) * 2.0**-24 * (1.0 / tail + 30.0)
 
 
 def assert_fast_rows_betas(s, t, lab, go, dtype, what, topk=None, leaf=None, training="fast_rows", names_ok=None):
@@ -377,7 +400,8 @@ def assert_fast_rows_betas(s, t, lab, go, dtype, what, topk=None, leaf=None, tra
         assert not general_kernel(names) and any(training in x for x in names), (what, names)
         assert names_ok is None or names_ok(names, True), names
         assert gs.shape == s.shape
-        assert_training_rows(out, gs, ref, rs, lab, go, dtype, f"{what} training beta={beta}")
+        slack = topk_loss_slack(topk[1], s.shape[-1]) if topk is not None else None
+        assert_training_rows(out, gs, ref, rs, lab, go, dtype, f"{what} training beta={beta}", slack)
 
 
 @pytest.mark.gpu
