@@ -1,19 +1,18 @@
 """Checks and times the distillation kernel on a GPU in one call: a development probe for kernels/distill.cu.
 The committed figures come from `python -m kldiv_inline bench`; this prints a table for one card and one run.
 
-    python tools/distill_probe.py [--reps 15] [--tokens 4096] [--vocab 128256] [--smem-kib 40,72] [--threads 256]
-        [--fast 0] [--staged 0] [--cluster 12,14] [--topk-only]
+    python tools/distill_probe.py [--reps 15] [--tokens 4096] [--vocab 128256] [--dtype bfloat16] [--smem-kib 40,72]
+        [--threads 256] [--fast 0] [--staged 0] [--cluster 12,14] [--topk-only]
     ncu --clock-control none -k regex:rows_kernel python tools/distill_probe.py --once   # one call per config
 
-Per case (bf16 logits, T = 2, 10% of tokens masked): the loss's relative error against float64 (first 512 rows),
-our training step (forward + backward), the kernel alone (also under the tuning knobs KLDIV_DISTILL_SMEM_KIB,
-KLDIV_DISTILL_THREADS, KLDIV_DISTILL_CLUSTER (a cluster size of 1-16), KLDIV_DISTILL_CLUSTER_POLICY=1 (clusters
-scheduled for load balance), KLDIV_DISTILL_FAST=0 (the general kernel) and KLDIV_DISTILL_STAGED=0 (the fast kernel's
-copy waited for whole); each with and without the gradient), the
-forward alone, and the TRL-style PyTorch
-peer eager and compiled; medians of kldiv_inline.timing's CUDA-event timings in ms, over the 3-tensor floor
-(read both logit tensors, write the gradient; 2 tensors for the forward and the top-k teacher) from the read
-bandwidth measured at the start.
+Per case (bf16 logits unless --dtype says, T = 2, 10% of tokens masked): the loss's relative error against float64
+(first 512 rows), our training step (forward + backward), the kernel alone (also under the tuning knobs
+KLDIV_DISTILL_SMEM_KIB, KLDIV_DISTILL_THREADS, KLDIV_DISTILL_CLUSTER (a cluster size of 1-16),
+KLDIV_DISTILL_CLUSTER_POLICY=1 (clusters scheduled for load balance), KLDIV_DISTILL_FAST=0 (the general kernel) and
+KLDIV_DISTILL_STAGED=0 (the fast kernel's copy waited for whole); each with and without the gradient), the forward
+alone, and the TRL-style PyTorch peer eager and compiled; medians of kldiv_inline.timing's CUDA-event timings in
+ms, over the 3-tensor floor (read both logit tensors, write the gradient; 2 tensors for the forward and the top-k
+teacher) from the read bandwidth measured at the start.
 """
 import argparse
 import contextlib
@@ -76,6 +75,7 @@ def main():
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="the logits'")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--topk-only", action="store_true", help="the top-k teacher's rows only")
     ap.add_argument("--once", action="store_true", help="one call per configuration (for ncu), no timing")
@@ -92,12 +92,14 @@ def main():
     del x
     n, v = args.tokens, args.vocab
     g = torch.Generator(device="cuda").manual_seed(0)
-    s = (torch.randn(n, v, device="cuda", generator=g) * 2).bfloat16()
-    t = (torch.randn(n, v, device="cuda", generator=g) * 2).bfloat16()
+    dtype = getattr(torch, args.dtype)
+    s = (torch.randn(n, v, device="cuda", generator=g) * 2).to(dtype)
+    t = (torch.randn(n, v, device="cuda", generator=g) * 2).to(dtype)
     lab = torch.randint(0, v, (n,), device="cuda", generator=g)
     lab[torch.rand(n, device="cuda", generator=g) < 0.1] = -100
     lp, idx = torch.log_softmax(t.float() / T, -1).topk(100, dim=-1)
-    floor3, floor2 = (3 * n * v * 2 / read_gbps / 1e6, 2 * n * v * 2 / read_gbps / 1e6)
+    el = s.element_size()
+    floor3, floor2 = (3 * n * v * el / read_gbps / 1e6, 2 * n * v * el / read_gbps / 1e6)
     print(f"read {read_gbps:.0f} GB/s; floor fwd+bwd {floor3:.3f} ms, fwd {floor2:.3f} ms", flush=True)
     mod = K.load("cuda", extension="distill")
 
