@@ -510,7 +510,9 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     normalised; mass off by more than 2% (``TOPK_MASS_SLACK``) is an error. Indices must be distinct and in range.
     Both are checked in eager mode by one small kernel whose verdict is read back once the divergence kernel is
     queued (the host waits for the small kernel, not for the divergence); under torch.compile or CUDA-graph
-    capture the check is skipped and a row with a bad index has a NaN loss and gradient.
+    capture the check is skipped and a row with a bad index has a NaN loss and gradient. The teacher's tail is
+    formed from float32 exponentials: where the k tokens hold all but ~1e-5 of its mass it is off by a few percent
+    of itself, and reverse KL's loss, which weighs its log by the student's mass outside the k tokens, by ~1e-4.
 
     Gradients flow to the student's logits, and to the teacher's logits when they require grad. A padded
     vocabulary is legal whatever the padding holds (-inf, -1e10, the dtype's lowest value): it holds no mass.
