@@ -1926,35 +1926,39 @@ def test_torch_compile_fullgraph(device, sliced):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture():
+@pytest.mark.parametrize("teacher_grad", [False, True], ids=["student", "self_distillation"])
+def test_cuda_graph_capture(teacher_grad):
+    # (self_distillation: the teacher's gradient too, a second launch of the fast kernel with the rows exchanged)
     s = logits((32, 5000), torch.bfloat16, "cuda").requires_grad_()
-    t = logits((32, 5000), torch.bfloat16, "cuda")
+    t = logits((32, 5000), torch.bfloat16, "cuda").requires_grad_(teacher_grad)
+    wrt = [s, t] if teacher_grad else [s]
     lab = labels_for((32,), "cuda")
     for _ in range(2):  # warm up: build, attribute set-up
         K.generalized_jsd(s, t, labels=lab, beta=0.5).backward()
-    s.grad = None
+    s.grad = t.grad = None
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         loss = K.generalized_jsd(s, t, labels=lab, beta=0.5)
-        (grad,) = torch.autograd.grad(loss, s)
+        grads = torch.autograd.grad(loss, wrt)
     s.data.copy_(logits((32, 5000), torch.bfloat16, "cuda"))  # fresh inputs in the captured buffers
-    t.copy_(logits((32, 5000), torch.bfloat16, "cuda"))
+    t.data.copy_(logits((32, 5000), torch.bfloat16, "cuda"))
     g.replay()
     torch.cuda.synchronize()
     # The replay computes what an eager call does, bit for bit (the kernels are deterministic), and the loss is
     # float64's. (The gradient's accuracy is the accuracy tests'; compared by norm here, a sharp row's JSD gradient,
     # a small difference, once went past the bfloat16 bound on an H200.)
     eager = K.generalized_jsd(s, t, labels=lab, beta=0.5)
-    (eager_grad,) = torch.autograd.grad(eager, s)
-    assert torch.equal(loss, eager) and torch.equal(grad, eager_grad)
+    eager_grads = torch.autograd.grad(eager, wrt)
+    assert torch.equal(loss, eager) and all(torch.equal(a, b) for a, b in zip(grads, eager_grads, strict=True))
     ref = generalized_jsd_reference(s.detach().double(), t.double(), labels=lab, beta=0.5)
     assert_close(loss, ref, 2e-6, "loss")
 
 
 @pytest.mark.gpu
-def test_no_host_sync():
+@pytest.mark.parametrize("teacher_grad", [False, True], ids=["student", "self_distillation"])
+def test_no_host_sync(teacher_grad):
     s = logits((16, 3000), torch.bfloat16, "cuda").requires_grad_()
-    t = logits((16, 3000), torch.bfloat16, "cuda")
+    t = logits((16, 3000), torch.bfloat16, "cuda").requires_grad_(teacher_grad)
     lab = labels_for((16,), "cuda")
     K.generalized_jsd(s, t, labels=lab).backward()  # built and warmed up
     torch.cuda.set_sync_debug_mode("error")
