@@ -352,16 +352,19 @@ def assert_training_rows(out, gs, ref, rs, lab, go, dtype, what, loss_slack=None
             assert_grad_close(gs[row], rs[row], dtype, f"{what} grad row {row}", go[row])
 
 
-def assert_gradient_in_place(s, t, idx, lp, lab, betas):
+def assert_gradient_in_place(s, t, idx, lp, lab, betas, teacher_grad=False):
     """distill_forward's gradient written over the student's logits (as the fused head writes it) is the one it
-    writes into a buffer of its own, bit for bit, and so is the loss (a full teacher t, or a top-k one idx, lp)."""
+    writes into a buffer of its own, bit for bit, and so is the loss (a full teacher t, or a top-k one idx, lp);
+    teacher_grad: so is the teacher's gradient computed beside it."""
     mod = K.load("cuda", extension="distill")
     for beta in betas:
-        expect = mod.distill_forward(s, t, idx, lp, lab, -100, beta, 1.7, 0, True, False, None)
+        expect = mod.distill_forward(s, t, idx, lp, lab, -100, beta, 1.7, 0, True, teacher_grad, None)
         buf = s.clone()
-        got = mod.distill_forward(buf, t, idx, lp, lab, -100, beta, 1.7, 0, True, False, buf)
+        got = mod.distill_forward(buf, t, idx, lp, lab, -100, beta, 1.7, 0, True, teacher_grad, buf)
         assert got[1].data_ptr() == buf.data_ptr()
         assert torch.equal(got[0], expect[0]) and torch.equal(buf, expect[1]), f"in place beta={beta}"
+        if teacher_grad:
+            assert torch.equal(got[2], expect[2]), f"the teacher's gradient beside an in-place one, beta={beta}"
 
 
 def topk_loss_slack(lp, vocab):
@@ -507,14 +510,7 @@ def test_teacher_gradient_from_the_fast_kernels(dtype, vocab):
             if student_grad:
                 assert_training_rows(out, grads[0], ref, rg[0], lab, go, dtype, f"{what} student")
             assert_training_rows(out, grads[-1], ref, rg[-1], lab, go, dtype, f"{what} teacher")
-    mod = K.load("cuda", extension="distill")
-    for beta in (0.0, 0.5, 1.0):
-        expect = mod.distill_forward(s, t, None, None, lab, -100, beta, 1.7, 0, True, True, None)
-        buf = s.clone()
-        got = mod.distill_forward(buf, t, None, None, lab, -100, beta, 1.7, 0, True, True, buf)
-        assert got[1].data_ptr() == buf.data_ptr()
-        assert torch.equal(got[0], expect[0]) and torch.equal(buf, expect[1]), f"in place beta={beta}"
-        assert torch.equal(got[2], expect[2]), f"the teacher's gradient beside an in-place one, beta={beta}"
+    assert_gradient_in_place(s, t, None, None, lab, (0.0, 0.5, 1.0), teacher_grad=True)
 
 
 def sliced_rows(n, vocab, dtype, width=None):

@@ -14,8 +14,6 @@ at the start), the kernels each took (fast or general), and the loss's largest r
 two paths. One JSON line a case (to $OUT/layouts.jsonl when OUT is set), a table last.
 """
 import argparse
-import os
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -23,6 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from fast_and_general import by_both_paths  # noqa: E402
 from jsonl_out import emit  # noqa: E402
 
 import kldiv_inline as K  # noqa: E402
@@ -35,16 +34,6 @@ LAYOUTS = {  # (student sliced, teacher sliced): the gradient is always the op's
     "teacher_sliced": (False, True),  # the teacher copied onto the student's offsets
     "student_sliced": (True, False),  # the teacher copied onto the student's (and gradient's) offsets
 }
-
-
-def kernels_of(fn) -> str:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
-    if any(re.search(r"[^\w]rows_kernel<", x) for x in names):  # (as tests/test_distill.py's general_kernel)
-        return "general"
-    return "fast" if any("fast_rows" in x or "stream_forward" in x for x in names) else "?"
 
 
 def time_cases(s, t, lab, reps, floor, base) -> list[dict]:
@@ -64,15 +53,8 @@ def time_cases(s, t, lab, reps, floor, base) -> list[dict]:
         nbytes = s.element_size() * s.numel() * (3 if grad else 2)
         rec = dict(base, beta=beta, **{"pass": "fwd+bwd" if grad else "fwd"}, floor_ms=floor.ms(nbytes))
         losses = {}
-        for path in ("new", "general"):
-            if path == "general":
-                os.environ["KLDIV_DISTILL_FAST"] = "0"
-            try:
-                took = kernels_of(step)
-                losses[path] = step()[0].double()
-                ms = statistics.median(timing.time_cuda(lambda step=step: step(), [()], reps, 3))
-            finally:
-                os.environ.pop("KLDIV_DISTILL_FAST", None)
+        for path, (took, result, ms) in by_both_paths(step, reps).items():
+            losses[path] = result[0].double()
             rec[f"{path}_ms"], rec[f"{path}_kernel"] = ms, took
             rec[f"{path}_x_floor"] = ms / rec["floor_ms"]
         rec["loss_rel_diff"] = float(((losses["new"] - losses["general"]).abs() / losses["general"].abs()).max())

@@ -14,8 +14,6 @@ whole tensor, relative to its largest entry). One JSON line a case (to $OUT/teac
 a table last.
 """
 import argparse
-import os
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -23,21 +21,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from fast_and_general import by_both_paths  # noqa: E402
 from jsonl_out import emit  # noqa: E402
 
 import kldiv_inline as K  # noqa: E402
 from kldiv_inline import timing  # noqa: E402
 from kldiv_inline.floors import measure_floor  # noqa: E402
-
-
-def kernels_of(fn) -> str:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
-    if any(re.search(r"[^\w]rows_kernel<", x) for x in names):  # (as tests/test_distill.py's general_kernel)
-        return "general"
-    return "fast" if any("fast_rows" in x for x in names) else "?"
 
 
 def time_vocab(v, n, reps, floor, name) -> list[dict]:
@@ -64,16 +53,10 @@ def time_vocab(v, n, reps, floor, name) -> list[dict]:
         rec = dict(card=name, torch=torch.__version__, vocab=v, tokens=n, beta=beta, floor_gbps=floor.gbps,
                    floor_ms=floor.ms(4 * tensor_bytes), student_floor_ms=floor.ms(3 * tensor_bytes))
         results = {}
-        for path in ("new", "general"):
-            if path == "general":
-                os.environ["KLDIV_DISTILL_FAST"] = "0"
-            try:
-                rec[f"{path}_kernel"] = kernels_of(both)
-                results[path] = [x.detach().double() for x in both()]
-                rec[f"{path}_ms"] = statistics.median(timing.time_cuda(lambda: both(), [()], reps, 3))
-            finally:
-                os.environ.pop("KLDIV_DISTILL_FAST", None)
-            rec[f"{path}_x_floor"] = rec[f"{path}_ms"] / rec["floor_ms"]
+        for path, (took, result, ms) in by_both_paths(both, reps).items():
+            results[path] = [x.detach().double() for x in result]
+            rec[f"{path}_kernel"], rec[f"{path}_ms"] = took, ms
+            rec[f"{path}_x_floor"] = ms / rec["floor_ms"]
         rec["student_only_ms"] = statistics.median(timing.time_cuda(lambda: student(), [()], reps, 3))
         rec["student_only_x_floor"] = rec["student_only_ms"] / rec["student_floor_ms"]
         (ln, _, gtn), (lg, _, gtg) = results["new"], results["general"]
