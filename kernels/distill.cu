@@ -409,7 +409,7 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
     for (int64_t w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0u;
     __syncthreads();
     const int64_t* idx = p.idx + row * p.k;
-    const A* lp = p.lp + row * p.k;
+    const A* lp = p.lp + row * (p.k + 1);  // (the prepared row: the tail's mass at lp[k])
     auto log2_ps = [&](T x) { return log2_prob(static_cast<A>(x), k2, norm[0]); };
     A bad = A(0);
     for (int64_t j = threadIdx.x; j < p.k; j += blockDim.x) {
@@ -422,11 +422,9 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
       }
     }
     __syncthreads();
-    // Terms of this block's members, its part of the student's tail mass, and the teacher's mass (all k).
+    // Terms of this block's members and its part of the student's tail mass.
     Terms<A> acc{A(0), A(0), A(0)};
-    A q_sum = A(0);
     for (int64_t j = threadIdx.x; j < p.k; j += blockDim.x) {
-      q_sum += d_exp(lp[j]);
       const int64_t x = idx[j];
       if (x >= lo && x < lo + count) {
         const A ls2 = log2_ps(xs[x - lo]);
@@ -436,13 +434,11 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(const Params<T, typen
     A v[4] = {acc.loss, acc.ks, A(0), bad};  // loss, ks, p_tail, bad
     for (int64_t j = threadIdx.x; j < count; j += blockDim.x)
       if (!((bits[j >> 5] >> (j & 31)) & 1u)) v[2] += d_exp2(log2_ps(xs[j]));
-    A qs[1] = {q_sum};
-    block_sum<1>(qs, scratch);  // every block sums all k: the same value everywhere
     block_sum<4>(v, scratch);
     cluster_sum<4>(cluster, v, slot_terms, bcast);
     A loss = v[0], ks = v[1];
     const A p_tail = v[2];
-    const A q_tail = fmax(A(1) - qs[0], A(0));
+    const A q_tail = lp[p.k];
     const Point<A> tail = bucket_point(p_tail, d_log(p_tail), q_tail, d_log(q_tail));
     if (p.k < p.v) {
       Terms<A> ta{A(0), A(0), A(0)};
@@ -638,8 +634,9 @@ scale_rows_kernel(T* grad, int64_t n, int64_t v, int64_t stride, const G* __rest
   }
 }
 
-// A top-k teacher's rows made ready, one block per row (see distill_topk_prepare in distill_bindings.cpp): the
-// logsumexp of the log-probabilities, the normalised row, and the checks' flags. Repeated indices by comparing
+// A top-k teacher's rows made ready, one block per row (see distill_topk_prepare in distill_api.h): the
+// logsumexp of the log-probabilities, the normalised row [k + 1] (the tail's mass last, from a sum in double:
+// topk_tail), and the checks' flags. Repeated indices by comparing
 // every pair: k <= kDupCheckMax (distill_topk_prepare sorts longer rows).
 constexpr int kPrepThreads = 128;
 constexpr int64_t kDupCheckMax = 256;
@@ -659,6 +656,7 @@ topk_prepare_kernel(const int64_t* __restrict__ idx, const A* __restrict__ lp, A
                     bool check_dup, int* __restrict__ flags) {
   __shared__ int64_t row_idx[kDupCheckMax];
   __shared__ A scratch[kWarps];
+  __shared__ double dscratch[kWarps];
   const int64_t row = blockIdx.x;
   const int64_t* xi = idx + row * k;
   const A* li = lp + row * k;
@@ -686,7 +684,15 @@ topk_prepare_kernel(const int64_t* __restrict__ idx, const A* __restrict__ lp, A
     lse = m[0] + d_log(sum[0]);
   }
   const A shift = topk_shift(lse, whole);
-  for (int64_t j = threadIdx.x; j < k; j += blockDim.x) out[row * k + j] = li[j] - shift;
+  A* o = out + row * (k + 1);
+  double q[1] = {0.0};  // the normalised row's mass, in double
+  for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
+    const A y = li[j] - shift;
+    o[j] = y;
+    q[0] += exp(static_cast<double>(y));
+  }
+  block_sum<1>(q, dscratch);
+  if (threadIdx.x == 0) o[k] = whole || shift != A(0) ? A(0) : topk_tail<A>(q[0]);
   bool dup = false;
   if (check_dup)
     for (int64_t i = threadIdx.x; i < k; i += blockDim.x)
@@ -753,9 +759,17 @@ topk_prepare_warp_kernel(const int64_t* __restrict__ idx, const A* __restrict__ 
     lse = m + d_log(warp_sum(sum));
   }
   const A shift = topk_shift(lse, whole);
+  A* o = out + row * (k + 1);
+  double q = 0.0;  // the normalised row's mass, in double
 #pragma unroll
   for (int e = 0; e < E; ++e)
-    if (lane + 32 * e < k) out[row * k + lane + 32 * e] = x[e] - shift;
+    if (lane + 32 * e < k) {
+      const A y = x[e] - shift;
+      o[lane + 32 * e] = y;
+      q += exp(static_cast<double>(y));
+    }
+  q = warp_sum(q);
+  if (lane == 0) o[k] = whole || shift != A(0) ? A(0) : topk_tail<A>(q);
   __syncwarp();  // the table cleared and the indices held, for every lane
   bool dup = false;
 #pragma unroll
@@ -1602,7 +1616,7 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
   check_topk_prepare(idx, lp, labels, vocab, flags_out);
   const c10::cuda::CUDAGuard guard(idx.device());
   const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor out = at::empty_like(lp);
+  at::Tensor out = at::empty({lp.size(0), lp.size(1) + 1}, lp.options());
   at::Tensor flags;
   int* dflags = nullptr;  // where the kernel writes them
   PinnedUse pinned_use;   // (declared before the launches: its destructor runs after them, on every path)

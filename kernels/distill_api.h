@@ -15,7 +15,8 @@ const char* distill_backend();
 
 // The divergence of student and teacher over rows of logits (distill_common.h has the math), all on this device.
 // student [n, v]; exactly one of teacher [n, v] (same dtype) and a top-k teacher (topk_idx int64 [n, k],
-// topk_lp [n, k] log-probabilities, float32 or float64 for float64 logits); labels int64 [n] or None
+// topk_lp [n, k + 1], float32 or float64 for float64 logits: distill_topk_prepare's rows, the k normalised
+// log-probabilities then the tail's mass); labels int64 [n] or None
 // (rows whose label is ignore_index are masked). reduction: 0 none, 1 sum, 2 batchmean (over unmasked rows).
 // Returns {loss ([n] for none, else 0-d; float32, float64 for float64 logits), d loss / d student logits if
 // want_student (written into grad_student_out when given, which may alias the student logits), d loss / d teacher
@@ -100,8 +101,10 @@ bool distill_in_place_ok(int64_t vocab, int64_t element_size, bool topk);
 
 // A top-k teacher's log-probabilities made ready for distill_forward, with the checks of its indices and mass in
 // the same pass: idx int64 [n, k], lp float32/float64 [n, k] (contiguous), labels int64 [n] or None (masked rows
-// are exempt from the mass check). Returns {lp normalised (each row's mass above 1 divided out; with k = vocab
-// the whole distribution normalised), int32 [3] flags: an index outside [0, vocab), a repeated index within a
+// are exempt from the mass check). Returns {the rows distill_forward takes, [n, k + 1] of lp's dtype: columns
+// 0 .. k-1 lp normalised (each row's mass above 1 divided out; with k = vocab the whole distribution normalised),
+// column k the tail's mass, 1 - the sum of the normalised row's probabilities formed in double (topk_tail; 0 with
+// k = vocab), int32 [3] flags: an index outside [0, vocab), a repeated index within a
 // row (any k: rows longer than the CUDA kernel compares pairwise are sorted), an unmasked row whose mass is more
 // than 1 (k < vocab) or away from 1 (k = vocab) by more than slack_log (a log1p)}. Nothing waits for the device.
 // flags_out: where the flags go instead of a new tensor (zeroed here, returned as the second item), int32 [3] in

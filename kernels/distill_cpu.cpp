@@ -121,7 +121,8 @@ void row_grad(const T* s, const T* t, int64_t v, A k2, const RowNorms<A>& rn, co
   }
 }
 
-// A top-k row: the k tokens and the tail (the rest of the vocabulary) as buckets. Members are marked in `mark` (scratch
+// A top-k row: the k tokens and the tail (the rest of the vocabulary) as buckets. lp: the prepared row, k
+// log-probabilities then the teacher's tail mass (distill_topk_prepare's). Members are marked in `mark` (scratch
 // of v bytes); a duplicate or out-of-range index makes the row's loss NaN (the Python layer rejects them first).
 template <typename T, int MODE, typename A>
 A row_topk(const T* s, int64_t v, const int64_t* idx, const A* lp, int64_t k, A k2, const RowConst<A>& c, A scale,
@@ -130,7 +131,6 @@ A row_topk(const T* s, int64_t v, const int64_t* idx, const A* lp, int64_t k, A 
   auto log2_p = [&](int64_t j) { return log2_prob(static_cast<A>(s[j]), k2, ns); };
   mark.assign(v, 0);
   bool bad = false;
-  double q_sum = 0.0;
   for (int64_t j = 0; j < k; ++j) {
     const int64_t x = idx[j];
     if (x < 0 || x >= v || mark[x]) {
@@ -138,7 +138,6 @@ A row_topk(const T* s, int64_t v, const int64_t* idx, const A* lp, int64_t k, A 
       break;
     }
     mark[x] = 1;
-    q_sum += static_cast<double>(d_exp(lp[j]));
   }
   const A nan = std::numeric_limits<A>::quiet_NaN();
   if (bad) {
@@ -148,7 +147,7 @@ A row_topk(const T* s, int64_t v, const int64_t* idx, const A* lp, int64_t k, A 
   double p_tail = 0.0;
   for (int64_t j = 0; j < v; ++j)
     if (!mark[j]) p_tail += static_cast<double>(d_exp2(log2_p(j)));
-  const A q_tail = static_cast<A>(std::max(0.0, 1.0 - q_sum));
+  const A q_tail = lp[k];
   const Point<A> tail = bucket_point(static_cast<A>(p_tail), d_log(static_cast<A>(p_tail)), q_tail, d_log(q_tail));
   Terms<A> acc{A(0), A(0), A(0)};
   double loss = 0.0, ks = 0.0;
@@ -199,7 +198,7 @@ void forward_rows(const Args& a, double inv_div, at::Tensor& rows_loss, at::Tens
         continue;
       }
       if (r.topk()) {
-        out[i] = row_topk<T, MODE, A>(s, r.v, p.idx + i * r.k, p.lp + i * r.k, r.k, k2, c, scale, gsi, mark);
+        out[i] = row_topk<T, MODE, A>(s, r.v, p.idx + i * r.k, p.lp + i * (r.k + 1), r.k, k2, c, scale, gsi, mark);
         continue;
       }
       const T* t = p.t + i * p.t_stride;
@@ -448,7 +447,7 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
   check_topk_prepare(idx, lp, labels, vocab, flags_out);
   const int64_t n = idx.size(0), k = idx.size(1);
   const bool whole = k == vocab;
-  at::Tensor out = at::empty_like(lp);
+  at::Tensor out = at::empty({n, k + 1}, lp.options());
   at::Tensor flags = flags_out.has_value() ? flags_out->zero_() : at::zeros({3}, idx.options().dtype(at::kInt));
   int* f = flags.data_ptr<int>();
   const int64_t* ix = idx.data_ptr<int64_t>();
@@ -477,7 +476,13 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
         lse = m + d_log(sum);
       }
       const A shift = topk_shift(lse, whole);
-      for (int64_t j = 0; j < k; ++j) o[i * k + j] = li[j] - shift;
+      A* oi = o + i * (k + 1);
+      double q = 0.0;  // the normalised row's mass, in double
+      for (int64_t j = 0; j < k; ++j) {
+        oi[j] = li[j] - shift;
+        q += std::exp(static_cast<double>(oi[j]));
+      }
+      oi[k] = whole || shift != A(0) ? A(0) : topk_tail<A>(q);
       std::copy(xi, xi + k, sorted.begin());  // repeated indices
       std::sort(sorted.begin(), sorted.end());
       if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) f[FLAG_DUP] = 1;

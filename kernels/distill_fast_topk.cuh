@@ -80,7 +80,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   constexpr bool KS = GRAD && student_needs_k<MODE>();  // the gradients need the row sum ks
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ float4 slot_norms[W];  // each warp's (max, sum of 2^(x - max), max, the same sum over non-members)
-  __shared__ float2 slot_aux[W];    // each warp's (teacher mass of its members, a bad index seen)
+  __shared__ float slot_bad[W];     // each warp's: a bad index seen (1) or not (0)
   __shared__ float2 slot_terms[W];  // each warp's members' (loss, ks)
   __shared__ float bcast[5];
   // kTopkPush: rank r's warp w's (max, sum, non-member sum, a bad index seen) at recv_norms[r * W + w]; the first
@@ -99,8 +99,8 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   const T* gsrc = p.s + row * p.s_stride + lo;
   T* gs = GRAD ? p.gs + row * p.gs_stride + lo : nullptr;
   const int64_t* idx = p.idx + row * p.k;
-  const float* lp = p.lp + row * p.k;
-  [[maybe_unused]] int64_t label = 0;  // kTopkLabelFirst: the row's label, loaded before anything else
+  const float* lp = p.lp + row * (p.k + 1);  // (the prepared row: the teacher's tail mass at lp[k])
+  [[maybe_unused]] int64_t label = 0;        // kTopkLabelFirst: the row's label, loaded before anything else
   if constexpr (kTopkLabelFirst) {
     if (p.labels) label = p.labels[row];
   }
@@ -194,10 +194,8 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
   }
   [[maybe_unused]] bool warp_bad;
   {
-    float q = 0.f;
     bool bad = false;
-    for_members([&](int64_t x, float l) {
-      q += d_exp(l);
+    for_members([&](int64_t x, float) {
       if (x < 0 || x >= p.v) {
         bad = true;
       } else if (in_slice(x)) {
@@ -212,9 +210,8 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
         }
       }
     });
-    q = warp_sum(q);
     bad = __any_sync(0xffffffffu, bad);
-    if (lane == 0) slot_aux[warp] = make_float2(q, bad ? 1.f : 0.f);
+    if (!PUSH && lane == 0) slot_bad[warp] = bad ? 1.f : 0.f;  // (PUSH: in the norms' record)
     warp_bad = bad;
   }
   const float k2 = p.k2;
@@ -240,6 +237,9 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
         if (r != rank) push_f32(at_rank(dst, r), xv, at_rank(bar_members, r));
     }
   }
+  // The teacher's tail mass (distill_topk_prepare's, beside its k log-probabilities: topk_tail), loaded here so
+  // that the sums' pass hides its latency.
+  const float q_tail_in = warp == 0 ? lp[p.k] : 0.f;
   float sm = 0.f, st = 0.f;  // all entries, non-members
   for (int c = threadIdx.x; c < chunks; c += THREADS) {
     const Vec<T> v = load_chunk(xs + c * N, true);
@@ -287,15 +287,14 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
       for (int i = lane; i < ranks * W; i += 32) bad |= recv_norms[i].w != 0.f;
     } else {
       combine_cluster_pairs<W>(cluster, slot_norms, ranks, lane, m0, l0, m1, l1);
-      for (int i = lane; i < ranks * W; i += 32) bad |= cluster.map_shared_rank(slot_aux + i % W, i / W)->y != 0.f;
+      for (int i = lane; i < ranks * W; i += 32) bad |= *cluster.map_shared_rank(slot_bad + i % W, i / W) != 0.f;
     }
-    const float q = warp_sum(lane < W ? slot_aux[lane].x : 0.f);  // this block's: the same in every block
     bad = __any_sync(0xffffffffu, bad);
     if (lane == 0) {
       bcast[0] = m0;
       bcast[1] = d_log2(l0);
-      bcast[2] = l1 / l0;  // the student's tail mass
-      bcast[3] = q;        // the teacher's mass over the k tokens
+      bcast[2] = l1 / l0;    // the student's tail mass
+      bcast[3] = q_tail_in;  // the teacher's tail mass
       bcast[4] = bad ? 1.f : 0.f;
     }
   }
@@ -351,7 +350,7 @@ __device__ __forceinline__ void fast_topk_rows(const Params<T, float>& p) {
     ks += slot_terms[w].y;
   }
   const float p_tail = bcast[2];
-  const float q_tail = fmaxf(1.f - bcast[3], 0.f);
+  const float q_tail = bcast[3];
   const Point<float> tp = bucket_point(p_tail, d_log(p_tail), q_tail, d_log(q_tail));
   if (p.k < p.v) {  // a tail bucket only where some of the vocabulary is outside the top-k
     Terms<float> ta{0.f, 0.f, 0.f};

@@ -64,10 +64,12 @@ inline Rows prepare_rows(const at::Tensor& student, const c10::optional<at::Tens
     TORCH_CHECK(r.idx.dim() == 2 && r.idx.size(0) == r.n && r.idx.is_contiguous() && r.idx.scalar_type() == at::kLong &&
                     r.idx.device() == r.s.device(),
                 "distill: top-k indices must be contiguous int64 [rows, k] on the logits' device");
-    TORCH_CHECK(r.lp.sizes() == r.idx.sizes() && r.lp.is_contiguous() &&
+    TORCH_CHECK(r.lp.dim() == 2 && r.lp.size(0) == r.n && r.lp.size(1) == r.idx.size(1) + 1 && r.lp.is_contiguous() &&
                     r.lp.scalar_type() == acc_type(r.s.scalar_type()) && r.lp.device() == r.s.device(),
-                "distill: top-k log-probabilities must be contiguous [rows, k], float32 (float64 for float64 "
-                "logits), beside the indices");
+                "distill: a top-k teacher's rows must be contiguous [rows, k + 1] as distill_topk_prepare writes "
+                "them (the k log-probabilities, then the tail's mass), float32 (float64 for float64 logits), "
+                "beside the indices; got ",
+                r.lp.sizes(), " beside indices ", r.idx.sizes());
     r.k = r.idx.size(1);
   }
   check_labels(r.labels, r.n, r.s.device(), "logits'");
@@ -283,6 +285,17 @@ enum TopkFlag : int { FLAG_RANGE = 0, FLAG_DUP = 1, FLAG_MASS = 2 };
 template <typename A> DS_HD A topk_shift(A lse, bool whole) {
   const A s = whole || !(lse < A(0)) ? lse : A(0);
   return s == ninf<A>() ? A(0) : s;
+}
+
+// A top-k teacher's tail mass, 1 - q_sum, from q_sum, the sum of its row's k probabilities in double
+// (distill_topk_prepare writes it beside the row, and 0 where the row was shifted: mass above 1 divided out, or
+// k = vocab): 0 where nothing is left (mass that rounds to 1 or more) and for a NaN row, whose loss is NaN anyway. In
+// double because a served teacher's k tokens often hold all but 1e-4 to 1e-6 of its mass: the tail is then a small
+// difference of numbers near 1, and float32 exponentials summed in float32 left it off by a few percent of itself
+// (reverse KL's loss ~1e-4 off where the tail is 1e-5).
+template <typename A> DS_HD A topk_tail(double q_sum) {
+  const double t = 1.0 - q_sum;
+  return static_cast<A>(t > 0.0 ? t : 0.0);
 }
 
 // Whether an unmasked row's mass is no distribution's: more than 1 (k < V) or away from 1 (k = V) by more than

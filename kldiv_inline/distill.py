@@ -267,12 +267,20 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, 
 
 
 def traced_topk_normalisation(lp: Tensor, whole: bool) -> Tensor:
-    """A top-k teacher's log-probabilities [rows, k] normalised in PyTorch operations (the traced path; eager mode
-    runs distill_topk_prepare, which must agree): mass above 1 divided out, or with k = V (``whole``) the whole
-    distribution normalised; a row without mass left as it is; NaN stays NaN."""
+    """A top-k teacher's log-probabilities [rows, k] made into the rows the kernels take, [rows, k + 1], in PyTorch
+    operations (the traced path; eager mode runs distill_topk_prepare, which must agree): the k log-probabilities
+    normalised (mass above 1 divided out, or with k = V (``whole``) the whole distribution normalised; a row
+    without mass left as it is; NaN stays NaN), then the teacher's tail mass, 1 - the sum of their probabilities,
+    formed in float64 (0 where nothing is left, for a NaN row, and where the row was shifted: mass above 1, or
+    k = V): a served teacher's k tokens can hold all but 1e-5 of its mass, and 1 - a float32 sum is then off by
+    percents of the tail."""
     lse = torch.logsumexp(lp, dim=-1, keepdim=True)
     shift = lse if whole else lse.clamp_min(0)
-    return lp - torch.where(torch.isneginf(shift), 0.0, shift)
+    shift = torch.where(torch.isneginf(shift), 0.0, shift)
+    lp = lp - shift
+    tail = 1 - lp.double().exp().sum(-1, keepdim=True)
+    tail = torch.where((tail > 0) & (shift == 0) & (not whole), tail, 0.0)  # (shifted: mass above 1, or k = V)
+    return torch.cat([lp, tail.to(lp.dtype)], dim=-1)
 
 
 def is_topk_pair(x) -> bool:
@@ -511,8 +519,8 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     Both are checked in eager mode by one small kernel whose verdict is read back once the divergence kernel is
     queued (the host waits for the small kernel, not for the divergence); under torch.compile or CUDA-graph
     capture the check is skipped and a row with a bad index has a NaN loss and gradient. The teacher's tail is
-    formed from float32 exponentials: where the k tokens hold all but ~1e-5 of its mass it is off by a few percent
-    of itself, and reverse KL's loss, which weighs its log by the student's mass outside the k tokens, by ~1e-4.
+    summed in float64 from the given float32 (float64) log-probabilities, so a teacher whose k tokens hold all but
+    ~1e-5 of its mass still has its tail to float32 precision.
 
     Gradients flow to the student's logits, and to the teacher's logits when they require grad. A padded
     vocabulary is legal whatever the padding holds (-inf, -1e10, the dtype's lowest value): it holds no mass.

@@ -607,6 +607,7 @@ def test_opcheck(device):
     torch.library.opcheck(op, (h, w, None, th, tw, None, None, None, None, None, -100, 0.0, 1.0, False, 0.5, 100,
                                None, None, False, -1, -1, True, False, False))
     idx, lp = topk_teacher((6,), 11, 3, device)
+    lp = K.distill.traced_topk_normalisation(lp, False)  # (the op takes the teacher's rows prepared: [6, k + 1])
     torch.library.opcheck(op, (h, w, b, None, None, None, None, idx, lp, lab, -100, 1.0, 1.5, True, 0.25, 5, None,
                                None, False, -1, -1, False, True, True))
     torch.library.opcheck(op, (h, w, b, th, tw, None, None, None, None, lab, -100, 0.5, 2.0, True, 1.0, 4, None,

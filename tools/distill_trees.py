@@ -77,7 +77,9 @@ def child(reps: int, spreads: list[float], near: float | None, vocab: int) -> No
         for beta, grad in CASES:
             ms = median_ms(lambda b=beta, g=grad: mod.distill_forward(s, t, None, None, lab, -100, b, 2.0, 2, g, False))
             print(f"beta={beta} {'step' if grad else 'forward'}{tag} {ms:.4f}")
-        ms = median_ms(lambda: mod.distill_forward(s, None, idx, lp, lab, -100, 0.0, 2.0, 2, True, False))
+        # (the teacher's rows as this tree's distill_forward takes them: its own distill_topk_prepare's)
+        rows = mod.distill_topk_prepare(idx, lp, v, None, -100, math.log1p(TOPK_MASS_SLACK))[0]
+        ms = median_ms(lambda: mod.distill_forward(s, None, idx, rows, lab, -100, 0.0, 2.0, 2, True, False))
         print(f"top-k step{tag} {ms:.4f}")
         # The eager top-k step's other kernel: the teacher's checks and normalisation (distill_topk_prepare).
         ms = median_ms(lambda: mod.distill_topk_prepare(idx, lp, v, lab, -100, math.log1p(TOPK_MASS_SLACK)))
