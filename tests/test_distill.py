@@ -411,7 +411,7 @@ def test_fast_kernels_take_contiguous_rows_off_the_grid(dtype, vocab):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=_id)
-@pytest.mark.parametrize("vocab, k", [(50257, 100), (13, 1), (13, 13), (3, 3)])
+@pytest.mark.parametrize("vocab, k", [(50257, 100), (13, 1), (13, 13), (3, 3), (3, 2)])
 def test_fast_topk_takes_contiguous_rows_off_the_grid(dtype, vocab, k):
     switch = (K.loader.kernels_root() / "distill_fast_topk.cuh").read_text()
     if "constexpr bool kTopkShift = true;" not in switch:  # (off: such rows take the general kernel)
@@ -421,9 +421,9 @@ def test_fast_topk_takes_contiguous_rows_off_the_grid(dtype, vocab, k):
     # entry a thread below its slice, its members' bits in a word of their own. Half the rows' teachers put their
     # largest log-probabilities on the row's first entries, so members sit in the heads (and with k = V every entry
     # is a member: no tail bucket). Per token against float64 (masked rows, betas 0 / 0.5 / 1), the gradients,
-    # the gradient written over the student's logits, and the fast kernel launched, the general one not. (Not
-    # rows of 3 with k = 2: the teacher's tail mass, 1 - the sum of its k probabilities in float32, is then often
-    # ~1e-2 and off by its rounding, ~1e-5 of itself, which reverse KL's loss carries past 2e-6 in any kernel.)
+    # the gradient written over the student's logits, and the fast kernel launched, the general one not. (Rows of
+    # 3 with k = 2: the teacher's tail mass is often ~1e-2; summed in float32 it was off by ~1e-5 of itself, which
+    # reverse KL's loss carried past 2e-6. distill_topk_prepare sums it in double now.)
     n = 19
     s = logits((n, vocab), dtype, "cuda", scale=3.0)
     assert len({s[r].data_ptr() % 16 for r in range(n)}) == min(n, 16 // s.element_size())
