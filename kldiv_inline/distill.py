@@ -208,9 +208,11 @@ TOPK_MASS_SLACK = 0.02
 
 def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, labels: Tensor | None = None,
                    ignore_index: int = -100, defer: bool = False):
-    """The top-k pair as [rows, k] int64 indices and log-probabilities (in the accumulation dtype), checked (in
-    eager mode): indices in range and distinct, the mass of a distribution (tokens masked by ``labels``, the
-    checked int64 row of them, are exempt from the mass check: padding may hold filler).
+    """The top-k pair as the kernels take it: [rows, k] int64 indices and the prepared rows [rows, k + 1] (in the
+    accumulation dtype: the k log-probabilities normalised, then the teacher's tail mass summed in float64; see
+    traced_topk_normalisation), checked (in eager mode): indices in range and distinct, the mass of a distribution
+    (tokens masked by ``labels``, the checked int64 row of them, are exempt from the mass check: padding may hold
+    filler).
 
     ``defer``: return ``(indices, logprobs, check)`` where ``check()`` raises the error, if any, once the caller
     has queued its kernel: the values checked are read back without waiting for that kernel (see _topk_check)."""

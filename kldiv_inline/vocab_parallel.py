@@ -188,7 +188,8 @@ def divergence_rows(student: Tensor, teacher: Tensor, labels: Tensor | None, ign
 def topk_rows(student: Tensor, idx: Tensor, lp: Tensor, labels: Tensor | None, ignore_index: int, beta: float,
               temperature: float, reduction: int, group, offset: int, vocab: int, want_s: bool,
               scale: Tensor | None = None, loss_scale: float = 1.0):
-    """A top-k teacher (global indices; this rank's slice starts at ``offset`` of ``vocab``): (the reduced loss,
+    """A top-k teacher (global indices; this rank's slice starts at ``offset`` of ``vocab``; ``lp`` its prepared
+    rows [n, k + 1], _validate_topk's, whose column k is the teacher's tail mass): (the reduced loss,
     the student's gradient of this slice or None; that gradient times ``scale``, a device scalar, when given:
     the fused head's batchmean divisor, applied before the gradient is rounded to the logits' dtype). Loss and
     gradient times ``loss_scale``.
