@@ -355,6 +355,16 @@ DS_HD A jsd_entry_plain_base2(A ps, A d2, A pt_per_ps, const RowConst<A>& c, A& 
 // p log(p / q); the gradient is p (u - K); a zero p contributes 0).
 template <typename A> struct Terms { A loss, ks, kt; };
 
+// The JSD's summand of one entry (>= 0) and u_s, u_t (mixture_u's: the same functions in the same regions).
+template <typename A> DS_HD A jsd_point_entry(const Point<A>& e, const RowConst<A>& c, A& us, A& ut) {
+  // (one branch for u_s, u_t and the summand: mixture_u's and the summand's regions are the same)
+  if (jsd_series_region(e.d)) {
+    mixture_u_series(e, c, us, ut);
+    return e.ps * (e.d * e.d) * horner<jsd_terms<A>()>(&c.g[0], e.d);
+  }
+  return jsd_entry_direct(e, c, us, ut);
+}
+
 // The loss of one entry (>= 0) and its parts of ks (KS) and kt (KT).
 template <int MODE, bool KS, bool KT, typename A>
 DS_HD void point_terms(const Point<A>& e, const RowConst<A>& c, Terms<A>& acc) {
@@ -364,15 +374,9 @@ DS_HD void point_terms(const Point<A>& e, const RowConst<A>& c, Terms<A>& acc) {
   } else if (MODE == REVERSE_KL) {  // KL(ps || pt)
     acc.loss += kl_term(e.ps, e.pt, -e.d);
     if (KS) acc.ks += e.ps > A(0) ? -e.ps * e.d : A(0);
-  } else {  // one branch for u_s, u_t and the summand (mixture_u's and the summand's regions are the same)
-    A us, ut, entry;
-    if (jsd_series_region(e.d)) {
-      mixture_u_series(e, c, us, ut);
-      entry = e.ps * (e.d * e.d) * horner<jsd_terms<A>()>(&c.g[0], e.d);
-    } else {
-      entry = jsd_entry_direct(e, c, us, ut);
-    }
-    acc.loss += entry;
+  } else {
+    A us, ut;
+    acc.loss += jsd_point_entry(e, c, us, ut);
     if (KS) acc.ks += e.ps > A(0) ? e.ps * us : A(0);
     if (KT) acc.kt += e.pt > A(0) ? e.pt * ut : A(0);
   }
@@ -382,6 +386,12 @@ DS_HD void point_terms(const Point<A>& e, const RowConst<A>& c, Terms<A>& acc) {
 // unless reverse KL.
 template <int MODE> constexpr bool student_needs_k() { return MODE != FORWARD_KL; }
 template <int MODE> constexpr bool teacher_needs_k() { return MODE != REVERSE_KL; }
+
+// The JSD's student_grad from an entry's ps and u_s: (1 - beta) ps (u_s - ks); NaN stays NaN; no mass, no gradient.
+template <typename A> DS_HD A jsd_student_grad(A ps, A us, const RowConst<A>& c, A ks) {
+  if (!(ps > A(0))) return ps != ps ? ps : A(0);
+  return (A(1) - c.beta) * ps * (us - ks);
+}
 
 // d loss / d a_v (a = student logits / T) of an entry whose own probability is e.ps, before the 1/T and the
 // reduction's scale: ps - pt (forward), ps (u_s - ks) (reverse), (1 - beta) ps (u_s - ks) (JSD).
@@ -394,7 +404,7 @@ template <int MODE, bool SHORT = false, typename A> DS_HD A student_grad(const P
   A us, ut;
   if (SHORT) us = mixture_us_short(e, c);
   else mixture_u(e, c, us, ut);
-  return (A(1) - c.beta) * e.ps * (us - ks);
+  return jsd_student_grad(e.ps, us, c, ks);
 }
 
 // d loss / d b_v (b = teacher logits / T): pt (u_t - kt) (forward), pt - ps (reverse), beta pt (u_t - kt) (JSD).

@@ -190,6 +190,14 @@ constexpr bool kFoldedScale = true;
 // mixture mass, one H200: -18.8% (spread 1.5) and -16.3% (spread 1), every other kernel within +-0.8%
 // (kernels/NOTES.md, version 26). false compiles the kernels as before.
 constexpr bool kJsdForwardDirect = true;
+// float32 JSD training rows (fast_rows_kernel<float, JSD, true>, one device): the terms pass keeps each entry's
+// student probability and u_s, as floats, over the chunk of logits it has just read (its own: a float32 chunk holds
+// four of each), and the gradient pass forms (1 - beta) ps (u_s - ks) from them (jsd_student_grad): the values
+// student_grad forms again from the logits (make_point's ps, mixture_u's u_s, which point_terms forms by the same
+// functions: jsd_point_entry), so the same bits, without the second pass's two exponentials and the mixture's u_s.
+// The row's partial chunk (read from device memory in each pass) keeps the recomputation. false: the gradient pass
+// recomputes every entry.
+constexpr bool kF32KeptJsd = true;
 
 // fast_rows' cluster exchanges (the normalisers; ks; the JSD's row sums) in two levels (cluster_fold): each block's
 // warps' records combined by its warp 0 into one record a block, then one cluster barrier, then warp 0 reads the
@@ -769,6 +777,8 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
   // rounding, so threads summed either way add up to the row's JSD.
   constexpr bool JSD_FWD_DIRECT = kJsdForwardDirect && kDirectTerms && MODE == JSD && !GRAD;
   constexpr bool KEEP_US = kJsdKeepUs && JSD_DIRECT && std::is_same<T, c10::BFloat16>::value;  // (see kJsdKeepUs)
+  // kF32KeptJsd: float32 rows' ps and u_s kept over their logits by the terms pass, for the gradient pass
+  constexpr bool KEEP_F32 = kF32KeptJsd && MODE == JSD && KS && std::is_same<T, float>::value && !SPLIT;
   using KeptVec = Vec<c10::Half>;
   static_assert(!KEEP_US || KeptVec::N == N, "u_s kept in 16 bits an entry");
   // kJsdKeptPs: (1 - beta) ps kept over the student's chunk (fp16, times 2^ps_exp), for the gradient pass
@@ -983,6 +993,30 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
         acc.loss = d_fma(acc.loss, unfold, -d_fma(mq_mp, x * static_cast<float>(kLn2), r_err * mp));
         if (KS) acc.ks *= exp2_tiny(-fo.es);
       }
+    } else if constexpr (KEEP_F32) {  // point_terms' terms, each chunk's ps and u_s kept over its logits
+      auto pass = [&](auto close_c) {
+        constexpr bool CLOSE = decltype(close_c)::value;
+        for (int c = threadIdx.x; c < chunks; c += THREADS) {
+          const Vec<T> vs = load_chunk(xs + c * N, true), vt = load_chunk(xt + c * N, true);
+          Vec<T> kept_ps, kept_us;
+#pragma unroll
+          for (int q = 0; q < N; ++q) {
+            const Point<float> e = make_point<CLOSE>(entry_float(vs, q), entry_float(vt, q), k2, rn);
+            float us, ut;
+            acc.loss += jsd_point_entry(e, p.c, us, ut);
+            acc.ks += e.ps > 0.f ? e.ps * us : 0.f;  // (point_terms' ks)
+            kept_ps.v[q] = e.ps;
+            kept_us.v[q] = us;
+          }
+          *reinterpret_cast<Vec<T>*>(xs + c * N) = kept_ps;  // this thread's own chunks, just read
+          *reinterpret_cast<Vec<T>*>(xt + c * N) = kept_us;
+        }
+        if (has_tail)
+          point_terms<MODE, true, false>(
+              make_point<CLOSE>(static_cast<float>(gsrc[tail]), static_cast<float>(gtsrc[tail]), k2, rn), p.c, acc);
+      };
+      if (rn.close) pass(std::true_type{});
+      else pass(std::false_type{});
     } else {
       for_each_point(std::bool_constant<G>{}, [&](const Point<float>& e) {
         if constexpr (DIRECT) {
@@ -1217,6 +1251,22 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
       }
     }
     if (has_tail) gs[tail] = static_cast<T>(grad(static_cast<float>(gsrc[tail]), us_tail));
+  } else if constexpr (KEEP_F32) {  // (1 - beta) ps (u_s - ks) from the kept ps and u_s, as student_grad
+    for (int c = threadIdx.x; c < chunks; c += THREADS) {
+      const Vec<T> kept_ps = load_chunk(xs + c * N, true), kept_us = load_chunk(xt + c * N, true);
+      Vec<T> g;
+#pragma unroll
+      for (int q = 0; q < N; ++q) g.v[q] = jsd_student_grad(kept_ps.v[q], kept_us.v[q], p.c, ks) * scale;
+      store_chunk(gs + c * N, g, true);
+    }
+    if (has_tail) {  // (its logits in device memory: formed again, as for_each_point does)
+      auto tail_grad = [&](auto close_c) {
+        return student_grad<MODE>(make_point<decltype(close_c)::value>(static_cast<float>(gsrc[tail]),
+                                                                       static_cast<float>(gtsrc[tail]), k2, rn),
+                                  p.c, ks);
+      };
+      gs[tail] = static_cast<T>((rn.close ? tail_grad(std::true_type{}) : tail_grad(std::false_type{})) * scale);
+    }
   } else if (FOLD && KS && folded) {  // reverse KL: ps' (-d - ks) times scale 2^-es
     for_each_entry(std::true_type{}, scale * exp2_tiny(-fo.es), [&](auto close_c, float xsv, float xtv) {
       return student_grad<MODE, sizeof(T) == 2>(folded_point(close_c, xsv, xtv), p.c, ks);

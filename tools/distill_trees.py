@@ -18,12 +18,13 @@ the last tree's change against the first. ``--near SD``: the student is the teac
 noise (rows that nearly agree, a KL of ~SD^2 / (2 T^2) a token: below the one-pass forward alone's trust line for
 SD <~ 0.7, so its rows take the second sum; kernels/distill_stream_forward.cuh). ``--vocab V``: rows of V entries
 in place of 128256 (an odd V, GPT-2's 50257, makes the rows start off the 16-byte grid: the kernels' SHIFT
-instances; kernels/NOTES.md, version 52). ``--steps``: each process also
-times the suite's own training steps (forward KL, the JSD and the top-k teacher: kldiv_inline.bench_distill's
-providers and inputs through harness.bench, as `bench --suites distill` times them, with autograd and the eager
-front end around the kernels): a kernel's gain alone need not show in the step (an L2 evict-first policy on
-forward KL's copies timed -0.5% alone and +0.2-0.9% the suite's way; kernels/NOTES.md, version 49). Checks
-nothing: run the GPU tests for that (`pytest -m gpu tests/test_distill.py`).
+instances; kernels/NOTES.md, version 52). ``--dtype``: float16 or float32 logits in place of bfloat16.
+``--steps``: each process also times the suite's own training steps (forward KL, the JSD and the top-k teacher:
+kldiv_inline.bench_distill's providers and inputs through harness.bench, as `bench --suites distill` times them,
+with autograd and the eager front end around the kernels): a kernel's gain alone need not show in the step (an
+L2 evict-first policy on forward KL's copies timed -0.5% alone and +0.2-0.9% the suite's way; kernels/NOTES.md,
+version 49). Checks nothing: run the GPU tests for that (`pytest -m gpu tests/test_distill.py`), and
+tools/trees_agree.py for whether two trees give the same bits.
 """
 import argparse
 import math
@@ -52,7 +53,7 @@ def suite_steps(reps: int) -> None:
         print(f"{name} {float(timed['median_ms'].iloc[0]):.4f}")
 
 
-def child(reps: int, spreads: list[float], near: float | None, vocab: int) -> None:
+def child(reps: int, spreads: list[float], near: float | None, vocab: int, dtype_name: str = "bfloat16") -> None:
     """Times one tree (the one KLDIV_INLINE_KERNELS names): prints `case ms` lines, the cases of each spread."""
     import torch
 
@@ -61,6 +62,7 @@ def child(reps: int, spreads: list[float], near: float | None, vocab: int) -> No
     from kldiv_inline.distill import TOPK_MASS_SLACK
 
     mod = K.load("cuda", extension="distill")
+    dtype = getattr(torch, dtype_name)
 
     def median_ms(fn) -> float:
         return statistics.median(timing.time_cuda(fn, [()], reps, 3))
@@ -68,10 +70,10 @@ def child(reps: int, spreads: list[float], near: float | None, vocab: int) -> No
     def time_spread(spread: float, tag: str) -> None:  # (its tensors freed on return)
         torch.manual_seed(1)
         n, v = 4096, vocab
-        s = (torch.randn(n, v, device="cuda") * spread).bfloat16() if near is None else None
-        t = (torch.randn(n, v, device="cuda") * spread).bfloat16()
+        s = (torch.randn(n, v, device="cuda") * spread).to(dtype) if near is None else None
+        t = (torch.randn(n, v, device="cuda") * spread).to(dtype)
         if near is not None:  # (drawn after t: the default cases keep their inputs)
-            s = (t.float() + near * torch.randn(n, v, device="cuda")).bfloat16()
+            s = (t.float() + near * torch.randn(n, v, device="cuda")).to(dtype)
         lab = torch.randint(0, 1000, (n,), device="cuda").masked_fill(torch.rand(n, device="cuda") < 0.1, -100)
         lp, idx = torch.log_softmax(t.float() / 2.0, dim=-1).topk(100, dim=-1)
         for beta, grad in CASES:
@@ -99,12 +101,14 @@ def main() -> None:
     ap.add_argument("--near", type=float, default=None,
                     help="the student as the teacher plus this much noise (rows that nearly agree)")
     ap.add_argument("--vocab", type=int, default=128256, help="the rows' length (odd: rows off the 16-byte grid)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                    help="the logits' dtype (the suite's steps, --steps, stay bfloat16)")
     ap.add_argument("--steps", action="store_true",
                     help="also the suite's training steps, timed the suite's way (autograd and the front end)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.reps, args.spreads, args.near, args.vocab)
+        child(args.reps, args.spreads, args.near, args.vocab, args.dtype)
         if args.steps:
             suite_steps(args.reps)
         return
@@ -116,7 +120,7 @@ def main() -> None:
     build(args.trees, "import kldiv_inline as K; K.load('cuda', extension='distill')")
     cmd = [sys.executable, __file__, "--child", "--reps", str(args.reps), "--spreads",
            *(str(x) for x in args.spreads), *(["--near", str(args.near)] if args.near is not None else []),
-           "--vocab", str(args.vocab),
+           "--vocab", str(args.vocab), "--dtype", args.dtype,
            *(["--steps"] if args.steps else [])]
     print_table(args.trees, time_rounds(args.trees, cmd, args.rounds), 22)
 
