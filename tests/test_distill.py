@@ -1651,6 +1651,19 @@ def test_topk_prepare_flags_buffer_is_checked(device):
         assert flags.tolist() == [0, 0, 0]
 
 
+def test_topk_rows_must_be_prepared(device):
+    # distill_forward takes a top-k teacher's prepared rows, [rows, k + 1] (the tail's mass last): the given
+    # [rows, k] log-probabilities, or rows of another width, are refused with an error that says what it takes.
+    s = logits((4, 37), torch.float32, device)
+    idx, lp = topk_teacher((4,), 37, 5, device)
+    mod = K.load(device, extension="distill")
+    for bad in (lp, torch.cat([lp, lp[:, :2]], dim=1), prepared_topk(idx, lp, 37)[:3]):
+        with pytest.raises(RuntimeError, match=r"\[rows, k \+ 1\] as distill_topk_prepare writes them"):
+            mod.distill_forward(s, None, idx, bad.contiguous(), None, -100, 0.5, 1.0, 0, True, False)
+    out = mod.distill_forward(s, None, idx, prepared_topk(idx, lp, 37), None, -100, 0.5, 1.0, 0, True, False)[0]
+    assert torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("vocab", [12, 20000])  # float32 x 20000: a cluster of blocks on CUDA, a slice each
 def test_topk_bad_row_is_nan_in_the_kernel(device, vocab):
     # The kernels' own net under the Python check (which torch.compile and graph capture skip): a row with a
