@@ -297,10 +297,16 @@ template <typename A> DS_HD A jsd_summand(A a, A b) {
 // the series there; fast_rows' 16-bit training rows take this form everywhere and the series only for rows whose
 // JSD is below kJsdDirectMin, where that bound could exceed ~6e-6 of the row's value; kernels/NOTES.md, version 21).
 constexpr double kJsdDirectMin = 1.0 / 16;
+// The JSD's terms p u (summand parts, ks, kt) are guarded `p <= 0 ? 0 : p u`: 0 where the probability p is 0 (u may
+// then be infinite), NaN where p is NaN (its row's normaliser is NaN: a NaN or +inf logit, a row without mass, a
+// maximum beyond the lanes' range). With `p > 0 ? p u : 0`, a row pair whose student and teacher were both such
+// rows had every summand 0: a loss of 0 where the KLs give NaN, as float64 does. (Written out, not as a helper:
+// a helper taking the product made nvcc reschedule the bf16 JSD kernel's loop; one form for all, so the compiler
+// tests each p once.)
 template <typename A> DS_HD A jsd_entry_direct(const Point<A>& e, const RowConst<A>& c, A& us, A& ut) {
   mixture_u_direct(e, c, us, ut);
-  const A a = e.pt > A(0) ? c.beta * e.pt * ut : A(0);
-  const A b = e.ps > A(0) ? (A(1) - c.beta) * e.ps * us : A(0);
+  const A a = e.pt <= A(0) ? A(0) : c.beta * e.pt * ut;
+  const A b = e.ps <= A(0) ? A(0) : (A(1) - c.beta) * e.ps * us;
   return jsd_summand(a, b);
 }
 
@@ -310,8 +316,8 @@ template <typename A> DS_HD A jsd_entry_direct(const Point<A>& e, const RowConst
 template <typename A> DS_HD A jsd_entry_weighted(const Point<A>& e, const RowConst<A>& c, A& us, A& b) {
   A ut;
   mixture_u_direct(e, c, us, ut);
-  const A a = e.pt > A(0) ? e.pt * ut : A(0);
-  b = e.ps > A(0) ? e.ps * us : A(0);
+  const A a = e.pt <= A(0) ? A(0) : e.pt * ut;
+  b = e.ps <= A(0) ? A(0) : e.ps * us;
   return jsd_summand(a, b);
 }
 
@@ -377,8 +383,8 @@ DS_HD void point_terms(const Point<A>& e, const RowConst<A>& c, Terms<A>& acc) {
   } else {
     A us, ut;
     acc.loss += jsd_point_entry(e, c, us, ut);
-    if (KS) acc.ks += e.ps > A(0) ? e.ps * us : A(0);
-    if (KT) acc.kt += e.pt > A(0) ? e.pt * ut : A(0);
+    if (KS) acc.ks += e.ps <= A(0) ? A(0) : e.ps * us;
+    if (KT) acc.kt += e.pt <= A(0) ? A(0) : e.pt * ut;
   }
 }
 

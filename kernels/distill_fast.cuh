@@ -865,7 +865,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
             const Point<float> e = make_point<CLOSE>(xsv, xtv, k2, rn);
             float ut;
             acc.loss += jsd_entry_direct(e, p.c, us, ut);
-            acc.ks += e.ps > 0.f ? e.ps * us : 0.f;
+            acc.ks += e.ps <= 0.f ? 0.f : e.ps * us;
             wps = e.ps;
             return kept_us(e, us);
           }
@@ -1004,7 +1004,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
             const Point<float> e = make_point<CLOSE>(entry_float(vs, q), entry_float(vt, q), k2, rn);
             float us, ut;
             acc.loss += jsd_point_entry(e, p.c, us, ut);
-            acc.ks += e.ps > 0.f ? e.ps * us : 0.f;  // (point_terms' ks)
+            acc.ks += e.ps <= 0.f ? 0.f : e.ps * us;  // (point_terms' ks)
             kept_ps.v[q] = e.ps;
             kept_us.v[q] = us;
           }
@@ -1028,7 +1028,7 @@ __device__ __forceinline__ void fast_rows(const Params<T, float>& p, const PeerR
         } else if constexpr (JSD_DIRECT || JSD_FWD_DIRECT) {  // (one or the other: KS needs GRAD)
           float us, ut;
           acc.loss += jsd_entry_direct(e, p.c, us, ut);
-          if constexpr (JSD_DIRECT) acc.ks += e.ps > 0.f ? e.ps * us : 0.f;
+          if constexpr (JSD_DIRECT) acc.ks += e.ps <= 0.f ? 0.f : e.ps * us;
           else mass += d_fma(p.c.beta, e.pt - e.ps, e.ps);  // the mixture mass
         } else {
           point_terms<MODE, KS, false>(e, p.c, acc);

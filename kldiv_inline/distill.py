@@ -525,7 +525,9 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     ~1e-5 of its mass still has its tail to float32 precision.
 
     Gradients flow to the student's logits, and to the teacher's logits when they require grad. A padded
-    vocabulary is legal whatever the padding holds (-inf, -1e10, the dtype's lowest value): it holds no mass.
+    vocabulary is legal whatever the padding holds (-inf, -1e10, the dtype's lowest value): it holds no mass. A
+    token whose student or teacher row is no distribution (a NaN or +inf logit, every logit -inf) has a NaN loss
+    for every beta, as PyTorch's.
     Double backward is not supported (a clear error); nor are torch.func transforms (vmap, grad, jvp) and
     forward-mode AD (clear errors).
 

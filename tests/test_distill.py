@@ -796,6 +796,43 @@ def test_nan_logit_gives_nan_row(device):
     assert torch.isnan(out[1]) and torch.isfinite(out[[0, 2]]).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize("vocab", [40, 50000])  # 50000: the fast kernels' rows on CUDA
+def test_rows_that_are_no_distribution_on_both_sides_are_nan(device, dtype, vocab):
+    # Rows where neither the student nor the teacher is a distribution the lanes can hold: a NaN or +inf logit at
+    # the same entry of both, both rows NaN or -inf (no mass at all), both rows' maxima beyond the lanes' range
+    # (2^24 log(2) ~ 1.2e7 in float32 lanes). Every probability of such a pair is NaN, and so is its loss for every
+    # beta, with and without the gradient (float64 PyTorch's softmax of such rows is NaN too; of the far rows it is
+    # finite: the documented limit). The JSD's summand guarded each probability with `p > 0`, so where both were NaN
+    # every summand was 0: a loss of 0 (and a NaN gradient) where the KLs gave NaN. The rows beside them keep
+    # float64's values.
+    nan, inf = float("nan"), float("inf")
+    far = 1e17 if dtype == torch.float64 else 1e9
+    temp, big = (1e-3, 6e4) if dtype == torch.float16 else (1.0, far)  # (float16 holds no logit beyond 65504)
+    s, t = logits((9, vocab), dtype, device), logits((9, vocab), dtype, device)
+    s[1, 7], t[1, 7] = nan, nan
+    s[2], t[2] = nan, nan
+    s[3, 7], t[3, 7] = inf, inf
+    s[4], t[4] = -inf, -inf
+    s[5], t[5] = -big, -big
+    s[6, 3], t[6, vocab - 2] = big, big
+    s[7, 5], t[7, 9] = nan, inf
+    bad, fine = [1, 2, 3, 4, 5, 6, 7], [0, 8]
+    for beta in BETAS:
+        for train in (False, True):
+            x = s.clone().requires_grad_(train)
+            out, grads = run(x, t, beta=beta, temperature=temp, reduction="none")
+            what = f"beta={beta} train={train}"
+            assert torch.isnan(out[bad]).all(), (what, out)
+            ref, _ = reference(s[fine], t[fine], beta=beta, temperature=temp, reduction="none")
+            assert_close(out[fine], ref, LOSS_TOL[dtype], what)
+            if train:
+                (gs,) = grads
+                assert torch.isfinite(gs[fine]).all(), what
+                # (row 4's student has no mass anywhere: its gradient may be 0 or NaN)
+                assert torch.isnan(gs[[r for r in bad if r != 4]]).any(dim=1).all(), what
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("pad", PADS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_id)
