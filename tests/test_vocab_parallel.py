@@ -293,6 +293,31 @@ def _extra_semantics(rank, device, group, gen, widths):
     lp = torch.zeros((4, 1), dtype=torch.float64, device=device)
     with pytest.raises(ValueError, match=rf"top-k indices must lie in \[0, {sum(widths)}\)"):
         K.generalized_jsd(s, teacher_topk=(idx, lp), group=group)
+    _rows_that_are_no_distribution(rank, device, group, gen, widths)
+
+
+def _rows_that_are_no_distribution(rank, device, group, gen, widths):
+    """Tokens whose student and teacher rows are both no distribution (a NaN or +inf logit at the same entry, on
+    one rank's slice; both rows' maxima beyond float32 lanes' range) have a NaN loss for every beta on every rank,
+    and NaN in each rank's gradient of them; the tokens beside them keep the one-process values (as in one
+    process, where the JSD's such tokens once came out 0)."""
+    edges = _bounds(widths)
+    lo, hi = edges[rank], edges[rank + 1]
+    s_full = _logits((5, sum(widths)), torch.float32, device, gen)
+    t_full = _logits((5, sum(widths)), torch.float32, device, gen)
+    last, first = edges[-2], 0  # an entry of the last rank's slice, one of the first's
+    s_full[1, last], t_full[1, last] = float("nan"), float("nan")
+    s_full[2, first], t_full[2, first] = float("inf"), float("inf")
+    s_full[3], t_full[3] = -1e9, -1e9
+    bad, fine = [1, 2, 3], [0, 4]
+    for beta in (0.0, 0.5, 1.0):
+        s = s_full[:, lo:hi].clone().requires_grad_()
+        loss = K.generalized_jsd(s, t_full[:, lo:hi], beta=beta, reduction="none", group=group)
+        (gs,) = torch.autograd.grad(loss.sum(), s)
+        ref = K.generalized_jsd(s_full, t_full, beta=beta, reduction="none")
+        assert torch.isnan(loss[bad]).all() and torch.isnan(ref[bad]).all(), (beta, loss, ref)
+        _close(loss[fine], ref[fine], TOL[torch.float32], f"loss beside rows without a distribution, beta={beta}")
+        assert torch.isnan(gs[bad]).any(dim=1).all() and torch.isfinite(gs[fine]).all(), beta
 
 
 def _topk_case(rank, device, group, gen, *, widths, k, lead=(6,), dtype=torch.float32, beta=0.5,
