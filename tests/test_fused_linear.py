@@ -237,6 +237,25 @@ def test_batchmean_divides_by_unmasked_tokens_of_all_chunks(device):
         torch.testing.assert_close(a, c / 6, rtol=1e-13, atol=1e-16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_id)
+def test_a_token_without_a_distribution_makes_the_loss_nan(device, dtype):
+    # One token whose student and teacher hidden states are both NaN (its two rows of logits NaN): the loss is NaN
+    # for every beta, and so is every gradient it reaches, never a finite number. (The JSD's summand once dropped
+    # such a token: a finite loss that hid it, beside NaN weight gradients.)
+    lead, vocab = (9,), 300
+    h, w, b = head(lead, 8, vocab, dtype, device)
+    th, tw, tb = head(lead, 12, vocab, dtype, device)
+    h[4], th[4] = float("nan"), float("nan")
+    for beta in BETAS:
+        for reduction in ("batchmean", "sum"):
+            hl, wl, bl = leaves(h, w, b)
+            loss, (gh, gw, gb) = run(hl, wl, bl, dict(teacher_hidden=th, teacher_weight=tw, teacher_bias=tb),
+                                     beta=beta, reduction=reduction, chunk_size=4)
+            assert torch.isnan(loss), (beta, reduction, loss)
+            assert torch.isnan(gh[4]).all() and torch.isfinite(gh[torch.arange(9) != 4]).all(), beta
+            assert torch.isnan(gw).any() and torch.isnan(gb).any(), beta
+
+
 def test_no_labels_means_every_token(device):
     lead, vocab = (2, 3), 20
     h, w, b = leaves(*head(lead, 8, vocab, torch.float64, device))
