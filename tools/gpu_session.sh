@@ -25,12 +25,16 @@
 #                                  #   gradients of both against float64 (tools/probe_kept_us.py), the tests that
 #                                  #   bound them over 3 draws, tools/distill_trees.py the copy against kernels/
 #                                  #   (with --near 0.3: rows summed again) (kernels/NOTES.md, versions 53-54)
+#   tools/gpu_session.sh against OLD  # a change to kernels/ checked on the GPU against OLD (a kernels/ directory,
+#                                  #   e.g. `git archive REV kernels | tar -x -C old`, carried with the tree): the
+#                                  #   two trees' outputs bit for bit (tools/trees_agree.py, bf16 and float32), their
+#                                  #   steps timed (tools/distill_trees.py), then the gpu-marked distillation tests
 #   tools/gpu_session.sh x2        # two GPUs: the two-GPU tests, then the committed run of the split
 #                                  #   (bench_vocab_parallel --reps 10 --warmup 3 --graph) -> ${RESULTS:-results}/<card>-x2/
 # Two GPUs: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2 \
 #   tools/bench_vocab_parallel.py    # the vocabulary split across GPUs -> results/<card>-x2/
 set -euo pipefail
-mode=${1:?test|results|notebooks|sweep|errors|split|topk|graph|accuracy|profile|kept-offset|x2}
+mode=${1:?test|results|notebooks|sweep|errors|split|topk|graph|accuracy|profile|kept-offset|against|x2}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -85,6 +89,11 @@ case $mode in
     done
     python3 tools/distill_trees.py "$off/kernels" kernels --rounds 2
     python3 tools/distill_trees.py "$off/kernels" kernels --rounds 1 --near 0.3 ;;
+  against)
+    old=${2:?against OLD: the kernels/ directory to compare with}
+    for dtype in bfloat16 float32; do python3 tools/trees_agree.py "$old" kernels --dtype "$dtype"; done
+    python3 tools/distill_trees.py "$old" kernels --rounds 2 --spreads 3 2
+    python3 -m pytest -q -m gpu tests/test_distill.py tests/test_fused_linear.py ;;
   x2)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     python3 -m pytest -q -x -m gpu tests/test_vocab_parallel.py
