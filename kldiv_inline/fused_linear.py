@@ -25,6 +25,7 @@ The teacher is a constant: no gradient flows to it, whether or not its tensors r
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
 from dataclasses import dataclass
 
@@ -347,6 +348,19 @@ def _err(message: str) -> str:
     return f"fused_linear_generalized_jsd: {message}"
 
 
+@contextlib.contextmanager
+def _own_name():
+    """The checks shared with generalized_jsd (settings, labels, teacher logits, top-k) raise under this function's
+    name: the caller called fused_linear_generalized_jsd, not generalized_jsd."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        message = str(e)
+        if not message.startswith("generalized_jsd: "):
+            raise
+        raise type(e)(_err(message.removeprefix("generalized_jsd: "))) from None
+
+
 def _check_linear(who: str, hidden, weight, bias, dtype: torch.dtype | None, device: torch.device | None,
                   vocab: int | None) -> None:
     """hidden [..., H], weight [V, H], bias [V] or None: tensors of one floating dtype on one device (those given
@@ -575,9 +589,10 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     due, on = same_call_due(student_hidden, group) if isinstance(group, dist.ProcessGroup) else (False, None)
     try:
         loss_scale = check_loss_scale(loss_scale, _WHO)
-        c = _checked_locally(student_hidden, student_weight, teacher_hidden, teacher_weight, teacher_logits,
-                             teacher_topk, student_bias, teacher_bias, beta, temperature, labels, ignore_index,
-                             reduction, chunk_size, accum_dtype, group, skip_masked)
+        with _own_name():
+            c = _checked_locally(student_hidden, student_weight, teacher_hidden, teacher_weight, teacher_logits,
+                                 teacher_topk, student_bias, teacher_bias, beta, temperature, labels, ignore_index,
+                                 reduction, chunk_size, accum_dtype, group, skip_masked)
     except Exception:
         if due:
             check_same_call(group, _WHO, _same_call_fields(), None, refused=True, also=_replicated(None, None, None),
@@ -599,7 +614,8 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
         if group is not None:
             widths = slice_widths(vocab, device, group)
         whole = vocab if widths is None else sum(widths)
-        idx, lp = _validate_topk(c.pair, student_hidden, c.lead, whole, c.lab, ignore_index)
+        with _own_name():
+            idx, lp = _validate_topk(c.pair, student_hidden, c.lead, whole, c.lab, ignore_index)
     settled = None  # with a group and the default chunk: whether the ranks' widths were the layout learnt
     if chunk_size is None:
         # Two logit buffers where the teacher's logits are made (hidden states) or gathered (skip_masked) per chunk.

@@ -692,12 +692,16 @@ def test_bad_input_raises_clearly(device):
         (dict(chunk_size=True, **good), TypeError, "chunk_size"),
         (dict(accum_dtype=torch.float64, **good), ValueError, "accum_dtype"),
         (dict(accum_dtype=torch.float16, **good), ValueError, "accum_dtype"),
+        (dict(teacher_topk=(torch.full((4, 2), 10, device=device), torch.full((4, 2), -1.0, device=device))),
+         ValueError, r"must lie in \[0, 10\)"),
     ]
     for kw, exc, match in cases:
         args = {"student_weight": w, **kw}
         weight = args.pop("student_weight")
-        with pytest.raises(exc, match=match):
+        with pytest.raises(exc, match=match) as info:
             K.fused_linear_generalized_jsd(h, weight, **args)
+        # (under the name called, also where the check is generalized_jsd's: labels, settings, teacher, top-k)
+        assert str(info.value).startswith("fused_linear_generalized_jsd: "), info.value
     with pytest.raises(TypeError, match="float16, bfloat16"):
         K.fused_linear_generalized_jsd(h.long(), w.long(), **good)
     with pytest.raises(TypeError, match="student_weight must be a tensor"):
