@@ -825,7 +825,8 @@ def test_rows_that_are_no_distribution_on_both_sides_are_nan(device, dtype, voca
             what = f"beta={beta} train={train}"
             assert torch.isnan(out[bad]).all(), (what, out)
             ref, _ = reference(s[fine], t[fine], beta=beta, temperature=temp, reduction="none")
-            assert_close(out[fine], ref, LOSS_TOL[dtype], what)
+            # (the bound of test_logits_beyond_the_lanes_range_give_nan_rows, whose rows beside are alike)
+            assert_close(out[fine], ref, 1e-12 if dtype == torch.float64 else 1e-5, what)
             if train:
                 (gs,) = grads
                 assert torch.isfinite(gs[fine]).all(), what
