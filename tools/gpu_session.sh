@@ -29,6 +29,7 @@
 #                                  #   e.g. `git archive REV kernels | tar -x -C old`, carried with the tree): the
 #                                  #   two trees' outputs bit for bit (tools/trees_agree.py, bf16 and float32), their
 #                                  #   steps timed (tools/distill_trees.py), then the gpu-marked distillation tests
+#                                  #   (the fused head's and the split's too; the two-GPU ones skip on one GPU)
 #   tools/gpu_session.sh x2        # two GPUs: the two-GPU tests, then the committed run of the split
 #                                  #   (bench_vocab_parallel --reps 10 --warmup 3 --graph) -> ${RESULTS:-results}/<card>-x2/
 # Two GPUs: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2 \
@@ -93,7 +94,7 @@ case $mode in
     old=${2:?against OLD: the kernels/ directory to compare with}
     for dtype in bfloat16 float32; do python3 tools/trees_agree.py "$old" kernels --dtype "$dtype"; done
     python3 tools/distill_trees.py "$old" kernels --rounds 2 --spreads 3 2
-    python3 -m pytest -q -m gpu tests/test_distill.py tests/test_fused_linear.py ;;
+    python3 -m pytest -q -m gpu tests/test_distill.py tests/test_fused_linear.py tests/test_vocab_parallel.py ;;
   x2)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     python3 -m pytest -q -x -m gpu tests/test_vocab_parallel.py
