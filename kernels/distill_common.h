@@ -221,12 +221,23 @@ template <typename A> struct RowConst {
   A us[kJsdTerms], g[kJsdTerms];
 };
 
+// Double lanes (float64 logits) keep the JSD's relative digits at either end of beta. The float forms below form
+// log z = log(1 - beta + beta e^d) to an ulp of 1 and u_t = d - log z, so where beta (or 1 - beta) is small u_s
+// (or u_t) is lost to rounding and the loss's relative error grows as ~eps / min(beta, 1 - beta): in double 1e-11
+// at beta = 1e-6, 1e-5 at 1e-12, 6-15% from 1e-16 on (a teacher part left negative and clamped); the series'
+// coefficients likewise cancel to ~eps / (1 - beta) as beta nears 1. So in double lanes: u_s and u_t each from
+// log1p of its own small argument (mixture_u_exact), and for beta > 1/2 the series of the exchanged problem
+// (student and teacher, beta and 1 - beta, d and -d exchanged: the same divergence, whose series are those of
+// 1 - beta < 1/2). Float lanes keep the fast forms and their documented limit.
+template <typename A> constexpr bool exact_ends() { return sizeof(A) == 8; }
+template <typename A> DS_HD bool exchanged_series(const RowConst<A>& c) { return exact_ends<A>() && c.beta > A(0.5); }
+
 template <typename A> inline RowConst<A> row_const(double beta) {
   RowConst<A> c;
   c.beta = static_cast<A>(beta);
   c.log_b = beta > 0.0 ? static_cast<A>(std::log(beta)) : ninf<A>();
   double us[kJsdTerms], g[kJsdTerms];
-  jsd_series(beta, us, g);
+  jsd_series(exact_ends<A>() && beta > 0.5 ? 1.0 - beta : beta, us, g);  // (exchanged_series; 1 - beta exact)
   for (int k = 0; k < kJsdTerms; ++k) {
     c.us[k] = static_cast<A>(us[k]);
     c.g[k] = static_cast<A>(g[k]);
@@ -246,6 +257,11 @@ template <typename A> inline RowConst<A> row_const(double beta) {
 constexpr double kJsdLogSpace = 64.0;
 template <typename A> DS_HD bool jsd_series_region(A d) { return d > A(-kSeriesLimit) && d < A(kSeriesLimit); }
 template <typename A> DS_HD void mixture_u_series(const Point<A>& e, const RowConst<A>& c, A& us, A& ut) {
+  if (exchanged_series(c)) {  // u_t is the exchanged problem's u_s at -d
+    ut = -e.d * horner<jsd_terms<A>()>(&c.us[0], -e.d);
+    us = ut - e.d;
+    return;
+  }
   us = e.d * horner<jsd_terms<A>()>(&c.us[0], e.d);
   ut = e.d + us;
 }
@@ -256,7 +272,35 @@ template <typename A> DS_HD A mixture_log_z_of(A ed, const RowConst<A>& c) {
 template <typename A> DS_HD A mixture_log_z(A d, const RowConst<A>& c) {
   return mixture_log_z_of(d_exp2(d * A(kLog2e)), c);
 }
+// Double lanes' u_s and u_t (exact_ends): with w_s = beta expm1(d) and w_t = (1 - beta) expm1(-d), z = 1 + w_s and
+// z e^-d = 1 + w_t, so u_s = -log1p(w_s) and u_t = -log1p(w_t), each taken where its argument is small (|w| < 1/2:
+// relative digits however small u is), the other then from u_t - u_s = d (|u| >= log 1.5 there, no cancellation
+// to speak of); where neither is small, from z or z e^-d as a sum of two positive terms (d >= 0: e^-d cannot
+// overflow). d = +-inf and NaN come out as the float forms have them (u_s = -inf, u_t = -log beta at +inf).
+template <typename A> DS_HD void mixture_u_exact(A d, const RowConst<A>& c, A& us, A& ut) {
+  const A ws = c.beta * expm1(d), wt = (A(1) - c.beta) * expm1(-d);
+  const bool s_small = fabs(ws) < A(0.5), t_small = fabs(wt) < A(0.5);
+  if (s_small) us = -log1p(ws);
+  if (t_small) ut = -log1p(wt);
+  if (s_small && !t_small) {
+    ut = d + us;
+  } else if (t_small && !s_small) {
+    us = ut - d;
+  } else if (!s_small && !t_small) {
+    if (d >= A(0)) {
+      ut = -log(d_fma(A(1) - c.beta, exp(-d), c.beta));
+      us = ut - d;
+    } else {
+      us = -log(d_fma(c.beta, exp(d), A(1) - c.beta));
+      ut = d + us;
+    }
+  }
+}
 template <typename A> DS_HD void mixture_u_direct(const Point<A>& e, const RowConst<A>& c, A& us, A& ut) {
+  if constexpr (exact_ends<A>()) {
+    mixture_u_exact(e.d, c, us, ut);
+    return;
+  }
   if (e.d >= A(kJsdLogSpace)) {
     us = -(e.d + c.log_b);
     ut = -c.log_b;
@@ -366,6 +410,8 @@ template <typename A> DS_HD A jsd_point_entry(const Point<A>& e, const RowConst<
   // (one branch for u_s, u_t and the summand: mixture_u's and the summand's regions are the same)
   if (jsd_series_region(e.d)) {
     mixture_u_series(e, c, us, ut);
+    // (the exchanged problem's summand: its student's probability is pt, its d is -d)
+    if (exchanged_series(c)) return e.pt * (e.d * e.d) * horner<jsd_terms<A>()>(&c.g[0], -e.d);
     return e.ps * (e.d * e.d) * horner<jsd_terms<A>()>(&c.g[0], e.d);
   }
   return jsd_entry_direct(e, c, us, ut);

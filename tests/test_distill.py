@@ -960,6 +960,47 @@ def test_jsd_betas_near_the_ends(device, dtype, beta):
             assert_grad_close(gs[row], rs[row], dtype, f"row {row}", tol=GRAD_TOL[dtype] + end)
 
 
+def _jsd_truth(s_row, t_row, beta, mpmath):
+    """A row's JSD and its gradients w.r.t. the student's and the teacher's logits (T = 1), in mpmath's precision."""
+    b = mpmath.mpf(beta)
+    xs, xt = [mpmath.mpf(float(v)) for v in s_row], [mpmath.mpf(float(v)) for v in t_row]
+    zs, zt = mpmath.fsum(mpmath.exp(v) for v in xs), mpmath.fsum(mpmath.exp(v) for v in xt)
+    ps, pt = [mpmath.exp(v) / zs for v in xs], [mpmath.exp(v) / zt for v in xt]
+    m = [(1 - b) * a + b * c for a, c in zip(ps, pt)]
+    us = [mpmath.log(a / mm) for a, mm in zip(ps, m)]
+    ut = [mpmath.log(c / mm) for c, mm in zip(pt, m)]
+    ks, kt = mpmath.fsum(a * u for a, u in zip(ps, us)), mpmath.fsum(c * u for c, u in zip(pt, ut))
+    loss = b * kt + (1 - b) * ks
+    gs = [(1 - b) * a * (u - ks) for a, u in zip(ps, us)]
+    gt = [b * c * (u - kt) for c, u in zip(pt, ut)]
+    return loss, gs, gt
+
+
+@pytest.mark.parametrize("beta", [1e-30, 1e-12, 1e-6, 0.3, 1 - 1e-6, 1 - 1e-12])
+def test_float64_jsd_keeps_its_digits_at_the_ends_of_beta(device, beta):
+    # Float64 logits: the loss and both gradients to ~1e-15 of 60-digit arithmetic whatever beta. Double lanes take
+    # u_s and u_t from log1p of their own small arguments and, for beta > 1/2, the series of the exchanged problem
+    # (kernels/distill_common.h, exact_ends); with the float lanes' forms the loss's relative error grew as
+    # ~1.1e-16 / min(beta, 1 - beta): 1e-5 at beta = 1e-12, 6-15% from 1e-16 on, 3.7e-7 where the rows nearly agree
+    # at 1 - 1e-12. Rows: spread 2, and one nearly agreeing (the series' region) with the teacher the student
+    # plus 0.01 x noise.
+    mpmath = pytest.importorskip("mpmath")  # (torch's sympy brings it)
+    mpmath.mp.dps = 50
+    s = torch.randn(3, 40, dtype=torch.float64) * 2
+    t = torch.randn(3, 40, dtype=torch.float64) * 2
+    t[2] = s[2] + 0.01 * torch.randn(40, dtype=torch.float64)
+    sl, tl = (x.to(device, copy=True).requires_grad_() for x in (s, t))
+    out, (gs, gt) = run(sl, tl, beta=beta, reduction="none")
+    out = out.detach()
+    for r in range(3):
+        loss, rgs, rgt = _jsd_truth(s[r], t[r], beta, mpmath)
+        assert abs(float((mpmath.mpf(float(out[r])) - loss) / loss)) <= 1e-14, (r, float(out[r]), float(loss))
+        for got, want, who in ((gs[r], rgs, "student"), (gt[r], rgt, "teacher")):
+            want_t = torch.tensor([float(w) for w in want], dtype=torch.float64)
+            err = float((got.cpu() - want_t).norm() / want_t.norm())
+            assert err <= 1e-13, (r, who, err)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
 @pytest.mark.parametrize("beta", [0.3, 0.5, 0.9])
 def test_jsd_gradient_of_small_logits_that_nearly_agree(device, dtype, beta):

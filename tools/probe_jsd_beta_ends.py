@@ -1,8 +1,9 @@
 """The generalized JSD's accuracy as beta nears 0 or 1, against 60-digit arithmetic (mpmath, which torch installs
-with sympy): each token's loss from the kit in float64 and float32 logits. The mixture's log, log(1 - beta +
-beta e^d), is formed to an absolute ~1 ulp of 1 in the lanes (2^-53 in float64, ~2^-23 in float32) while the loss
-is ~min(beta, 1 - beta) times a divergence, so the relative error grows as ~eps / min(beta, 1 - beta) (the
-documented limit; near 0.5 the float64 loss is good to ~1e-16).
+with sympy): each token's loss from the kit in float64 and float32 logits. Float32 lanes form the mixture's log,
+log(1 - beta + beta e^d), to an absolute ~2^-23 while the loss is ~min(beta, 1 - beta) times a divergence, so
+their relative error grows as ~eps / min(beta, 1 - beta) (the documented limit); float64 lanes take each side's
+part from log1p of its own small term and the series of the exchanged problem for beta > 1/2
+(kernels/distill_common.h, exact_ends), so they should hold ~1e-15 at every beta.
 
     python tools/probe_jsd_beta_ends.py [--device cpu|cuda] [--vocab 60] [--seeds 3]
 
