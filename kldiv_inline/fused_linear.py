@@ -663,7 +663,8 @@ class FusedLinearGeneralizedJSDLoss(torch.nn.Module):
                  loss_scale: float = 1.0):
         super().__init__()
         # Checked now, so a wrong setting fails where it is made.
-        _check_settings(beta, temperature, ignore_index, reduction)
+        with _own_name():
+            _check_settings(beta, temperature, ignore_index, reduction)
         if reduction == "none":
             raise ValueError("FusedLinearGeneralizedJSDLoss: reduction='none' is not supported; use 'batchmean' or "
                              "'sum'")

@@ -604,7 +604,7 @@ def test_module_form(device):
                                K.fused_linear_generalized_jsd(h, w, th, tw, beta=0.5, temperature=2.0, labels=lab,
                                                               ignore_index=-1, chunk_size=4))
     assert "chunk_size=4" in repr(crit)
-    with pytest.raises(ValueError, match="beta"):
+    with pytest.raises(ValueError, match="^fused_linear_generalized_jsd: beta"):  # (its check, its name)
         K.FusedLinearGeneralizedJSDLoss(beta=1.5)
     with pytest.raises(ValueError, match="none"):
         K.FusedLinearGeneralizedJSDLoss(reduction="none")
