@@ -181,13 +181,13 @@ class _EagerForward(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------------------ front end
-def _check_number(name: str, value, low: float, high: float, low_open: bool) -> float:
+def _check_number(name: str, value, low: float, high: float, low_open: bool, who: str = "generalized_jsd") -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"generalized_jsd: {name} must be a real number, got {type(value).__name__}")
+        raise TypeError(f"{who}: {name} must be a real number, got {type(value).__name__}")
     v = float(value)
     if not (v > low if low_open else v >= low) or not v <= high:
         interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise ValueError(f"generalized_jsd: {name} must lie in {interval}, got {value!r}")
+        raise ValueError(f"{who}: {name} must lie in {interval}, got {value!r}")
     return v
 
 
@@ -207,7 +207,7 @@ TOPK_MASS_SLACK = 0.02
 
 
 def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, labels: Tensor | None = None,
-                   ignore_index: int = -100, defer: bool = False):
+                   ignore_index: int = -100, defer: bool = False, who: str = "generalized_jsd"):
     """The top-k pair as the kernels take it: [rows, k] int64 indices and the prepared rows [rows, k + 1] (in the
     accumulation dtype: the k log-probabilities normalised, then the teacher's tail mass summed in float64; see
     traced_topk_normalisation), checked (in eager mode): indices in range and distinct, the mass of a distribution
@@ -217,24 +217,24 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, 
     ``defer``: return ``(indices, logprobs, check)`` where ``check()`` raises the error, if any, once the caller
     has queued its kernel: the values checked are read back without waiting for that kernel (see _topk_check)."""
     if not (isinstance(teacher_topk, Sequence) and len(teacher_topk) == 2):
-        raise TypeError("generalized_jsd: teacher_topk must be a pair (indices, logprobs)")
+        raise TypeError(f"{who}: teacher_topk must be a pair (indices, logprobs)")
     idx, lp = teacher_topk
     if not isinstance(idx, Tensor) or not isinstance(lp, Tensor):
-        raise TypeError("generalized_jsd: teacher_topk must hold two tensors (indices, logprobs)")
+        raise TypeError(f"{who}: teacher_topk must hold two tensors (indices, logprobs)")
     if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
-        raise TypeError(f"generalized_jsd: top-k indices must have an integer dtype, got {idx.dtype}")
+        raise TypeError(f"{who}: top-k indices must have an integer dtype, got {idx.dtype}")
     if not lp.is_floating_point():
-        raise TypeError(f"generalized_jsd: top-k log-probabilities must be floating point, got {lp.dtype}")
+        raise TypeError(f"{who}: top-k log-probabilities must be floating point, got {lp.dtype}")
     if idx.shape != lp.shape or idx.dim() < 1 or idx.shape[:-1] != lead:
-        raise ValueError(f"generalized_jsd: top-k indices {tuple(idx.shape)} and log-probabilities "
+        raise ValueError(f"{who}: top-k indices {tuple(idx.shape)} and log-probabilities "
                          f"{tuple(lp.shape)} must both be [..., k] with the logits' leading dims {tuple(lead)}")
     k = idx.shape[-1]
     if not 1 <= k <= vocab:
-        raise ValueError(f"generalized_jsd: top-k needs 1 <= k <= vocabulary ({vocab}), got k = {k}")
+        raise ValueError(f"{who}: top-k needs 1 <= k <= vocabulary ({vocab}), got k = {k}")
     if idx.device != student.device or lp.device != student.device:
-        raise ValueError("generalized_jsd: the top-k teacher must be on the logits' device")
+        raise ValueError(f"{who}: the top-k teacher must be on the logits' device")
     if lp.requires_grad and torch.is_grad_enabled():
-        raise ValueError("generalized_jsd: no gradient flows to a top-k teacher's log-probabilities; detach them")
+        raise ValueError(f"{who}: no gradient flows to a top-k teacher's log-probabilities; detach them")
     acc = _acc_dtype(student.dtype)
     # (the usual layouts, [rows, k] int64 and the accumulation dtype, contiguous, as they are: the step's host path)
     usual = idx.dim() == 2 and idx.is_contiguous() and lp.is_contiguous()
@@ -262,7 +262,7 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, 
     else:
         lp2, flags = mod.distill_topk_prepare(idx2, lp_given, vocab, labels, ignore_index, math.log1p(TOPK_MASS_SLACK))
         read = flags.tolist
-    check = _topk_check(read, lp_given, vocab, labels, ignore_index)
+    check = _topk_check(read, lp_given, vocab, labels, ignore_index, who)
     if not defer:
         check()
     return (idx2, lp2, check) if defer else (idx2, lp2)
@@ -337,7 +337,8 @@ def read_back_later(flags: Tensor) -> Callable[[], Any]:
     return read
 
 
-def _topk_check(read: Callable[[], Any], lp: Tensor, vocab: int, labels: Tensor | None, ignore_index: int):
+def _topk_check(read: Callable[[], Any], lp: Tensor, vocab: int, labels: Tensor | None, ignore_index: int,
+                who: str = "generalized_jsd"):
     """``check()``, which raises the error that the flags of distill_topk_prepare (range, repeat, mass), as
     ``read()`` returns them, say, if any. On a GPU they are in pinned host memory behind an event recorded right
     after the preparation kernel: a caller that queues its kernel before calling ``check()`` waits for that small
@@ -349,9 +350,9 @@ def _topk_check(read: Callable[[], Any], lp: Tensor, vocab: int, labels: Tensor 
     def check() -> None:
         bad_range, dup, bad_mass = read()
         if bad_range:
-            raise ValueError(f"generalized_jsd: top-k indices must lie in [0, {vocab})")
+            raise ValueError(f"{who}: top-k indices must lie in [0, {vocab})")
         if dup:
-            raise ValueError("generalized_jsd: top-k indices of a token must be distinct")
+            raise ValueError(f"{who}: top-k indices of a token must be distinct")
         if bad_mass:  # the worst row for the message (an error path: PyTorch operations, synchronised)
             lse = torch.logsumexp(lp, dim=-1)
             excess = lse.abs() if k == vocab else lse
@@ -359,7 +360,7 @@ def _topk_check(read: Callable[[], Any], lp: Tensor, vocab: int, labels: Tensor 
                 excess = torch.where(labels != ignore_index, excess, -math.inf)
             worst = float(lse[excess.nan_to_num(nan=-math.inf).argmax()])  # (a NaN row is no offender)
             allowed = "at most 1" if k < vocab else "1 (k = V: the whole vocabulary)"
-            raise ValueError(f"generalized_jsd: top-k log-probabilities must be those of a distribution: a token's "
+            raise ValueError(f"{who}: top-k log-probabilities must be those of a distribution: a token's "
                              f"{k} probabilities sum to {math.exp(worst):.4g}, where they must sum to {allowed}, "
                              f"give or take {TOPK_MASS_SLACK:.0%} of rounding; pass "
                              "log_softmax(teacher_logits).topk(k)")
@@ -387,18 +388,18 @@ def check_loss_scale(loss_scale, who: str = "generalized_jsd") -> float:
     return v
 
 
-def _check_settings(beta, temperature, ignore_index, reduction) -> tuple[float, float]:
+def _check_settings(beta, temperature, ignore_index, reduction, who: str = "generalized_jsd") -> tuple[float, float]:
     """Checks the divergence's settings; returns beta and the temperature as floats."""
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
-        raise ValueError(f"generalized_jsd: reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    beta = _check_number("beta", beta, 0.0, 1.0, low_open=False)
-    temperature = _check_number("temperature", temperature, 0.0, float("inf"), low_open=True)
+        raise ValueError(f"{who}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    beta = _check_number("beta", beta, 0.0, 1.0, low_open=False, who=who)
+    temperature = _check_number("temperature", temperature, 0.0, float("inf"), low_open=True, who=who)
     if temperature == float("inf"):
-        raise ValueError("generalized_jsd: temperature must be finite")
+        raise ValueError(f"{who}: temperature must be finite")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"generalized_jsd: ignore_index must be an int, got {type(ignore_index).__name__}")
+        raise TypeError(f"{who}: ignore_index must be an int, got {type(ignore_index).__name__}")
     if not -(2**63) <= int(ignore_index) < 2**63:
-        raise ValueError(f"generalized_jsd: ignore_index must fit in int64 (labels' type), got {ignore_index}")
+        raise ValueError(f"{who}: ignore_index must fit in int64 (labels' type), got {ignore_index}")
     return beta, temperature
 
 
@@ -422,34 +423,35 @@ def refuse_transforms(who: str, *tensors) -> None:
                                       "reverse mode (backward)")
 
 
-def _check_teacher_logits(teacher_logits, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
+def _check_teacher_logits(teacher_logits, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                          who: str = "generalized_jsd") -> None:
     """Teacher logits must match the student's logits (of this shape, dtype and device)."""
     if not isinstance(teacher_logits, Tensor):
-        raise TypeError(f"generalized_jsd: teacher_logits must be a tensor, got {type(teacher_logits).__name__}")
+        raise TypeError(f"{who}: teacher_logits must be a tensor, got {type(teacher_logits).__name__}")
     if teacher_logits.shape != shape:
-        raise ValueError(f"generalized_jsd: student logits {tuple(shape)} and teacher logits "
+        raise ValueError(f"{who}: student logits {tuple(shape)} and teacher logits "
                          f"{tuple(teacher_logits.shape)} must have the same shape")
     if teacher_logits.dtype != dtype:
-        raise TypeError(f"generalized_jsd: student ({dtype}) and teacher ({teacher_logits.dtype}) "
+        raise TypeError(f"{who}: student ({dtype}) and teacher ({teacher_logits.dtype}) "
                         "logits must have the same dtype; convert one of them")
     if teacher_logits.device != device:
-        raise ValueError(f"generalized_jsd: student logits on {device}, teacher logits on "
+        raise ValueError(f"{who}: student logits on {device}, teacher logits on "
                          f"{teacher_logits.device}: they must be on one device")
 
 
-def _check_labels(labels, lead: torch.Size, device: torch.device) -> Tensor | None:
+def _check_labels(labels, lead: torch.Size, device: torch.device, who: str = "generalized_jsd") -> Tensor | None:
     """Labels of the tokens' leading shape as one int64 row (None stays None)."""
     if labels is None:
         return None
     if (not isinstance(labels, Tensor) or labels.dtype.is_floating_point or labels.dtype.is_complex
             or labels.dtype == torch.bool):
-        raise TypeError(f"generalized_jsd: labels must be an integer tensor, got "
+        raise TypeError(f"{who}: labels must be an integer tensor, got "
                         f"{labels.dtype if isinstance(labels, Tensor) else type(labels).__name__}")
     if labels.shape != lead:
-        raise ValueError(f"generalized_jsd: labels must have the logits' leading shape {tuple(lead)}, got "
+        raise ValueError(f"{who}: labels must have the logits' leading shape {tuple(lead)}, got "
                          f"{tuple(labels.shape)}")
     if labels.device != device:
-        raise ValueError(f"generalized_jsd: labels on {labels.device}, logits on {device}")
+        raise ValueError(f"{who}: labels on {labels.device}, logits on {device}")
     if labels.dtype == torch.int64 and labels.dim() == 1 and labels.is_contiguous():
         return labels  # the usual case, without three calls on the step's host path
     return labels.reshape(-1).to(torch.int64).contiguous()

@@ -25,7 +25,6 @@ The teacher is a constant: no gradient flows to it, whether or not its tensors r
 """
 from __future__ import annotations
 
-import contextlib
 import numbers
 from dataclasses import dataclass
 
@@ -348,19 +347,6 @@ def _err(message: str) -> str:
     return f"fused_linear_generalized_jsd: {message}"
 
 
-@contextlib.contextmanager
-def _own_name():
-    """The checks shared with generalized_jsd (settings, labels, teacher logits, top-k) raise under this function's
-    name: the caller called fused_linear_generalized_jsd, not generalized_jsd."""
-    try:
-        yield
-    except (TypeError, ValueError) as e:
-        message = str(e)
-        if not message.startswith("generalized_jsd: "):
-            raise
-        raise type(e)(_err(message.removeprefix("generalized_jsd: "))) from None
-
-
 def _check_linear(who: str, hidden, weight, bias, dtype: torch.dtype | None, device: torch.device | None,
                   vocab: int | None) -> None:
     """hidden [..., H], weight [V, H], bias [V] or None: tensors of one floating dtype on one device (those given
@@ -463,7 +449,7 @@ def _checked_locally(student_hidden, student_weight, teacher_hidden, teacher_wei
     dtype, device = student_hidden.dtype, student_hidden.device
     vocab = student_weight.shape[0]
     lead = student_hidden.shape[:-1]
-    beta, temperature = _check_settings(beta, temperature, ignore_index, reduction)
+    beta, temperature = _check_settings(beta, temperature, ignore_index, reduction, who=_WHO)
     if reduction == "none":
         raise ValueError(_err("reduction='none' is not supported: the gradients are summed over the tokens as "
                               "they are made; use 'batchmean' or 'sum', or generalized_jsd on logits for per-token "
@@ -475,7 +461,7 @@ def _checked_locally(student_hidden, student_weight, teacher_hidden, teacher_wei
                               "teacher_topk"))
     if teacher_bias is not None and not forms[0]:
         raise ValueError(_err("teacher_bias needs teacher_hidden and teacher_weight"))
-    lab = _check_labels(labels, lead, device)
+    lab = _check_labels(labels, lead, device, who=_WHO)
     t_hidden = t_weight = t_bias = t_logits = None
     pair = teacher_topk
     if forms[0]:
@@ -489,12 +475,12 @@ def _checked_locally(student_hidden, student_weight, teacher_hidden, teacher_wei
         t_weight = teacher_weight.detach()
         t_bias = teacher_bias.detach() if teacher_bias is not None else None
     elif forms[1]:
-        _check_teacher_logits(teacher_logits, lead + (vocab,), dtype, device)
+        _check_teacher_logits(teacher_logits, lead + (vocab,), dtype, device, who=_WHO)
         t_logits = _rows(teacher_logits.detach(), vocab)
     elif is_topk_pair(pair):
         pair = (pair[0], pair[1].detach())
     else:  # (its form here; its values once the vocabulary is known)
-        _validate_topk(pair, student_hidden, lead, vocab, lab, ignore_index)
+        _validate_topk(pair, student_hidden, lead, vocab, lab, ignore_index, who=_WHO)
     _check_chunk_size(chunk_size)
     accum_dtype = _check_accum_dtype(accum_dtype, dtype)
     skip_masked = _check_skip_masked(skip_masked, lab)
@@ -589,10 +575,9 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     due, on = same_call_due(student_hidden, group) if isinstance(group, dist.ProcessGroup) else (False, None)
     try:
         loss_scale = check_loss_scale(loss_scale, _WHO)
-        with _own_name():
-            c = _checked_locally(student_hidden, student_weight, teacher_hidden, teacher_weight, teacher_logits,
-                                 teacher_topk, student_bias, teacher_bias, beta, temperature, labels, ignore_index,
-                                 reduction, chunk_size, accum_dtype, group, skip_masked)
+        c = _checked_locally(student_hidden, student_weight, teacher_hidden, teacher_weight, teacher_logits,
+                             teacher_topk, student_bias, teacher_bias, beta, temperature, labels, ignore_index,
+                             reduction, chunk_size, accum_dtype, group, skip_masked)
     except Exception:
         if due:
             check_same_call(group, _WHO, _same_call_fields(), None, refused=True, also=_replicated(None, None, None),
@@ -614,8 +599,7 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
         if group is not None:
             widths = slice_widths(vocab, device, group)
         whole = vocab if widths is None else sum(widths)
-        with _own_name():
-            idx, lp = _validate_topk(c.pair, student_hidden, c.lead, whole, c.lab, ignore_index)
+        idx, lp = _validate_topk(c.pair, student_hidden, c.lead, whole, c.lab, ignore_index, who=_WHO)
     settled = None  # with a group and the default chunk: whether the ranks' widths were the layout learnt
     if chunk_size is None:
         # Two logit buffers where the teacher's logits are made (hidden states) or gathered (skip_masked) per chunk.
@@ -663,8 +647,7 @@ class FusedLinearGeneralizedJSDLoss(torch.nn.Module):
                  loss_scale: float = 1.0):
         super().__init__()
         # Checked now, so a wrong setting fails where it is made.
-        with _own_name():
-            _check_settings(beta, temperature, ignore_index, reduction)
+        _check_settings(beta, temperature, ignore_index, reduction, who=_WHO)
         if reduction == "none":
             raise ValueError("FusedLinearGeneralizedJSDLoss: reduction='none' is not supported; use 'batchmean' or "
                              "'sum'")
