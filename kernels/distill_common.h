@@ -237,7 +237,7 @@ template <typename A> inline RowConst<A> row_const(double beta) {
   c.beta = static_cast<A>(beta);
   c.log_b = beta > 0.0 ? static_cast<A>(std::log(beta)) : ninf<A>();
   double us[kJsdTerms], g[kJsdTerms];
-  jsd_series(exact_ends<A>() && beta > 0.5 ? 1.0 - beta : beta, us, g);  // (exchanged_series; 1 - beta exact)
+  jsd_series(exchanged_series(c) ? 1.0 - beta : beta, us, g);  // (1 - beta exact where beta > 1/2)
   for (int k = 0; k < kJsdTerms; ++k) {
     c.us[k] = static_cast<A>(us[k]);
     c.g[k] = static_cast<A>(g[k]);
