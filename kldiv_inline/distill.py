@@ -369,8 +369,16 @@ def _topk_check(read: Callable[[], Any], lp: Tensor, vocab: int, labels: Tensor 
 
 
 def _is_tracing(t: Tensor) -> bool:
-    return (torch.compiler.is_compiling() or t.device.type == "meta" or type(t) is not Tensor
+    """Whether ``t`` holds no values to read now: torch.compile's fake tensors (and any subclass that dispatches
+    on its own), meta tensors, CUDA-graph capture. A subclass that keeps Tensor's dispatch (nn.Parameter, a
+    plain Python subclass) holds its values and is checked as a Tensor: the top-k checks were once skipped for
+    any type but Tensor, so indices held in a Parameter went unchecked (a bad index made NaN rows, no error)."""
+    return (torch.compiler.is_compiling() or t.device.type == "meta"
+            or (type(t) is not Tensor and type(t).__torch_dispatch__ is not _TENSOR_DISPATCH)
             or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+_TENSOR_DISPATCH = Tensor.__torch_dispatch__
 
 
 def check_loss_scale(loss_scale, who: str = "generalized_jsd") -> float:

@@ -1452,6 +1452,35 @@ def test_topk_bad_indices_raise(device, vocab, k, grad):
         K.generalized_jsd(s, teacher_topk=(idx, lp.clone().requires_grad_()))
 
 
+class _PlainSubclass(torch.Tensor):
+    """A Python subclass that keeps Tensor's dispatch: it holds its values, as nn.Parameter does."""
+
+
+@pytest.mark.parametrize("held", ["parameter", "subclass"])
+def test_topk_checks_run_on_tensor_subclasses(device, held):
+    # Only tensors without values to read (torch.compile's fake tensors, CUDA-graph capture) skip the eager checks.
+    # They were skipped for any type but Tensor: indices or log-probabilities held in a Parameter (or a plain
+    # subclass) gave NaN rows or a silently normalised loss instead of the errors.
+    def wrap(t):
+        return torch.nn.Parameter(t, requires_grad=False) if held == "parameter" else t.as_subclass(_PlainSubclass)
+
+    s = logits((4, 40), torch.float32, device)
+    idx, lp = topk_teacher((4,), 40, 5, device)
+    out = idx.clone()
+    out[1, 0] = 47
+    dup = idx.clone()
+    dup[0, 1] = dup[0, 0]
+    with pytest.raises(ValueError, match=r"in \[0, 40\)"):
+        K.generalized_jsd(s, teacher_topk=(wrap(out), lp), reduction="none")
+    with pytest.raises(ValueError, match="distinct"):
+        K.generalized_jsd(s, teacher_topk=(wrap(dup), lp), reduction="none")
+    with pytest.raises(ValueError, match="those of a distribution"):
+        K.generalized_jsd(s, teacher_topk=(wrap(idx), wrap(lp + 1.0)))
+    want = K.generalized_jsd(s, teacher_topk=(idx, lp), reduction="none")
+    got = K.generalized_jsd(wrap(s), teacher_topk=(wrap(idx), wrap(lp)), reduction="none")
+    assert torch.equal(torch.as_tensor(got).as_subclass(torch.Tensor), want)
+
+
 class _StandInEvent:
     """torch.cuda.Event's part that read_back_later uses, for a machine without a GPU."""
 
