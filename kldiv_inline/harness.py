@@ -233,6 +233,8 @@ def compare(out: Any, ref: Any, tolerance: float | Mapping | None = None) -> dic
         if o.shape != r.shape:
             errors.append(f"output {i} has shape {tuple(o.shape)}, the reference {tuple(r.shape)}")
             rel, abs_err = math.inf, math.inf
+        elif _integral(o) and _integral(r):
+            rel, abs_err = _integer_error(o, r)
         else:
             rel = relative_error(o, r)  # NaN/inf must sit where the reference has them, else inf
             o, r = o.double().to(r.device), r.double()
@@ -248,6 +250,22 @@ def compare(out: Any, ref: Any, tolerance: float | Mapping | None = None) -> dic
             errors.append(f"output {i}: {_REL_ERR} {rel:.3g} > {tol:.3g}")
     return {"max_abs_err": max_abs, "rel_err": worst[0], "tol": worst[1], "ok": not errors,
             "error": "; ".join(errors)}
+
+
+def _integral(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex())
+
+
+def _integer_error(o: torch.Tensor, r: torch.Tensor) -> tuple[float, float]:
+    """(relative, absolute) error of integer or boolean outputs, 0 only where they are equal value for value:
+    compared as integers, since float64 holds integers exactly only up to 2^53 (2^62 + 1 passed for 2^62)."""
+    o = o.to(r.device)
+    if torch.equal(o, r) if o.dtype == r.dtype else torch.equal(o.long(), r.long()):
+        return 0.0, 0.0
+    diff = (o.long() - r.long()).double()  # exact in int64; a difference wider than int64 wraps (then inf below)
+    num, den = float(torch.linalg.vector_norm(diff)), float(torch.linalg.vector_norm(r.double()))
+    rel = num / den if den > 0 else math.inf
+    return (rel if rel > 0 else math.inf), float(diff.abs().max())
 
 
 def _prepare(setup: Callable | None):
@@ -336,9 +354,12 @@ def _run_reference(reference: Callable, prepare: Callable, case: Case) -> Any:
     except Exception as e:
         raise RuntimeError(f"the reference raised on case {case.name!r}: {_error(e)}") from e
     try:
-        _outputs(ref, "the reference")
+        outs = _outputs(ref, "the reference")
     except TypeError as e:
         raise TypeError(f"case {case.name!r}: {e}") from None
+    if all(o is None for o in outs):  # (None, (), {}, [None]): nothing to compare with, every provider would pass
+        raise TypeError(f"case {case.name!r}: the reference returned no tensors ({ref!r}); a reference that works "
+                        "in place must return what it wrote")
     return ref
 
 

@@ -274,6 +274,11 @@ def test_a_bad_reference_raises_once_naming_it():
         harness.check(providers, reference=raises, cases=cases)
     with pytest.raises(TypeError, match="the reference returned ndarray"):
         harness.bench(providers, cases=cases, reference=lambda x: x.numpy(), reps=3, warmup=1)
+    # A reference with nothing to compare (one that works in place and forgot its return, say) would pass every
+    # provider, a provider that does nothing included.
+    for nothing in (None, (), {}, [None], (None, None)):
+        with pytest.raises(TypeError, match="the reference returned no tensors"):
+            harness.check({"idle": lambda x, n=nothing: n}, reference=lambda x, n=nothing: n, cases=cases)
 
 
 def test_bench_says_why_a_provider_failed_its_check():
@@ -348,6 +353,13 @@ def test_upcast_and_tolerances():
     assert harness.compare(out, ref, tolerance={torch.float32: 1e-3})["ok"]  # or per dtype
     assert harness.compare(out.bfloat16(), ref)["ok"]                          # bfloat16: 8e-3
     assert not harness.compare(torch.tensor([1, 2]), torch.tensor([1, 3]))["ok"]  # integers: exact
+    big = torch.tensor([2**62, -(2**62), 7])  # exact beyond 2^53 too, where float64 rounds them alike
+    for off in ([1, 0, 0], [0, -1, 0]):
+        assert not harness.compare(big + torch.tensor(off), big)["ok"]
+    assert not harness.compare((big + 1).int(), big)["ok"]                      # other integer dtypes alike
+    assert harness.compare(big.clone(), big)["ok"]
+    assert harness.compare(torch.tensor([1, 0], dtype=torch.int32), torch.tensor([1, 0]))["ok"]
+    assert not harness.compare(torch.tensor([True, False]), torch.tensor([True, True]))["ok"]
     nan_both = torch.tensor([1.0, math.nan])
     assert harness.compare(nan_both, nan_both.double())["ok"]                  # NaN where the reference has it
     assert not harness.compare(nan_both, torch.ones(2, dtype=torch.float64))["ok"]
