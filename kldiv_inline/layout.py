@@ -51,14 +51,26 @@ def _channels_last_strides(sizes) -> tuple[int, ...]:
     return (c_ * h_ * w_, 1, c_ * w_, c_)
 
 
+def _sort(items: list[int], less) -> list[int]:
+    """``items`` sorted (stably) by the comparison ``less(a, b)``. Not ``sorted(key=...)``: under torch.compile
+    with dynamic shapes sizes and strides are symbolic, and Dynamo can neither sort by symbolic keys nor order
+    tuples holding symbolic booleans; each comparison here is a plain ``if`` (a guard where its outcome is not
+    already known). An insertion sort: a handful of dimensions."""
+    out: list[int] = []
+    for item in items:
+        i = len(out)
+        while i > 0 and less(item, out[i - 1]):
+            i -= 1
+        out.insert(i, item)
+    return out
+
+
 def _is_non_overlapping_and_dense(sizes, strides) -> bool:
     if len(sizes) == 1:
-        return sizes[0] < 2 or strides[0] == 1
-    order = sorted(range(len(sizes)), key=lambda d: (sizes[d] < 2, strides[d]))
+        return bool(sizes[0] < 2) or bool(strides[0] == 1)
+    # Size-0/1 dimensions address nothing: the others, innermost first, must tile memory exactly.
     required = 1
-    for d in order:
-        if sizes[d] < 2:
-            return True
+    for d in _sort([d for d in range(len(sizes)) if sizes[d] >= 2], lambda a, b: strides[a] < strides[b]):
         if strides[d] != required:
             return False
         required *= sizes[d]
@@ -135,7 +147,12 @@ def outer_to_inner(shape: tuple[int, ...], strides: tuple[int, ...]) -> list[int
     """The dimensions of a dense layout from outermost to innermost (None for row-major): iterating the
     shape permuted by it visits memory in order. Among equal strides (size-1 dimensions) the larger size
     goes outside, which reproduces the strides exactly."""
-    order = sorted(range(len(shape)), key=lambda d: (-strides[d], -shape[d], d))
+    def outer(a: int, b: int) -> bool:
+        if strides[a] != strides[b]:
+            return bool(strides[a] > strides[b])
+        return bool(shape[a] > shape[b])  # stable: equal sizes keep their order
+
+    order = _sort(list(range(len(shape))), outer)
     return None if order == list(range(len(shape))) else order
 
 

@@ -20,6 +20,11 @@ Second derivatives are not supported: differentiating a gradient of this op rais
 
 ``reduction='none'`` lays its result out as ``F.kl_div`` does (``layout.py``): the operands are permuted so
 that the kernel writes memory in order, and the result is permuted back.
+
+As ``F.kl_div``: under autocast (kl_div is on its float32 list) 16-bit operands are computed in float32; the
+deprecated reduction='elementwise_mean' means 'mean', and the legacy size_average/reduce arguments override
+``reduction`` (warnings included). Forward-mode AD (``torch.autograd.forward_ad``, ``torch.func.jvp``,
+``jacfwd``) is refused with an error: the kernels have no tangent rule.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import warnings
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from . import layout
 from .loader import load
@@ -53,7 +59,56 @@ def _warn_mean() -> bool:
     return True
 
 
+# Same text as torch.nn._reduction's deprecation warning for this alias of 'mean'.
+_ELEMENTWISE_MEAN_WARNING = "reduction='elementwise_mean' is deprecated. Please use reduction='mean' instead."
+
+
+@torch.compiler.assume_constant_result
+def _warn_elementwise_mean() -> bool:
+    """PyTorch's deprecation warning for reduction='elementwise_mean' (traced as ``_warn_mean`` is)."""
+    warnings.warn(_ELEMENTWISE_MEAN_WARNING, stacklevel=4)  # the caller of kl_div (-> _kl -> here)
+    return True
+
+
 _transforms_active = torch._C._are_functorch_transforms_active
+# One C call, no arguments: whether autocast is on for any device type (the fast path asks it only for 16-bit
+# operands, the only ones autocast's float32 policy changes).
+_any_autocast = torch._C._is_any_autocast_enabled
+_HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
+
+
+def _dual_level_active() -> bool:
+    """Whether a forward-AD dual level is entered (only then can a tensor carry a tangent). Without the attribute
+    (a later PyTorch's) the answer is yes: the tensors are then asked one by one."""
+    return getattr(forward_ad, "_current_level", 0) >= 0
+
+
+def _forward_ad_error(who: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"kldiv_inline.{who}: forward-mode AD (torch.autograd.forward_ad, torch.func.jvp, jacfwd, hessian) is not "
+        "supported: the kernels have no tangent rule, and the tangent would otherwise be dropped. Use reverse mode "
+        "(backward, torch.func.grad, jacrev), or torch.nn.functional.kl_div where forward mode is needed.")
+
+
+def _refuse_tangents(who: str, *tensors) -> None:
+    """Raises where an operand carries a forward-AD tangent: the kernels would return a primal without one.
+    Also while compiling: Dynamo cannot take a dual tensor and runs such a call eagerly, in a frame that it may
+    have traced already (a check skipped while tracing would be missing from it)."""
+    for t in tensors:
+        if isinstance(t, Tensor) and forward_ad.unpack_dual(t).tangent is not None:
+            raise _forward_ad_error(who)
+
+
+def _autocast_operand(t):
+    """autocast's float32 policy for kl_div (on PyTorch's autocast float32 list), as F.kl_div gets it: a 16-bit
+    floating operand on a device type whose autocast is on is cast to float32 (float64 stays float64). The cast
+    is recorded by autograd, so the gradient comes back in the operand's own dtype, as PyTorch's does. Only the
+    kernels' device types are asked: autocast has no state for others (meta), and casts nothing there."""
+    if isinstance(t, Tensor) and t.dtype in _HALF_DTYPES:
+        device_type = t.device.type
+        if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+            return t.float()
+    return t
 
 
 _MODULES: dict[str, object] = {}
@@ -242,6 +297,12 @@ def _vmap_backward(backward):
     return rule
 
 
+def _jvp(ctx, *tangents):
+    """The Functions' forward-mode rule: a clear error (the operands' own check catches torch.autograd.forward_ad
+    before the kernels run; this catches what reaches a Function with tangents, such as jvp of a grad)."""
+    raise _forward_ad_error("kl_div_from_probs" if getattr(ctx, "flags", (False,) * 4)[3] else "kl_div")
+
+
 def _forward_kernels(input, target, reduce, divisor, log_target, from_probs, want_grad):
     out, fused_grad = _module(input.device).kl_div_forward(input, target, reduce, divisor, log_target,
                                                            from_probs, want_grad)
@@ -264,6 +325,8 @@ class _EagerKLDiv(torch.autograd.Function):
     def backward(ctx, grad_out):
         return (*_backward_with(ctx, grad_out), None, None, None, None, None)
 
+    jvp = staticmethod(_jvp)
+
 
 class _FuncKLDiv(torch.autograd.Function):
     """The same under torch.func transforms, which need setup_context and a vmap rule. Returns (loss, fused
@@ -276,7 +339,14 @@ class _FuncKLDiv(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_of_fused_grad):
         return (*_backward_with(ctx, grad_out), None, None, None, None, None)
 
+    jvp = staticmethod(_jvp)
     vmap = staticmethod(_vmap_forward(lambda *args: _FuncKLDiv.apply(*args)))
+
+
+_DOUBLE_BACKWARD = (
+    "kldiv_inline: double backward is not supported: a gradient of kl_div / kl_div_from_probs was differentiated "
+    "again (create_graph=True for a gradient penalty, a Hessian, torch.func.grad of a grad, jvp of a grad). Use "
+    "torch.nn.functional.kl_div where second derivatives are needed.")
 
 
 class _KLDivBackward(torch.autograd.Function):
@@ -296,10 +366,11 @@ class _KLDivBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        raise RuntimeError(
-            "kldiv_inline: double backward is not supported: a gradient of kl_div / kl_div_from_probs was "
-            "differentiated again (create_graph=True for a gradient penalty, a Hessian, torch.func.grad of a "
-            "grad). Use torch.nn.functional.kl_div where second derivatives are needed.")
+        raise RuntimeError(_DOUBLE_BACKWARD)
+
+    @staticmethod
+    def jvp(ctx, *tangents):  # forward-over-reverse (jvp of a grad, hessian): a second derivative too
+        raise RuntimeError(_DOUBLE_BACKWARD)
 
     vmap = staticmethod(_vmap_backward(lambda *args: _KLDivBackward.apply(*args)))
 
@@ -313,7 +384,7 @@ def _check_reduction(reduction, where: str = "kl_div") -> None:
     if not isinstance(reduction, str):
         raise TypeError(f"{where}: reduction must be a str, one of {REDUCTIONS}, got {type(reduction).__name__} "
                         f"{reduction!r}")
-    if reduction not in REDUCTIONS:
+    if reduction not in REDUCTIONS and reduction != "elementwise_mean":  # PyTorch's deprecated alias of 'mean'
         raise ValueError(f"{where}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
@@ -372,15 +443,16 @@ _PLAIN = (Tensor, torch.nn.Parameter)  # tensor types the compiled module can ta
 def _kl(input: Tensor, target: Tensor, reduction: str, log_target: bool, from_probs: bool,
         warn_mean: bool = True) -> Tensor:
     # Fast path for the common valid inference call (one shape, one dtype, no autograd, eager, a CPU or CUDA
-    # tensor): straight to the kernels. A launch-bound call is dominated by host time, and every check here
-    # costs microseconds. The kernels re-check devices and dtypes in C++; anything unusual takes the checked
-    # path below.
+    # tensor, no autocast of 16-bit operands, no forward-AD dual level): straight to the kernels. A launch-bound
+    # call is dominated by host time, and every check here costs microseconds. The kernels re-check devices and
+    # dtypes in C++; anything unusual takes the checked path below.
     if (type(input) is Tensor and type(target) is Tensor and input.dtype is target.dtype
             and input.dtype in _FLOAT_DTYPES and input.shape == target.shape and type(log_target) is bool
             and type(reduction) is str and reduction in _REDUCTION_SET
             and not (torch.is_grad_enabled() and (input.requires_grad or target.requires_grad))
             and (input.is_cuda or input.is_cpu) and not torch.compiler.is_compiling()
-            and not _transforms_active()):
+            and not _transforms_active() and (input.dtype not in _HALF_DTYPES or not _any_autocast())
+            and getattr(forward_ad, "_current_level", 0) < 0):  # _dual_level_active(), inlined: host time
         if reduction == "mean" and warn_mean:
             _warn_mean()
         reduce = reduction != "none"
@@ -393,6 +465,15 @@ def _kl(input: Tensor, target: Tensor, reduction: str, log_target: bool, from_pr
             _check(input, target, reduction, log_target)  # raises the same friendly error as the checked path
             raise
 
+    if _dual_level_active():
+        _refuse_tangents("kl_div_from_probs" if from_probs else "kl_div", input, target)
+    if type(reduction) is str and reduction == "elementwise_mean":
+        # PyTorch's deprecated spelling of 'mean': its own warning, not the 'mean' one (as F.kl_div gives).
+        _warn_elementwise_mean()
+        reduction, warn_mean = "mean", False
+    if _any_autocast():
+        # Before the layout is read: F.kl_div's result follows the cast operands' strides.
+        input, target = _autocast_operand(input), _autocast_operand(target)
     operands = (input, target)
     input, target, shape, dtype = _check(input, target, reduction, log_target)
     if reduction == "mean" and warn_mean:
@@ -459,14 +540,14 @@ def kl_div(input: Tensor, target: Tensor, size_average=None, reduce=None, reduct
 
 
 def _legacy(input, target, size_average, reduce, reduction, log_target):
-    """F.kl_div's handling of the deprecated arguments, quirks included: they choose the reduction, no
-    'mean' warning is given, and reduction='batchmean' still divides the result by input.size(0)."""
+    """F.kl_div's handling of the deprecated arguments, quirks included: they choose the reduction (its
+    deprecation warning given), ``reduction`` is otherwise ignored (not checked: any value passes), no 'mean'
+    warning is given, and reduction='batchmean' still divides the result by input.size(0)."""
     from torch.nn import _reduction
 
-    _check_reduction(reduction)
     out = _kl(input, target, _reduction.legacy_get_string(size_average, reduce), log_target, from_probs=False,
               warn_mean=False)
-    if reduction == "batchmean" and input.dim() != 0:
+    if isinstance(reduction, str) and reduction == "batchmean" and input.dim() != 0:
         out = out / input.size(0)
     return out
 

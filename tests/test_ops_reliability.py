@@ -26,6 +26,7 @@ from test_ops import (
     reference,
 )
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.autograd import forward_ad
 
 import kldiv_inline as K
 from kldiv_inline import layout, ops
@@ -413,8 +414,10 @@ def test_fake_tensors(device, form, reduction):
 @pytest.mark.parametrize("bad", [["sum"], None, 1, ("mean",)], ids=repr)
 def test_reduction_of_wrong_type_is_a_clear_error(bad):
     x, t = make_pair((3, 4), (3, 4), torch.float32, "cpu", "logprobs", False)
+    # (With the legacy size_average/reduce arguments reduction is ignored, as by F.kl_div: see
+    # test_legacy_arguments_ignore_reduction_like_torch.)
     for fn in (lambda: K.kl_div(x, t, reduction=bad), lambda: K.kl_div_from_probs(x.exp(), t, reduction=bad),
-               lambda: K.kl_div(x, t, reduce=True, reduction=bad), lambda: K.KLDivLoss(reduction=bad)):
+               lambda: K.KLDivLoss(reduction=bad)):
         with pytest.raises(TypeError, match="reduction must be a str"):
             fn()
 
@@ -567,3 +570,186 @@ def test_layout_rules_match_pytorch_on_random_layouts():
         made = layout.with_strides(made, strides)  # a size-1 dimension's stride as PyTorch copies it
         assert made.stride() == native.stride()  # what the op returns: the kernel's output, permuted back
 
+
+
+# ------------------------------------------------------------ forward-mode AD: an error, never a dropped tangent
+FORWARD_AD = "kldiv_inline.{}: forward-mode AD"
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["no_grad", "requires_grad"])
+@pytest.mark.parametrize("wrt", ["input", "target"])
+def test_forward_ad_raises_instead_of_dropping_the_tangent(device, form, reduction, requires_grad, wrt):
+    """F.kl_div has a forward-mode rule; the kernels have none. A dual operand that did not require grad went
+    straight to the kernels and came back without its tangent (a silent None)."""
+    x, t = make_pair((3, 5), (3, 5), torch.float32, device, form, False)
+    name = "kl_div_from_probs" if form == "probs" else "kl_div"
+    with forward_ad.dual_level():
+        if wrt == "input":
+            x = forward_ad.make_dual(x.clone().requires_grad_(requires_grad), torch.ones_like(x))
+        else:
+            t = forward_ad.make_dual(t.clone().requires_grad_(requires_grad), torch.ones_like(t))
+        with pytest.raises(NotImplementedError, match=FORWARD_AD.format(name)):
+            call(form, x, t, reduction)
+        # Operands without a tangent are still served inside a dual level.
+        plain = call(form, forward_ad.unpack_dual(x).primal.detach(), forward_ad.unpack_dual(t).primal.detach(),
+                     reduction)
+    assert_forward_matches(plain, form, forward_ad.unpack_dual(x).primal.detach(),
+                           forward_ad.unpack_dual(t).primal.detach(), reduction, False)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_torch_func_forward_mode_raises_naming_the_op(device, form):
+    x, t = make_pair((3, 5), (3, 5), torch.float64, device, form, False)
+    name = "kl_div_from_probs" if form == "probs" else "kl_div"
+    f = lambda a: call(form, a, t, "sum")  # noqa: E731
+    with pytest.raises(NotImplementedError, match=FORWARD_AD.format(name)):
+        torch.func.jvp(f, (x,), (torch.ones_like(x),))
+    with pytest.raises(NotImplementedError, match=FORWARD_AD.format(name)):
+        torch.func.jacfwd(f)(x)
+    with pytest.raises((NotImplementedError, RuntimeError), match=f"{FORWARD_AD.format(name)}|{DOUBLE_BACKWARD}"):
+        torch.func.jvp(torch.func.grad(f), (x,), (torch.ones_like(x),))  # forward over reverse
+
+
+# ------------------------------------------------------------ autocast: kl_div is on its float32 list
+def _autocast_pairs(device, dtype):
+    x, t = make_pair((16, 40), (16, 40), dtype, device, "logprobs", False)
+    yield "same dtype", x, t
+    # float16 log-probabilities near -80 times targets of 0.01: each term fits float16, their sum does not.
+    yield "sum overflows 16 bits", torch.full((64, 100), -80.0, dtype=dtype, device=device), \
+        torch.full((64, 100), 0.01, dtype=dtype, device=device)
+    yield "float64 target", x, t.double()  # float64 stays float64, and wins the promotion
+    yield "broadcast float32 target", x, t[:1].float()
+    yield "transposed", x.t(), t.t()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_autocast_computes_in_float32_like_torch(device, dtype, reduction):
+    """Under torch.autocast F.kl_div casts 16-bit operands to float32 (the kernels were handed float16 and
+    returned float16: inf where the float32 loss is finite). Values, dtypes and strides against F.kl_div under
+    autocast, and against float64; gradients in the operands' own dtypes, as PyTorch gives them."""
+    for what, x, t in _autocast_pairs(device, dtype):
+        xg, tg = x.clone().requires_grad_(), t.clone().requires_grad_()
+        xr, tr = x.clone().requires_grad_(), t.clone().requires_grad_()
+        with torch.autocast(device, dtype=dtype):
+            out_nograd = _quiet(K.kl_div, x, t, reduction=reduction)  # the fast path's candidates
+            out = _quiet(K.kl_div, xg, tg, reduction=reduction)
+            expected = _quiet(F.kl_div, xr, tr, reduction=reduction)
+        exact = _quiet(F.kl_div, x.double(), t.double(), reduction=reduction)
+        for got in (out_nograd, out):
+            assert got.dtype == expected.dtype and got.shape == expected.shape, (what, got.dtype, expected.dtype)
+            assert got.stride() == expected.stride(), what
+            scale = float(exact.abs().max())
+            torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-6 * scale, msg=what)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6 * scale, msg=what)
+        go = random_grad_out(expected)
+        out.backward(go)
+        expected.backward(go)
+        for mine, theirs in ((xg.grad, xr.grad), (tg.grad, tr.grad)):
+            assert mine.dtype == theirs.dtype and mine.shape == theirs.shape, what
+            rtol = GRAD_RTOL[theirs.dtype]
+            torch.testing.assert_close(mine.double(), theirs.double(), rtol=rtol,
+                                       atol=rtol * float(theirs.double().abs().max()), msg=what)
+
+
+def test_autocast_for_another_device_type_or_disabled_changes_nothing():
+    x, t = make_pair((8, 20), (8, 20), torch.float16, "cpu", "logprobs", False)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        assert K.kl_div(x, t, reduction="sum").dtype == torch.float16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", enabled=False):
+            assert K.kl_div(x, t, reduction="none").dtype == torch.float16
+        assert K.kl_div(x, t, reduction="none").dtype == torch.float32
+        assert K.kl_div_from_probs(x.exp(), t, reduction="sum").dtype == torch.float32
+        # Meta tensors are not the CPU's: PyTorch casts nothing (and autocast has no state for them to ask).
+        m = torch.empty(8, 20, dtype=torch.float16, device="meta")
+        assert K.kl_div(m, m, reduction="none").dtype == F.kl_div(m, m, reduction="none").dtype == torch.float16
+
+
+# ------------------------------------------------------------ reduction='none' under dynamic shapes
+def test_none_layout_under_dynamic_shapes_torch_compile():
+    """layout.py replays TensorIterator's stride rules; under torch.compile with dynamic shapes the sizes and
+    strides it reads are symbolic, where sorting by them (or by tuples of their comparisons) broke the trace."""
+    torch._dynamo.reset()
+    fn = lambda a, b: K.kl_div(a, b, reduction="none")  # noqa: E731
+    fp = lambda a, b: K.kl_div_from_probs(a, b, reduction="none", log_target=True)  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    compiled_p = torch.compile(fp, fullgraph=True, dynamic=True)
+    for n in (3, 5, 7):
+        cases = {
+            "transposed (n, 4)": make_pair((n, 4), (n, 4), torch.float32, "cpu", "logprobs", False),
+            "transposed (4, n)": make_pair((4, n), (4, n), torch.float32, "cpu", "logprobs", False),
+            "permuted, broadcast": make_pair((2, n, 3), (1, n, 3), torch.float32, "cpu", "logprobs", False),
+        }
+        for what, (x, t) in cases.items():
+            x, t = (x.t(), t.t()) if x.dim() == 2 else (x.permute(2, 0, 1), t.permute(2, 0, 1))
+            out = compiled(x, t)
+            native = _torch_kl("logprobs", x, t, "none")
+            assert out.shape == native.shape and out.stride() == native.stride(), (what, n, out.stride())
+            assert_forward_matches(out, "logprobs", x, t, "none", False)
+        x, t = make_pair((n, 6), (n, 6), torch.float32, "cpu", "probs", True)
+        x, t = x.t(), t.t()
+        out = compiled_p(x, t)
+        assert out.stride() == _torch_kl("probs", x, t, "none", True).stride()
+        assert_forward_matches(out, "probs", x, t, "none", True)
+    # The same under Dynamo's automatic dynamic shapes (a second size recompiles with symbolic ones).
+    torch._dynamo.reset()
+    auto = torch.compile(fn, fullgraph=True)
+    for n in (3, 5):
+        x, t = make_pair((n, 4), (n, 4), torch.float32, "cpu", "logprobs", False)
+        out = auto(x.t(), t.t())
+        assert out.stride() == _torch_kl("logprobs", x.t(), t.t(), "none").stride()
+        assert_forward_matches(out, "logprobs", x.t(), t.t(), "none", False)
+
+
+# ------------------------------------------------------------ deprecated reduction arguments, as PyTorch
+def _with_warnings(fn, *args, **kwargs):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn(*args, **kwargs)
+    return out, sorted(str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_elementwise_mean_is_mean_with_torchs_warning(device, form):
+    """PyTorch takes reduction='elementwise_mean' as 'mean' with a deprecation warning (and not the 'mean'
+    one); the kit rejected it."""
+    x, t = make_pair((6, 20), (6, 20), torch.float64, device, form, False)
+    ours, ours_w = _with_warnings(K.kl_div_from_probs if form == "probs" else K.kl_div, x, t,
+                                  reduction="elementwise_mean")
+    theirs, theirs_w = _with_warnings(F.kl_div, torch.log(x) if form == "probs" else x, t,
+                                      reduction="elementwise_mean")
+    assert ours_w == theirs_w and len(theirs_w) == 1 and "elementwise_mean" in theirs_w[0]
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=0)
+    assert_forward_matches(ours, form, x, t, "mean", False)
+    # The module keeps the name, as torch.nn.KLDivLoss does, and warns on each call.
+    module, torch_module = K.KLDivLoss(reduction="elementwise_mean"), torch.nn.KLDivLoss(reduction="elementwise_mean")
+    assert module.reduction == torch_module.reduction == "elementwise_mean"
+    xl = torch.log(x) if form == "probs" else x
+    (m_out, m_w), (tm_out, tm_w) = _with_warnings(module, xl, t), _with_warnings(torch_module, xl, t)
+    assert m_w == tm_w
+    torch.testing.assert_close(m_out, tm_out, rtol=1e-12, atol=0)
+    xg = xl.clone().requires_grad_()
+    _quiet(module, xg, t).backward()
+    assert_grad_close(xg.grad, ref_grads("logprobs", xl, t, "mean", False, torch.ones((), dtype=x.dtype,
+                                                                                      device=device), "input")["input"],
+                      xl)
+
+
+@pytest.mark.parametrize("reduction", ["bogus", None, ["sum"], "none", "sum", "mean", "elementwise_mean",
+                                       "batchmean"], ids=repr)
+@pytest.mark.parametrize("legacy", [(True, None), (False, None), (None, False)], ids=str)
+def test_legacy_arguments_ignore_reduction_like_torch(device, reduction, legacy):
+    """With size_average/reduce given, F.kl_div takes the reduction from them and ignores ``reduction`` (not
+    even checked), except that 'batchmean' still divides by the batch size; the kit rejected such values."""
+    size_average, reduce = legacy
+    x, t = make_pair((6, 20), (6, 20), torch.float64, device, "logprobs", False)
+    ours, ours_w = _with_warnings(K.kl_div, x, t, size_average=size_average, reduce=reduce, reduction=reduction)
+    theirs, theirs_w = _with_warnings(F.kl_div, x, t, size_average=size_average, reduce=reduce,
+                                      reduction=reduction)
+    assert ours_w == theirs_w and theirs_w
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-300)
