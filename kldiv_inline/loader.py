@@ -6,9 +6,10 @@ in the same process (pytorch#119206), and needs a GPU or ``TORCH_CUDA_ARCH_LIST`
 This module adds, around it:
 
 * a name that carries a hash of every source and every header they include (``#include "..."`` beside them
-  or in the include dirs, ``#include <...>`` in the include dirs), the flags, the torch/CUDA versions and the
-  target architectures: an edit rebuilds, an unchanged tree is a cache hit, and a hit in a new process
-  imports the ``.so`` directly (no ninja);
+  or in the include dirs, ``#include <...>`` in the include dirs; the flags' ``-I``, ``-isystem``, ``-iquote``,
+  ``-idirafter`` and ``-include`` count), the flags, the torch/CUDA versions and the target architectures:
+  an edit rebuilds, an unchanged tree is a cache hit, and a hit in a new process imports the ``.so`` directly
+  (no ninja);
 * a manifest written last in each build (the ``.so``'s size and SHA-256): a hit imports only a ``.so`` that
   matches it, so a truncated or damaged file is rebuilt instead of crashing the process (SIGBUS), and a hit
   writes and locks nothing, so a prebuilt cache on a read-only mount works;
@@ -43,6 +44,7 @@ import shutil
 import subprocess
 import sys
 import time
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -91,12 +93,13 @@ _FAILED: set[str] = set()
 
 
 class KernelBuildError(RuntimeError):
-    """The compiler rejected a kernel source. ``.errors`` holds the compiler's error lines (real file:line)."""
+    """The compiler rejected a kernel source. ``.errors`` holds the compiler's error lines (real file:line);
+    ``.hint`` a line on the likely cause where the loader can tell it (else None), shown after them."""
 
-    def __init__(self, name: str, errors: list[str], log: str):
-        self.name, self.errors, self.log = name, errors, log
+    def __init__(self, name: str, errors: list[str], log: str, hint: str | None = None):
+        self.name, self.errors, self.log, self.hint = name, errors, log, hint
         shown = "\n".join(errors[:40]) or log[-4000:]
-        super().__init__(f"building extension {name!r} failed:\n{shown}")
+        super().__init__(f"building extension {name!r} failed:\n{shown}" + (f"\n{hint}" if hint else ""))
 
 
 class ToolchainError(RuntimeError):
@@ -378,21 +381,27 @@ def _check_archs(cuda_home: str, archs: Sequence[str]) -> None:
 
 
 # ------------------------------------------------------------------------------------------ sources
-def _resolve_includes(path: Path, include_dirs: Sequence[Path], seen: dict[Path, str]) -> None:
-    """Read ``path`` and, recursively, every header it includes that the compiler would find where we can see
-    it: ``"..."`` beside the including file, then in include_dirs; ``<...>`` in include_dirs only. Headers
-    found elsewhere (the system's, torch's, CUDA's) are not followed."""
+def _resolve_includes(path: Path, include_dirs: Sequence[Path], seen: dict[Path, str],
+                      quote_dirs: Sequence[Path] = ()) -> None:
+    """Read ``path`` and, recursively, every header it includes that the compiler may find where we can see it:
+    ``"..."`` beside the including file, in quote_dirs or in include_dirs; ``<...>`` in include_dirs. Headers
+    found elsewhere (the system's, torch's, CUDA's) are not followed.
+
+    Every match is followed, not the first: the compiler takes the first in its own order (the -iquote folders,
+    then the -I folders in command-line order, where the user's flags come before the loader's, then -isystem,
+    the system's, -idirafter; nvcc's as g++'s), which the loader would have to reproduce exactly, or the header
+    it hashes is not the one compiled and an edit to that one leaves a stale module. With all of them in the key
+    the order cannot matter; an edit to a shadowed copy costs a rebuild at most."""
     path = path.resolve()
     if path in seen:
         return
     text = path.read_bytes().decode("utf-8", "surrogateescape")  # any bytes (a system header need not be UTF-8)
     seen[path] = text
     for delim, inc in _INCLUDE_RE.findall(text):
-        for d in (path.parent, *include_dirs) if delim == '"' else include_dirs:
+        for d in (path.parent, *quote_dirs, *include_dirs) if delim == '"' else include_dirs:
             cand = d / inc
             if cand.is_file():
-                _resolve_includes(cand, include_dirs, seen)
-                break
+                _resolve_includes(cand, include_dirs, seen, quote_dirs)
 
 
 def _include_flag(d: Path) -> str:
@@ -401,15 +410,36 @@ def _include_flag(d: Path) -> str:
     return "-I" + shlex.quote(str(d)).replace("$", "$$")
 
 
+# The /proc/cpuinfo fields -march=native depends on: the model, and the instruction-set extensions the CPU
+# offers, which one model name does not fix (a VM or a BIOS setting hides some, e.g. AVX-512). x86 spells them
+# "model name" and "flags", Arm "CPU implementer", "CPU part" and "Features".
+_CPUINFO_FIELDS = ("model name", "flags", "CPU implementer", "CPU part", "Features")
+
+
 @functools.cache
 def _cpu_fingerprint() -> str:
-    """The host CPU, for builds with -march=native (whose code may not run on another CPU)."""
+    """The host CPU, for builds with -march=native (whose code may not run on another CPU): the first line of
+    each of _CPUINFO_FIELDS in /proc/cpuinfo."""
     with contextlib.suppress(OSError):
+        first: dict[str, str] = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+            field = line.split(":", 1)[0].strip()
+            if field in _CPUINFO_FIELDS:
+                first.setdefault(field, line)
+        if first:
+            return "\n".join(first[f] for f in _CPUINFO_FIELDS if f in first)
     import platform
     return platform.processor() or platform.machine()
+
+
+def _module_base(name: str) -> str:
+    """The extension's name before its hash, as an ASCII identifier: Python looks up a non-ASCII module's init
+    function under a punycode name (PyInitU_...), which the compiled PyInit_<name> is not, so it would build and
+    then fail to import. Accents are dropped (café -> cafe), other characters become '_'; names that meet here
+    share a build only where the hash after them (every source's path and text, the flags, ...) is the same too,
+    i.e. where the build is the same."""
+    ascii_name = unicodedata.normalize("NFKD", name).encode("ascii", "ignore").decode()
+    return re.sub(r"\W", "_", ascii_name, flags=re.ASCII) or "extension"
 
 
 def _with_line(path: Path, text: str) -> str:
@@ -549,19 +579,85 @@ def _compiler_errors(log: str) -> list[str]:
     return out
 
 
-def _flag_include_dirs(flags: Sequence[str]) -> list[Path]:
-    """The folders that ``-Idir``, ``-I dir``, ``-isystem dir`` (and ``-isystemdir``) flags name."""
-    dirs, flags = [], list(flags)
-    for i, f in enumerate(flags):
-        for opt in ("-isystem", "-I"):
+# A definition the compiler met twice, with the file of the first one: g++ and clang name it on a note after the
+# error, nvcc's front end in the error itself ("(previous definition at line 3 of /x/a.cu)").
+_GCC_REDEFINED_RE = re.compile(r"^(.+?):\d+:\d+: error: (?:redefinition of|conflicting declaration)")
+_GCC_PREVIOUS_RE = re.compile(r"^(.+?):\d+:\d+: note: .*\bprevious")
+_NVCC_REDEFINED_RE = re.compile(r"^(.+?)\(\d+\): error: .*has already been (?:defined|declared)"
+                                r".*\(previous \w+ at line \d+ of (.+)\)\s*$")
+
+
+def _redefinitions(log: str) -> list[tuple[str, str]]:
+    """(the file of a redefinition, the file of the definition before it) for each the compiler reports."""
+    pairs, pending = [], None
+    for line in log.splitlines():
+        if m := _NVCC_REDEFINED_RE.match(line):
+            pairs.append((m[1], m[2]))
+        elif m := _GCC_REDEFINED_RE.match(line):
+            pending = m[1]
+        elif pending and (m := _GCC_PREVIOUS_RE.match(line)):
+            pairs.append((pending, m[1]))
+            pending = None
+    return pairs
+
+
+def _shared_unit_hint(log: str, srcs: Sequence[Path]) -> str | None:
+    """A line for a build that failed because two of the given sources define the same file-local name: valid
+    as separate files, but load_inline compiles all of one language's sources as one translation unit."""
+    given = {str(p) for p in srcs}
+    for here, before in _redefinitions(log):
+        if here != before and here in given and before in given:
+            kind = Path(here).suffix
+            return (f"hint: {here} defines again what {before} defines: load_inline compiles all the {kind} sources "
+                    "as one translation unit, so their file-static functions and variables, anonymous namespaces "
+                    "and macros are shared; give one of them another name, or define it once in a header both "
+                    "include.")
+    return None
+
+
+# Flags that add a folder to the compiler's header search, and those that include a file before the source
+# (both spellings: ``-I dir`` and ``-Idir``). Only -iquote folders serve ``#include "..."`` alone.
+_SEARCH_DIR_FLAGS = ("-isystem", "-idirafter", "-iquote", "-I")
+_FORCED_INCLUDE_FLAGS = ("-include", "-imacros")
+
+
+def _flag_values(flags: Sequence[str], options: Sequence[str]) -> list[tuple[str, str]]:
+    """(option, value) for each of these options in flags, given as ``-opt value`` or ``-optvalue``."""
+    out, flags, i = [], list(flags), 0
+    while i < len(flags):
+        f = flags[i]
+        for opt in options:
             if f == opt and i + 1 < len(flags):
-                dirs.append(Path(flags[i + 1]).resolve())
-            elif f.startswith(opt) and len(f) > len(opt):
-                dirs.append(Path(f[len(opt):]).resolve())
-            else:
-                continue
-            break
-    return dirs
+                out.append((opt, flags[i + 1]))
+                i += 1  # the value is not a flag of its own
+                break
+            if f.startswith(opt) and len(f) > len(opt):
+                out.append((opt, f[len(opt):]))
+                break
+        i += 1
+    return out
+
+
+def _flag_search(flags: Sequence[str]) -> tuple[list[Path], list[Path], list[str]]:
+    """What the extra flags add to the compiler's header search: the folders for ``#include "..."`` only
+    (-iquote), the folders for both kinds (-I, -isystem, -idirafter), and the files forced in before the source
+    (-include, -imacros; as given)."""
+    quote, both, forced = [], [], []
+    for opt, value in _flag_values(flags, _SEARCH_DIR_FLAGS + _FORCED_INCLUDE_FLAGS):
+        if opt in _FORCED_INCLUDE_FLAGS:
+            forced.append(value)
+        else:
+            (quote if opt == "-iquote" else both).append(Path(value).resolve())
+    return quote, both, forced
+
+
+def _forced_candidates(name: str, search: Sequence[Path]) -> list[Path]:
+    """The files that ``-include name`` may stand for, all to be hashed: the path itself when absolute. A relative
+    one the compiler looks for in its working directory (the build folder) and then in the ``#include "..."``
+    folders: every match there, and the path from our working directory (as relative -I folders are read). One
+    that does not exist is left to the compiler to report."""
+    cands = [Path(name)] if os.path.isabs(name) else [Path(name).resolve(), *(d / name for d in search)]
+    return [c for c in cands if c.is_file()]
 
 
 def load_sources(
@@ -579,10 +675,22 @@ def load_sources(
     """Build (or fetch from the cache) an extension from source files and return its Python module.
 
     ``paths``: ``.cu`` files go to nvcc, ``.cpp`` files to the host compiler; the headers they include
-    (``#include "..."`` beside them or in ``include_dirs``, ``#include <...>`` in ``include_dirs``) are part
-    of the cache key. ``functions`` lists the functions to bind (their declarations must be visible in a
-    ``.cpp`` source, which must include ``<torch/extension.h>``); leave it out when a ``.cpp`` source holds
-    its own ``PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)``. ``cuda`` defaults to "any .cu given". The module
+    (``#include "..."`` beside them or in ``include_dirs``, ``#include <...>`` in ``include_dirs``, and in the
+    folders and files that ``-I``, ``-isystem``, ``-iquote``, ``-idirafter`` and ``-include`` name in the
+    extra flags) are part of the cache key.
+
+    All the ``.cpp`` sources are compiled as ONE translation unit, and all the ``.cu`` sources as another:
+    ``load_inline`` joins each language's sources into one file (``#line`` directives keep the real names in
+    errors). What is private to a file in a separate build is shared between the files of one language here:
+    file-static functions and variables, anonymous namespaces and macros. Two files that each define a
+    ``static`` helper (or a name in an anonymous namespace) of the same name fail with a redefinition error,
+    which the loader follows with a hint naming both files; a macro one file defines is defined in the files
+    after it too. Give such helpers distinct names, or define them once in a header that both files include
+    (with an include guard).
+
+    ``functions`` lists the functions to bind (their declarations must be visible in a ``.cpp`` source, which
+    must include ``<torch/extension.h>``); leave it out when a ``.cpp`` source holds its own
+    ``PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)``. ``cuda`` defaults to "any .cu given". The module
     is memoised per process.
     """
     srcs = [Path(p).resolve() for p in paths]
@@ -605,13 +713,14 @@ def load_sources(
     for d in {p.parent for p in srcs}:
         if d not in incs:
             incs.append(d)
-    # Folders named by -I / -isystem in the extra flags are searched as well (they reach their compiler through
-    # those flags, not ours), so the headers found there are part of the cache key: an edit to one rebuilds.
-    search = incs + [d for d in _flag_include_dirs([*extra_cflags, *extra_cuda_cflags]) if d not in incs]
+    # Folders and files named by the extra flags (-I, -isystem, -idirafter, -iquote, -include, -imacros) reach
+    # their compiler through those flags, not ours: the headers found there are part of the cache key too.
+    quote_dirs, flag_dirs, forced = _flag_search([*extra_cflags, *extra_cuda_cflags])
+    search = incs + [d for d in flag_dirs if d not in incs]
 
     texts: dict[Path, str] = {}
-    for p in srcs:
-        _resolve_includes(p, search, texts)
+    for p in [*srcs, *(c for f in forced for c in _forced_candidates(f, [*quote_dirs, *search]))]:
+        _resolve_includes(p, search, texts, quote_dirs)
     if functions is not None:
         _check_bindings_header(cpp_srcs, incs, functions)
 
@@ -633,7 +742,7 @@ def load_sources(
                  _cpu_fingerprint() if any("native" in f for f in cflags) else ""):
         key.update(part.encode() + b"\0")
     digest = key.hexdigest()[:16]
-    base = re.sub(r"\W", "_", name or srcs[0].stem)
+    base = _module_base(name or srcs[0].stem)
     ext_name = f"{base}_{digest}"
 
     if ext_name in _MODULES:
@@ -710,7 +819,8 @@ def _build(ext_name, build_dir: Path, cpp_srcs, cuda_srcs, texts, functions, cfl
         log = str(e)
         if isinstance(e, subprocess.CalledProcessError) and e.output:
             log += "\n" + (e.output.decode() if isinstance(e.output, bytes) else e.output)
-        raise KernelBuildError(ext_name, _compiler_errors(log), log) from None
+        raise KernelBuildError(ext_name, _compiler_errors(log), log,
+                               _shared_unit_hint(log, [*cpp_srcs, *cuda_srcs])) from None
     except ImportError as e:
         _FAILED.add(ext_name)
         failure = _load_failure(ext_name, e)

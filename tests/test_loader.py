@@ -248,6 +248,21 @@ def test_compile_error_in_header_names_the_header(tmp_path, cache):
     _assert_maps_to(info.value, f"{tmp_path / 'bad.h'}:3:")
 
 
+@pytest.mark.parametrize("suffix", [".cpp", ".cu"])
+def test_same_static_helper_in_two_sources_says_they_are_one_translation_unit(tmp_path, cache, suffix):
+    # Valid as separate files (g++ a.cpp b.cpp links), but load_inline joins one language's sources into one file.
+    a, b = tmp_path / f"a{suffix}", tmp_path / f"b{suffix}"
+    a.write_text("static long helper() { return 1; }\nlong from_a() { return helper(); }\n")
+    b.write_text("static long helper() { return 2; }\nlong from_b() { return helper(); }\n")
+    with pytest.raises(kldiv_inline.KernelBuildError) as info:
+        kldiv_inline.load_sources([a, b])
+    msg = str(info.value)
+    assert "one translation unit" in msg and "static" in msg, msg
+    hint = msg.splitlines()[-1]  # after the compiler's lines, which still come first
+    assert hint.startswith("hint:") and str(a) in hint and str(b) in hint, msg
+    assert str(b) in info.value.errors[0], info.value.errors
+
+
 # A compiler driver that finds no shared libstdc++ (prints the bare name for -print-file-name, as the lent GPU
 # machines' CC/CXX wrappers did) and fails every real compile or link, so a build that uses it fails.
 _NO_LIBSTDCXX_DRIVER = """#!/bin/sh
@@ -297,21 +312,21 @@ def test_rebuild_after_failed_build_in_same_process(tmp_path, cache):
     assert kldiv_inline.load_sources([src]).value() == 5
 
 
-def test_rebuild_after_failed_build_with_same_name(tmp_path, cache):
-    """The fix lies outside the cache key (a header forced in by a raw -include flag, which the loader does not
-    follow), so the retry has the failed build's name: torch's JIT versioner alone would skip the build and
+def test_rebuild_after_failed_build_with_same_name(tmp_path, cache, monkeypatch):
+    """The fix lies outside the cache key (a header found through the compiler's CPATH, which the loader does not
+    read), so the retry has the failed build's name: torch's JIT versioner alone would skip the build and
     fail to import (a known PyTorch issue: a failed JIT build's version is kept)."""
     inc = tmp_path / "inc"
     inc.mkdir()
     (inc / "fix.h").write_text("#define FIXED_VALUE (6 +)\n")
+    monkeypatch.setenv("CPATH", str(inc))
     src = tmp_path / "samename.cpp"
-    src.write_text(capi_module("FIXED_VALUE"))
-    flags = ["-include", str(inc / "fix.h")]
+    src.write_text(capi_module("FIXED_VALUE", prelude="#include <fix.h>"))
     with pytest.raises(kldiv_inline.KernelBuildError) as info:
-        kldiv_inline.load_sources([src], extra_cflags=flags)
+        kldiv_inline.load_sources([src])
     failed_name = info.value.name
     (inc / "fix.h").write_text("#define FIXED_VALUE (6 + 1)\n")
-    m = kldiv_inline.load_sources([src], extra_cflags=flags)
+    m = kldiv_inline.load_sources([src])
     assert m.__name__ == failed_name
     assert m.value() == 7
 
@@ -781,6 +796,18 @@ def test_paths_with_spaces_and_non_ascii(tmp_path, monkeypatch):
     _assert_maps_to(info.value, f"{root / 'bad.cpp'}:7:")
 
 
+def test_non_ascii_source_stem_and_name_give_an_importable_module(tmp_path, cache):
+    # A module's init function is looked up under a punycode name when the module's name is not ASCII.
+    src = tmp_path / "café.cpp"
+    src.write_text(capi_module("1"))
+    m = kldiv_inline.load_sources([src])
+    assert m.value() == 1
+    assert re.fullmatch(r"cafe_[0-9a-f]{16}", m.__name__), m.__name__
+    named = kldiv_inline.load_sources([src], name="naïve 模块")
+    assert named.value() == 1
+    assert re.fullmatch(r"naive__[0-9a-f]{16}", named.__name__), named.__name__
+
+
 # -------------------------------------------------------------------- 12. what the cache key covers
 def test_editing_angle_included_header_from_include_dirs_rebuilds(tmp_path, cache):
     inc = tmp_path / "inc"
@@ -797,19 +824,82 @@ def test_editing_angle_included_header_from_include_dirs_rebuilds(tmp_path, cach
     assert m2.value() == 12
 
 
-@pytest.mark.parametrize("flags", [lambda d: [f"-I{d}"], lambda d: ["-I", str(d)], lambda d: ["-isystem", str(d)]],
-                         ids=["-Idir", "-I dir", "-isystem dir"])
-def test_editing_header_found_through_include_flags_rebuilds(tmp_path, cache, flags):
+_ANGLE, _QUOTE, _FORCED = "#include <flagged.h>", '#include "flagged.h"', ""  # how the source reaches it
+
+
+@pytest.mark.parametrize("flags, prelude", [
+    (lambda d: [f"-I{d}"], _ANGLE), (lambda d: ["-I", str(d)], _ANGLE), (lambda d: ["-isystem", str(d)], _ANGLE),
+    (lambda d: ["-iquote", str(d)], _QUOTE), (lambda d: [f"-iquote{d}"], _QUOTE),
+    (lambda d: ["-idirafter", str(d)], _ANGLE), (lambda d: [f"-idirafter{d}"], _ANGLE),
+    (lambda d: ["-include", str(d / "flagged.h")], _FORCED), (lambda d: [f"-include{d / 'flagged.h'}"], _FORCED),
+], ids=["-Idir", "-I dir", "-isystem dir", "-iquote dir", "-iquotedir", "-idirafter dir", "-idirafterdir",
+        "-include file", "-includefile"])
+def test_editing_header_found_through_include_flags_rebuilds(tmp_path, cache, flags, prelude):
     inc = tmp_path / "inc"
     inc.mkdir()
     (inc / "flagged.h").write_text("#define FLAGGED 2\n")
     src = tmp_path / "flagged.cpp"
-    src.write_text(capi_module("FLAGGED", prelude="#include <flagged.h>"))
+    src.write_text(capi_module("FLAGGED", prelude=prelude))
     m1 = kldiv_inline.load_sources([src], extra_cflags=flags(inc))
     assert m1.value() == 2
     (inc / "flagged.h").write_text("#define FLAGGED 7\n")
     m2 = kldiv_inline.load_sources([src], extra_cflags=flags(inc))
     assert m2.__name__ != m1.__name__ and m2.value() == 7
+
+
+def test_editing_the_header_the_compiler_uses_rebuilds_whatever_the_search_order(tmp_path, cache):
+    # <answer.h> beside the source (the loader's -I) and in a folder of extra_cflags' -I, which comes first on the
+    # command line: the compiler takes that one.
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (tmp_path / "answer.h").write_text("#define ANSWER 100\n")
+    (inc / "answer.h").write_text("#define ANSWER 1\n")
+    src = tmp_path / "shadowed.cpp"
+    src.write_text(capi_module("ANSWER", prelude="#include <answer.h>"))
+    m1 = kldiv_inline.load_sources([src], extra_cflags=[f"-I{inc}"])
+    assert m1.value() == 1
+    (inc / "answer.h").write_text("#define ANSWER 2\n")
+    m2 = kldiv_inline.load_sources([src], extra_cflags=[f"-I{inc}"])
+    assert m2.__name__ != m1.__name__ and m2.value() == 2
+
+
+@pytest.fixture
+def fake_cpuinfo(tmp_path, monkeypatch):
+    """Writes the /proc/cpuinfo the loader reads next (its fingerprint is cached: cleared around the test, so no
+    other test sees a made-up CPU)."""
+    fake = tmp_path / "cpuinfo"
+    real_path = loader.Path
+    monkeypatch.setattr(loader, "Path", lambda *a: fake if a == ("/proc/cpuinfo",) else real_path(*a))
+
+    def write(text: str):
+        fake.write_text(text)
+        loader._cpu_fingerprint.cache_clear()
+
+    loader._cpu_fingerprint.cache_clear()
+    yield write
+    loader._cpu_fingerprint.cache_clear()
+
+
+def test_march_native_builds_are_keyed_on_the_cpus_instruction_sets(tmp_path, cache, monkeypatch, fake_cpuinfo):
+    # One model name, two sets of extensions (a VM that hides AVX-512): -march=native code of one may not run on
+    # the other.
+    def stop(*a, **k):
+        raise RuntimeError("stopped before compiling")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", stop)
+    src = tmp_path / "native.cpp"
+    src.write_text(capi_module("1"))
+
+    def name_on(flags: str) -> str:
+        fake_cpuinfo(f"processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+                     f"flags\t\t: {flags}\n\nprocessor\t: 1\n")
+        with pytest.raises(kldiv_inline.KernelBuildError, match="stopped before compiling") as info:
+            kldiv_inline.load_sources([src], extra_cflags=["-march=native"])
+        return info.value.name
+
+    avx2 = name_on("fpu sse2 avx2")
+    assert name_on("fpu sse2 avx2 avx512f") != avx2
+    assert name_on("fpu sse2 avx2") == avx2
 
 
 # ------------------------------------------------------------------ 13. bindings and link errors
