@@ -674,16 +674,17 @@ topk_prepare_kernel(const int64_t* __restrict__ idx, const A* __restrict__ lp, A
   nan = __syncthreads_or(nan);
   range = __syncthreads_or(range);
   block_max<1>(m, scratch);
-  A lse = m[0];  // -inf (no mass) and +inf stay as they are
+  double lse = m[0];  // in double (topk_shift); -inf (no mass) and +inf stay as they are
   if (nan) {
-    lse = std::numeric_limits<A>::quiet_NaN();
+    lse = std::numeric_limits<double>::quiet_NaN();
   } else if (isfinite(m[0])) {
-    A sum[1] = {A(0)};
-    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) sum[0] += d_exp(li[j] - m[0]);
-    block_sum<1>(sum, scratch);
-    lse = m[0] + d_log(sum[0]);
+    double sum[1] = {0.0};
+    for (int64_t j = threadIdx.x; j < k; j += blockDim.x)
+      sum[0] += exp(static_cast<double>(li[j]) - static_cast<double>(m[0]));
+    block_sum<1>(sum, dscratch);
+    lse = m[0] + log(sum[0]);
   }
-  const A shift = topk_shift(lse, whole);
+  const A shift = topk_shift<A>(lse, whole);
   A* o = out + row * (k + 1);
   double q[1] = {0.0};  // the normalised row's mass, in double
   for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
@@ -748,17 +749,17 @@ topk_prepare_warp_kernel(const int64_t* __restrict__ idx, const A* __restrict__ 
   nan = __any_sync(0xffffffffu, nan);
   range = __any_sync(0xffffffffu, range);
   m = warp_max(m);
-  A lse = m;  // -inf (no mass) and +inf stay as they are
+  double lse = m;  // in double (topk_shift); -inf (no mass) and +inf stay as they are
   if (nan) {
-    lse = std::numeric_limits<A>::quiet_NaN();
+    lse = std::numeric_limits<double>::quiet_NaN();
   } else if (isfinite(m)) {
-    A sum = A(0);
+    double sum = 0.0;
 #pragma unroll
     for (int e = 0; e < E; ++e)
-      if (lane + 32 * e < k) sum += d_exp(x[e] - m);
-    lse = m + d_log(warp_sum(sum));
+      if (lane + 32 * e < k) sum += exp(static_cast<double>(x[e]) - static_cast<double>(m));
+    lse = m + log(warp_sum(sum));
   }
-  const A shift = topk_shift(lse, whole);
+  const A shift = topk_shift<A>(lse, whole);
   A* o = out + row * (k + 1);
   double q = 0.0;  // the normalised row's mass, in double
 #pragma unroll

@@ -467,15 +467,15 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
         m = li[j] > m ? li[j] : m;
         if (xi[j] < 0 || xi[j] >= vocab) f[FLAG_RANGE] = 1;
       }
-      A lse = m;  // -inf (no mass) and +inf stay as they are
+      double lse = m;  // in double (topk_shift); -inf (no mass) and +inf stay as they are
       if (nan) {
-        lse = std::numeric_limits<A>::quiet_NaN();
+        lse = std::numeric_limits<double>::quiet_NaN();
       } else if (std::isfinite(m)) {
-        A sum = A(0);
-        for (int64_t j = 0; j < k; ++j) sum += d_exp(li[j] - m);
-        lse = m + d_log(sum);
+        double sum = 0.0;
+        for (int64_t j = 0; j < k; ++j) sum += std::exp(static_cast<double>(li[j]) - static_cast<double>(m));
+        lse = m + std::log(sum);
       }
-      const A shift = topk_shift(lse, whole);
+      const A shift = topk_shift<A>(lse, whole);
       A* oi = o + i * (k + 1);
       double q = 0.0;  // the normalised row's mass, in double
       for (int64_t j = 0; j < k; ++j) {

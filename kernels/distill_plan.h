@@ -282,9 +282,12 @@ enum TopkFlag : int { FLAG_RANGE = 0, FLAG_DUP = 1, FLAG_MASS = 2 };
 
 // The shift that normalises a top-k row whose log-probabilities have logsumexp lse: mass above 1 is divided out
 // (k < V), or the whole distribution normalised (k = V, `whole`); a row without mass is left as it is; NaN stays.
-template <typename A> DS_HD A topk_shift(A lse, bool whole) {
-  const A s = whole || !(lse < A(0)) ? lse : A(0);
-  return s == ninf<A>() ? A(0) : s;
+// lse in double, whatever the lanes (the row's sum of exponentials formed in double): whether the mass is above 1
+// is decided on the values as given. A float32 logsumexp is rounded by ~6e-8, and a row whose k tokens hold all
+// but 1e-8 of the mass came out above 1: shifted, its tail set to 0, and reverse KL's loss inf where it is finite.
+template <typename A> DS_HD A topk_shift(double lse, bool whole) {
+  const double s = whole || !(lse < 0.0) ? lse : 0.0;
+  return s == ninf<double>() ? A(0) : static_cast<A>(s);
 }
 
 // A top-k teacher's tail mass, 1 - q_sum, from q_sum, the sum of its row's k probabilities in double
@@ -300,9 +303,9 @@ template <typename A> DS_HD A topk_tail(double q_sum) {
 
 // Whether an unmasked row's mass is no distribution's: more than 1 (k < V) or away from 1 (k = V) by more than
 // the slack (log1p of it given); a NaN row is no offender here (its loss is NaN).
-template <typename A> DS_HD bool topk_bad_mass(A lse, bool whole, double slack_log) {
-  const A excess = whole ? (lse < A(0) ? -lse : lse) : lse;
-  return excess > static_cast<A>(slack_log);
+DS_HD bool topk_bad_mass(double lse, bool whole, double slack_log) {
+  const double excess = whole ? (lse < 0.0 ? -lse : lse) : lse;
+  return excess > slack_log;
 }
 
 }  // namespace distill

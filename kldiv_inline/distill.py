@@ -276,9 +276,11 @@ def traced_topk_normalisation(lp: Tensor, whole: bool) -> Tensor:
     formed in float64 (0 where nothing is left, for a NaN row, and where the row was shifted: mass above 1, or
     k = V): a served teacher's k tokens can hold all but 1e-5 of its mass, and 1 - a float32 sum is then off by
     percents of the tail."""
-    lse = torch.logsumexp(lp, dim=-1, keepdim=True)
+    # The logsumexp in float64 whatever lp's dtype, as the kernel's: whether the mass is above 1 is decided on the
+    # values as given (a float32 logsumexp's rounding, ~6e-8, put rows holding all but 1e-8 of the mass above 1).
+    lse = torch.logsumexp(lp.double(), dim=-1, keepdim=True)
     shift = lse if whole else lse.clamp_min(0)
-    shift = torch.where(torch.isneginf(shift), 0.0, shift)
+    shift = torch.where(torch.isneginf(shift), 0.0, shift).to(lp.dtype)
     lp = lp - shift
     tail = 1 - lp.double().exp().sum(-1, keepdim=True)
     tail = torch.where((tail > 0) & (shift == 0) & (not whole), tail, 0.0)  # (shifted: mass above 1, or k = V)

@@ -1423,6 +1423,46 @@ def test_topk_teacher_with_a_small_tail(device, k, tail):
             assert_grad_close(gs, rs, dtype, f"{dtype} beta={beta} grad")
 
 
+def _rows_just_below_one(n, k):
+    """n float32 rows of k log-probabilities whose mass, summed exactly from these float32 values, lies in
+    (1 - 5e-8, 1): a confident teacher's k tokens holding all but ~1e-8 of its mass."""
+    rows = []
+    while len(rows) < n:
+        p = torch.rand(k, dtype=torch.float64) ** 4
+        lp = ((p / p.sum()).log() + math.log1p(-2e-8)).float()
+        if 0 < 1 - float(lp.double().exp().sum()) < 5e-8:
+            rows.append(lp)
+    return torch.stack(rows)
+
+
+# Whether a top-k row's mass is above 1 (then divided out, and its tail set to 0) is decided on the values as given,
+# from a logsumexp in double. From a float32 one, rounded by ~6e-8, rows holding all but 1e-8 of the mass came out
+# above 1: shifted, their tail 0, reverse KL's loss inf and the gradient NaN, where both are finite.
+@pytest.mark.parametrize("k", [3, 100, 200])
+def test_topk_teacher_whose_mass_is_just_below_one(device, k):
+    vocab, n = 512, 48
+    lp = _rows_just_below_one(n, k)
+    exact = 1 - lp.double().exp().sum(-1)
+    idx = torch.rand(n, vocab).argsort(-1)[:, :k].contiguous().to(device)
+    lp = lp.to(device)
+    mod = K.load(device, extension="distill")
+    prepared = mod.distill_topk_prepare(idx, lp, vocab, None, -100, math.log1p(K.distill.TOPK_MASS_SLACK))[0]
+    for got, how in ((prepared, "distill_topk_prepare"), (K.distill.traced_topk_normalisation(lp, False), "traced")):
+        assert torch.equal(got[:, :k], lp), how  # (mass below 1: nothing shifted)
+        err = float((got[:, k].double().cpu() / exact - 1).abs().max())
+        assert err <= 1e-5, f"{how}: the tail {err:.2e} off, relative (a tail of 0: the row taken as above 1)"
+    s = logits((n, vocab), torch.float32, device, scale=2.0).requires_grad_()
+    for beta in (0.5, 1.0):
+        kw = dict(teacher_topk=(idx, lp), beta=beta, reduction="none")
+        go = random_grad_out(torch.ones(n, device=device))
+        out, (gs,) = run(s, None, go, **kw)
+        ref, (rs,) = reference(s, None, go, **kw)
+        assert torch.isfinite(out).all() and torch.isfinite(gs).all(), f"beta={beta}"
+        err = float(((out.detach().double() - ref.detach()).abs() / ref.detach().abs()).max())
+        assert err <= 2e-6, f"beta={beta}: a token's loss {err:.2e} off, relative"
+        assert_grad_close(gs, rs, torch.float32, f"beta={beta} grad")
+
+
 # k = 300: above the CUDA preparation kernel's pair check (k <= 256), repeats found by sorting; k = 100: a repeat
 # 99 entries apart and one 32 apart (one lane's two, were a warp to take a row)
 @pytest.mark.parametrize("vocab,k", [(10, 3), (1000, 100), (400, 300)])
