@@ -657,7 +657,8 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
 
 class GeneralizedJSDLoss(torch.nn.Module):
     """``generalized_jsd`` as a module: ``GeneralizedJSDLoss(beta, temperature)(student_logits, teacher_logits,
-    labels)``, or ``teacher_topk=(indices, logprobs)`` in place of the teacher's logits."""
+    labels)``, or ``teacher_topk=(indices, logprobs)`` in place of the teacher's logits; ``group=`` splits the
+    vocabulary across a process group, as the function's does."""
 
     def __init__(self, beta: float = 0.0, temperature: float = 1.0, ignore_index: int = -100,
                  reduction: str = "batchmean", loss_scale: float = 1.0):
@@ -668,10 +669,11 @@ class GeneralizedJSDLoss(torch.nn.Module):
         self.loss_scale = loss_scale
 
     def forward(self, student_logits: Tensor, teacher_logits: Tensor | None = None,
-                labels: Tensor | None = None, teacher_topk: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                labels: Tensor | None = None, teacher_topk: tuple[Tensor, Tensor] | None = None,
+                group=None) -> Tensor:
         return generalized_jsd(student_logits, teacher_logits, teacher_topk=teacher_topk, beta=self.beta,
                                temperature=self.temperature, labels=labels, ignore_index=self.ignore_index,
-                               reduction=self.reduction, loss_scale=self.loss_scale)
+                               reduction=self.reduction, loss_scale=self.loss_scale, group=group)
 
     def extra_repr(self) -> str:
         scale = f", loss_scale={self.loss_scale}" if self.loss_scale != 1.0 else ""

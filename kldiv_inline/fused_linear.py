@@ -382,13 +382,16 @@ def _check_linear(who: str, hidden, weight, bias, dtype: torch.dtype | None, dev
         raise ValueError(_err(f"{who}_bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}"))
 
 
+_INT64_MAX = 2**63 - 1
+
+
 def _check_chunk_size(chunk_size) -> None:
     if chunk_size is None:
         return
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
         raise TypeError(_err(f"chunk_size must be an int or None, got {type(chunk_size).__name__}"))
-    if chunk_size < 1:
-        raise ValueError(_err(f"chunk_size must be >= 1, got {chunk_size}"))
+    if not 1 <= chunk_size <= _INT64_MAX:  # (the custom op's schema takes an int64)
+        raise ValueError(_err(f"chunk_size must be >= 1 and at most 2**63 - 1, got {chunk_size}"))
 
 
 def _check_accum_dtype(accum_dtype, weight_dtype: torch.dtype) -> torch.dtype | None:
@@ -495,7 +498,7 @@ def _same_call_fields(beta=0.0, temperature=0.0, ignore_index=0, reduction="", r
     the ranks' widths and dtype, so ranks that give None and ranks that give a number would communicate apart.
     hidden_grad: whether the call makes grad hidden, summed over the group (a collective only those ranks make)."""
     return {"beta": beta, "temperature": temperature, "ignore_index": int(ignore_index),
-            "reduction": int(reduction == "batchmean"), "rows": rows,
+            "reduction (0 sum, 1 batchmean)": int(reduction == "batchmean"), "rows": rows,
             "chunk_size": None if chunk_size is None else int(chunk_size), "teacher form": form,
             "dtype (0 float16, 1 bfloat16, 2 float32, 3 float64)": dtype, "skip_masked": int(skip_masked),
             "student_hidden's gradient": int(hidden_grad), "loss_scale": float(loss_scale)}

@@ -439,7 +439,8 @@ def _call_fields(beta: float, temperature: float, ignore_index: int, code: int, 
                  dtype: int = -1, wanted: int = 0, loss_scale: float = 1.0) -> dict:
     """generalized_jsd's settings as check_same_call compares them (the same names, in order, on every rank);
     ``dtype``: dtype_code of the logits; ``wanted``: the gradients the call makes (they decide its exchanges)."""
-    return {"beta": beta, "temperature": temperature, "ignore_index": ignore_index, "reduction": code,
+    return {"beta": beta, "temperature": temperature, "ignore_index": ignore_index,
+            "reduction (0 none, 1 sum, 2 batchmean)": code,
             "rows": rows, "teacher_topk k": k, "dtype (0 float16, 1 bfloat16, 2 float32, 3 float64)": dtype,
             "gradients (1 the student's, 2 the teacher's, 3 both)": wanted, "loss_scale": loss_scale}
 

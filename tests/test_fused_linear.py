@@ -690,6 +690,7 @@ def test_bad_input_raises_clearly(device):
         (dict(chunk_size=0, **good), ValueError, "chunk_size"),
         (dict(chunk_size=2.0, **good), TypeError, "chunk_size"),
         (dict(chunk_size=True, **good), TypeError, "chunk_size"),
+        (dict(chunk_size=2**64, **good), ValueError, r"at most 2\*\*63 - 1"),  # (the op takes an int64)
         (dict(accum_dtype=torch.float64, **good), ValueError, "accum_dtype"),
         (dict(accum_dtype=torch.float16, **good), ValueError, "accum_dtype"),
         (dict(teacher_topk=(torch.full((4, 2), 10, device=device), torch.full((4, 2), -1.0, device=device))),

@@ -553,7 +553,8 @@ def _mismatch_body(rank, world, device, seed):
                      (dict(beta=0.5 if rank == 0 else 0.3), "beta"),
                      (dict(labels=lab if rank == 0 else (lab + 1) % 20), "labels"),
                      (dict(labels=lab if rank == 0 else None), "labels"),
-                     (dict(reduction="sum" if rank == 0 else "batchmean"), "reduction"),
+                     (dict(reduction="sum" if rank == 0 else "batchmean"),
+                      r"reduction \(0 none, 1 sum, 2 batchmean\): 1 on rank 0, 2 on rank 1"),
                      (dict(loss_scale=0.25 if rank == 0 else 0.5), "loss_scale")):
         with pytest.raises(ValueError, match=f"different {what}"):
             K.generalized_jsd(s, t, group=group, **kw)
@@ -584,6 +585,8 @@ def _mismatch_body(rank, world, device, seed):
         K.fused_linear_generalized_jsd(h, w, teacher_logits=t, temperature=1.0 + rank, group=group)
     with pytest.raises(ValueError, match="different loss_scale"):
         K.fused_linear_generalized_jsd(h, w, teacher_logits=t, loss_scale=1.0 + rank, group=group)
+    with pytest.raises(ValueError, match=r"different reduction \(0 sum, 1 batchmean\): 0 on rank 0, 1 on rank 1"):
+        K.fused_linear_generalized_jsd(h, w, teacher_logits=t, reduction="batchmean" if rank else "sum", group=group)
     with pytest.raises(ValueError, match="different dtype"):
         K.fused_linear_generalized_jsd(h.double() if rank else h, w.double() if rank else w,
                                        teacher_logits=t.double() if rank else t, group=group)
@@ -598,6 +601,7 @@ def _mismatch_body(rank, world, device, seed):
     with pytest.raises(ValueError, match=r"different gradients \(1 the student's"):
         K.generalized_jsd(s.clone().requires_grad_(rank == 0), t, beta=0.5, group=group)
     loss = K.generalized_jsd(s, t, group=group, labels=lab)  # the group still serves a call made alike
+    assert torch.equal(K.GeneralizedJSDLoss()(s, t, lab, group=group), loss)  # (the module passes group on)
     assert torch.isfinite(loss)
 
 
