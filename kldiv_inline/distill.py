@@ -290,10 +290,14 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, 
     if lp.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"{who}: no gradient flows to a top-k teacher's log-probabilities; detach them")
     acc = _acc_dtype(student.dtype)
+    # float64 log-probabilities are prepared in float64 whatever the lanes, then rounded: the tail, 1 - the sum of
+    # the k probabilities, is then that of the values given (from their float32 roundings it was off by ~5e-4 of
+    # reverse KL's loss where the tail is 6e-6).
+    prep = torch.float64 if lp.dtype == torch.float64 else acc
     # (the usual layouts, [rows, k] int64 and the accumulation dtype, contiguous, as they are: the step's host path)
     usual = idx.dim() == 2 and idx.is_contiguous() and lp.is_contiguous()
     idx2 = idx if usual and idx.dtype == torch.int64 else idx.reshape(-1, k).to(torch.int64).contiguous()
-    lp2 = lp if usual and lp.dtype == acc else lp.reshape(-1, k).to(acc)
+    lp2 = lp if usual and lp.dtype == prep else lp.reshape(-1, k).to(prep)
     # The kernels sum each KL in a form that holds for normalised distributions only. A served teacher's
     # log-probabilities carry rounding (bfloat16 ones can hold a little more than 1 of mass, which would leave a
     # tail of 0 and a reverse KL of inf): mass above 1 is divided out, and with k = V the k buckets are the whole
@@ -301,7 +305,7 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, 
     if not idx2.numel() or _is_tracing(idx2):
         # Traced (torch.compile, CUDA-graph capture): the same normalisation in PyTorch operations, unchecked
         # (the kernels then make a row with a bad index NaN).
-        lp2 = traced_topk_normalisation(lp2, k == vocab).contiguous()
+        lp2 = traced_topk_normalisation(lp2, k == vocab).to(acc).contiguous()
         return (idx2, lp2, _no_check) if defer else (idx2, lp2)
     # Eager: normalised and checked by one kernel (a wrong index or a teacher that is no distribution must be an
     # error, not a wrong number), whose flags check() reads: on a GPU the kernel writes them into a pinned buffer
@@ -319,6 +323,7 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, 
     check = _topk_check(read, lp_given, vocab, labels, ignore_index, who)
     if not defer:
         check()
+    lp2 = lp2.to(acc)  # (prepared in float64 where given so: a copy, [rows, k + 1])
     return (idx2, lp2, check) if defer else (idx2, lp2)
 
 

@@ -1423,6 +1423,32 @@ def test_topk_teacher_with_a_small_tail(device, k, tail):
             assert_grad_close(gs, rs, dtype, f"{dtype} beta={beta} grad")
 
 
+# float64 log-probabilities beside float32 lanes (16-bit or float32 logits): the tail is that of the values given,
+# prepared in float64 and then rounded. From their float32 roundings it was off by percents of itself where it is
+# ~1e-5, and reverse KL's loss ~5e-4 relative.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_id)
+def test_float64_topk_teacher_keeps_its_tail_beside_float32_lanes(monkeypatch, device, dtype):
+    vocab, n, k, tail = 4096, 6, 100, 1e-5
+    top, idx = torch.log_softmax(torch.randn(n, vocab, dtype=torch.float64) * 2.5, -1).topk(k, -1)
+    lp = top - top.logsumexp(-1, keepdim=True) + math.log1p(-tail)  # float64: the k tokens hold 1 - tail
+    idx, lp = idx.to(device), lp.to(device)
+    s = logits((n, vocab), dtype, device, scale=2.0).requires_grad_()
+    go = random_grad_out(torch.ones(n, device=device))
+    for beta in (0.5, 1.0):
+        for how in ("eager", "traced"):
+            kw = dict(teacher_topk=(idx, lp), beta=beta, reduction="none")
+            if how == "traced":  # the traced path's normalisation (torch.compile, CUDA-graph capture)
+                with monkeypatch.context() as m:
+                    m.setattr(K.distill, "_is_tracing", lambda t: True)
+                    out, (gs,) = run(s, None, go, **kw)
+            else:
+                out, (gs,) = run(s, None, go, **kw)
+            ref, (rs,) = reference(s, None, go, **kw)
+            err = float(((out.detach().double() - ref.detach()).abs() / ref.detach().abs()).max())
+            assert err <= 2e-6, f"{how} beta={beta}: a token's loss {err:.2e} off, relative"
+            assert_grad_close(gs, rs, dtype, f"{how} beta={beta} grad")
+
+
 def _rows_just_below_one(n, k):
     """n float32 rows of k log-probabilities whose mass, summed exactly from these float32 values, lies in
     (1 - 5e-8, 1): a confident teacher's k tokens holding all but ~1e-8 of its mass."""
