@@ -118,20 +118,29 @@ def _(student, teacher, topk_idx, topk_lp, labels, ignore_index, beta, temperatu
 def _grad_impl(student: Tensor, teacher: Tensor | None, topk_idx: Tensor | None, topk_lp: Tensor | None,
                labels: Tensor | None, ignore_index: int, beta: float, temperature: float, reduction: int,
                loss_scale: float, grad_out: Tensor, want_student: bool, want_teacher: bool) -> tuple[Tensor, Tensor]:
-    """The gradients times grad_out (one value, or one per row for reduction none), each entry rounded to the
-    logits' dtype once, at its final size (float16's backward: see _fuses). The kernel's scale (a device value:
-    no synchronisation) carries the largest finite |grad_out|; rows with a smaller one are then multiplied by
-    their share of it (a pass only where some factor is not 1: a negative grad_out, or rows of different ones)."""
+    """The gradients times grad_out (one value, or one per row for reduction none; float16's backward: see
+    _fuses), computed with a scale on the device (no synchronisation). One value goes into the kernel's scale:
+    each entry rounded once, at its final size. One per row: the kernel's scale is the smallest nonzero finite
+    |grad_out|, and the other rows are then multiplied up by their factor over it (rounded a second time; an
+    entry overflows only where its final value does). Not the largest: a row of a small factor whose entries are
+    large came out inf at the largest's scale (grad_out [1e5, 1]), where its gradient is finite."""
     mod = _module(student.device)
+    if student.shape[0] == 0:  # (no rows: nothing to reduce the factors over)
+        empty = student.new_empty((0,))
+        return (student.new_zeros(student.shape) if want_student else empty,
+                student.new_zeros(student.shape) if want_teacher else empty)
     g = grad_out.to(torch.float64)
-    peak = torch.where(g.isfinite(), g.abs(), 0.0).amax()
-    peak = torch.where(peak > 0, peak, 1.0)  # (all 0 or non-finite: the factors carry them)
-    scale = mod.distill_reduction_scale(student, labels, ignore_index, reduction, loss_scale) * peak
+    scale = mod.distill_reduction_scale(student, labels, ignore_index, reduction, loss_scale)
+    if g.dim() == 0:
+        scale, factor = scale * g, None
+    else:
+        least = torch.where(g.isfinite() & (g != 0), g.abs(), math.inf).amin()
+        least = torch.where(least < math.inf, least, 1.0)  # (every factor 0 or non-finite: they carry themselves)
+        scale, factor = scale * least, (g / least).to(_acc_dtype(student.dtype))
     _, gs, gt = mod.distill_forward(student, teacher, topk_idx, topk_lp, labels, ignore_index, beta, temperature,
                                     _REDUCTION_CODE["sum"], want_student, want_teacher, None, scale, 1.0)
-    factor = (g / peak).to(_acc_dtype(student.dtype))
     for grad in (gs, gt):
-        if grad is not None:
+        if grad is not None and factor is not None:
             mod.distill_scale_grad_(grad, factor)
     return _empty_if_none(gs, student), _empty_if_none(gt, student)
 
@@ -291,8 +300,8 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, 
         raise ValueError(f"{who}: no gradient flows to a top-k teacher's log-probabilities; detach them")
     acc = _acc_dtype(student.dtype)
     # float64 log-probabilities are prepared in float64 whatever the lanes, then rounded: the tail, 1 - the sum of
-    # the k probabilities, is then that of the values given (from their float32 roundings it was off by ~5e-4 of
-    # reverse KL's loss where the tail is 6e-6).
+    # the k probabilities, is then that of the values given (from their float32 roundings, reverse KL's per-token
+    # loss was 1e-4 to 2e-4 off where the tail is 1e-5).
     prep = torch.float64 if lp.dtype == torch.float64 else acc
     # (the usual layouts, [rows, k] int64 and the accumulation dtype, contiguous, as they are: the step's host path)
     usual = idx.dim() == 2 and idx.is_contiguous() and lp.is_contiguous()
@@ -323,7 +332,8 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, 
     check = _topk_check(read, lp_given, vocab, labels, ignore_index, who)
     if not defer:
         check()
-    lp2 = lp2.to(acc)  # (prepared in float64 where given so: a copy, [rows, k + 1])
+    if lp2.dtype != acc:  # (prepared in float64 where given so: a copy, [rows, k + 1]; no call otherwise)
+        lp2 = lp2.to(acc)
     return (idx2, lp2, check) if defer else (idx2, lp2)
 
 
@@ -624,13 +634,15 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     nothing. A scale that changes from step to step on the device (a GradScaler's) goes through backward as usual.
     With ``group``, every rank passes the same.
 
-    float16 logits: the forward writes no gradient; backward computes it with grad_output folded in, each entry
-    rounded once at its final size (a second read of the logits). float16's range cannot hold the unscaled
+    float16 logits: the forward writes no gradient; backward computes it with grad_output folded in (a second read
+    of the logits): each entry rounded once at its final size for one grad_output value, and for reduction none's
+    per-token ones at the smallest nonzero one's size, then multiplied up. float16's range cannot hold the unscaled
     gradient: an entry ~p / tokens lies among its subnormals, and a GradScaler's 65536 multiplied in afterwards
     left the median entry 3.6% off and 90k of 1.6M entries 0 at 32 x 50000 (now 2e-4, as PyTorch's autograd). With
     ``group`` (the vocabulary split) float16's gradient is still written in the forward and rescaled: there, pass
-    a GradScaler's scale as ``loss_scale`` (and call ``loss.backward()``; the gradients are then scaled as the
-    scaler's ``unscale_`` expects).
+    a GradScaler's scale as ``loss_scale`` (``scaler.get_scale()``, read on the host: one synchronisation a step,
+    as the scaler's ``step`` makes anyway) and call ``loss.backward()``; the gradients are then scaled as the
+    scaler's ``unscale_`` expects.
 
     ``group`` (a ``torch.distributed`` process group): the vocabulary is split across its ranks, each holding a
     contiguous slice of both logits in rank order (``kldiv_inline.vocab_parallel``); the loss is the global one
