@@ -46,7 +46,9 @@ def _batchmean(per_token: Tensor, labels: Tensor | None, ignore_index: int) -> T
     if labels is None:
         return per_token.mean()
     keep = labels != ignore_index
-    return (per_token * keep).sum() / keep.sum().clamp_min(1)
+    # Selected, not multiplied by the mask: a masked token's row may be no distribution (NaN, inf), and NaN * 0 is
+    # NaN. TRL selects (jsd[mask]); a where keeps the shape (no host synchronisation for the selection's size).
+    return torch.where(keep, per_token, 0.0).sum() / keep.sum().clamp_min(1)
 
 
 def liger_generalized_jsd():

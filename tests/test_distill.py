@@ -2443,3 +2443,21 @@ def test_bench_accumulation_row_quarters_loss_and_gradient(monkeypatch):
     monkeypatch.setattr(BD, "generalized_jsd", lambda *a, **kw: calls.append(kw.get("loss_scale")) or real(*a, **kw))
     BD.logits_providers(0.0, BD.ACCUMULATED, "cpu")[BD.OURS](*BD._fresh_student(s, t, y))
     assert calls == [1 / BD.ACCUMULATION]
+
+
+# The TRL-style peer the suites time: the reference's loss, and a masked token's row left out whatever it holds
+# (TRL selects the unmasked tokens; a mask multiplied in made NaN of a masked row's NaN or inf).
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_trl_peer_matches_the_reference_and_leaves_masked_tokens_out(beta):
+    from kldiv_inline import peers
+    s, t = logits((6, 50), torch.float64, "cpu"), logits((6, 50), torch.float64, "cpu")
+    lab = labels_for((6,), "cpu")
+    for how in ("finite", "inf", "all -inf"):
+        if how == "inf":
+            s[0, 3] = math.inf  # (labels_for masks token 0)
+        elif how == "all -inf":
+            s[0] = -math.inf
+        got = peers.trl_generalized_jsd(s, t, lab, beta=beta, temperature=2.0)
+        ref = generalized_jsd_reference(s, t, beta=beta, temperature=2.0, labels=lab)
+        assert torch.isfinite(got), how
+        assert_close(got.double(), ref, 1e-6, f"{how} beta={beta}")
