@@ -129,20 +129,32 @@ def _grad_impl(student: Tensor, teacher: Tensor | None, topk_idx: Tensor | None,
         empty = student.new_empty((0,))
         return (student.new_zeros(student.shape) if want_student else empty,
                 student.new_zeros(student.shape) if want_teacher else empty)
-    g = grad_out.to(torch.float64)
-    scale = mod.distill_reduction_scale(student, labels, ignore_index, reduction, loss_scale)
-    if g.dim() == 0:
-        scale, factor = scale * g, None
-    else:
-        least = torch.where(g.isfinite() & (g != 0), g.abs(), math.inf).amin()
-        least = torch.where(least < math.inf, least, 1.0)  # (every factor 0 or non-finite: they carry themselves)
-        scale, factor = scale * least, (g / least).to(_acc_dtype(student.dtype))
+    scale, factor = folded_scale(student, labels, ignore_index, reduction, loss_scale, grad_out)
     _, gs, gt = mod.distill_forward(student, teacher, topk_idx, topk_lp, labels, ignore_index, beta, temperature,
                                     _REDUCTION_CODE["sum"], want_student, want_teacher, None, scale, 1.0)
-    for grad in (gs, gt):
-        if grad is not None and factor is not None:
-            mod.distill_scale_grad_(grad, factor)
-    return _empty_if_none(gs, student), _empty_if_none(gt, student)
+    return _empty_if_none(scale_rows(gs, factor), student), _empty_if_none(scale_rows(gt, factor), student)
+
+
+def folded_scale(rows: Tensor, labels: Tensor | None, ignore_index: int, reduction: int, loss_scale: float,
+                 grad_out: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(the scale for the kernels' gradient of the rows' sum, a 0-d float64 on the device; the rows' factors to
+    multiply it by afterwards, or None) for float16's backward (_grad_impl; the vocabulary split's too): the
+    reduction's divisor times loss_scale times grad_out, where one value; for one per row the smallest nonzero
+    finite |grad_out| (see _grad_impl), the factors each row's over it. ``rows``: [n, ...] with n > 0."""
+    g = grad_out.to(torch.float64)
+    scale = _module(rows.device).distill_reduction_scale(rows, labels, ignore_index, reduction, loss_scale)
+    if g.dim() == 0:
+        return scale * g, None
+    least = torch.where(g.isfinite() & (g != 0), g.abs(), math.inf).amin()
+    least = torch.where(least < math.inf, least, 1.0)  # (every factor 0 or non-finite: they carry themselves)
+    return scale * least, (g / least).to(_acc_dtype(rows.dtype))
+
+
+def scale_rows(grad: Tensor | None, factor: Tensor | None) -> Tensor | None:
+    """grad [rows, vocab] times factor (one per row) in place, where both are given (folded_scale's)."""
+    if grad is not None and factor is not None:
+        _module(grad.device).distill_scale_grad_(grad, factor)
+    return grad
 
 
 _grad_op = torch.library.custom_op("kldiv_inline::distill_grad", mutates_args=())(_grad_impl)
@@ -639,10 +651,8 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     per-token ones at the smallest nonzero one's size, then multiplied up. float16's range cannot hold the unscaled
     gradient: an entry ~p / tokens lies among its subnormals, and a GradScaler's 65536 multiplied in afterwards
     left the median entry 3.6% off and 90k of 1.6M entries 0 at 32 x 50000 (now 2e-4, as PyTorch's autograd). With
-    ``group`` (the vocabulary split) float16's gradient is still written in the forward and rescaled: there, pass
-    a GradScaler's scale as ``loss_scale`` (``scaler.get_scale()``, read on the host: one synchronisation a step,
-    as the scaler's ``step`` makes anyway) and call ``loss.backward()``; the gradients are then scaled as the
-    scaler's ``unscale_`` expects.
+    ``group`` (the vocabulary split) alike: backward then runs the split's collectives again, so every rank must
+    call it (as every rank calls a distributed step's backward).
 
     ``group`` (a ``torch.distributed`` process group): the vocabulary is split across its ranks, each holding a
     contiguous slice of both logits in rank order (``kldiv_inline.vocab_parallel``); the loss is the global one

@@ -228,6 +228,27 @@ def topk_rows(student: Tensor, idx: Tensor, lp: Tensor, labels: Tensor | None, i
                                              k < vocab, labels, ignore_index, scale)
 
 
+def _run_folded(student: Tensor, teacher: Tensor | None, idx: Tensor | None, lp: Tensor | None,
+                labels: Tensor | None, settings: tuple, want_s: bool, want_t: bool, grad_out: Tensor):
+    """float16's gradients (distill._fuses) in backward, grad_out folded into the kernels' scale before the
+    rounding (distill.folded_scale; per-row factors multiplied in after), the phases and their collectives run
+    again on every rank alike."""
+    ignore_index, beta, temperature, reduction, group, offset, vocab, loss_scale = settings
+    if student.shape[0] == 0:  # (no rows: nothing to reduce the factors over; no rank has any)
+        return (student.new_zeros(student.shape) if want_s else None,
+                student.new_zeros(student.shape) if want_t else None)
+    scale, factor = distill.folded_scale(student, labels, ignore_index, reduction, loss_scale, grad_out)
+    total = distill._REDUCTION_CODE["sum"]  # (the gradients of the rows' sum, times scale)
+    if idx is not None:
+        _, gs = topk_rows(student, idx, lp, labels, ignore_index, beta, temperature, total, group, offset, vocab,
+                          want_s, scale=scale)
+        gt = None
+    else:
+        _, gs, gt = divergence_rows(student, teacher, labels, ignore_index, beta, temperature, group, scale, total,
+                                    want_s, want_t)
+    return distill.scale_rows(gs, factor), distill.scale_rows(gt, factor)
+
+
 def _run(student: Tensor, teacher: Tensor | None, idx: Tensor | None, lp: Tensor | None, labels: Tensor | None,
          settings: tuple, want_s: bool, want_t: bool):
     """The reduced loss and the gradients (of the reduced loss; for none, of the rows' sum), or None, each times
@@ -247,11 +268,13 @@ def _run(student: Tensor, teacher: Tensor | None, idx: Tensor | None, lp: Tensor
 
 class _VocabParallelDivergence(torch.autograd.Function):
     """Forward runs the phases with the wanted gradients; backward rescales them by grad_output (in place, the
-    first time; a second backward, with retain_graph=True, runs the phases again, on every rank alike)."""
+    first time; a second backward, with retain_graph=True, runs the phases again, on every rank alike). float16
+    (distill._fuses): forward runs them for the loss alone, backward with grad_output folded in (_run_folded)."""
 
     @staticmethod
     def forward(ctx, student, teacher, idx, lp, labels, settings, want_s, want_t):
-        loss, gs, gt = _run(student, teacher, idx, lp, labels, settings, want_s, want_t)
+        fuse = distill._fuses(student.dtype)
+        loss, gs, gt = _run(student, teacher, idx, lp, labels, settings, want_s and fuse, want_t and fuse)
         ctx.save_for_backward(student, teacher, idx, lp, labels)
         ctx.settings = settings
         ctx.fused = (gs, gt)
@@ -265,6 +288,9 @@ class _VocabParallelDivergence(torch.autograd.Function):
         distill._refuse_double_backward("generalized_jsd")
         student, teacher, idx, lp, labels = ctx.saved_tensors
         need_s, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not distill._fuses(student.dtype):
+            return _run_folded(student, teacher, idx, lp, labels, ctx.settings, need_s, need_t, grad_out) + \
+                (None,) * 6
         gs, gt = ctx.fused
         if (need_s and gs is None) or (need_t and gt is None):  # a second backward: compute them again
             _, gs, gt = _run(student, teacher, idx, lp, labels, ctx.settings, need_s, need_t)

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_distill import cuda_kernels
+from test_distill import assert_grad_close, cuda_kernels
 from test_readme import python_block
 
 import kldiv_inline as K
@@ -539,6 +539,49 @@ def test_two_ranks_match_one(_fresh_seed):
 def test_three_ranks_uneven_match_one(_fresh_seed):
     K.load("cpu", extension="distill")
     spawn(_every_form_body, 3, _fresh_seed, [(9, 30, 2)], (7, 1, 12), (5, 1, 17))
+
+
+def _float16_scaled_body(rank, world, device, seed, widths):
+    """float16 with a GradScaler's grad_output (and per-token factors): the split computes the gradient in
+    backward with grad_output folded in, as one process does (float16's range cannot hold the unscaled gradient),
+    every entry within float16's rounding of float64's, for a full teacher (its gradient too) and a top-k one."""
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
+    n, vocab = 6, sum(widths)
+    from kldiv_inline.reference import generalized_jsd_reference
+    for teacher in ("logits", "topk"):
+        for reduction in ("batchmean", "none"):
+            for beta in (0.0, 0.5, 1.0):
+                s_full = _logits((n, vocab), torch.float16, device, gen)
+                t_full = _logits((n, vocab), torch.float16, device, gen)
+                lab = torch.randint(0, vocab, (n,), generator=gen).to(device)
+                lab[0] = -100
+                kw = dict(beta=beta, temperature=2.0, labels=lab, reduction=reduction)
+                if teacher == "topk":
+                    lp, idx = torch.log_softmax(t_full.double(), -1).topk(20, -1)
+                    kw["teacher_topk"] = (idx, lp.float())
+                go = torch.tensor(65536.0, device=device)
+                if reduction == "none":
+                    go = go * (torch.rand(n, generator=gen).to(device) + 0.25)
+                    go[1] = -go[1]
+                s = s_full[:, lo:hi].clone().requires_grad_()
+                t = t_full[:, lo:hi].clone().requires_grad_(teacher == "logits")
+                loss = K.generalized_jsd(s, t if teacher == "logits" else None, group=group, **kw)
+                wrt = [s, t] if teacher == "logits" else [s]
+                grads = torch.autograd.grad(loss, wrt, go.expand_as(loss))
+                s64 = s_full.double().requires_grad_()
+                t64 = t_full.double().requires_grad_(teacher == "logits")
+                ref = generalized_jsd_reference(s64, t64 if teacher == "logits" else None, **kw)
+                refs = torch.autograd.grad(ref, [s64, t64] if teacher == "logits" else [s64], go.double())
+                for g, r, who in zip(grads, refs, ("student", "teacher")):
+                    assert_grad_close(g, r[:, lo:hi], torch.float16,
+                                      f"rank {rank} {teacher} {reduction} beta={beta}: {who}'s gradient")
+
+
+def test_float16_split_folds_grad_output_in_as_one_process_does(_fresh_seed):
+    K.load("cpu", extension="distill")
+    spawn(_float16_scaled_body, 2, _fresh_seed, (1500, 2100))
 
 
 def _mismatch_body(rank, world, device, seed):
