@@ -1,6 +1,6 @@
 """Command line: ``python -m kldiv_inline check | bench | plot | results``.
 
-``check``   correctness against float64 PyTorch -> results/<device>/correctness.csv + env.json
+``check``   correctness against float64 PyTorch -> results/<device>/correctness.csv + env.json (under "check")
 ``bench``   timings against the peers          -> results/<device>/bench.csv + env.json
 ``plot``    PNGs from the CSVs under results/  (no GPU needed)
 ``results`` check, then bench, then plot: what ``make results`` runs.
@@ -10,6 +10,7 @@ On a machine without a GPU every step runs on the CPU twin.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -36,6 +37,51 @@ def _tokens(text: str) -> list[int]:
     return tokens
 
 
+def _reps(text: str) -> int:
+    try:
+        reps = int(text)
+    except ValueError:
+        reps = 0
+    if reps < 1:  # refused here, not after the floor's measurement: a median of no calls is no time
+        raise argparse.ArgumentTypeError(f"timed calls are a positive integer; got {text!r}")
+    return reps
+
+
+def _unusable_folder(path: Path) -> str | None:
+    """Why ``path`` cannot take a run's files (it, or a folder above it, is a file; or none can be written there),
+    or None: asked before a run's work starts, so a mistyped path is not found only when the first file is
+    written, minutes in."""
+    if path.exists() and not path.is_dir():
+        return f"{path} is a file, not a folder"
+    held = path
+    while not held.exists():
+        held = held.parent
+    if not held.is_dir():
+        return f"{held} is a file, so {path} cannot be a folder"
+    if not os.access(held, os.W_OK | os.X_OK):
+        return f"{held} is not writable"
+    return None
+
+
+def _check_folders(parser: argparse.ArgumentParser, args) -> None:
+    """A clear error (before any work) for a --results or --out that cannot be used."""
+    results = Path(args.results)
+    if args.cmd == "plot":
+        if not results.exists():
+            parser.error(f"--results {results}: no such folder")
+        if not results.is_dir():
+            parser.error(f"--results {results} is a file, not a folder of results")
+        why = _unusable_folder(Path(args.out)) if args.out else None
+        if why:
+            parser.error(f"--out: {why}")
+        return
+    from .envinfo import device_slug
+
+    why = _unusable_folder(results) or _unusable_folder(results / device_slug(args.device))
+    if why:
+        parser.error(f"--results: {why}")
+
+
 def _device(arg: str | None) -> str:
     import torch
 
@@ -48,13 +94,13 @@ def _device(arg: str | None) -> str:
 
 def cmd_check(args) -> int:
     from . import check
-    from .envinfo import device_slug, write_env
+    from .envinfo import device_slug, write_check_env
 
     device = args.device
     folder = Path(args.results) / device_slug(device)
     rows = list(check.run_checks(device))
     path = check.write_csv(rows, folder / "correctness.csv")
-    write_env(folder, device)
+    write_check_env(folder, device)
     print(check.summary_table(rows))
     failed = [r for r in rows if not r["ok"]]
     for r in failed[:20]:
@@ -73,9 +119,21 @@ def cmd_plot(args) -> int:
     from . import plots
     from .bench import OURS, PEERS
 
+    results = Path(args.results)
     out = Path(args.out) if args.out else None
-    written = plots.plot_all(Path(args.results), out, ours=OURS, peers=PEERS)
-    status = plots.write_status(Path(args.results), OURS, out)  # each goal's latest run, over every folder
+    if plots.holds_run(results):
+        # One run's folder (results/<device>/) given itself: its PNGs and goals.md. status.md (every goal over
+        # every run) belongs to the folder of runs above it, where its run column names each run's folder.
+        written = plots.plot_folder(results, out, ours=OURS, peers=PEERS)
+        status = None
+        print(f"plot: {results} is one run's folder; status.md, over every run, is written by "
+              f"`plot --results {results.parent}`", file=sys.stderr)
+    else:
+        written = plots.plot_all(results, out, ours=OURS, peers=PEERS)
+        status = plots.write_status(results, OURS, out)  # each goal's latest run, over every folder
+    if not written and not status:
+        sys.exit(f"plot: no bench.csv or correctness.csv under {results}: nothing to draw (give the folder that "
+                 "`check`, `bench` or `results` wrote, as its --results)")
     for p in written + ([status] if status else []):
         print(p)
     return 0
@@ -105,7 +163,7 @@ def main(argv=None) -> int:
         from .bench import SUITES
 
         p.add_argument("--headline-only", action="store_true", help="only the P1-P5 cases, no size sweep")
-        p.add_argument("--reps", type=int, default=30, help="timed calls per provider and case")
+        p.add_argument("--reps", type=_reps, default=30, help="timed calls per provider and case")
         p.add_argument("--suites", default=",".join(SUITES), type=_suites,
                        help=f"comma-separated suites to run, of {', '.join(SUITES)} (default: all)")
         p.add_argument("--kl-only", dest="suites", action="store_const", const=["kl"], help="--suites kl")
@@ -128,8 +186,9 @@ def main(argv=None) -> int:
     common(p)
     timed(p)
     p.add_argument("--resume", action="store_true",
-                   help="finish a run that a time limit cut short, with its options: keeps the cases its "
-                        "bench.csv holds (same clean commit, same card) and runs the rest")
+                   help="finish a run that a time limit cut short, with its options (other suites, sizes or "
+                        "--reps are refused): keeps the cases its bench.csv holds (same clean commit, same card) "
+                        "and runs the rest")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("plot", help="PNGs from the results CSVs")
     p.add_argument("--results", default=results_default)
@@ -142,6 +201,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if hasattr(args, "device"):
         args.device = _device(args.device)  # every command sees the resolved device, "cuda" or "cpu"
+    _check_folders(parser, args)
     return args.func(args)
 
 

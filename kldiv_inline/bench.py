@@ -183,16 +183,26 @@ def write_csv(rows: list[dict], path: Path) -> Path:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'impl':<16}{'pass':<10}{'form':<9}{'dtype':<9}{'shape':>14}{'median ms':>11}{'x floor':>9}"
-             f"{'% peak':>8}  status"]
-
+    """The rows as the console prints them; beta tells the distillation suite's rows of one case apart (forward
+    KL, the JSD, reverse KL), and the provider and pass columns are as wide as their longest name."""
     def num(v, fmt):
-        return format(v, fmt) if pd.notna(v) else "-"
+        return format(v, fmt) if v is not None and pd.notna(v) else "-"
 
+    def beta(r):
+        v = r.get("beta")
+        try:
+            return "-" if v is None or pd.isna(v) else format(float(v), "g")
+        except (TypeError, ValueError):
+            return str(v)
+
+    impl_w = max([16] + [len(str(r["impl"])) + 2 for r in rows])
+    pass_w = max([10] + [len(str(r["pass"])) + 2 for r in rows])
+    lines = [f"{'impl':<{impl_w}}{'pass':<{pass_w}}{'form':<9}{'dtype':<9}{'beta':>5}{'shape':>14}{'median ms':>11}"
+             f"{'x floor':>9}{'% peak':>8}  status"]
     for r in rows:
         shape = f"{r['batch']}x{r['features']}"
-        lines.append(f"{r['impl']:<16}{r['pass']:<10}{r['form']:<9}{r['dtype']:<9}{shape:>14}"
-                     f"{num(r.get('median_ms'), '.4f'):>11}{num(r.get('x_floor'), '.3f'):>9}"
+        lines.append(f"{r['impl']:<{impl_w}}{r['pass']:<{pass_w}}{r['form']:<9}{r['dtype']:<9}{beta(r):>5}"
+                     f"{shape:>14}{num(r.get('median_ms'), '.4f'):>11}{num(r.get('x_floor'), '.3f'):>9}"
                      f"{num(r.get('pct_of_peak'), '.1f'):>8}  {r['status'][:40]}")
     return "\n".join(lines)
 
@@ -236,11 +246,32 @@ def check_suites(args, folder: Path) -> None:
 PART_KEYS = ("date_utc", "command", "platform", "driver", "cpu", "floor_gbps")
 
 
-def resumed(folder: Path, device: str) -> tuple[list[dict], list[dict]]:
+def run_options(args) -> dict:
+    """The options that decide which rows a run makes, and how many calls time each (env.json's ``options``): a
+    resumed run finishes the run it continues only with the same ones."""
+    suites = getattr(args, "suites", None) or SUITES
+    tokens = getattr(args, "linear_tokens", None)
+    return {"suites": [s for s in SUITES if s in suites], "headline_only": bool(getattr(args, "headline_only", False)),
+            "linear_sweep": bool(getattr(args, "linear_sweep", False)),
+            "linear_tokens": sorted(int(t) for t in tokens) if tokens else None, "reps": int(getattr(args, "reps", 30))}
+
+
+def _as_flag(key: str, value) -> str:
+    """An option of run_options as it is given on the command line."""
+    flag = "--" + key.replace("_", "-")
+    if isinstance(value, bool) or value is None:
+        return flag if value else f"no {flag}"
+    if isinstance(value, list):
+        return f"{flag} {','.join(str(v) for v in value)}"
+    return f"{flag} {value}"
+
+
+def resumed(folder: Path, device: str, options: dict) -> tuple[list[dict], list[dict]]:
     """--resume: the rows of the run in ``folder`` that a time limit cut short, for this run to finish (every suite
     saves each case as it ends), and the earlier parts' records for env.json. Refused unless that run is partial,
     at this commit (a clean one) and on a device of this name: a finished folder holds the numbers of one code on one
-    kind of card. (check_suites has refused a run whose suites would drop some of the rows.)"""
+    kind of card, and with the same ``options`` (run_options): a resumed run of fewer cases would mark the run
+    finished with cases missing. (check_suites has refused a run whose suites would drop some of the rows.)"""
     from .envinfo import commit, device_name
 
     path, env_path = folder / "bench.csv", folder / "env.json"
@@ -256,6 +287,15 @@ def resumed(folder: Path, device: str) -> tuple[list[dict], list[dict]]:
     if env.get("device_name") != device_name(device):
         raise SystemExit(f"--resume: the run in {folder} ran on {env.get('device_name')}, this device is "
                          f"{device_name(device)}")
+    recorded = env.get("options")
+    if not isinstance(recorded, dict):
+        raise SystemExit(f"--resume: the run in {folder} recorded no options (env.json has no 'options'), so this "
+                         "run cannot be shown to make the same cases: give this one another folder")
+    differ = [k for k in options if recorded.get(k) != options[k]]
+    if differ:
+        said = "; ".join(f"{_as_flag(k, recorded.get(k))} there, {_as_flag(k, options[k])} here" for k in differ)
+        raise SystemExit(f"--resume: the run in {folder} was made with other options ({said}): resume it with its "
+                         "own options, or give this run another folder")
     parts = env.get("earlier_parts", []) + [{k: env[k] for k in PART_KEYS if k in env}]
     return pd.read_csv(path).to_dict("records"), parts
 
@@ -281,7 +321,8 @@ def main(args) -> int:
     device = args.device  # resolved by the CLI: "cuda" or "cpu"
     folder = Path(args.results) / device_slug(device)
     check_suites(args, folder)
-    rows, parts = resumed(folder, device) if getattr(args, "resume", False) else ([], [])
+    options = run_options(args)
+    rows, parts = resumed(folder, device, options) if getattr(args, "resume", False) else ([], [])
     held = held_by(rows)  # a resumed run's cases, not run again
     floor = floors.measure_floor(device)
     sources = ", ".join(f"{k} {v:.0f}" for k, v in floor.sources.items())
@@ -297,7 +338,7 @@ def main(args) -> int:
         path = write_csv(rows, folder / "bench.csv")
         if not done:  # an earlier run's goals would sit beside rows they were not computed from
             (folder / "goals.md").unlink(missing_ok=True)
-        extra = {**floor_env(floor), **({} if done else {"partial": PARTIAL_NOTE}),
+        extra = {**floor_env(floor), "options": options, **({} if done else {"partial": PARTIAL_NOTE}),
                  **({"earlier_parts": parts} if parts else {})}
         # read_gbps and copy_gbps: what older runs recorded in place of the floor's keys.
         write_env(folder, device, extra,

@@ -88,6 +88,9 @@ def environment(device: str) -> dict:
         "cpu_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        # The CUDA version torch was built with, under a name that says so: on a CPU run no CUDA ran, and goals.md
+        # says "torch built with CUDA" for records that carry this key (older ones keep the text they were given).
+        "torch_cuda_build": torch.version.cuda,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "commit": commit(),
@@ -126,4 +129,23 @@ def write_env(folder: Path, device: str, extra: dict | None = None, drop: tuple[
     data.update(environment(device))
     if extra:
         data.update(extra)
+    return write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+# Keys of env.json that only a bench run writes: where they are, the record at the top is that run's.
+BENCH_KEYS = ("floor_gbps", "read_gbps", "partial", "earlier_parts")
+
+
+def write_check_env(folder: Path, device: str) -> Path:
+    """check's record in ``folder/env.json``: under ``check`` always, and at the top too where no bench run has
+    written one. A bench run's commit, command and date are those its numbers carry into goals.md and status.md,
+    and the ones --resume compares: a check run beside it (at another commit, with another command) must not
+    replace them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "env.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    record = environment(device)
+    if not ((folder / "bench.csv").exists() or any(k in data for k in BENCH_KEYS)):
+        data.update(record)
+    data["check"] = record
     return write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")

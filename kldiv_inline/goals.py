@@ -230,7 +230,13 @@ def goals_markdown(goals: list[dict], env: dict) -> str:
         floor = (f" Floor: read {env['floor_gbps']:.0f} GB/s ({env.get('floor_source')}; "
                  + ", ".join(f"{k} {v:.0f}" for k, v in sorted(sources.items())) + ")"
                  + (f", vendor peak {env['peak_gbps']:.0f} GB/s." if env.get("peak_gbps") else "."))
-    lines = [f"Measured on {env.get('device_name')} (torch {env.get('torch')}, CUDA {env.get('cuda')}, "
+    versions = f"torch {env.get('torch')}, CUDA {env.get('cuda')}"
+    if "torch_cuda_build" in env and env.get("device") != "cuda":
+        # A CPU run ran no CUDA: the version is that torch was built with. (Records from before this key keep the
+        # text their committed goals.md was written with.)
+        build = env["torch_cuda_build"]
+        versions = f"torch {env.get('torch')} built with " + (f"CUDA {build}" if build else "no CUDA") + ", CPU only"
+    lines = [f"Measured on {env.get('device_name')} ({versions}, "
              f"commit {env.get('commit')}), `{env.get('command')}`, {env.get('date_utc')}.{floor}"
              + (f" Partial run: {env['partial']}." if env.get("partial") else ""), "",
              "| goal | case | target | measured | median (ms) | met |", "| --- | --- | --- | --- | --- | --- |"]

@@ -146,10 +146,19 @@ def load_bench(path: Path) -> pd.DataFrame:
     return df
 
 
-def _device_title(folder: Path) -> str:
+def holds_run(folder: Path) -> bool:
+    """Whether ``folder`` is one run's folder (results/<device>/: its CSVs in it), not a folder of runs."""
+    return folder.is_dir() and any((folder / name).is_file() for name in ("bench.csv", "correctness.csv"))
+
+
+def _device_title(folder: Path, record: str | None = None) -> str:
+    """The card, torch and commit of the run in ``folder``; with ``record``, of the run env.json keeps under that
+    key (``check``: the correctness run, whose commit may not be the bench run's)."""
     env = folder / "env.json"
     if env.exists():
         e = json.loads(env.read_text())
+        if record and isinstance(e.get(record), dict):
+            e = e[record]
         return (f"{e.get('device_name', folder.name)} · torch {e.get('torch', '?')} · {str(e.get('commit', '?'))[:10]}"
                 + (" · partial run (cut short)" if e.get("partial") else ""))
     return folder.name
@@ -360,9 +369,9 @@ def plot_folder(folder: Path, out: Path | None = None, *, ours: str, peers: list
     written = []
     title = _device_title(folder)
 
-    def save(fig, name):
+    def save(fig, name, caption=None):
         # Below the canvas (the saved image grows to hold it: bbox_inches="tight"), clear of the axes' labels.
-        fig.text(0.99, 0.0, title, fontsize=7, ha="right", va="top", color="0.4")
+        fig.text(0.99, 0.0, caption or title, fontsize=7, ha="right", va="top", color="0.4")
         p = out / name
         fig.savefig(p, dpi=120, bbox_inches="tight")
         plt.close(fig)
@@ -398,7 +407,7 @@ def plot_folder(folder: Path, out: Path | None = None, *, ours: str, peers: list
         fig, ax = plt.subplots(figsize=(8, 4.5))
         plot_correctness(corr, ax=ax)
         fig.tight_layout()
-        save(fig, "correctness.png")
+        save(fig, "correctness.png", _device_title(folder, "check"))  # the check's own run, not the bench's
     return written
 
 

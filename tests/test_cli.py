@@ -460,3 +460,172 @@ def test_results_files_are_written_whole(tmp_path, monkeypatch):
     assert path.read_text() == "old\n"
     envinfo.write_atomic(path, "new\n")
     assert path.read_text() == "new\n" and sorted(p.name for p in tmp_path.iterdir()) == ["bench.csv"]
+
+
+def _fake_kl_case(ran, cut):
+    """run_case's stand-in: a row per pass, no timing; the time limit after ``cut["after"]`` cases."""
+    def fake_case(case, *rest, **kw):
+        if len(ran) == cut["after"]:
+            raise KeyboardInterrupt("the time limit")
+        ran.append(case)
+        return [{"device": "cpu", "impl": impl, "status": "ok", "median_ms": ms, "q20_ms": ms, "q80_ms": ms,
+                 "floor_ms": 0.5, "x_floor": 2 * ms, "gbps": 10 / ms, "timer": case.timer, **m}
+                for m in bench.case_metas(case) for impl, ms in ((bench.OURS, 1.0), ("torch_eager", 4.0))]
+    return fake_case
+
+
+def test_check_leaves_the_bench_runs_record_alone(tmp_path, monkeypatch, capsys):
+    # A bench run cut short at one commit, then check at another: the bench's numbers keep their own commit,
+    # command and date (goals.md and status.md credit them so, --resume compares that commit); check's record is
+    # its own, under "check", and captions correctness.png.
+    import torch
+
+    from kldiv_inline import check
+    from kldiv_inline.__main__ import main
+
+    ran, cut = [], {"after": 2}
+    monkeypatch.setattr(bench, "run_case", _fake_kl_case(ran, cut))
+    real_checks = check.run_checks
+    monkeypatch.setattr(check, "run_checks", lambda device: real_checks(device, dtypes=(torch.float32,),
+                                                                         cases=check.CASES[:2]))
+    monkeypatch.setattr("kldiv_inline.envinfo.device_slug", lambda device: "cpu-run")
+    folder = tmp_path / "cpu-run"
+    bench_argv = ["bench", "--device", "cpu", "--reps", "3", "--suites", "kl", "--results", str(tmp_path)]
+
+    def as_run(commit, argv):
+        monkeypatch.setenv("KLDIV_INLINE_COMMIT", commit)
+        monkeypatch.setattr(sys, "argv", ["kldiv_inline", *argv])  # what env.json records as the command
+        return main(argv)
+
+    with pytest.raises(KeyboardInterrupt):
+        as_run("aaaaaaa", bench_argv)
+    cut_env = json.loads((folder / "env.json").read_text())
+    assert as_run("bbbbbbb", ["check", "--device", "cpu", "--results", str(tmp_path)]) == 0
+    env = json.loads((folder / "env.json").read_text())
+    assert {k: env[k] for k in ("commit", "command", "date_utc", "partial")} == \
+        {k: cut_env[k] for k in ("commit", "command", "date_utc", "partial")}
+    assert env["check"]["commit"] == "bbbbbbb" and env["check"]["command"].split()[3] == "check"
+    with pytest.raises(SystemExit, match="commit aaaaaaa, this code is bbbbbbb"):
+        as_run("bbbbbbb", bench_argv + ["--resume"])
+    cut["after"] = None
+    assert as_run("aaaaaaa", bench_argv + ["--resume"]) == 0  # the same commit finishes it
+    env = json.loads((folder / "env.json").read_text())
+    assert [p["command"] for p in env["earlier_parts"]] == [cut_env["command"]]  # the bench's, not check's
+    as_run("bbbbbbb", ["check", "--device", "cpu", "--results", str(tmp_path)])
+    capsys.readouterr()
+    assert as_run("bbbbbbb", ["plot", "--results", str(tmp_path)]) == 0
+    head = (folder / "goals.md").read_text().splitlines()[0]
+    assert "commit aaaaaaa" in head and "bbbbbbb" not in head and "`python -m kldiv_inline bench " in head
+    assert "aaaaaaa" in (tmp_path / "status.md").read_text()
+    assert "bbbbbbb" in plots._device_title(folder, "check") and "aaaaaaa" in plots._device_title(folder)
+    # In a folder with no bench run, check's record is the folder's too (what ran there, and where).
+    assert as_run("ccccccc", ["check", "--device", "cpu", "--results", str(tmp_path / "alone")]) == 0
+    alone = json.loads((tmp_path / "alone" / "cpu-run" / "env.json").read_text())
+    assert alone["commit"] == alone["check"]["commit"] == "ccccccc" and alone["device_name"]
+
+
+def test_resume_refuses_other_options(tmp_path, monkeypatch):
+    # A run of every suite cut short in its KL cases, resumed with fewer (one suite, the headline cases only) or
+    # another number of timed calls, would be marked finished with cases missing, or of mixed timing: refused,
+    # naming what differs, and the cut-short run is left as it was.
+    import argparse
+
+    ran, cut = [], {"after": 2}
+    monkeypatch.setattr(bench, "run_case", _fake_kl_case(ran, cut))
+    monkeypatch.setenv("KLDIV_INLINE_COMMIT", "0123abc")
+    monkeypatch.setattr("kldiv_inline.envinfo.device_slug", lambda device: "cpu-run")
+    folder = tmp_path / "cpu-run"
+
+    def args(**kw):
+        return argparse.Namespace(**{"device": "cpu", "results": str(tmp_path), "suites": list(bench.SUITES),
+                                     "reps": 2, "headline_only": False, "linear_sweep": False,
+                                     "linear_tokens": None, **kw})
+
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(args())
+    before = (folder / "bench.csv").read_text(), (folder / "env.json").read_text()
+    cut["after"] = None
+    with pytest.raises(SystemExit) as refused:
+        bench.main(args(resume=True, suites=["kl"], headline_only=True))
+    message = str(refused.value)
+    assert "--suites kl,distill,linear there, --suites kl here" in message
+    assert "no --headline-only there, --headline-only here" in message and "reps" not in message
+    with pytest.raises(SystemExit, match="--reps 2 there, --reps 5 here"):
+        bench.main(args(resume=True, reps=5))
+    with pytest.raises(SystemExit, match="--linear-tokens 8,24 here"):
+        bench.main(args(resume=True, linear_tokens=[24, 8]))
+    assert ((folder / "bench.csv").read_text(), (folder / "env.json").read_text()) == before
+    assert len(ran) == 2  # no refused resume ran a case
+    assert json.loads(before[1])["options"]["suites"] == list(bench.SUITES)
+    # the suites in another order are the same run
+    monkeypatch.setattr("kldiv_inline.bench_distill.run", lambda *a, **kw: None)
+    monkeypatch.setattr("kldiv_inline.bench_linear.run", lambda *a, **kw: None)
+    assert bench.main(args(resume=True, suites=["linear", "kl", "distill"])) == 0
+    assert "partial" not in json.loads((folder / "env.json").read_text())
+
+
+def test_plot_refuses_a_missing_folder_and_draws_a_run_folder_given_itself(tmp_path, capsys):
+    from kldiv_inline.__main__ import main
+
+    with pytest.raises(SystemExit) as missing:
+        main(["plot", "--results", str(tmp_path / "nope")])
+    assert missing.value.code == 2 and "no such folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as empty:
+        main(["plot", "--results", str(tmp_path)])  # a folder, but no run in it
+    assert "nothing to draw" in str(empty.value.code)
+    folder = tmp_path / "some-gpu"
+    bench.write_csv(_fake_rows(), folder / "bench.csv")
+    (folder / "env.json").write_text(json.dumps({"device_name": "Some GPU", "torch": "x", "commit": "abc"}))
+    assert main(["plot", "--results", str(folder)]) == 0  # one run's folder, given itself: drawn
+    captured = capsys.readouterr()
+    assert str(folder / "speedups.png") in captured.out and f"--results {tmp_path}`" in captured.err
+    assert (folder / "goals.md").exists() and not (folder / "status.md").exists()  # no status.md whose run is "."
+
+
+def test_bad_reps_and_results_paths_are_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    # A user's mistake gets argparse's error (exit 2, no traceback) before the check's or the floor's minutes.
+    from kldiv_inline import check
+    from kldiv_inline.__main__ import main
+
+    def no_work(*a, **kw):
+        raise AssertionError("work started before the arguments were checked")
+
+    monkeypatch.setattr(bench, "main", no_work)
+    monkeypatch.setattr(check, "run_checks", no_work)
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    cases = [(["bench", "--reps", "0", "--results", str(tmp_path)], "positive integer"),
+             (["results", "--reps", "-3", "--results", str(tmp_path)], "positive integer"),
+             (["check", "--results", str(afile)], "is a file, not a folder"),
+             (["bench", "--results", str(afile / "deeper")], "is a file, so"),
+             (["results", "--results", str(afile)], "is a file, not a folder"),
+             (["plot", "--results", str(afile)], "is a file"),
+             (["plot", "--results", str(tmp_path), "--out", str(afile)], "--out: ")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as refused:
+            main([argv[0], "--device", "cpu", *argv[1:]] if argv[0] != "plot" else argv)
+        assert refused.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+def test_console_table_and_cpu_goals_say_what_they_hold(monkeypatch):
+    # The distillation suite's rows of one case differ by beta only; a long provider name keeps its own column.
+    rows = [{"impl": name, "pass": "fwd+bwd", "form": "logits", "dtype": "bfloat16", "batch": 64, "features": 4096,
+             "beta": beta, "median_ms": 1.0, "x_floor": 2.0, "status": "ok"}
+            for name in ("kldiv_inline", "kldiv_inline_skip_masked") for beta in (0.0, 0.5, 1.0)]
+    lines = bench.table(rows).splitlines()
+    assert lines[0].split()[:5] == ["impl", "pass", "form", "dtype", "beta"]
+    assert len(set(lines[1:])) == 6 and [line.split()[4] for line in lines[1:4]] == ["0", "0.5", "1"]
+    assert all(line.split()[:2] == ["kldiv_inline_skip_masked", "fwd+bwd"] for line in lines[4:])
+    assert len({line.index("bfloat16") for line in lines[1:]}) == 1  # the columns line up
+    assert bench.table([{k: v for k, v in rows[0].items() if k != "beta"}]).splitlines()[1].split()[4] == "-"
+    # A CPU run ran no CUDA: goals.md says what the CUDA version is (the one torch was built with).
+    from kldiv_inline import envinfo
+
+    env = envinfo.environment("cpu")
+    assert env["torch_cuda_build"] == env["cuda"]
+    env.update(torch="2.14.1+cu130", cuda="13.0", torch_cuda_build="13.0")
+    head = goals_mod.goals_markdown([], env).splitlines()[0]
+    assert "torch 2.14.1+cu130 built with CUDA 13.0, CPU only" in head and ", CUDA 13.0" not in head
+    assert "built with no CUDA" in goals_mod.goals_markdown([], dict(env, torch_cuda_build=None))
+    gpu = dict(env, device="cuda")
+    assert "(torch 2.14.1+cu130, CUDA 13.0, commit" in goals_mod.goals_markdown([], gpu)
