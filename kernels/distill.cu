@@ -693,7 +693,7 @@ topk_prepare_kernel(const int64_t* __restrict__ idx, const A* __restrict__ lp, A
     q[0] += exp(static_cast<double>(y));
   }
   block_sum<1>(q, dscratch);
-  if (threadIdx.x == 0) o[k] = whole || shift != A(0) ? A(0) : topk_tail<A>(q[0]);
+  if (threadIdx.x == 0) o[k] = topk_tail<A>(q[0], whole, shift);
   bool dup = false;
   if (check_dup)
     for (int64_t i = threadIdx.x; i < k; i += blockDim.x)
@@ -770,7 +770,7 @@ topk_prepare_warp_kernel(const int64_t* __restrict__ idx, const A* __restrict__ 
       q += exp(static_cast<double>(y));
     }
   q = warp_sum(q);
-  if (lane == 0) o[k] = whole || shift != A(0) ? A(0) : topk_tail<A>(q);
+  if (lane == 0) o[k] = topk_tail<A>(q, whole, shift);
   __syncwarp();  // the table cleared and the indices held, for every lane
   bool dup = false;
 #pragma unroll

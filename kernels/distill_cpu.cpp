@@ -482,7 +482,7 @@ std::vector<at::Tensor> distill_topk_prepare(const at::Tensor& idx, const at::Te
         oi[j] = li[j] - shift;
         q += std::exp(static_cast<double>(oi[j]));
       }
-      oi[k] = whole || shift != A(0) ? A(0) : topk_tail<A>(q);
+      oi[k] = topk_tail<A>(q, whole, shift);
       std::copy(xi, xi + k, sorted.begin());  // repeated indices
       std::sort(sorted.begin(), sorted.end());
       if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) f[FLAG_DUP] = 1;

@@ -290,15 +290,15 @@ template <typename A> DS_HD A topk_shift(double lse, bool whole) {
   return s == ninf<double>() ? A(0) : static_cast<A>(s);
 }
 
-// A top-k teacher's tail mass, 1 - q_sum, from q_sum, the sum of its row's k probabilities in double
-// (distill_topk_prepare writes it beside the row, and 0 where the row was shifted: mass above 1 divided out, or
-// k = vocab): 0 where nothing is left (mass that rounds to 1 or more) and for a NaN row, whose loss is NaN anyway. In
-// double because a served teacher's k tokens often hold all but 1e-4 to 1e-6 of its mass: the tail is then a small
-// difference of numbers near 1, and float32 exponentials summed in float32 left it off by a few percent of itself
-// (reverse KL's loss ~1e-4 off where the tail is 1e-5).
-template <typename A> DS_HD A topk_tail(double q_sum) {
+// A top-k teacher's tail mass, 1 - q_sum, from q_sum, the sum of its normalised row's k probabilities in double
+// (distill_topk_prepare writes it beside the row): 0 where the row was shifted (mass above 1 divided out, or
+// `whole`, k = vocab: the k buckets are the whole distribution), where nothing is left (mass that rounds to 1 or
+// more) and for a NaN row, whose loss is NaN anyway. In double because a served teacher's k tokens often hold all
+// but 1e-4 to 1e-6 of its mass: the tail is then a small difference of numbers near 1, and float32 exponentials
+// summed in float32 left it off by a few percent of itself (reverse KL's loss ~1e-4 off where the tail is 1e-5).
+template <typename A> DS_HD A topk_tail(double q_sum, bool whole, A shift) {
   const double t = 1.0 - q_sum;
-  return static_cast<A>(t > 0.0 ? t : 0.0);
+  return whole || shift != A(0) || !(t > 0.0) ? A(0) : static_cast<A>(t);
 }
 
 // Whether an unmasked row's mass is no distribution's: more than 1 (k < V) or away from 1 (k = V) by more than
