@@ -18,7 +18,9 @@ grad hidden, grad weight) = 8 x tokens x hidden x vocabulary FLOP over the bf16 
 same run (torch.matmul of two 8192^2 matrices through the harness): ``floor_ms``, ``x_floor``, ``matmul_tflops``;
 beside it, not judged by the goals, the floor at the rate the same products keep after SUSTAINED_SECONDS back to
 back (``matmul_tflops_sustained``, ``x_floor_sustained``): a card at its power limit lowers its clock under
-sustained products, and a step of the fused head is ~25 ms of products in a row;
+sustained products, and a step of the fused head is ~25 ms of products in a row (every token's products, for
+SKIP_MASKED too, which makes none for the masked 10%: its floor of the products it must make is ~10% lower, and its
+``x_floor`` ~10% kinder than the goals' rows', which is why it stands beside them and not in them);
 ``extra_mib``: ``peak_mib`` less the bytes of the parameter gradients (hidden's and weight's), the memory the
 loss itself costs; and for ours the accuracy on the checked tokens: ``loss_rel_err`` (against the float64 loss of
 the same bf16 inputs) and ``grad_rel_err`` (the larger of the two gradients' relative errors against a float32

@@ -545,7 +545,9 @@ def bench(providers: Mapping[str, Callable | None], cases: Sequence[Case], *,
             med, q20, q80 = timing.quantiles(times)
             row.update(status="ok", median_ms=med, q20_ms=q20, q80_ms=q80)
             if nbytes is not None:
-                row.update(gbps=nbytes / med / 1e6, x_floor=med / row["floor_ms"])
+                # (no bytes to move, an empty case: no floor to be a multiple of)
+                row.update(gbps=nbytes / med / 1e6 if med > 0 else math.nan,
+                           x_floor=med / row["floor_ms"] if row["floor_ms"] > 0 else math.nan)
                 if peak:
                     row["pct_of_peak"] = 100.0 * row["gbps"] / peak
             rows.append(row)

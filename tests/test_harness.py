@@ -3,6 +3,7 @@ run as written), wrong providers caught and never timed, the timing columns, the
 import functools
 import math
 import textwrap
+import time
 from pathlib import Path
 
 import matplotlib.figure
@@ -153,6 +154,27 @@ def test_bench_needs_a_reference_or_an_explicit_none():
     assert timed["status"].eq("ok").all() and timed["rel_err"].isna().all()
     assert timed["gbps"].isna().all()  # no bytes_moved: no bandwidth, no floor
     assert isinstance(harness.plot(timed), matplotlib.figure.Figure)
+    # An empty case moves no bytes: a row without a multiple of its floor (a division by 0 ended the whole bench)
+    empty = [harness.Case("empty", (torch.rand(0),))]
+    timed = harness.bench({"torch": lambda x: 2 * x}, cases=empty, reference=None, reps=3, warmup=1,
+                          bytes_moved=lambda x: 2 * x.nbytes)
+    assert timed["status"].eq("ok").all() and timed["x_floor"].isna().all()
+
+
+def test_wall_clock_leaves_prepare_out_on_an_asynchronous_device(monkeypatch):
+    # On a GPU the wall clock's prepare (a setup's copies, say) queues work that the closing synchronisation waited
+    # for inside the timed region. A queue of sleeps stands in for the device: prepare queues 40 ms, the call 1 ms.
+    from kldiv_inline import timing
+    queue = []
+
+    def synchronize():
+        while queue:
+            time.sleep(queue.pop())
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    times = timing.time_wall(lambda x: queue.append(0.001), [(0,)], reps=3, warmup=1, device="cuda",
+                             prepare=lambda x: queue.append(0.040) or (x,))
+    assert max(times) < 20, times  # ms: the call's 1 ms (and the host's), not prepare's 40
 
 
 def test_setup_meta_and_gradients(device):

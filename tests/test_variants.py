@@ -37,6 +37,10 @@ def test_variant_compiles(name):
     """nvcc builds it (for TORCH_CUDA_ARCH_LIST, 9.0 without a GPU) and the module imports."""
     module = load_variant(name)
     assert callable(module.kl_div_probs_batchmean)
+    if name in FIXED:  # CPU tensors are refused before any CUDA call (they gave the kernels host pointers)
+        p = torch.full((2, 3), 1 / 3)
+        with pytest.raises(RuntimeError, match="CUDA tensors on one device only"):
+            module.kl_div_probs_batchmean(p, p)
 
 
 def _batchmean(p, t):

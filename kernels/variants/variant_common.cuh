@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
@@ -44,6 +45,11 @@ using PartialKernel = void (*)(const float*, const float*, int64_t, double*);
 // inputs), then final_kernel over their partials.
 template <int THREADS>
 at::Tensor launch_batchmean(PartialKernel partial_kernel, const at::Tensor& predictions, const at::Tensor& targets) {
+  // On one GPU, and that GPU's stream and SM count: CPU tensors gave the kernels host pointers, and inputs on
+  // another device than the current one ran on the current one's stream against the other's memory.
+  TORCH_CHECK(predictions.is_cuda() && targets.device() == predictions.device(),
+              "CUDA tensors on one device only, got ", predictions.device(), " and ", targets.device());
+  const c10::cuda::CUDAGuard guard(predictions.device());
   TORCH_CHECK(predictions.scalar_type() == at::kFloat && targets.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(predictions.is_contiguous() && targets.is_contiguous() && predictions.sizes() == targets.sizes(),
               "contiguous inputs of one shape only");
