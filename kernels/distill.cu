@@ -22,6 +22,7 @@
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cooperative_groups.h>
@@ -1732,11 +1733,19 @@ at::Tensor distill_topk_slice_grad(const at::Tensor& student, const at::Tensor& 
 }
 
 // ------------------------------------------------------------------ peer memory (distill_peer.cuh)
+// A CUDA device's number as the peer functions take it, checked: cast to c10's 8-bit DeviceIndex unchecked, -1 was
+// the current device and 256 device 0, silently (the buffer then on another GPU than the logits).
+static void check_device_index(int64_t device) {
+  TORCH_CHECK(device >= 0 && device < static_cast<int64_t>(c10::cuda::device_count()), "distill: no CUDA device ",
+              device, " (", static_cast<int>(c10::cuda::device_count()), " here)");
+}
+
 std::vector<at::Tensor> distill_peer_alloc(int64_t world, int64_t cap, int64_t device) {
   TORCH_CHECK(world >= 1 && world <= kMaxPeers && cap >= 1, "distill: a peer buffer serves 1 to ", kMaxPeers,
               " ranks and at least one row, got ", world, " ranks and ", cap, " rows");
   // distill_peer.cuh's layout: slots[kPeerStages][2][world][cap][4] of 64-bit words
   const int64_t bytes = kPeerStages * 2 * world * cap * 4 * static_cast<int64_t>(sizeof(unsigned long long));
+  check_device_index(device);
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   void* ptr = nullptr;
   C10_CUDA_CHECK(cudaMalloc(&ptr, static_cast<size_t>(bytes)));
@@ -1757,6 +1766,7 @@ int64_t distill_peer_map(const at::Tensor& handle, int64_t device) {
                   handle.numel() == static_cast<int64_t>(sizeof(h)),
               "distill: a peer buffer's handle is ", sizeof(h), " bytes on the CPU (distill_peer_alloc's)");
   std::memcpy(&h, handle.data_ptr<uint8_t>(), sizeof(h));
+  check_device_index(device);
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   void* ptr = nullptr;
   if (cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) {
@@ -1786,6 +1796,11 @@ std::vector<at::Tensor> distill_peer_terms(const at::Tensor& student, const at::
   TORCH_CHECK(acc_type(r.s.scalar_type()) == at::kFloat,
               "distill: the peer exchange is for 16-bit and float32 "
               "logits (float64's normalisers are exchanged by all-gather)");
+  // The arguments checked below only once the counter has moved, checked now too: the ranks match records by the
+  // counter's value, so a refusal after the bump left this rank a call ahead of the others (they waited for its
+  // records, or, were the call retried, read its stale ones).
+  if (want_student || want_teacher || reduction != RED_NONE) (void)device_scale(scale, r);
+  if (want_student && grad_student_out.has_value()) (void)grad_buffer(grad_student_out, r);
   PeerRows pr{};
   pr.slots = reinterpret_cast<const long long*>(peers.data_ptr<int64_t>());
   pr.epoch = reinterpret_cast<const unsigned*>(epoch.data_ptr<int>());

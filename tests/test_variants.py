@@ -81,6 +81,9 @@ def test_fixed_variants_on_zero_targets_and_unaligned_views(name):
     assert flat_p.data_ptr() % 16 != 0
     out = module.kl_div_probs_batchmean(flat_p.view(1, -1), flat_t.view(1, -1))
     assert relative_error(out, _batchmean(flat_p.view(1, -1), flat_t.view(1, -1))) <= 1e-5
+    # A 0-d input: batchmean has no batch to divide by, and F.kl_div gives the sum (it threw after a launch)
+    p0, t0 = torch.tensor(0.3, device="cuda"), torch.tensor(0.6, device="cuda")
+    assert relative_error(module.kl_div_probs_batchmean(p0, t0), _batchmean(p0, t0)) <= 1e-6
 
 
 @pytest.mark.gpu

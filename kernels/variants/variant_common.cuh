@@ -54,6 +54,9 @@ at::Tensor launch_batchmean(PartialKernel partial_kernel, const at::Tensor& pred
   TORCH_CHECK(predictions.is_contiguous() && targets.is_contiguous() && predictions.sizes() == targets.sizes(),
               "contiguous inputs of one shape only");
   const int64_t n = predictions.numel();
+  // batchmean's divisor, the batch (size 0); a 0-d input has none: its sum, as F.kl_div gives (read before any
+  // launch: size(0) of a 0-d tensor threw after the first kernel was queued).
+  const double batch = predictions.dim() > 0 ? static_cast<double>(predictions.size(0)) : 1.0;
   int dev = 0, sms = 0, per_sm = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
@@ -66,8 +69,7 @@ at::Tensor launch_batchmean(PartialKernel partial_kernel, const at::Tensor& pred
   partial_kernel<<<blocks, THREADS, 0, stream>>>(predictions.data_ptr<float>(), targets.data_ptr<float>(), n,
                                                  partials.data_ptr<double>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  final_kernel<<<1, 1024, 0, stream>>>(partials.data_ptr<double>(), blocks, static_cast<double>(predictions.size(0)),
-                                       out.data_ptr<float>());
+  final_kernel<<<1, 1024, 0, stream>>>(partials.data_ptr<double>(), blocks, batch, out.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
