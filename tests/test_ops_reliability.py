@@ -752,4 +752,6 @@ def test_legacy_arguments_ignore_reduction_like_torch(device, reduction, legacy)
                                       reduction=reduction)
     assert ours_w == theirs_w and theirs_w
     assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
-    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-300)
+    # (per element: an element that cancels, t (log t - x) near 0, differs in its last bits from PyTorch's, so each
+    # is held to 1e-12 of itself or 1e-15 of the largest)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-15 * float(theirs.abs().max()))
