@@ -125,10 +125,6 @@ def _grad_impl(student: Tensor, teacher: Tensor | None, topk_idx: Tensor | None,
     entry overflows only where its final value does). Not the largest: a row of a small factor whose entries are
     large came out inf at the largest's scale (grad_out [1e5, 1]), where its gradient is finite."""
     mod = _module(student.device)
-    if student.shape[0] == 0:  # (no rows: nothing to reduce the factors over)
-        empty = student.new_empty((0,))
-        return (student.new_zeros(student.shape) if want_student else empty,
-                student.new_zeros(student.shape) if want_teacher else empty)
     scale, factor = folded_scale(student, labels, ignore_index, reduction, loss_scale, grad_out)
     _, gs, gt = mod.distill_forward(student, teacher, topk_idx, topk_lp, labels, ignore_index, beta, temperature,
                                     _REDUCTION_CODE["sum"], want_student, want_teacher, None, scale, 1.0)
@@ -140,11 +136,13 @@ def folded_scale(rows: Tensor, labels: Tensor | None, ignore_index: int, reducti
     """(the scale for the kernels' gradient of the rows' sum, a 0-d float64 on the device; the rows' factors to
     multiply it by afterwards, or None) for float16's backward (_grad_impl; the vocabulary split's too): the
     reduction's divisor times loss_scale times grad_out, where one value; for one per row the smallest nonzero
-    finite |grad_out| (see _grad_impl), the factors each row's over it. ``rows``: [n, ...] with n > 0."""
+    finite |grad_out| (see _grad_impl), the factors each row's over it. ``rows``: [n, ...]."""
     g = grad_out.to(torch.float64)
     scale = _module(rows.device).distill_reduction_scale(rows, labels, ignore_index, reduction, loss_scale)
     if g.dim() == 0:
         return scale * g, None
+    if g.numel() == 0:  # (no rows: no factor to take the least of, and none to multiply by)
+        return scale, None
     least = torch.where(g.isfinite() & (g != 0), g.abs(), math.inf).amin()
     least = torch.where(least < math.inf, least, 1.0)  # (every factor 0 or non-finite: they carry themselves)
     return scale * least, (g / least).to(_acc_dtype(rows.dtype))

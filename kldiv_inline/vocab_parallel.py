@@ -233,33 +233,26 @@ def _run_folded(student: Tensor, teacher: Tensor | None, idx: Tensor | None, lp:
     """float16's gradients (distill._fuses) in backward, grad_out folded into the kernels' scale before the
     rounding (distill.folded_scale; per-row factors multiplied in after), the phases and their collectives run
     again on every rank alike."""
-    ignore_index, beta, temperature, reduction, group, offset, vocab, loss_scale = settings
-    if student.shape[0] == 0:  # (no rows: nothing to reduce the factors over; no rank has any)
-        return (student.new_zeros(student.shape) if want_s else None,
-                student.new_zeros(student.shape) if want_t else None)
+    ignore_index, _, _, reduction, _, _, _, loss_scale = settings
     scale, factor = distill.folded_scale(student, labels, ignore_index, reduction, loss_scale, grad_out)
-    total = distill._REDUCTION_CODE["sum"]  # (the gradients of the rows' sum, times scale)
-    if idx is not None:
-        _, gs = topk_rows(student, idx, lp, labels, ignore_index, beta, temperature, total, group, offset, vocab,
-                          want_s, scale=scale)
-        gt = None
-    else:
-        _, gs, gt = divergence_rows(student, teacher, labels, ignore_index, beta, temperature, group, scale, total,
-                                    want_s, want_t)
+    _, gs, gt = _run(student, teacher, idx, lp, labels, settings, want_s, want_t, scale)
     return distill.scale_rows(gs, factor), distill.scale_rows(gt, factor)
 
 
 def _run(student: Tensor, teacher: Tensor | None, idx: Tensor | None, lp: Tensor | None, labels: Tensor | None,
-         settings: tuple, want_s: bool, want_t: bool):
+         settings: tuple, want_s: bool, want_t: bool, scale: Tensor | None = None):
     """The reduced loss and the gradients (of the reduced loss; for none, of the rows' sum), or None, each times
     loss_scale. ``settings``: (ignore_index, beta, temperature, reduction code, group, top-k offset, top-k
-    vocabulary, loss_scale)."""
+    vocabulary, loss_scale). ``scale`` (a 0-d float64 on the device, _run_folded's): the gradients are the rows'
+    sum's times it instead, in place of the reduction's divisor and loss_scale (the loss is then not wanted)."""
     ignore_index, beta, temperature, reduction, group, offset, vocab, loss_scale = settings
+    if scale is not None:
+        reduction, loss_scale = distill._REDUCTION_CODE["sum"], 1.0
     if idx is not None:
         loss, gs = topk_rows(student, idx, lp, labels, ignore_index, beta, temperature, reduction, group, offset,
-                             vocab, want_s, loss_scale=loss_scale)
+                             vocab, want_s, scale=scale, loss_scale=loss_scale)
         return loss, gs, None
-    loss, gs, gt = divergence_rows(student, teacher, labels, ignore_index, beta, temperature, group, None, reduction,
+    loss, gs, gt = divergence_rows(student, teacher, labels, ignore_index, beta, temperature, group, scale, reduction,
                                    want_s, want_t, loss_scale=loss_scale)
     if reduction == distill._REDUCTION_CODE["none"] and loss_scale != 1.0:
         loss = loss * loss_scale  # (the rows' losses; the gradients took it with the scale)

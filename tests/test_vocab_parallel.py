@@ -577,6 +577,14 @@ def _float16_scaled_body(rank, world, device, seed, widths):
                 for g, r, who in zip(grads, refs, ("student", "teacher")):
                     assert_grad_close(g, r[:, lo:hi], torch.float16,
                                       f"rank {rank} {teacher} {reduction} beta={beta}: {who}'s gradient")
+    # No rows (every rank alike): empty gradients, as one process gives them
+    s = torch.zeros((0, hi - lo), dtype=torch.float16, device=device).requires_grad_()
+    idx = torch.zeros((0, 5), dtype=torch.int64, device=device)
+    for reduction in ("none", "sum"):
+        for kw in (dict(teacher_logits=s.detach() + 1), dict(teacher_topk=(idx, idx.float()))):
+            loss = K.generalized_jsd(s, group=group, reduction=reduction, beta=0.5, **kw)
+            (g,) = torch.autograd.grad(loss, s, torch.ones_like(loss))
+            assert g.shape == s.shape, (reduction, list(kw))
 
 
 def test_float16_split_folds_grad_output_in_as_one_process_does(_fresh_seed):
