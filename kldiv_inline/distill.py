@@ -121,9 +121,12 @@ def _grad_impl(student: Tensor, teacher: Tensor | None, topk_idx: Tensor | None,
     """The gradients times grad_out (one value, or one per row for reduction none; float16's backward: see
     _fuses), computed with a scale on the device (no synchronisation). One value goes into the kernel's scale:
     each entry rounded once, at its final size. One per row: the kernel's scale is the smallest nonzero finite
-    |grad_out|, and the other rows are then multiplied up by their factor over it (rounded a second time; an
-    entry overflows only where its final value does). Not the largest: a row of a small factor whose entries are
-    large came out inf at the largest's scale (grad_out [1e5, 1]), where its gradient is finite."""
+    |grad_out|, but at least 1, and the rows are then multiplied by their factor over it (rounded a second time;
+    an entry overflows only where its final value does, or where the unscaled gradient did). Not the largest: a
+    row of a small factor whose entries are large came out inf at the largest's scale (grad_out [1e5, 1]), where
+    its gradient is finite. Not below 1: rows of factors far above the smallest were computed among float16's
+    subnormals and multiplied up (per-token weights from 1e-4 to 1); at 1 they are what the rescaled gradient of
+    the other dtypes is, and a GradScaler's factors, all large, each come out at the smallest's size."""
     mod = _module(student.device)
     scale, factor = folded_scale(student, labels, ignore_index, reduction, loss_scale, grad_out)
     _, gs, gt = mod.distill_forward(student, teacher, topk_idx, topk_lp, labels, ignore_index, beta, temperature,
@@ -136,7 +139,7 @@ def folded_scale(rows: Tensor, labels: Tensor | None, ignore_index: int, reducti
     """(the scale for the kernels' gradient of the rows' sum, a 0-d float64 on the device; the rows' factors to
     multiply it by afterwards, or None) for float16's backward (_grad_impl; the vocabulary split's too): the
     reduction's divisor times loss_scale times grad_out, where one value; for one per row the smallest nonzero
-    finite |grad_out| (see _grad_impl), the factors each row's over it. ``rows``: [n, ...]."""
+    finite |grad_out| but at least 1 (see _grad_impl), the factors each row's over it. ``rows``: [n, ...]."""
     g = grad_out.to(torch.float64)
     scale = _module(rows.device).distill_reduction_scale(rows, labels, ignore_index, reduction, loss_scale)
     if g.dim() == 0:
@@ -144,7 +147,8 @@ def folded_scale(rows: Tensor, labels: Tensor | None, ignore_index: int, reducti
     if g.numel() == 0:  # (no rows: no factor to take the least of, and none to multiply by)
         return scale, None
     least = torch.where(g.isfinite() & (g != 0), g.abs(), math.inf).amin()
-    least = torch.where(least < math.inf, least, 1.0)  # (every factor 0 or non-finite: they carry themselves)
+    # (every factor 0 or non-finite: 1, and they carry themselves)
+    least = torch.where(least < math.inf, least, 1.0).clamp_min(1.0)
     return scale * least, (g / least).to(_acc_dtype(rows.dtype))
 
 
@@ -646,11 +650,11 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
 
     float16 logits: the forward writes no gradient; backward computes it with grad_output folded in (a second read
     of the logits): each entry rounded once at its final size for one grad_output value, and for reduction none's
-    per-token ones at the smallest nonzero one's size, then multiplied up. float16's range cannot hold the unscaled
-    gradient: an entry ~p / tokens lies among its subnormals, and a GradScaler's 65536 multiplied in afterwards
-    left the median entry 3.6% off and 90k of 1.6M entries 0 at 32 x 50000 (now 2e-4, as PyTorch's autograd). With
-    ``group`` (the vocabulary split) alike: backward then runs the split's collectives again, so every rank must
-    call it (as every rank calls a distributed step's backward).
+    per-token ones at the smallest nonzero one's size (but at least 1's), then multiplied by each one's share.
+    float16's range cannot hold the unscaled gradient: an entry ~p / tokens lies among its subnormals, and a
+    GradScaler's 65536 multiplied in afterwards left the median entry 3.6% off and 90k of 1.6M entries 0 at
+    32 x 50000 (now 2e-4, as PyTorch's autograd). With ``group`` (the vocabulary split) alike: backward then runs
+    the split's collectives again, so every rank must call it (as every rank calls a distributed step's backward).
 
     ``group`` (a ``torch.distributed`` process group): the vocabulary is split across its ranks, each holding a
     contiguous slice of both logits in rank order (``kldiv_inline.vocab_parallel``); the loss is the global one

@@ -1905,9 +1905,11 @@ def test_float16_gradient_is_rounded_once_at_its_final_size(device, teacher, red
     assert all(torch.equal(a, b) for a, b in zip(first, grads, strict=True))
 
 
-# reduction none's per-token factors go into the kernel's scale as the smallest nonzero one, the other rows then
-# multiplied up: at the largest's scale a row of a small factor and large entries (nearly one-hot rows that
-# disagree) overflowed float16 where its gradient is finite. Empty rows and a negative scalar take the same path.
+# reduction none's per-token factors go into the kernel's scale as the smallest nonzero one (but at least 1), the
+# rows then multiplied by their share: at the largest's scale a row of a small factor and large entries (nearly
+# one-hot rows that disagree) overflowed float16 where its gradient is finite; at a smallest below 1, rows of far
+# larger factors were computed among the subnormals and multiplied up. Empty rows and a negative scalar take the
+# same path.
 @pytest.mark.parametrize("beta", [0.0, 1.0])
 def test_float16_per_token_factors_far_apart_do_not_overflow(device, beta):
     vocab = 1000
@@ -1922,6 +1924,11 @@ def test_float16_per_token_factors_far_apart_do_not_overflow(device, beta):
     assert r.abs().max() < 60000, "the case needs a finite float16 gradient"
     assert torch.isfinite(g).all(), "a row of a small factor overflowed"
     assert_grad_close(g, r, torch.float16, "gradient")
+    wide = logits((3, vocab), torch.float16, device, scale=2.0).requires_grad_()
+    go = torch.tensor([1e-4, 1.0, 0.5], device=device)  # per-token weights: row 0 nearly weightless
+    (g,) = torch.autograd.grad(K.generalized_jsd(wide, t, **kw), wide, go)
+    _, (r,) = reference(wide, t, go, **kw)
+    assert_grad_close(g[1:], r[1:], torch.float16, "rows of factors far above the smallest")
     go = torch.tensor(-3.0, device=device)  # one value: into the kernel's scale, a negative one too
     (g,) = torch.autograd.grad(K.generalized_jsd(s, t, beta=beta), s, go)
     _, (r,) = reference(s, t, go, beta=beta)
