@@ -1390,6 +1390,9 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
   const auto dopts = r.s.options().dtype(at::kDouble);
   at::Tensor rows_loss = at::empty({r.n}, r.s.options().dtype(acc));
   at::Tensor gs = want_student ? grad_buffer(grad_student_out, r, true) : at::Tensor();
+  // Every refusal before the first launch: a call that raises leaves nothing queued on the stream.
+  const Launch l = plan_launch(r.v, r.s.element_size() * (r.topk() ? 1 : 2), r.topk());
+  check_in_place(gs, r, l);
   at::Tensor gt = want_teacher ? at::empty({r.n, r.v}, r.s.options()) : at::Tensor();
   // The scale of the loss and its gradients: loss_scale, over the divisor for batchmean. batchmean with labels: the
   // divisor is counted on the device (no synchronisation); otherwise known here.
@@ -1409,8 +1412,6 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.s.scalar_type(), "distill_forward", [&] {
       using T = scalar_t;
       using A = typename AccOf<T>::type;
-      const Launch l = plan_launch(r.v, sizeof(T) * (r.topk() ? 1 : 2), r.topk());
-      check_in_place(gs, r, l);
       // Params of a launch over rows kr of the divergence of `b`, the student's gradient (where ws) into kr.g.
       auto params = [&](const KernelRows& kr, double b, bool ws) {
         Params<T, A> p = base_params<T, A>(kr.r, ignore_index, b, temperature, l);
