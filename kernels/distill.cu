@@ -1520,8 +1520,11 @@ std::vector<at::Tensor> distill_phase(int64_t phase, const at::Tensor& student, 
     p.k_in = phase == PHASE_GRAD && (ws || wt) ? ksums->data_ptr<A>() : nullptr;
     p.out = out.defined() ? out.data_ptr<A>() : nullptr;
     // The fast kernel where it applies: no teacher gradient in this phase (ws: forward KL's gradient in the terms
-    // phase, the others' in the gradient phase, which is not launched without one).
-    if (!wt && fast_path_ok(r, l, gs, false)) {
+    // phase, the others' in the gradient phase, which is not launched without one). Nor the JSD's terms where the
+    // teacher's gradient follows: its kt must be summed from mixture_ut_exact's u_t, as the gradient phase's
+    // teacher_grad subtracts it from (rows_kernel's generic terms do; phase_stream_kernel keeps its hot loop).
+    const bool exact_kt = phase == PHASE_TERMS && want_teacher && mode == JSD;
+    if (!wt && !exact_kt && fast_path_ok(r, l, gs, false)) {
       launch_fast_phase(mode, static_cast<int>(phase), ws, r.n, p, stream);
       return;
     }

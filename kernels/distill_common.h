@@ -315,6 +315,22 @@ template <typename A> DS_HD void mixture_u(const Point<A>& e, const RowConst<A>&
   else mixture_u_direct(e, c, us, ut);
 }
 
+// u_t where the teacher's side needs its digits: kt = sum pt u_t and the teacher's gradient beta pt (u_t - kt).
+// Where the teacher outweighs the student (d > 0 beyond the series) the float form's u_t = d - log z is the
+// difference of two numbers near d, rounded at d's ulp (~2e-6 at d ~ 30), while u_t itself lies in (0, -log beta]
+// and a row whose teacher holds its mass where the student has little has u_t - kt ~ 1e-5 at its top entries:
+// such float32 teacher gradients were 4e-5 to 9e-4 off float64 where PyTorch's own float32 autograd was 2e-5 to
+// 3e-4 (the CPU twin; the vocabulary split's phases alike, up to 1.5e-4 on an H200). From the teacher's side,
+// z e^-d = beta + (1 - beta) e^-d lies in [beta, 1], and u_t = -log of it is good to an ulp of itself: the same
+// draws 3e-6 to 3e-5. An accurate exponential and log more an entry where d > 0, so only where kt is summed for a
+// teacher's gradient (point_terms' EXACT_KT) and in teacher_grad, which must take the same u_t as the kt it
+// subtracts (one form in kt and the other in the gradient was worse than either). Given mixture_u's u_t: it stands
+// where it is exact already (the series, d <= 0, the log-space end; double lanes' mixture_u_exact everywhere).
+template <typename A> DS_HD A mixture_ut_exact(const Point<A>& e, const RowConst<A>& c, A ut) {
+  if (exact_ends<A>() || !(e.d >= A(kSeriesLimit)) || e.d >= A(kJsdLogSpace)) return ut;
+  return -d_log(d_fma(A(1) - c.beta, d_exp(-e.d), c.beta));
+}
+
 // u_s alone for a 16-bit gradient (the fast kernel's gradient pass; kernels/NOTES.md, version 12): the z form
 // above is good to ~3.5e-7 absolute, far below a 16-bit gradient's rounding wherever |u_s| ~ beta |d| is more
 // than ~1e-4, so the 10-term series is not needed there; below kJsdShortSeries a 4-term series (truncation
@@ -417,8 +433,10 @@ template <typename A> DS_HD A jsd_point_entry(const Point<A>& e, const RowConst<
   return jsd_entry_direct(e, c, us, ut);
 }
 
-// The loss of one entry (>= 0) and its parts of ks (KS) and kt (KT).
-template <int MODE, bool KS, bool KT, typename A>
+// The loss of one entry (>= 0) and its parts of ks (KS) and kt (KT). EXACT_KT: the JSD's kt from
+// mixture_ut_exact's u_t, as teacher_grad subtracts it from (false: mixture_u's, where no teacher's gradient
+// follows from this kt, or it follows in 16 bits).
+template <int MODE, bool KS, bool KT, typename A, bool EXACT_KT = KT>
 DS_HD void point_terms(const Point<A>& e, const RowConst<A>& c, Terms<A>& acc) {
   if (MODE == FORWARD_KL) {  // KL(pt || ps): q = ps, u = lt - ls
     acc.loss += kl_term(e.pt, e.ps, e.d);
@@ -430,7 +448,7 @@ DS_HD void point_terms(const Point<A>& e, const RowConst<A>& c, Terms<A>& acc) {
     A us, ut;
     acc.loss += jsd_point_entry(e, c, us, ut);
     if (KS) acc.ks += e.ps <= A(0) ? A(0) : e.ps * us;
-    if (KT) acc.kt += e.pt <= A(0) ? A(0) : e.pt * ut;
+    if (KT) acc.kt += e.pt <= A(0) ? A(0) : e.pt * (EXACT_KT ? mixture_ut_exact(e, c, ut) : ut);
   }
 }
 
@@ -459,14 +477,15 @@ template <int MODE, bool SHORT = false, typename A> DS_HD A student_grad(const P
   return jsd_student_grad(e.ps, us, c, ks);
 }
 
-// d loss / d b_v (b = teacher logits / T): pt (u_t - kt) (forward), pt - ps (reverse), beta pt (u_t - kt) (JSD).
+// d loss / d b_v (b = teacher logits / T): pt (u_t - kt) (forward), pt - ps (reverse), beta pt (u_t - kt) (JSD,
+// u_t by mixture_ut_exact: kt must come from point_terms with EXACT_KT).
 template <int MODE, typename A> DS_HD A teacher_grad(const Point<A>& e, const RowConst<A>& c, A kt) {
   if (MODE == REVERSE_KL) return e.pt - e.ps;
   if (!(e.pt > A(0))) return e.pt != e.pt ? e.pt : A(0);
   if (MODE == FORWARD_KL) return e.pt * (e.d - kt);
   A us, ut;
   mixture_u(e, c, us, ut);
-  return c.beta * e.pt * (ut - kt);
+  return c.beta * e.pt * (mixture_ut_exact(e, c, ut) - kt);  // (kt by point_terms' EXACT_KT)
 }
 
 // A row's softmax normaliser, in base 2: with a2 = x log2(e) / T, mx = max a2 and lz = log2 of the sum of

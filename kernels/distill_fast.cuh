@@ -1520,7 +1520,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4) phase_stream_kernel(const P
     auto entry = [&](float xs, float xt) {
       const Point<float> e = make_point<CLOSE>(xs, xt, k2, rn);
       if constexpr (TERMS) {
-        point_terms<MODE, true, true>(e, p.c, acc);
+        point_terms<MODE, true, true, float, false>(e, p.c, acc);  // (a JSD teacher's gradient: rows_kernel's terms)
         if constexpr (GRAD) return student_grad<MODE>(e, p.c, 0.f);
         else return 0.f;
       } else {

@@ -495,6 +495,42 @@ def test_teacher_gradient_from_the_fast_kernels(dtype, vocab):
     assert_gradient_in_place(s, t, None, None, lab, (0.0, 0.5, 1.0), teacher_grad=True)
 
 
+def _float32_jsd_steps(student, teacher, beta, temperature):
+    """The JSD in plain float32 PyTorch (log_softmax, the mixture by logsumexp), summed over rows: what PyTorch's own
+    float32 autograd makes of the formula, the yardstick of a float32 gradient's rounding."""
+    ls = torch.log_softmax(student / temperature, -1)
+    lt = torch.log_softmax(teacher / temperature, -1)
+    return K.reference._divergence(ls, lt, beta).sum()
+
+
+# A float32 JSD whose teacher holds its mass where the student has little (d = lt - ls >> 0 there): u_t tends to
+# -log beta and the teacher's gradient beta pt (u_t - kt) is a small difference of numbers near it. u_t formed as
+# d - log z (two numbers near d, ~30 here) was rounded at d's ulp: the teacher's gradient came out up to 39 x as far
+# from float64 as PyTorch's float32 autograd of the formula (2e-2 relative at beta 0.5). u_t from the teacher's
+# side (mixture_ut_exact) keeps its digits: ~0.3-0.7 x PyTorch's error. The general kernel (KLDIV_DISTILL_FAST=0)
+# and the fast path (the exchanged launch) on a GPU.
+@pytest.mark.parametrize("fast", ["1", "0"])
+@pytest.mark.parametrize("beta", [0.1, 0.5, 0.9])
+def test_float32_teacher_gradient_where_the_teacher_outweighs_the_student(device, beta, fast, monkeypatch):
+    if fast == "0" and device == "cpu":
+        pytest.skip("one kernel on the CPU")
+    monkeypatch.setenv("KLDIV_DISTILL_FAST", fast)
+    n, vocab, temperature = 32, 3001, 0.6
+    s, t = logits((n, vocab), torch.float32, device, 6.0), logits((n, vocab), torch.float32, device, 6.0)
+
+    def teacher_grad(fn, s, t):
+        s, t = s.clone().requires_grad_(), t.clone().requires_grad_()
+        fn(s, t, beta=beta, temperature=temperature).backward()
+        return t.grad
+
+    truth = teacher_grad(lambda s, t, **kw: generalized_jsd_reference(s, t, reduction="sum", **kw), s.double(),
+                         t.double())
+    ours = teacher_grad(lambda s, t, **kw: K.generalized_jsd(s, t, reduction="sum", **kw), s, t)
+    torch32 = teacher_grad(_float32_jsd_steps, s, t)
+    err, yardstick = relative_error(ours, truth), relative_error(torch32, truth)
+    assert err <= yardstick, f"teacher gradient {err:.2e} from float64, PyTorch's float32 {yardstick:.2e}"
+
+
 def sliced_rows(n, vocab, dtype, width=None):
     """Logits [n, vocab] sliced out of a padded vocabulary (rows of `width` entries, a multiple of 64, so every row
     starts on the 16-byte grid while a contiguous [n, vocab] tensor's rows do not)."""
