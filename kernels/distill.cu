@@ -1392,7 +1392,7 @@ std::vector<at::Tensor> distill_forward(const at::Tensor& student, const c10::op
   at::Tensor gs = want_student ? grad_buffer(grad_student_out, r, true) : at::Tensor();
   // Every refusal before the first launch: a call that raises leaves nothing queued on the stream.
   const Launch l = plan_launch(r.v, r.s.element_size() * (r.topk() ? 1 : 2), r.topk());
-  check_in_place(gs, r, l);
+  if (r.n > 0) check_in_place(gs, r, l);
   at::Tensor gt = want_teacher ? at::empty({r.n, r.v}, r.s.options()) : at::Tensor();
   // The scale of the loss and its gradients: loss_scale, over the divisor for batchmean. batchmean with labels: the
   // divisor is counted on the device (no synchronisation); otherwise known here.

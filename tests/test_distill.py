@@ -1516,7 +1516,7 @@ def test_topk_teacher_whose_mass_is_just_below_one(device, k):
     for got, how in ((prepared, "distill_topk_prepare"), (K.distill.traced_topk_normalisation(lp, False), "traced")):
         assert torch.equal(got[:, :k], lp), how  # (mass below 1: nothing shifted)
         # Within 1e-5 of itself, beside the double sums' rounding in any order (k units of 2^-53 of a sum near 1:
-        # an H200 summed a tail of ~1e-10 to 1.8e-15 of the CPU's sum, 1.8e-5 of itself)
+        # an H200 summed a tail of 6e-12 to 1.1e-16 of the CPU's sum, 1.8e-5 of itself)
         err = (got[:, k].double().cpu() - exact).abs() - 1e-5 * exact
         assert float(err.max()) <= k * 2.0**-53, \
             f"{how}: the tail {float(err.max()):.2e} beyond its bound (a tail of 0: the row taken as above 1)"
