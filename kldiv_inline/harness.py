@@ -12,8 +12,10 @@ A provider is any callable taking a case's ``args``; it returns a tensor or a tu
 tuples, lists and dicts; integer tensors, indices perhaps, reach it as they are) and compares each provider's
 outputs with it, output by output (dicts key by key): the relative error ||out - ref|| / ||ref|| against a
 tolerance for the output's dtype (``TOLERANCE``, overridable), NaN or inf only where the reference has them,
-shapes equal. Each call runs ``poisoned``: new tensors start as NaN, so an element the kernel fails to write
-shows up. Every provider and the reference get their own copies of the case's tensors, so one that writes
+shapes equal. A norm lets a few wrong elements of a long output through (three of a million, each off by its
+own size, are 2e-3 relative: within bfloat16's tolerance); ``per_element=True`` also holds every element to the
+tolerance times the output's largest reference value, which catches them (a vectorised loop's mishandled tail,
+say). Each call runs ``poisoned``: new tensors start as NaN, so an element the kernel fails to write shows up. Every provider and the reference get their own copies of the case's tensors, so one that writes
 into its inputs (or accumulates gradients in them) changes no one else's.
 
 ``bench`` refuses to time a provider that failed its check: it checks every provider first, against
@@ -213,9 +215,10 @@ def tolerance_for(dtype: torch.dtype, tolerance: float | Mapping | None = None) 
 _REL_ERR = "relative error"  # compare's words for a failure in the numbers alone (bench's status tells the rest)
 
 
-def compare(out: Any, ref: Any, tolerance: float | Mapping | None = None) -> dict:
+def compare(out: Any, ref: Any, tolerance: float | Mapping | None = None, per_element: bool = False) -> dict:
     """A provider's outputs against the reference's: max_abs_err, rel_err and tol (of the output furthest
-    from its tolerance), ok, and error (why it failed beyond the numbers, else "")."""
+    from its tolerance), ok, and error (why it failed beyond the numbers, else ""). ``per_element``: each
+    floating output's largest error must also lie within tol times its largest finite |reference| value."""
     outs, refs = _outputs(out), _outputs(ref, "the reference")
     mismatch = _key_mismatch(out, ref)
     if not mismatch and len(outs) != len(refs):
@@ -241,6 +244,8 @@ def compare(out: Any, ref: Any, tolerance: float | Mapping | None = None) -> dic
             finite = torch.isfinite(r)
             abs_err = float((o - r).abs()[finite].max()) if finite.any() and rel != math.inf else 0.0
             abs_err = math.inf if rel == math.inf else abs_err
+            if per_element and finite.any() and abs_err != math.inf:
+                errors += _element_error(i, o, r, finite, tol)
         max_abs = max(max_abs, abs_err)
         ratio = rel / tol if tol > 0 else (0.0 if rel == 0 else math.inf)
         ratio = math.inf if math.isnan(ratio) else ratio
@@ -250,6 +255,20 @@ def compare(out: Any, ref: Any, tolerance: float | Mapping | None = None) -> dic
             errors.append(f"output {i}: {_REL_ERR} {rel:.3g} > {tol:.3g}")
     return {"max_abs_err": max_abs, "rel_err": worst[0], "tol": worst[1], "ok": not errors,
             "error": "; ".join(errors)}
+
+
+def _element_error(i: int, o: torch.Tensor, r: torch.Tensor, finite: torch.Tensor, tol: float) -> list[str]:
+    """compare's per-element verdict on output i (float64, same shapes): [] or the worst element's failure, its
+    error relative to the largest finite |reference| value, and where it lies."""
+    diff = torch.where(finite, (o - r).abs(), torch.zeros((), dtype=o.dtype, device=o.device))
+    scale = float(r.abs()[finite].max())
+    worst = int(diff.argmax())
+    rel = float(diff.reshape(-1)[worst]) / scale if scale > 0 else (0.0 if not diff.any() else math.inf)
+    if rel <= tol:
+        return []
+    at = tuple(int(x) for x in torch.unravel_index(torch.tensor(worst), o.shape)) if o.dim() else ()
+    return [f"output {i}: {_REL_ERR} {rel:.3g} > {tol:.3g} at element {at} (of the largest |reference|, "
+            f"{scale:.3g})"]
 
 
 def _integral(t: torch.Tensor) -> bool:
@@ -286,13 +305,16 @@ def _error(e: Exception) -> str:
 
 # ----------------------------------------------------------------------------------------------- check
 def check(providers: Mapping[str, Callable | None], reference: Callable, cases: Sequence[Case], *,
-          tolerance: float | Mapping | None = None, setup: Callable | None = None) -> pd.DataFrame:
+          tolerance: float | Mapping | None = None, setup: Callable | None = None,
+          per_element: bool = False) -> pd.DataFrame:
     """One row per (provider, case): provider, case, device, max_abs_err, rel_err, tol, ok, error, and the
     case's meta columns. ``reference`` gets the case's args upcast to float64 (floating tensors; integer
     tensors, indices perhaps, as they are). Each provider and the reference get their own copies of the
     case's tensors. ``setup(*args) -> args`` (e.g. fresh leaves that require grad) runs before every call,
     the reference's included. A provider that raises fails with the exception in ``error``; one given as None
     is "not installed". A reference that raises or returns no tensors raises here, naming the reference.
+    ``per_element``: every element within the tolerance of its output's largest reference value, besides the
+    norm (``compare``).
 
     ``frame.attrs[CHECKED_ATTR]`` records which callable each provider name was, so that ``bench(checked=)``
     times only the callables checked."""
@@ -308,21 +330,21 @@ def check(providers: Mapping[str, Callable | None], reference: Callable, cases: 
             if fn is None:
                 rows.append({**row, "ok": False, "error": "not installed"})
                 continue
-            rows.append({**row, **_check_one(fn, case, ref, prepare, device, tolerance)})
+            rows.append({**row, **_check_one(fn, case, ref, prepare, device, tolerance, per_element)})
     df = _frame(rows, CHECK_COLUMNS, cases)
     df.attrs[CHECKED_ATTR] = _Checked(providers)
     return df
 
 
 def _check_one(fn: Callable, case: Case, ref: Any, prepare: Callable, device: str,
-               tolerance: float | Mapping | None) -> dict:
+               tolerance: float | Mapping | None, per_element: bool = False) -> dict:
     """compare's columns for one provider on one case (its inputs and outputs are freed on return, before the
     next provider's copies)."""
     try:
         args = prepare(*clone_args(case.args))  # its own inputs: it may write into them
         with poisoned(device):
             out = fn(*args)
-        return compare(out, ref, tolerance)
+        return compare(out, ref, tolerance, per_element)
     except Exception as e:  # a provider that fails is reported, the check goes on
         return {"ok": False, "error": _error(e)}
 
@@ -400,7 +422,8 @@ def _verdict(row) -> tuple[bool, float, str]:
     return bool(row.ok), row.rel_err, error if isinstance(error, str) else ""
 
 
-def _verdicts(providers, cases, reference, checked, tolerance, setup) -> dict[tuple[str, str], tuple]:
+def _verdicts(providers, cases, reference, checked, tolerance, setup,
+              per_element=False) -> dict[tuple[str, str], tuple]:
     """(provider, case) -> (ok, rel_err, error) for every provider that exists."""
     out = {}
     if checked is not None:
@@ -419,7 +442,8 @@ def _verdicts(providers, cases, reference, checked, tolerance, setup) -> dict[tu
         if ref is None:
             out.update({(n, case.name): (True, math.nan, "") for n in todo})
             continue
-        for r in check(todo, ref, [case], tolerance=tolerance, setup=setup).itertuples(index=False):
+        for r in check(todo, ref, [case], tolerance=tolerance, setup=setup,
+                       per_element=per_element).itertuples(index=False):
             out[(r.provider, r.case)] = _verdict(r)
     return out
 
@@ -478,7 +502,7 @@ def bench(providers: Mapping[str, Callable | None], cases: Sequence[Case], *,
           checked: pd.DataFrame | None = None, tolerance: float | Mapping | None = None,
           setup: Callable | None = None, timer: str = "auto", reps: int = 30, warmup: int = 5,
           floor: floors.Floor | None = None, measure_memory: bool = False,
-          inference_mode: bool = False) -> pd.DataFrame:
+          inference_mode: bool = False, per_element: bool = False) -> pd.DataFrame:
     """One row per (provider, case) with the timing columns (BENCH_COLUMNS) and the case's meta columns.
 
     ``bytes_moved(*args)``: the bytes a call must move at least (read once, written once); it gives gbps,
@@ -486,7 +510,8 @@ def bench(providers: Mapping[str, Callable | None], cases: Sequence[Case], *,
     (events), "wall", or "auto" (events on a GPU, the wall clock on the CPU). ``floor``: a measured
     ``floors.Floor`` (default: measured on first use in this process). ``measure_memory``: add peak_mib,
     the memory one call allocates beyond its inputs (CUDA). ``inference_mode``: time under
-    ``torch.inference_mode()`` (forward-only cases). ``setup`` as in ``check``, outside the timed region.
+    ``torch.inference_mode()`` (forward-only cases). ``setup`` as in ``check``, outside the timed region;
+    ``tolerance`` and ``per_element`` as in ``check``, for the check it runs first.
 
     Each provider is timed on its own copies of the case's tensors (made once, before its warm-up), so one
     that writes into its inputs changes no other's. ``checked=``: a ``check`` frame of these same callables
@@ -498,7 +523,7 @@ def bench(providers: Mapping[str, Callable | None], cases: Sequence[Case], *,
     """
     _check_cases(cases)
     _check_bench_args(timer, reps, warmup)
-    verdicts = _verdicts(providers, cases, reference, checked, tolerance, setup)
+    verdicts = _verdicts(providers, cases, reference, checked, tolerance, setup, per_element)
     prepare = _prepare(setup)
     flushes: dict[str, timing.L2Flush] = {}
     rows = []

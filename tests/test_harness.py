@@ -387,6 +387,35 @@ def test_upcast_and_tolerances():
     assert not harness.compare(nan_both, torch.ones(2, dtype=torch.float64))["ok"]
 
 
+def test_per_element_catches_a_few_wrong_elements_that_the_norm_lets_through(device):
+    # A vectorised loop's mishandled tail: three elements of a million bfloat16 ones off by their own size are
+    # ~2e-3 of the norm, within bfloat16's 8e-3. per_element holds each to the tolerance of the largest value.
+    def tail_bug(x):
+        y = (2 * x).bfloat16()
+        y.view(-1)[-3:] = 0
+        return y
+
+    def right(x):
+        return (2 * x).bfloat16()  # rounded once: every element within bfloat16's rounding of itself
+
+    cases = [harness.Case("1M", (torch.rand(1000, 1000, device=device) + 0.5,))]
+    norm_only = harness.check({"tail_bug": tail_bug, "right": right}, reference=lambda x: 2 * x, cases=cases)
+    assert norm_only["ok"].all(), norm_only  # (the norm alone: both pass)
+    both = harness.check({"tail_bug": tail_bug, "right": right}, reference=lambda x: 2 * x, cases=cases,
+                         per_element=True).set_index("provider")
+    assert both.loc["right", "ok"] and not both.loc["tail_bug", "ok"], both
+    assert "relative error" in both.loc["tail_bug", "error"] and "at element (999, 99" in both.loc["tail_bug", "error"]
+    timed = harness.bench({"tail_bug": tail_bug, "right": right}, cases=cases, reference=lambda x: 2 * x, reps=2,
+                          warmup=1, per_element=True)
+    assert dict(zip(timed["provider"], timed["status"])) == {"tail_bug": "wrong", "right": "ok"}
+    # Tuples and dicts output by output; a 0-d output; an integer output stays exact; NaN where the reference has it.
+    ref = {"a": torch.tensor([1.0, 2.0, math.nan], dtype=torch.float64), "b": torch.tensor(3.0, dtype=torch.float64),
+           "i": torch.tensor([1, 2])}
+    out = {"a": torch.tensor([1.0, 2.0, math.nan]), "b": torch.tensor(3.0), "i": torch.tensor([1, 2])}
+    assert harness.compare(out, ref, per_element=True)["ok"]
+    assert not harness.compare({**out, "b": torch.tensor(3.1)}, ref, per_element=True)["ok"]
+
+
 def test_case_names_must_be_unique():
     cases = [harness.Case("same", (torch.rand(4),)), harness.Case("same", (torch.rand(4),))]
     with pytest.raises(ValueError, match="unique"):
