@@ -15,8 +15,9 @@ tolerance for the output's dtype (``TOLERANCE``, overridable), NaN or inf only w
 shapes equal. A norm lets a few wrong elements of a long output through (three of a million, each off by its
 own size, are 2e-3 relative: within bfloat16's tolerance); ``per_element=True`` also holds every element to the
 tolerance times the output's largest reference value, which catches them (a vectorised loop's mishandled tail,
-say). Each call runs ``poisoned``: new tensors start as NaN, so an element the kernel fails to write shows up. Every provider and the reference get their own copies of the case's tensors, so one that writes
-into its inputs (or accumulates gradients in them) changes no one else's.
+say). Each call runs ``poisoned``: new tensors start as NaN, so an element the kernel fails to write shows up.
+Every provider and the reference get their own copies of the case's tensors, so one that writes into its
+inputs (or accumulates gradients in them) changes no one else's.
 
 ``bench`` refuses to time a provider that failed its check: it checks every provider first, against
 ``reference=`` or else the reference the cases were last checked with (``check`` records it on each case),
