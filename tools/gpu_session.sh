@@ -30,12 +30,15 @@
 #                                  #   two trees' outputs bit for bit (tools/trees_agree.py, bf16 and float32), their
 #                                  #   steps timed (tools/distill_trees.py), then the gpu-marked distillation tests
 #                                  #   (the fused head's and the split's too; the two-GPU ones skip on one GPU)
+#   tools/gpu_session.sh teacher-accuracy  # one GPU: the JSD's float32 teacher gradient on a group of one rank
+#                                  #   (tools/probe_split_teacher_accuracy.py, 30 draws; kernels/NOTES.md, version
+#                                  #   66), then the gpu-marked teacher-gradient tests and the split's group of one
 #   tools/gpu_session.sh x2        # two GPUs: the two-GPU tests, then the committed run of the split
 #                                  #   (bench_vocab_parallel --reps 10 --warmup 3 --graph) -> ${RESULTS:-results}/<card>-x2/
 # Two GPUs: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2 \
 #   tools/bench_vocab_parallel.py    # the vocabulary split across GPUs -> results/<card>-x2/
 set -euo pipefail
-mode=${1:?test|results|notebooks|sweep|errors|split|topk|graph|accuracy|profile|kept-offset|against|x2}
+mode=${1:?test|results|notebooks|sweep|errors|split|topk|graph|accuracy|teacher-accuracy|profile|kept-offset|against|x2}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -95,6 +98,11 @@ case $mode in
     for dtype in bfloat16 float32; do python3 tools/trees_agree.py "$old" kernels --dtype "$dtype"; done
     python3 tools/distill_trees.py "$old" kernels --rounds 2 --spreads 3 2
     python3 -m pytest -q -m gpu tests/test_distill.py tests/test_fused_linear.py tests/test_vocab_parallel.py ;;
+  teacher-accuracy)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    python3 tools/probe_split_teacher_accuracy.py --draws 30
+    python3 -m pytest -q -m gpu tests/test_distill.py -k teacher
+    python3 -m pytest -q tests/test_vocab_parallel.py::test_one_gpu_group_of_one_rank ;;
   x2)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     python3 -m pytest -q -x -m gpu tests/test_vocab_parallel.py
