@@ -243,10 +243,10 @@ def compare(out: Any, ref: Any, tolerance: float | Mapping | None = None, per_el
             rel = relative_error(o, r)  # NaN/inf must sit where the reference has them, else inf
             o, r = o.double().to(r.device), r.double()
             finite = torch.isfinite(r)
-            abs_err = float((o - r).abs()[finite].max()) if finite.any() and rel != math.inf else 0.0
-            abs_err = math.inf if rel == math.inf else abs_err
-            if per_element and finite.any() and abs_err != math.inf:
-                errors += _element_error(i, o, r, finite, tol)
+            diff = torch.where(finite, (o - r).abs(), 0.0)  # (0 where the reference is not finite)
+            abs_err = math.inf if rel == math.inf else float(diff.max()) if diff.numel() else 0.0
+            if per_element and abs_err != math.inf:
+                errors += _element_error(i, diff, abs_err, r, finite, tol)
         max_abs = max(max_abs, abs_err)
         ratio = rel / tol if tol > 0 else (0.0 if rel == 0 else math.inf)
         ratio = math.inf if math.isnan(ratio) else ratio
@@ -258,16 +258,17 @@ def compare(out: Any, ref: Any, tolerance: float | Mapping | None = None, per_el
             "error": "; ".join(errors)}
 
 
-def _element_error(i: int, o: torch.Tensor, r: torch.Tensor, finite: torch.Tensor, tol: float) -> list[str]:
-    """compare's per-element verdict on output i (float64, same shapes): [] or the worst element's failure, its
-    error relative to the largest finite |reference| value, and where it lies."""
-    diff = torch.where(finite, (o - r).abs(), torch.zeros((), dtype=o.dtype, device=o.device))
-    scale = float(r.abs()[finite].max())
-    worst = int(diff.argmax())
-    rel = float(diff.reshape(-1)[worst]) / scale if scale > 0 else (0.0 if not diff.any() else math.inf)
+def _element_error(i: int, diff: torch.Tensor, abs_err: float, r: torch.Tensor, finite: torch.Tensor,
+                   tol: float) -> list[str]:
+    """compare's per-element verdict on output i from its errors ``diff`` (|out - ref| where the reference is
+    finite, else 0; their largest ``abs_err``): [] or the worst element's failure, its error relative to the
+    largest finite |reference| value, and where it lies."""
+    scale = float(r.abs()[finite].max()) if finite.any() else 0.0
+    rel = abs_err / scale if scale > 0 else (0.0 if abs_err == 0 else math.inf)
     if rel <= tol:
         return []
-    at = tuple(int(x) for x in torch.unravel_index(torch.tensor(worst), o.shape)) if o.dim() else ()
+    worst = int(diff.argmax())
+    at = tuple(int(x) for x in torch.unravel_index(torch.tensor(worst), diff.shape)) if diff.dim() else ()
     return [f"output {i}: {_REL_ERR} {rel:.3g} > {tol:.3g} at element {at} (of the largest |reference|, "
             f"{scale:.3g})"]
 
