@@ -2510,4 +2510,7 @@ def test_trl_peer_matches_the_reference_and_leaves_masked_tokens_out(beta):
         got = peers.trl_generalized_jsd(s, t, lab, beta=beta, temperature=2.0)
         ref = generalized_jsd_reference(s, t, beta=beta, temperature=2.0, labels=lab)
         assert torch.isfinite(got), how
-        assert_close(got.double(), ref, 1e-6, f"{how} beta={beta}")
+        # 1e-6 of the loss beside float32's rounding of a log-probability (~log V: the peer works in float32, as
+        # TRL upcasts to float): a loss of 0.09 (logits of spread 0.5) came out 1.05e-7 off, 1.2e-6 of itself
+        bound = 1e-6 * abs(float(ref)) + torch.finfo(torch.float32).eps * math.log(s.shape[-1])
+        assert abs(float(got) - float(ref)) <= bound, f"{how} beta={beta}: {float(got)} against {float(ref)}"
