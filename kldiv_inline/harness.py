@@ -65,12 +65,14 @@ class Case:
     """One set of inputs. ``args`` are passed to every provider (each gets its own copies of the tensors);
     ``meta`` becomes extra columns of each row (e.g. ``{"pass": "fwd", "dtype": "float32"}``; not named like
     a result column: ``RESERVED_META``). ``reference`` is set by ``check`` (or given here): the float64 truth
-    ``bench`` checks providers against."""
+    ``bench`` checks providers against; ``check`` records its ``tolerance`` and ``per_element`` beside it, which
+    ``bench`` checks with too unless it is given its own."""
 
     name: str
     args: tuple
     meta: dict = dataclasses.field(default_factory=dict)
     reference: Callable | None = dataclasses.field(default=None, repr=False, compare=False)
+    checked_with: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         if isinstance(self.args, list):
@@ -143,9 +145,11 @@ def _leaf(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 def upcast(obj: Any) -> Any:
-    """``obj`` with every floating tensor as a float64 leaf (requiring grad where the original did) and every
-    other tensor a copy as it is (integers may be indices): the reference cannot change the case's inputs."""
-    return _map_tensors(obj, lambda t: _leaf(t, torch.float64 if t.is_floating_point() else None))
+    """``obj`` with every floating tensor as a float64 leaf (complex ones complex128; requiring grad where the
+    original did) and every other tensor a copy as it is (integers may be indices): the reference cannot change
+    the case's inputs."""
+    return _map_tensors(obj, lambda t: _leaf(t, torch.float64 if t.is_floating_point() else
+                                             torch.complex128 if t.is_complex() else None))
 
 
 def clone_args(obj: Any) -> Any:
@@ -202,15 +206,17 @@ def _key_mismatch(out: Any, ref: Any, where: str = "the output") -> str:
 
 def tolerance_for(dtype: torch.dtype, tolerance: float | Mapping | None = None) -> float:
     """The relative error allowed for an output of ``dtype``: ``tolerance`` if a number, else from the table
-    ``TOLERANCE`` updated by ``tolerance`` (a dtype -> number mapping); 0 for non-floating outputs."""
+    ``TOLERANCE`` updated by ``tolerance`` (a dtype -> number mapping); 0 for integer and boolean outputs
+    unless such a mapping names their dtype. One number is for the floating outputs only: passed to widen a
+    bfloat16 output's tolerance, it must not let an integer output (argmax indices beside the values) be off."""
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return float(tolerance[dtype]) if isinstance(tolerance, Mapping) and dtype in tolerance else 0.0
     if isinstance(tolerance, (int, float)):
         return float(tolerance)
     table = {**TOLERANCE, **(tolerance or {})}
     if dtype in table:
         return table[dtype]
-    if dtype.is_floating_point or dtype.is_complex:
-        raise ValueError(f"no tolerance for {dtype} outputs: pass tolerance= (a number or {{dtype: number}})")
-    return 0.0
+    raise ValueError(f"no tolerance for {dtype} outputs: pass tolerance= (a number or {{dtype: number}})")
 
 
 _REL_ERR = "relative error"  # compare's words for a failure in the numbers alone (bench's status tells the rest)
@@ -241,7 +247,8 @@ def compare(out: Any, ref: Any, tolerance: float | Mapping | None = None, per_el
             rel, abs_err = _integer_error(o, r)
         else:
             rel = relative_error(o, r)  # NaN/inf must sit where the reference has them, else inf
-            o, r = o.double().to(r.device), r.double()
+            wide = torch.complex128 if o.is_complex() or r.is_complex() else torch.float64  # (as relative_error)
+            o, r = o.to(device=r.device, dtype=wide), r.to(wide)
             finite = torch.isfinite(r)
             diff = torch.where(finite, (o - r).abs(), 0.0)  # (0 where the reference is not finite)
             abs_err = math.inf if rel == math.inf else float(diff.max()) if diff.numel() else 0.0
@@ -325,6 +332,7 @@ def check(providers: Mapping[str, Callable | None], reference: Callable, cases: 
     rows = []
     for case in cases:
         case.reference = reference
+        case.checked_with = {"tolerance": tolerance, "per_element": per_element}
         device = _device(case.args)
         ref = _run_reference(reference, prepare, case)
         for name, fn in providers.items():
@@ -425,7 +433,7 @@ def _verdict(row) -> tuple[bool, float, str]:
 
 
 def _verdicts(providers, cases, reference, checked, tolerance, setup,
-              per_element=False) -> dict[tuple[str, str], tuple]:
+              per_element=_LAST_CHECK) -> dict[tuple[str, str], tuple]:
     """(provider, case) -> (ok, rel_err, error) for every provider that exists."""
     out = {}
     if checked is not None:
@@ -437,6 +445,11 @@ def _verdicts(providers, cases, reference, checked, tolerance, setup,
         if not todo:
             continue
         ref = case.reference if reference is _LAST_CHECK else reference
+        # Left out, the tolerance and per_element of the check that set that reference: a provider that a
+        # per-element check (or a tighter tolerance) failed must not pass bench's own check on the defaults.
+        last = case.checked_with if reference is _LAST_CHECK else {}
+        tol = last.get("tolerance") if tolerance is _LAST_CHECK else tolerance
+        each = last.get("per_element", False) if per_element is _LAST_CHECK else per_element
         if ref is None and reference is _LAST_CHECK:
             raise ValueError(f"case {case.name!r} has no reference: bench checks every provider before timing "
                              "it, against reference=... or the reference the case was checked with "
@@ -444,8 +457,7 @@ def _verdicts(providers, cases, reference, checked, tolerance, setup,
         if ref is None:
             out.update({(n, case.name): (True, math.nan, "") for n in todo})
             continue
-        for r in check(todo, ref, [case], tolerance=tolerance, setup=setup,
-                       per_element=per_element).itertuples(index=False):
+        for r in check(todo, ref, [case], tolerance=tol, setup=setup, per_element=each).itertuples(index=False):
             out[(r.provider, r.case)] = _verdict(r)
     return out
 
@@ -501,10 +513,10 @@ def _peak_mib(fn: Callable, args: tuple, device: str) -> float:
 
 def bench(providers: Mapping[str, Callable | None], cases: Sequence[Case], *,
           bytes_moved: Callable[..., int] | None = None, reference: Callable | None = _LAST_CHECK,
-          checked: pd.DataFrame | None = None, tolerance: float | Mapping | None = None,
+          checked: pd.DataFrame | None = None, tolerance: float | Mapping | None = _LAST_CHECK,
           setup: Callable | None = None, timer: str = "auto", reps: int = 30, warmup: int = 5,
           floor: floors.Floor | None = None, measure_memory: bool = False,
-          inference_mode: bool = False, per_element: bool = False) -> pd.DataFrame:
+          inference_mode: bool = False, per_element: bool = _LAST_CHECK) -> pd.DataFrame:
     """One row per (provider, case) with the timing columns (BENCH_COLUMNS) and the case's meta columns.
 
     ``bytes_moved(*args)``: the bytes a call must move at least (read once, written once); it gives gbps,
@@ -513,7 +525,8 @@ def bench(providers: Mapping[str, Callable | None], cases: Sequence[Case], *,
     ``floors.Floor`` (default: measured on first use in this process). ``measure_memory``: add peak_mib,
     the memory one call allocates beyond its inputs (CUDA). ``inference_mode``: time under
     ``torch.inference_mode()`` (forward-only cases). ``setup`` as in ``check``, outside the timed region;
-    ``tolerance`` and ``per_element`` as in ``check``, for the check it runs first.
+    ``tolerance`` and ``per_element`` as in ``check``, for the check it runs first (left out, as the check that
+    set the case's reference had them; else the defaults).
 
     Each provider is timed on its own copies of the case's tensors (made once, before its warm-up), so one
     that writes into its inputs changes no other's. ``checked=``: a ``check`` frame of these same callables

@@ -43,11 +43,13 @@ def relative_error(out: Tensor, ref: Tensor) -> float:
     if o_all.numel() != r_all.numel():
         raise ValueError(f"relative_error: {o_all.numel()} elements against {r_all.numel()}")
     o_all = o_all.to(r_all.device)
+    # complex outputs in complex128: .double() would keep the real part alone (a conjugate would pass)
+    wide = torch.complex128 if o_all.is_complex() or r_all.is_complex() else torch.float64
     zero = torch.zeros((), dtype=torch.float64, device=r_all.device)
     nan_o, nan_r, bad = zero.bool(), zero.bool(), zero.bool()
     num, den = zero, zero
     for i in range(0, r_all.numel(), _ERROR_CHUNK):
-        o, r = o_all[i:i + _ERROR_CHUNK].double(), r_all[i:i + _ERROR_CHUNK].double()
+        o, r = o_all[i:i + _ERROR_CHUNK].to(wide), r_all[i:i + _ERROR_CHUNK].to(wide)
         nan_o = nan_o | o.isnan().any()
         nan_r = nan_r | r.isnan().any()
         finite = r.isfinite()

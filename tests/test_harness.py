@@ -387,6 +387,61 @@ def test_upcast_and_tolerances():
     assert not harness.compare(nan_both, torch.ones(2, dtype=torch.float64))["ok"]
 
 
+def test_one_number_of_tolerance_leaves_integer_outputs_exact():
+    # Values and their argmax indices: one number passed to widen the bfloat16 values' tolerance let 10 of 1000
+    # indices off by one through (2.8e-3 of the indices' norm, within 1e-2).
+    x = torch.rand(1000, 64, dtype=torch.float64)
+    idx = x.argmax(-1)
+    off = idx.clone()
+    off[::100] += 1
+    for tolerance in (1e-2, {torch.bfloat16: 1e-2}):
+        assert harness.compare((x.max(-1).values.bfloat16(), idx), (x.max(-1).values, idx), tolerance=tolerance)["ok"]
+        verdict = harness.compare((x.max(-1).values.bfloat16(), off), (x.max(-1).values, idx), tolerance=tolerance)
+        assert not verdict["ok"] and "output 1" in verdict["error"], verdict
+    assert harness.tolerance_for(torch.int64, 1e-2) == 0.0
+    assert harness.tolerance_for(torch.int64, {torch.int64: 1.0}) == 1.0  # named by dtype: the caller's choice
+
+
+def test_complex_outputs_are_compared_whole():
+    # .double() of a complex tensor keeps its real part: the conjugate of the right answer passed.
+    x = torch.rand(64, 256)
+    cases = [harness.Case("rfft", (x,))]
+    verdict = harness.check({"right": torch.fft.rfft, "conj": lambda x: torch.fft.rfft(x).conj()},
+                            reference=torch.fft.rfft, cases=cases, tolerance=1e-5).set_index("provider")
+    assert verdict.loc["right", "ok"] and not verdict.loc["conj", "ok"], verdict
+    assert verdict.loc["conj", "rel_err"] > 0.1
+    ref = torch.fft.rfft(x.double())
+    assert harness.compare(ref.to(torch.complex64), ref, tolerance=1e-5, per_element=True)["ok"]
+    assert not harness.compare(ref.real.float(), ref, tolerance=1e-5)["ok"]  # the imaginary parts dropped
+
+
+def test_bench_checks_with_the_tolerance_and_per_element_of_the_last_check():
+    # bench re-checks against the reference a case was last checked with: on its defaults, a provider that a
+    # per-element check (or a tighter tolerance) had just failed was timed as "ok".
+    def tail_bug(x):
+        y = (2 * x).bfloat16()
+        y.view(-1)[-3:] = 0
+        return y
+
+    def slightly_off(x):
+        return 2 * x * (1 + 3e-6)
+
+    fl = floors.Floor("cpu", 10.0, "fake", {"fake": 10.0})
+    cases = [harness.Case("1M", (torch.rand(1000, 1000) + 0.5,))]
+    assert not harness.check({"tail_bug": tail_bug}, lambda x: 2 * x, cases, per_element=True)["ok"].any()
+    timed = harness.bench({"tail_bug": tail_bug}, cases, reps=2, warmup=1, floor=fl)
+    assert timed["status"].tolist() == ["wrong"], timed
+    # given to bench, its own settings win
+    timed = harness.bench({"tail_bug": tail_bug}, cases, reps=2, warmup=1, floor=fl, per_element=False)
+    assert timed["status"].tolist() == ["ok"], timed
+    cases = [harness.Case("n", (torch.rand(4096),))]
+    assert not harness.check({"off": slightly_off}, lambda x: 2 * x, cases, tolerance=1e-6)["ok"].any()
+    assert harness.bench({"off": slightly_off}, cases, reps=2, warmup=1, floor=fl)["status"].tolist() == ["wrong"]
+    # a reference given to bench comes with bench's settings (the defaults here: float32's 1e-5)
+    timed = harness.bench({"off": slightly_off}, cases, reference=lambda x: 2 * x, reps=2, warmup=1, floor=fl)
+    assert timed["status"].tolist() == ["ok"], timed
+
+
 def test_per_element_catches_a_few_wrong_elements_that_the_norm_lets_through(device):
     # A vectorised loop's mishandled tail: three elements of a million bfloat16 ones off by their own size are
     # ~2e-3 of the norm, within bfloat16's 8e-3. per_element holds each to the tolerance of the largest value.
