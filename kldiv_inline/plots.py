@@ -113,21 +113,29 @@ def legend_outside(fig, axes) -> None:
 
 
 def plot_timings(timed: pd.DataFrame, ours: str | None = None, title: str | None = None):
-    """A ``harness.bench`` frame as a Figure: time and GB/s against MiB moved, one line per provider."""
+    """A ``harness.bench`` frame as a Figure: time and GB/s against MiB moved, one line per provider; against
+    the cases, in their order, where no bytes were given or two cases move the same bytes."""
     df = timed.copy()
-    if "bytes" in df and df["bytes"].notna().any():
+    names = list(dict.fromkeys(df["case"]))
+    df["case_index"] = df["case"].map({c: i for i, c in enumerate(names)})
+    with_bytes = "bytes" in df and df["bytes"].notna().any()
+    # Cases that move the same bytes (one input contiguous and one transposed, say) would share a point on a
+    # bytes axis, and a line keeps one of them: such cases are drawn per case, in their order, instead.
+    by_case = not with_bytes or df.groupby("bytes")["case"].nunique().max() > 1
+    x, xlabel = ("case_index", "case") if by_case else ("mib_moved", "MiB moved per call")
+    if with_bytes:
         df["mib_moved"] = df["bytes"] / 2**20
-        x, xlabel = "mib_moved", "MiB moved per call"
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
         draw_time(axes[0], df, by="provider", x=x, xlabel=xlabel, ours=ours, legend=False)
         draw_gbps(axes[1], df, by="provider", x=x, xlabel=xlabel, ours=ours, legend=False)
-    else:  # no bytes_moved: time per case, in the cases' order
-        df["case_index"] = df["case"].map({c: i for i, c in enumerate(dict.fromkeys(df["case"]))})
+    else:  # no bytes_moved: time per case
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         axes = [ax]
-        draw_time(ax, df, by="provider", x="case_index", xlabel="case", ours=ours, legend=False)
-        ax.set_xscale("linear")
-        ax.set_xticks(range(df["case_index"].max() + 1), list(dict.fromkeys(df["case"])), rotation=20)
+        draw_time(ax, df, by="provider", x=x, xlabel=xlabel, ours=ours, legend=False)
+    if by_case:
+        for ax in axes:
+            ax.set_xscale("linear")
+            ax.set_xticks(range(len(names)), names, rotation=20)
     fig.suptitle(title or f"{', '.join(dict.fromkeys(df['device']))}: time and bandwidth per provider",
                  fontsize=9)
     legend_outside(fig, axes)

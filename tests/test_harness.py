@@ -364,6 +364,20 @@ def test_plot_floor_of_a_single_case_is_visible():
     plt.close(fig)
 
 
+def test_plot_keeps_cases_that_move_the_same_bytes():
+    # A contiguous and a transposed input of one size: on a bytes axis they share a point, and the line kept one.
+    x = torch.rand(512, 512)
+    cases = [harness.Case("contiguous", (x.contiguous(),)), harness.Case("transposed", (x.t(),))]
+    timed = harness.bench({"mine": lambda x: 2 * x.contiguous()}, cases=cases, reference=None, reps=3, warmup=1,
+                          bytes_moved=lambda x: 2 * x.nbytes, floor=floors.Floor("cpu", 10.0, "fake", {"fake": 10.0}))
+    fig = harness.plot(timed)
+    for ax in fig.axes:
+        (line,) = [line for line in ax.get_lines() if line.get_label() == "mine"]
+        assert len(line.get_xdata()) == 2
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["contiguous", "transposed"]
+    plt.close(fig)
+
+
 def test_upcast_and_tolerances():
     a = torch.rand(3, dtype=torch.bfloat16).requires_grad_()
     up = harness.upcast((a, [torch.arange(3)], {"k": torch.ones(2, dtype=torch.float16)}, 2.5))
