@@ -442,6 +442,16 @@ def _module_base(name: str) -> str:
     return re.sub(r"\W", "_", ascii_name, flags=re.ASCII) or "extension"
 
 
+def _check_utf8(path: Path, text: str) -> None:
+    """load_inline writes the given sources out again as UTF-8, where a byte that is not UTF-8 (read as a lone
+    surrogate) cannot be written: say which file and line hold one (headers are read by the compiler itself)."""
+    for n, line in enumerate(text.splitlines(), 1):
+        bad = next((c for c in line if "\udc80" <= c <= "\udcff"), None)
+        if bad is not None:
+            raise ValueError(f"{path}:{n}: byte 0x{ord(bad) - 0xdc00:02x} is not UTF-8: load_inline writes the "
+                             "sources as UTF-8, so save the file as UTF-8 (or move that text into a header)")
+
+
 def _with_line(path: Path, text: str) -> str:
     # #line takes a C string literal: escape backslashes and quotes in the path.
     name = str(path).replace("\\", "\\\\").replace('"', '\\"')
@@ -530,7 +540,14 @@ def _demangle(symbol: str) -> str:
 
 def _load_failure(name: str, err: ImportError) -> Exception:
     """A KernelBuildError for a module that linked but does not load because a symbol is missing (shared
-    libraries may link with undefined symbols; the dynamic loader finds out); other import errors as they are."""
+    libraries may link with undefined symbols; the dynamic loader finds out) or because nothing defines the
+    Python module; other import errors as they are."""
+    if "does not define module export function" in str(err):
+        return KernelBuildError(name, [
+            "the built module has no Python module to import: no .cpp source holds "
+            "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m), and no functions= were given to bind",
+            "  add one of them (load_sources' docstring says how)",
+        ], str(err))
     m = re.search(r"undefined symbol: (\S+)", str(err))
     if not m:
         return err
@@ -564,18 +581,29 @@ def _expected_build_s(base: str, with_cuda: bool, texts: Mapping[Path, str]) -> 
     return (60 if heavy else 5) if with_cuda else (25 if heavy else 2)
 
 
+# The linker's own lines, which say which library or symbol failed ("/usr/bin/ld: cannot find -lfoo", "x.o: in
+# function ...: undefined reference to ..."): they hold no "error", and collect2's line after them says only that
+# ld failed.
+_LINKER_RE = re.compile(r"^(?:\S*/)?ld(?:\.\w+)?: |undefined reference to|multiple definition of|cannot find -l")
+
+
 def _compiler_errors(log: str) -> list[str]:
-    """The lines of a ninja/nvcc/g++ log that state an error, with a little context after each."""
+    """The lines of a ninja/nvcc/g++ log that state an error (the linker's too), with a little context after
+    each."""
     lines = log.splitlines()
     out = []
     wrappers = ("FAILED:", "ninja:", "Error building extension")  # ninja's and torch's lines, not the compiler's
     for i, line in enumerate(lines):
-        if (re.search(r"\berror\b", line, re.IGNORECASE) and not line.startswith(wrappers)
-                and not re.search(r"errors? detected in the compilation of", line)):
+        if line.startswith(wrappers) or re.search(r"errors? detected in the compilation of", line):
+            continue
+        if _LINKER_RE.search(line):
             out.append(line)
-            # The compiler's context (the source line, a caret), not the next build command.
+        elif re.search(r"\berror\b", line, re.IGNORECASE):
+            out.append(line)
+            # The compiler's context (the source line, a caret), not the next build command or ninja's lines.
             out.extend(nxt for nxt in lines[i + 1:i + 3]
-                       if nxt.strip() and "error" not in nxt.lower() and not re.match(r"\s*\[\d+/\d+\]", nxt))
+                       if nxt.strip() and "error" not in nxt.lower() and not re.match(r"\s*\[\d+/\d+\]", nxt)
+                       and not nxt.startswith(wrappers) and not _LINKER_RE.search(nxt))
     return out
 
 
@@ -616,13 +644,17 @@ def _shared_unit_hint(log: str, srcs: Sequence[Path]) -> str | None:
 
 
 # Flags that add a folder to the compiler's header search, and those that include a file before the source
-# (both spellings: ``-I dir`` and ``-Idir``). Only -iquote folders serve ``#include "..."`` alone.
+# (both spellings: ``-I dir`` and ``-Idir``). Only -iquote folders serve ``#include "..."`` alone. nvcc also
+# takes long names for them (``--include-path dir``, ``--include-path=dir``) and lists of values separated by
+# commas (``-Ia,b``).
 _SEARCH_DIR_FLAGS = ("-isystem", "-idirafter", "-iquote", "-I")
 _FORCED_INCLUDE_FLAGS = ("-include", "-imacros")
+_NVCC_LONG_FLAGS = {"--include-path": "-I", "--system-include": "-isystem", "--pre-include": "-include"}
 
 
 def _flag_values(flags: Sequence[str], options: Sequence[str]) -> list[tuple[str, str]]:
-    """(option, value) for each of these options in flags, given as ``-opt value`` or ``-optvalue``."""
+    """(option, value) for each of these options in flags, given as ``-opt value`` or ``-optvalue`` (a long
+    ``--opt`` also as ``--opt=value``)."""
     out, flags, i = [], list(flags), 0
     while i < len(flags):
         f = flags[i]
@@ -632,23 +664,44 @@ def _flag_values(flags: Sequence[str], options: Sequence[str]) -> list[tuple[str
                 i += 1  # the value is not a flag of its own
                 break
             if f.startswith(opt) and len(f) > len(opt):
-                out.append((opt, f[len(opt):]))
+                value = f[len(opt):]
+                if opt.startswith("--"):
+                    if not value.startswith("="):
+                        continue  # another long option that starts alike
+                    value = value[1:]
+                out.append((opt, value))
                 break
         i += 1
     return out
 
 
-def _flag_search(flags: Sequence[str]) -> tuple[list[Path], list[Path], list[str]]:
+def _flag_search(flags: Sequence[str], nvcc: bool = False) -> tuple[list[Path], list[Path], list[str]]:
     """What the extra flags add to the compiler's header search: the folders for ``#include "..."`` only
     (-iquote), the folders for both kinds (-I, -isystem, -idirafter), and the files forced in before the source
-    (-include, -imacros; as given)."""
+    (-include, -imacros; as given). ``nvcc``: the flags are nvcc's (its long names and comma lists too)."""
     quote, both, forced = [], [], []
-    for opt, value in _flag_values(flags, _SEARCH_DIR_FLAGS + _FORCED_INCLUDE_FLAGS):
-        if opt in _FORCED_INCLUDE_FLAGS:
-            forced.append(value)
-        else:
-            (quote if opt == "-iquote" else both).append(Path(value).resolve())
+    options = _SEARCH_DIR_FLAGS + _FORCED_INCLUDE_FLAGS + (tuple(_NVCC_LONG_FLAGS) if nvcc else ())
+    for opt, value in _flag_values(flags, options):
+        opt = _NVCC_LONG_FLAGS.get(opt, opt)
+        for v in value.split(",") if nvcc else [value]:
+            if opt in _FORCED_INCLUDE_FLAGS:
+                forced.append(v)
+            else:
+                (quote if opt == "-iquote" else both).append(Path(v).resolve())
     return quote, both, forced
+
+
+def _linker_inputs(ldflags: Sequence[str]) -> list[Path]:
+    """The files the extra link flags bring in that the cache key must follow: files named as they are (a static
+    library, an object) and the libraries ``-lname`` finds in the ``-L`` folders given (a rebuilt library there
+    must relink the module). Libraries found in the system's folders are not followed."""
+    flags = list(ldflags)
+    dirs = [Path(v) for _, v in _flag_values(flags, ("-L",))]
+    found = [Path(f) for f in flags if not f.startswith("-") and Path(f).is_file()]
+    for _, name in _flag_values(flags, ("-l",)):
+        names = [name[1:]] if name.startswith(":") else [f"lib{name}.so", f"lib{name}.a"]
+        found += [d / n for d in dirs for n in names if (d / n).is_file()]
+    return [p.resolve() for p in found]
 
 
 def _forced_candidates(name: str, search: Sequence[Path]) -> list[Path]:
@@ -677,7 +730,9 @@ def load_sources(
     ``paths``: ``.cu`` files go to nvcc, ``.cpp`` files to the host compiler; the headers they include
     (``#include "..."`` beside them or in ``include_dirs``, ``#include <...>`` in ``include_dirs``, and in the
     folders and files that ``-I``, ``-isystem``, ``-iquote``, ``-idirafter`` and ``-include`` name in the
-    extra flags) are part of the cache key.
+    extra flags, and nvcc's ``--include-path``, ``--system-include``, ``--pre-include`` and comma lists), the
+    sources' order, and the files the link flags name (a library, or one ``-l`` finds in a ``-L`` folder given)
+    are part of the cache key.
 
     All the ``.cpp`` sources are compiled as ONE translation unit, and all the ``.cu`` sources as another:
     ``load_inline`` joins each language's sources into one file (``#line`` directives keep the real names in
@@ -715,12 +770,15 @@ def load_sources(
             incs.append(d)
     # Folders and files named by the extra flags (-I, -isystem, -idirafter, -iquote, -include, -imacros) reach
     # their compiler through those flags, not ours: the headers found there are part of the cache key too.
-    quote_dirs, flag_dirs, forced = _flag_search([*extra_cflags, *extra_cuda_cflags])
+    host, device = _flag_search(extra_cflags), _flag_search(extra_cuda_cflags, nvcc=True)
+    quote_dirs, flag_dirs, forced = (a + b for a, b in zip(host, device))
     search = incs + [d for d in flag_dirs if d not in incs]
 
     texts: dict[Path, str] = {}
     for p in [*srcs, *(c for f in forced for c in _forced_candidates(f, [*quote_dirs, *search]))]:
         _resolve_includes(p, search, texts, quote_dirs)
+    for p in srcs:
+        _check_utf8(p, texts[p])
     if functions is not None:
         _check_bindings_header(cpp_srcs, incs, functions)
 
@@ -736,7 +794,12 @@ def load_sources(
         key.update(str(p).encode() + b"\0" + texts[p].encode("utf-8", "surrogateescape") + b"\0")
     fn_key = sorted(functions.items()) if isinstance(functions, Mapping) else functions
     compilers = _compiler_env()
+    # The sources' order too: each language's sources are joined into one file in the order given, so a macro
+    # one defines reaches the ones after it.
+    for p in _linker_inputs(extra_ldflags):
+        key.update(str(p).encode() + b"\0" + hashlib.sha256(p.read_bytes()).digest())
     for part in (repr(list(fn_key) if fn_key is not None else None), repr(sorted(compilers.items())),
+                 repr([str(p) for p in cpp_srcs]), repr([str(p) for p in cuda_srcs]),
                  repr(cflags), repr(cuda_cflags), repr(list(extra_ldflags)), repr(include_flags),
                  torch.__version__, str(torch.version.cuda), sys.version, repr(archs), _CACHE_LAYOUT,
                  _cpu_fingerprint() if any("native" in f for f in cflags) else ""):

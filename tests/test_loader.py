@@ -863,6 +863,93 @@ def test_editing_the_header_the_compiler_uses_rebuilds_whatever_the_search_order
     assert m2.__name__ != m1.__name__ and m2.value() == 2
 
 
+def _key_of(monkeypatch, sources, **kwargs) -> str:
+    """The extension name (its cache key) load_sources gives these sources, stopped before compiling."""
+    def stop(*a, **k):
+        raise RuntimeError("stopped before compiling")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", stop)
+    with pytest.raises(kldiv_inline.KernelBuildError, match="stopped before compiling") as info:
+        kldiv_inline.load_sources(sources, **kwargs)
+    return info.value.name
+
+
+# nvcc's own spellings of -I, -isystem and -include (long names, "=", comma lists): a header edited there was
+# served the old build.
+@pytest.mark.parametrize("flags, prelude", [
+    (lambda d: [f"--include-path={d}"], _ANGLE), (lambda d: ["--include-path", str(d)], _ANGLE),
+    (lambda d: [f"-I/nonexistent,{d}"], _ANGLE), (lambda d: [f"--system-include={d}"], _ANGLE),
+    (lambda d: ["--pre-include", str(d / "flagged.h")], _FORCED),
+], ids=["--include-path=dir", "--include-path dir", "-Ia,dir", "--system-include=dir", "--pre-include file"])
+def test_editing_header_found_through_nvcc_include_flags_changes_the_key(tmp_path, cache, monkeypatch, flags,
+                                                                          prelude):
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "flagged.h").write_text("#define FLAGGED 2\n")
+    src = tmp_path / "flagged.cu"
+    src.write_text(f"{prelude}\nint value() {{ return FLAGGED; }}\n")
+    before = _key_of(monkeypatch, [src], extra_cuda_cflags=flags(inc))
+    assert _key_of(monkeypatch, [src], extra_cuda_cflags=flags(inc)) == before
+    (inc / "flagged.h").write_text("#define FLAGGED 7\n")
+    assert _key_of(monkeypatch, [src], extra_cuda_cflags=flags(inc)) != before
+
+
+def test_the_sources_order_is_part_of_the_key(tmp_path, cache):
+    # One translation unit in the order given: a macro the first file defines reaches the second. The other
+    # order was served the first order's build.
+    (tmp_path / "a.cpp").write_text("#define KL_SCALE 2\n")
+    (tmp_path / "b.cpp").write_text(capi_module("KL_SCALE", prelude="#ifndef KL_SCALE\n#define KL_SCALE 3\n#endif"))
+    first = kldiv_inline.load_sources([tmp_path / "a.cpp", tmp_path / "b.cpp"], name="ordered")
+    assert first.value() == 2
+    second = kldiv_inline.load_sources([tmp_path / "b.cpp", tmp_path / "a.cpp"], name="ordered")
+    assert second.__name__ != first.__name__ and second.value() == 3
+
+
+@pytest.mark.parametrize("how", ["path", "-L -l"])
+def test_rebuilding_a_library_the_link_flags_name_relinks(tmp_path, cache, how):
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    src = tmp_path / "use.cpp"
+    src.write_text(capi_module("helper_value()", prelude="long helper_value();"))
+    ldflags = [str(lib / "libhelper.a")] if how == "path" else [f"-L{lib}", "-lhelper"]
+
+    def library_returning(value: int):
+        (lib / "helper.cpp").write_text(f"long helper_value() {{ return {value}; }}\n")
+        subprocess.run(["g++", "-O1", "-fPIC", "-c", str(lib / "helper.cpp"), "-o", str(lib / "helper.o")],
+                       check=True)
+        (lib / "libhelper.a").unlink(missing_ok=True)
+        subprocess.run(["ar", "rcs", str(lib / "libhelper.a"), str(lib / "helper.o")], check=True)
+        return kldiv_inline.load_sources([src], extra_ldflags=ldflags)
+
+    assert library_returning(1).value() == 1
+    assert library_returning(2).value() == 2
+
+
+def test_a_source_that_is_not_utf8_names_its_file_and_line(tmp_path, cache, no_compiler_runs):
+    src = tmp_path / "latin1.cpp"
+    src.write_bytes(capi_module("1").encode() + b"// 90\xb0 in Latin-1\n")
+    with pytest.raises(ValueError, match=re.escape(f"{src}:11: byte 0xb0 is not UTF-8")):
+        kldiv_inline.load_sources([src])
+    assert no_compiler_runs == []
+
+
+def test_sources_without_a_python_module_say_so(tmp_path, cache):
+    src = tmp_path / "plain.cpp"
+    src.write_text("int twice(int x) { return 2 * x; }\n")
+    with pytest.raises(kldiv_inline.KernelBuildError, match=r"PYBIND11_MODULE.*functions="):
+        kldiv_inline.load_sources([src])
+
+
+def test_a_link_error_shows_the_linkers_own_line(tmp_path, cache):
+    src = tmp_path / "linked.cpp"
+    src.write_text(capi_module("1"))
+    with pytest.raises(kldiv_inline.KernelBuildError) as info:
+        kldiv_inline.load_sources([src], extra_ldflags=["-lkldiv_no_such_library"])
+    assert any("kldiv_no_such_library" in e and "-l" in e for e in info.value.errors), info.value.errors
+    assert "kldiv_no_such_library" in str(info.value)
+    assert not any(e.startswith("ninja:") for e in info.value.errors), info.value.errors
+
+
 @pytest.fixture
 def fake_cpuinfo(tmp_path, monkeypatch):
     """Writes the /proc/cpuinfo the loader reads next (its fingerprint is cached: cleared around the test, so no
