@@ -96,9 +96,14 @@ def _gbps(fn, x, device: str, reps: int) -> float:
     return x.nbytes / min(times) / 1e6
 
 
-@functools.cache
 def measure_floor(device: str, nbytes: int = 1 << 30, reps: int = 20) -> Floor:
-    """Read bandwidth over an ``nbytes`` buffer from every source on ``device``, once per process."""
+    """Read bandwidth over an ``nbytes`` buffer from every source on ``device``, once per process (on a GPU, once
+    per GPU: the current one, ``torch.cuda.current_device()``)."""
+    return _measure_floor(device, nbytes, reps, torch.cuda.current_device() if device == "cuda" else None)
+
+
+@functools.cache
+def _measure_floor(device: str, nbytes: int, reps: int, index: int | None) -> Floor:
     x = torch.ones(nbytes // 4, device=device)  # the contents do not matter; a buffer far beyond the caches
     sources = {"torch_sum": _gbps(lambda a: a.sum(), x, device, reps)}
     if device == "cuda":

@@ -168,6 +168,15 @@ def _device(args: tuple) -> str:
     return tensors[0].device.type if tensors else "cpu"
 
 
+def _on_device_of(args: tuple):
+    """The GPU of the case's tensors made the current one, where the events, the L2 flush, the poisoned
+    allocator and the floor act (a case on cuda:1 was timed by events on cuda:0's stream); on the CPU, nothing."""
+    tensors = _tensors(args)
+    if tensors and tensors[0].device.type == "cuda":
+        return torch.cuda.device(tensors[0].device)
+    return contextlib.nullcontext()
+
+
 def _outputs(out: Any, who: str = "a provider") -> list:
     """A result as a flat list of tensors (None stays None; numbers become 0-d tensors). A Python float from the
     reference becomes float64 (it is a double; float32 would round the truth); a provider's, float32 (what it
@@ -331,16 +340,17 @@ def check(providers: Mapping[str, Callable | None], reference: Callable, cases: 
     prepare = _prepare(setup)
     rows = []
     for case in cases:
-        case.reference = reference
-        case.checked_with = {"tolerance": tolerance, "per_element": per_element}
-        device = _device(case.args)
-        ref = _run_reference(reference, prepare, case)
-        for name, fn in providers.items():
-            row = {"provider": name, "case": case.name, **case.meta, "device": device}
-            if fn is None:
-                rows.append({**row, "ok": False, "error": "not installed"})
-                continue
-            rows.append({**row, **_check_one(fn, case, ref, prepare, device, tolerance, per_element)})
+        with _on_device_of(case.args):
+            case.reference = reference
+            case.checked_with = {"tolerance": tolerance, "per_element": per_element}
+            device = _device(case.args)
+            ref = _run_reference(reference, prepare, case)
+            for name, fn in providers.items():
+                row = {"provider": name, "case": case.name, **case.meta, "device": device}
+                if fn is None:
+                    rows.append({**row, "ok": False, "error": "not installed"})
+                    continue
+                rows.append({**row, **_check_one(fn, case, ref, prepare, device, tolerance, per_element)})
     df = _frame(rows, CHECK_COLUMNS, cases)
     df.attrs[CHECKED_ATTR] = _Checked(providers)
     return df
@@ -511,6 +521,64 @@ def _peak_mib(fn: Callable, args: tuple, device: str) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def _bench_case(case: Case, providers, verdicts, prepare, flushes, *, bytes_moved, floor, timer, reps, warmup,
+                measure_memory, inference_mode) -> list[dict]:
+    """bench's rows of one case, on the case's device (the current one)."""
+    rows = []
+    device = _device(case.args)
+    case_timer = ("cuda" if device == "cuda" else "wall") if timer == "auto" else timer
+    if case_timer == "cuda" and device != "cuda":
+        raise ValueError(f"case {case.name!r}: timer='cuda' needs inputs on a CUDA device")
+    nbytes = bytes_moved(*case.args) if bytes_moved is not None else None
+    base = {"case": case.name, **case.meta, "device": device, "timer": case_timer}
+    if nbytes is not None:
+        fl = floor or floors.measure_floor(device)
+        base.update(bytes=nbytes, floor_gbps=fl.gbps, floor_source=fl.source, floor_ms=fl.ms(nbytes))
+    peak = floors.device_peak_gbps(device)
+    n_sets, flush = _n_input_sets(case, device, case_timer)
+    gpu = (device, torch.cuda.current_device() if device == "cuda" else None)  # a flush buffer per GPU
+    if flush and gpu not in flushes:
+        flushes[gpu] = timing.L2Flush(device)
+    for name, fn in providers.items():
+        row = {"provider": name, **base}
+        if fn is None:
+            rows.append({**row, "status": "not installed"})
+            continue
+        ok, rel_err, error = verdicts[(name, case.name)]
+        row["rel_err"] = rel_err
+        if not ok:
+            rows.append({**row, "status": _wrong(rel_err, error)})
+            continue
+        sets = [clone_args(case.args) for _ in range(n_sets)]  # its own inputs: it may write into them
+        try:
+            with torch.inference_mode(inference_mode):
+                if case_timer == "cuda":
+                    times = timing.time_cuda(fn, sets, reps, warmup, flushes.get(gpu) if flush else None,
+                                             prepare)
+                else:
+                    inner = WALL_INNER_CUDA if device == "cuda" else 1
+                    times = timing.time_wall(fn, sets, reps, warmup, device, inner, prepare)
+                if measure_memory:
+                    row["peak_mib"] = _peak_mib(fn, prepare(*sets[0]), device)
+        except Exception as e:  # a provider that fails is reported, the run goes on
+            rows.append({**row, "status": f"error: {_error(e)}"})
+            continue
+        finally:
+            del sets  # before the next provider's copies
+        med, q20, q80 = timing.quantiles(times)
+        row.update(status="ok", median_ms=med, q20_ms=q20, q80_ms=q80)
+        if nbytes is not None:
+            # (no bytes to move, an empty case: no floor to be a multiple of)
+            row.update(gbps=nbytes / med / 1e6 if med > 0 else math.nan,
+                       x_floor=med / row["floor_ms"] if row["floor_ms"] > 0 else math.nan)
+            if peak:
+                row["pct_of_peak"] = 100.0 * row["gbps"] / peak
+        rows.append(row)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
 def bench(providers: Mapping[str, Callable | None], cases: Sequence[Case], *,
           bytes_moved: Callable[..., int] | None = None, reference: Callable | None = _LAST_CHECK,
           checked: pd.DataFrame | None = None, tolerance: float | Mapping | None = _LAST_CHECK,
@@ -540,59 +608,13 @@ def bench(providers: Mapping[str, Callable | None], cases: Sequence[Case], *,
     _check_bench_args(timer, reps, warmup)
     verdicts = _verdicts(providers, cases, reference, checked, tolerance, setup, per_element)
     prepare = _prepare(setup)
-    flushes: dict[str, timing.L2Flush] = {}
+    flushes: dict[tuple, timing.L2Flush] = {}
     rows = []
     for case in cases:
-        device = _device(case.args)
-        case_timer = ("cuda" if device == "cuda" else "wall") if timer == "auto" else timer
-        if case_timer == "cuda" and device != "cuda":
-            raise ValueError(f"case {case.name!r}: timer='cuda' needs inputs on a CUDA device")
-        nbytes = bytes_moved(*case.args) if bytes_moved is not None else None
-        base = {"case": case.name, **case.meta, "device": device, "timer": case_timer}
-        if nbytes is not None:
-            fl = floor or floors.measure_floor(device)
-            base.update(bytes=nbytes, floor_gbps=fl.gbps, floor_source=fl.source, floor_ms=fl.ms(nbytes))
-        peak = floors.device_peak_gbps(device)
-        n_sets, flush = _n_input_sets(case, device, case_timer)
-        if flush and device not in flushes:
-            flushes[device] = timing.L2Flush(device)
-        for name, fn in providers.items():
-            row = {"provider": name, **base}
-            if fn is None:
-                rows.append({**row, "status": "not installed"})
-                continue
-            ok, rel_err, error = verdicts[(name, case.name)]
-            row["rel_err"] = rel_err
-            if not ok:
-                rows.append({**row, "status": _wrong(rel_err, error)})
-                continue
-            sets = [clone_args(case.args) for _ in range(n_sets)]  # its own inputs: it may write into them
-            try:
-                with torch.inference_mode(inference_mode):
-                    if case_timer == "cuda":
-                        times = timing.time_cuda(fn, sets, reps, warmup, flushes.get(device) if flush else None,
-                                                 prepare)
-                    else:
-                        inner = WALL_INNER_CUDA if device == "cuda" else 1
-                        times = timing.time_wall(fn, sets, reps, warmup, device, inner, prepare)
-                    if measure_memory:
-                        row["peak_mib"] = _peak_mib(fn, prepare(*sets[0]), device)
-            except Exception as e:  # a provider that fails is reported, the run goes on
-                rows.append({**row, "status": f"error: {_error(e)}"})
-                continue
-            finally:
-                del sets  # before the next provider's copies
-            med, q20, q80 = timing.quantiles(times)
-            row.update(status="ok", median_ms=med, q20_ms=q20, q80_ms=q80)
-            if nbytes is not None:
-                # (no bytes to move, an empty case: no floor to be a multiple of)
-                row.update(gbps=nbytes / med / 1e6 if med > 0 else math.nan,
-                           x_floor=med / row["floor_ms"] if row["floor_ms"] > 0 else math.nan)
-                if peak:
-                    row["pct_of_peak"] = 100.0 * row["gbps"] / peak
-            rows.append(row)
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        with _on_device_of(case.args):
+            rows += _bench_case(case, providers, verdicts, prepare, flushes, bytes_moved=bytes_moved, floor=floor,
+                                timer=timer, reps=reps, warmup=warmup, measure_memory=measure_memory,
+                                inference_mode=inference_mode)
     columns = BENCH_COLUMNS + (["peak_mib"] if measure_memory else [])
     return _frame(rows, columns, cases)
 

@@ -535,6 +535,22 @@ def test_floor_is_the_best_source():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_case_on_the_second_gpu_is_checked_and_timed_there():
+    # Events, the L2 flush, the poisoned allocator and the floor act on the current GPU: a case on cuda:1 was
+    # timed by events on cuda:0's stream, which its kernels never ran on.
+    assert torch.cuda.current_device() == 0
+    x = torch.rand(1 << 27, device="cuda:1")  # 512 MiB: a sum reads it in ~0.1-0.3 ms on an H100 or an H200
+    cases = [harness.Case("cuda:1", (x,))]
+    timed = harness.bench({"sum": torch.sum}, cases=cases, reference=torch.sum, reps=5, warmup=2,
+                          bytes_moved=lambda x: x.nbytes)
+    (row,) = timed.itertuples()
+    assert row.status == "ok", row
+    assert 0.5 <= row.x_floor <= 5, row  # timed on the GPU that ran it: near its floor, not ~0
+    assert torch.cuda.current_device() == 0  # given back as it was
+
+
+@pytest.mark.gpu
 def test_readme_snippet_runs_as_written_on_cuda(tmp_path, monkeypatch):
     """The same block with dev = "cuda" and a CUDA scale2 behind the same name."""
     (tmp_path / "scale2.cu").write_text(SCALE2_CU)
