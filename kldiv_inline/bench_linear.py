@@ -300,34 +300,41 @@ def _measured(row: dict, key: str) -> float:
 
 
 def goal_rows(rows: list[dict], ours: str = OURS) -> list[dict]:
-    """LINEAR_GOALS measured in the rows (HEADLINE's shape only): goal, case, target, value, ours_ms, met."""
+    """LINEAR_GOALS measured in the rows (HEADLINE's shape only): goal, case, target, value, ours_ms, met. Where
+    ours failed its check or raised, the goal is NO (goals.untimed)."""
+    from .goals import pick_row, untimed
+
     def find(impl, beta):
-        for r in rows:
-            if (r.get("impl") == impl and r.get("form") == "linear" and r.get("status") == "ok"
-                    and float(r.get("beta")) == beta
-                    and (int(r["batch"]), int(r["hidden"]), int(r["features"])) == HEADLINE):
-                return r
-        return None
+        return pick_row(rows, lambda r: (r.get("impl") == impl and r.get("form") == "linear"
+                                      and float(r.get("beta")) == beta
+                                      and (int(r["batch"]), int(r["hidden"]), int(r["features"])) == HEADLINE))
 
     out = []
     for name, beta, what, peer, bound in LINEAR_GOALS:
+        case = f"fwd+bwd linear beta={beta:g} bfloat16 {'x'.join(map(str, HEADLINE))}"
+        text = {"speedup": f"{peer} time / ours >= {bound}", "extra_vs_peer": f"extra memory / {peer}'s < {bound}",
+                "x_floor": f"time / floor <= {bound}", "extra_mib": f"extra memory (MiB) <= {bound:g}"}.get(
+            what, f"{what} <= {bound:g}")
         mine = find(ours, beta)
+        if mine is None:
+            continue
+        if mine.get("status") != "ok":
+            out.append(untimed(name, case, text, mine))
+            continue
         other = find(peer, beta) if peer else None
-        if mine is None or (peer and other is None):
+        if peer and (other is None or other.get("status") != "ok"):
             continue
         if what == "speedup":
             value = other["median_ms"] / mine["median_ms"]
-            ok, text = value >= bound, f"{peer} time / ours >= {bound}"
+            ok = value >= bound
         elif what == "extra_vs_peer":
             value = _measured(mine, "extra_mib") / _measured(other, "extra_mib")
-            ok, text = value < bound, f"extra memory / {peer}'s < {bound}"
+            ok = value < bound
         else:
             value = _measured(mine, what)
-            text = {"x_floor": f"time / floor <= {bound}", "extra_mib": f"extra memory (MiB) <= {bound:g}"}.get(
-                what, f"{what} <= {bound:g}")
             ok = value <= bound
         if value != value:  # not measured (NaN): no verdict
             continue
-        out.append({"goal": name, "case": f"fwd+bwd linear beta={beta:g} bfloat16 {'x'.join(map(str, HEADLINE))}",
-                    "target": text, "value": float(value), "ours_ms": mine["median_ms"], "met": bool(ok)})
+        out.append({"goal": name, "case": case, "target": text, "value": float(value),
+                    "ours_ms": mine["median_ms"], "met": bool(ok)})
     return out

@@ -12,6 +12,8 @@ with the PNGs), so the verdicts can be re-checked from the committed CSV without
 """
 from __future__ import annotations
 
+import math
+
 # (name, device, pass, form, dtype, batch, features, timer, what, peer or None, bound).
 # "x_floor": our time / floor <= bound. "speedup": peer time / our time >= bound. "rel_err": <= bound.
 # "pct_of_peak": our GB/s in % of the card's vendor peak >= bound.
@@ -76,6 +78,25 @@ def _number(value) -> float | None:
     return None if v != v else v
 
 
+def pick_row(rows: list[dict], match) -> dict | None:
+    """The row ``match`` accepts: a timed one ("ok") before one that failed its check or raised; None if none."""
+    found = [r for r in rows if match(r)]
+    return next((r for r in found if r.get("status") == "ok"), found[0] if found else None)
+
+
+def _one_gpu(row: dict) -> bool:
+    """A row of a run on one device (the split's rows across GPUs carry world > 1)."""
+    world = _number(row.get("world"))
+    return world is None or world == 1
+
+
+def untimed(goal: str, case: str, target: str, mine: dict) -> dict:
+    """The verdict on a goal whose case ours did not pass: NO, whatever the peers did. A run whose kernel broke
+    must not leave an older run's "yes" standing as the latest (status.md takes each goal's latest row)."""
+    return {"goal": goal, "case": case, "target": target, "value": math.nan, "ours_ms": math.nan, "met": False,
+            "status": str(mine.get("status"))}
+
+
 def floor_goal(rows: list[dict]) -> dict | None:
     """The lowest time / floor over every row timed with CUDA events (any provider): below 1.0 the floor is
     no floor. Those rows read their inputs from memory (the L2 is flushed before each call); wall-clock rows
@@ -101,37 +122,36 @@ def goal_rows(rows: list[dict], device: str, ours: str) -> list[dict]:
     """Each goal of GOALS for `device` ("cuda" or "cpu") that the rows measured for provider `ours`, its
     value and whether it is met, then the floor goal."""
     def find(impl, g):
-        for r in rows:
-            if (r["impl"], r["pass"], r["form"], r["dtype"], int(r["batch"]), int(r["features"]), r["timer"]) == \
-                    (impl, *g[2:8]) and r.get("status") == "ok":
-                return r
-        return None
+        return pick_row(rows, lambda r: _one_gpu(r) and (
+            r["impl"], r["pass"], r["form"], r["dtype"], int(r["batch"]), int(r["features"]), r["timer"]) == (impl,
+                                                                                                          *g[2:8]))
 
     out = []
     for g in GOALS:
         if g[1] != device:
             continue
         name, what, peer, bound = g[0], g[8], g[9], g[10]
+        case = f"{g[2]} {g[3]} {g[4]} {g[5]}x{g[6]}"
+        text = {"speedup": f"{peer} time / ours >= {bound}", "pct_of_peak": f"% of vendor peak >= {bound:g}",
+                "x_floor": f"time / floor <= {bound}"}.get(what, f"relative error <= {bound:g}")
         mine = find(ours, g)
         if mine is None:
             continue
+        if mine.get("status") != "ok":
+            out.append(untimed(name, case, text, mine))
+            continue
         if what == "speedup":
             other = find(peer, g)
-            if other is None:
+            if other is None or other.get("status") != "ok":
                 continue
             value = _number(other["median_ms"]) / _number(mine["median_ms"])
-            ok, text = value >= bound, f"{peer} time / ours >= {bound}"
+            ok = value >= bound
         else:
             value = _number(mine.get(what))
             if value is None:  # e.g. pct_of_peak on a card without a known peak, or an older CSV
                 continue
-            if what == "pct_of_peak":
-                ok, text = value >= bound, f"% of vendor peak >= {bound:g}"
-            elif what == "x_floor":
-                ok, text = value <= bound, f"time / floor <= {bound}"
-            else:
-                ok, text = value <= bound, f"relative error <= {bound:g}"
-        out.append({"goal": name, "case": f"{g[2]} {g[3]} {g[4]} {g[5]}x{g[6]}", "target": text,
+            ok = value >= bound if what == "pct_of_peak" else value <= bound
+        out.append({"goal": name, "case": case, "target": text,
                     "value": value, "ours_ms": _number(mine["median_ms"]), "met": bool(ok)})
     if device == "cuda":
         from .bench_linear import goal_rows as linear_goal_rows  # the fused LM head's goals (L1-L4)
@@ -144,11 +164,8 @@ def goal_rows(rows: list[dict], device: str, ours: str) -> list[dict]:
 def vocab_goal_rows(rows: list[dict], ours: str, peer: str = "megatron_style") -> list[dict]:
     """VOCAB_GOALS measured in rows that carry a `world` column (a run over several GPUs)."""
     def find(impl, form, beta, world):
-        for r in rows:
-            if (r.get("impl") == impl and r.get("form") == form and _number(r.get("beta")) == beta
-                    and _number(r.get("world")) == world and r.get("status") == "ok"):
-                return r
-        return None
+        return pick_row(rows, lambda r: (r.get("impl") == impl and r.get("form") == form
+                                      and _number(r.get("beta")) == beta and _number(r.get("world")) == world))
 
     worlds = {_number(r.get("world")) for r in rows} - {None, 1.0}
     out = []
@@ -158,20 +175,26 @@ def vocab_goal_rows(rows: list[dict], ours: str, peer: str = "megatron_style") -
             mine, one = find(impl, form, beta, world), find(impl, form, beta, 1.0)
             if mine is None:
                 continue
+            case = f"fwd+bwd {form} beta={beta:g} {mine['dtype']} {int(mine['batch'])}x{int(mine['features'])}"
+            how = "steps captured in a CUDA graph: " if what == "scaling_graph" else ""
+            text = (f"{how}time on {world:g} GPUs / on 1 <= {bound}" if what in ("scaling", "scaling_graph")
+                    else f"{peer} time / ours on {world:g} GPUs >= {bound}")
+            failed = next((r for r in (mine, one) if r is not None and r.get("status") != "ok"), None)
+            if failed is not None:  # ours on N GPUs, or on the one it is measured against
+                out.append(untimed(name, case, text, failed))
+                continue
             if what in ("scaling", "scaling_graph"):
                 if one is None:
                     continue
                 value = _number(mine["median_ms"]) / _number(one["median_ms"])
-                how = "steps captured in a CUDA graph: " if what == "scaling_graph" else ""
-                ok, text = value <= bound, f"{how}time on {world:g} GPUs / on 1 <= {bound}"
+                ok = value <= bound
             else:
                 other = find(peer, form, beta, world)
-                if other is None:
+                if other is None or other.get("status") != "ok":
                     continue
                 value = _number(other["median_ms"]) / _number(mine["median_ms"])
-                ok, text = value >= bound, f"{peer} time / ours on {world:g} GPUs >= {bound}"
-            out.append({"goal": name, "case": f"fwd+bwd {form} beta={beta:g} {mine['dtype']} "
-                        f"{int(mine['batch'])}x{int(mine['features'])}", "target": text, "value": value,
+                ok = value >= bound
+            out.append({"goal": name, "case": case, "target": text, "value": value,
                         "ours_ms": _number(mine["median_ms"]), "met": bool(ok)})
     return out
 
@@ -179,43 +202,47 @@ def vocab_goal_rows(rows: list[dict], ours: str, peer: str = "megatron_style") -
 def distill_goal_rows(rows: list[dict], ours: str) -> list[dict]:
     """DISTILL_GOALS measured in the rows (the distillation suite's size only), their values and verdicts."""
     def find(impl, pass_, form, beta):
-        for r in rows:
-            if (r.get("impl") == impl and r.get("pass") == pass_ and r.get("form") == form
-                    and _number(r.get("beta")) == beta and r.get("status") == "ok"
-                    and (int(r["batch"]), int(r["features"])) == (4096, 128256)):
-                return r
-        return None
+        return pick_row(rows, lambda r: (r.get("impl") == impl and r.get("pass") == pass_ and r.get("form") == form
+                                      and _number(r.get("beta")) == beta and r.get("dtype") == "bfloat16"
+                                      and _one_gpu(r) and (int(r["batch"]), int(r["features"])) == (4096, 128256)))
 
     out = []
     for name, pass_, form, beta, what, peer, bound in DISTILL_GOALS:
+        case = f"{pass_} {form} beta={beta:g} bfloat16 4096x128256"
+        text = {"speedup": f"{peer} time / ours >= {bound}", "peak_x_grad": f"peak memory / gradient bytes <= {bound}",
+                "x_floor": f"time / floor <= {bound}"}.get(what, f"relative error <= {bound:g}")
         mine = find(ours, pass_, form, beta)
         if mine is None:
             continue
+        if mine.get("status") != "ok":
+            out.append(untimed(name, case, text, mine))
+            continue
         if what == "speedup":
             other = find(peer, pass_, form, beta)
-            if other is None:
+            if other is None or other.get("status") != "ok":
                 continue
-            value, text = _number(other["median_ms"]) / _number(mine["median_ms"]), f"{peer} time / ours >= {bound}"
+            value = _number(other["median_ms"]) / _number(mine["median_ms"])
             ok = value >= bound
         elif what == "peak_x_grad":
             peak = _number(mine.get("peak_mib"))
             if peak is None:
                 continue
             value = peak / (int(mine["batch"]) * int(mine["features"]) * 2 / 2**20)
-            ok, text = value <= bound, f"peak memory / gradient bytes <= {bound}"
+            ok = value <= bound
         else:
             value = _number(mine.get(what))
             if value is None:
                 continue
             ok = value <= bound
-            text = f"time / floor <= {bound}" if what == "x_floor" else f"relative error <= {bound:g}"
-        out.append({"goal": name, "case": f"{pass_} {form} beta={beta:g} bfloat16 4096x128256", "target": text,
+        out.append({"goal": name, "case": case, "target": text,
                     "value": value, "ours_ms": _number(mine["median_ms"]), "met": bool(ok)})
     return out
 
 
 def format_value(goal: dict) -> str:
     """A goal's measured value as goals.md, status.md and the README's tables print it."""
+    if goal.get("status", "ok") != "ok":  # ours failed its check or raised: no value to show
+        return "not timed: " + goal["status"].split(":")[0]
     if goal["target"].startswith("relative") or "rel_err" in goal["target"]:  # 0.000 would hide a 2e-5
         return f"{goal['value']:.2e}"
     if goal["target"].startswith("%"):
@@ -241,7 +268,8 @@ def goals_markdown(goals: list[dict], env: dict) -> str:
              + (f" Partial run: {env['partial']}." if env.get("partial") else ""), "",
              "| goal | case | target | measured | median (ms) | met |", "| --- | --- | --- | --- | --- | --- |"]
     for g in goals:
-        lines.append(f"| {g['goal']} | {g['case']} | {g['target']} | {format_value(g)} | {g['ours_ms']:.4f} | "
+        ms = "-" if g["ours_ms"] != g["ours_ms"] else f"{g['ours_ms']:.4f}"  # (NaN: not timed)
+        lines.append(f"| {g['goal']} | {g['case']} | {g['target']} | {format_value(g)} | {ms} | "
                      f"{'yes' if g['met'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 

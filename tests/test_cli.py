@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kldiv_inline import bench, plots
+from kldiv_inline import bench, bench_linear, plots
 from kldiv_inline import goals as goals_mod
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,6 +75,48 @@ def test_goals_are_evaluated_from_rows():
     # Errors print with their exponent (a 1e-5 error against a 1e-3 bound as "0.000" would say nothing).
     assert goals_mod.format_value({"target": "loss_rel_err <= 0.001", "value": 1.05e-5}) == "1.05e-05"
     assert goals_mod.format_value({"target": "time / floor <= 1.3", "value": 1.2594}) == "1.259"
+
+
+def test_a_goal_whose_case_ours_failed_is_not_met(tmp_path):
+    # Ours wrong (failed its check, not timed) where the peers were timed: the goals said nothing for that case,
+    # and status.md kept an older run's "yes" as the latest.
+    broken = [dict(r, status="wrong", median_ms=None, x_floor=None, pct_of_peak=None)
+              if r["impl"] == "kldiv_inline" and r["batch"] == 16384 and r["pass"] == "fwd" else r
+              for r in _fake_rows()]
+    p1 = [g for g in bench.goal_rows(broken, "cuda", "kldiv_inline") if g["goal"] == "P1"]
+    assert len(p1) == 5 and not any(g["met"] for g in p1), p1
+    assert {goals_mod.format_value(g) for g in p1} == {"not timed: wrong"}
+    def p3(rows):
+        return [(g["target"], g["met"]) for g in bench.goal_rows(rows, "cuda", "kldiv_inline") if g["goal"] == "P3"]
+    assert p3(broken) == p3(_fake_rows()) and len(p3(broken)) == 3  # the other cases' goals as they were
+    runs = [("old", bench.goal_rows(_fake_rows(), "cuda", "kldiv_inline"), {"device_name": "A", "date_utc": "1"}),
+            ("new", bench.goal_rows(broken, "cuda", "kldiv_inline"), {"device_name": "A", "date_utc": "2"})]
+    lines = [line for line in goals_mod.status_markdown(runs).splitlines() if line.startswith("| P1 ")]
+    assert len(lines) == 5 and all("| NO | new (" in line for line in lines), lines
+    assert "| - | NO |" in goals_mod.goals_markdown(p1, {})
+    # The same in the distillation, fused-head and split goals.
+    d = {"impl": "kldiv_inline", "pass": "fwd+bwd", "form": "logits", "beta": 0.0, "dtype": "bfloat16",
+         "batch": 4096, "features": 128256, "status": "error: out of memory"}
+    (d1,) = [g for g in goals_mod.distill_goal_rows([d], "kldiv_inline") if g["target"].startswith("time")]
+    assert not d1["met"] and goals_mod.format_value(d1) == "not timed: error"
+    lin = {"impl": "kldiv_inline", "form": "linear", "beta": 0.0, "batch": 4096, "hidden": 4096, "features": 128256,
+           "status": "wrong"}
+    assert [g["met"] for g in bench_linear.goal_rows([lin]) if g["goal"] == "L1"] == [False] * 3
+    split = [{"impl": "kldiv_inline", "world": w, "median_ms": 1.0, "beta": 0.0, "form": "logits",
+              "dtype": "bfloat16", "batch": 4096, "features": 128256, "status": "ok" if w == 1 else "wrong"}
+             for w in (1, 2)]
+    assert [g["met"] for g in goals_mod.vocab_goal_rows(split, "kldiv_inline")] == [False, False]
+
+
+def test_distillation_goals_take_their_own_dtype_and_one_gpu():
+    # The goals are bfloat16's on one GPU: a float32 row, or a split row over two GPUs, listed first was taken.
+    def row(**kw):
+        return {"impl": "kldiv_inline", "pass": "fwd+bwd", "form": "logits", "beta": 0.0, "dtype": "bfloat16",
+                "batch": 4096, "features": 128256, "status": "ok", "median_ms": 1.0, "x_floor": 1.2, **kw}
+    for other in (row(dtype="float32", x_floor=2.5), row(world=2, x_floor=0.7)):
+        (d1,) = [g for g in goals_mod.distill_goal_rows([other, row()], "kldiv_inline")
+                 if g["target"].startswith("time")]
+        assert d1["value"] == 1.2, d1
 
 
 def test_environment_records_the_variables_that_change_timings(monkeypatch):
