@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from .envinfo import REPO_ROOT
+from .envinfo import REPO_ROOT, is_source_tree
 
 
 def _suites(text: str) -> list[str]:
@@ -34,7 +34,7 @@ def _tokens(text: str) -> list[int]:
         tokens = []
     if not tokens or min(tokens) < 1:
         raise argparse.ArgumentTypeError(f"token counts are a comma-separated list of positive integers; got {text!r}")
-    return tokens
+    return sorted(set(tokens))  # a count given twice is one case (it was run and written twice)
 
 
 def _reps(text: str) -> int:
@@ -157,7 +157,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kldiv_inline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    results_default = str(REPO_ROOT / "results")
+    # The checkout's results/; an installed copy's the working directory's (not a folder inside site-packages).
+    results_default = str((REPO_ROOT if is_source_tree() else Path.cwd()) / "results")
 
     def timed(p):  # what bench and results share: the cases, the repetitions, the suites and their sizes
         from .bench import SUITES

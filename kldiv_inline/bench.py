@@ -224,7 +224,8 @@ SUITE_OF_FORM = {"probs": "kl", "logprobs": "kl", "logits": "distill", "topk": "
 
 def check_suites(args, folder: Path) -> None:
     """Refuses a run of some suites that would replace a bench.csv holding others' rows (they would be lost:
-    give that run a folder of its own), and --linear-sweep without the linear suite."""
+    give that run a folder of its own), or of fewer cases than the run there (--headline-only over a sweep,
+    other --linear-tokens), and --linear-sweep without the linear suite."""
     suites = getattr(args, "suites", None) or SUITES
     if getattr(args, "linear_sweep", False) and "linear" not in suites:
         raise SystemExit("--linear-sweep sweeps the fused LM head: add linear to --suites")
@@ -240,6 +241,28 @@ def check_suites(args, folder: Path) -> None:
     if lost:
         raise SystemExit(f"{path} holds rows of the {', '.join(lost)} suite(s), which --suites {','.join(suites)} "
                          f"would drop: give this run another folder (--results), or run those suites too")
+    env_path = folder / "env.json"
+    recorded = json.loads(env_path.read_text()).get("options") if env_path.exists() else None
+    if isinstance(recorded, dict) and not getattr(args, "resume", False):  # (--resume: the same options, or refused)
+        dropped = _cases_dropped(recorded, run_options(args))
+        if dropped:
+            raise SystemExit(f"{path} holds a run with {dropped}, whose rows this run would drop: give this run "
+                             "another folder (--results), or run it with the same options")
+
+
+def _cases_dropped(recorded: dict, options: dict) -> str:
+    """What the run of ``recorded`` options made that one of ``options`` would not make (as the flags say it),
+    else "". Suites left out are check_suites' to refuse; a run of more cases replaces one of fewer."""
+    held = []
+    if options["headline_only"] and not recorded.get("headline_only"):
+        held.append("the size sweep (no --headline-only)")
+    if "linear" in options["suites"]:
+        if recorded.get("linear_sweep") and not options["linear_sweep"]:
+            held.append("--linear-sweep")
+        tokens = recorded.get("linear_tokens")
+        if tokens and not set(tokens) <= set(options["linear_tokens"] or ()):
+            held.append(_as_flag("linear_tokens", tokens))
+    return " and ".join(held)
 
 
 # What env.json keeps of each earlier part of a resumed run (the part that a time limit cut short).
@@ -281,7 +304,7 @@ def resumed(folder: Path, device: str, options: dict) -> tuple[list[dict], list[
     if not env.get("partial"):
         raise SystemExit(f"--resume: the run in {folder} finished (env.json has no 'partial'): nothing to resume")
     here = commit()
-    if env.get("commit") != here or here.startswith("unknown") or here.endswith("+dirty"):
+    if env.get("commit") != here or here.startswith("unknown") or "+" in here:  # +dirty, +other-kernels
         raise SystemExit(f"--resume: the run in {folder} is of commit {env.get('commit')}, this code is {here}: "
                          "a run is resumed by the same clean commit only (give this one another folder)")
     if env.get("device_name") != device_name(device):

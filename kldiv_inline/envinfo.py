@@ -48,15 +48,53 @@ def _git(*args: str) -> str | None:
         return None
 
 
+def is_source_tree() -> bool:
+    """Whether the package runs from the project's source tree (pyproject.toml and kernels/ beside it), not from
+    a copy installed into site-packages."""
+    return (REPO_ROOT / "pyproject.toml").is_file() and (REPO_ROOT / "kernels").is_dir()
+
+
+def _is_checkout() -> bool:
+    """A source tree that is the top of its own git repository: an installed copy may lie inside some other
+    repository (a project's .venv), whose commit says nothing of this code."""
+    top = _git("rev-parse", "--show-toplevel") if is_source_tree() else None
+    return top is not None and Path(top).resolve() == REPO_ROOT
+
+
+def other_kernels() -> str | None:
+    """The kernels/ directory ``KLDIV_INLINE_KERNELS`` points at, where it is not the checkout's own."""
+    env = os.environ.get("KLDIV_INLINE_KERNELS")
+    if not env:
+        return None
+    root = Path(env).expanduser().resolve()
+    return None if root == (REPO_ROOT / "kernels").resolve() else str(root)
+
+
 def commit() -> str:
     """``KLDIV_INLINE_COMMIT`` when set (a copy of the tree on another machine may carry a stale .git: on the
-    lent GPUs one answered the session's first commit), else HEAD's hash, with ``+dirty`` when tracked files
-    under kernels/ or kldiv_inline/ differ from it."""
+    lent GPUs one answered the session's first commit), else HEAD's hash, with ``+dirty`` when files under
+    kernels/ or kldiv_inline/ differ from it (new files too: an untracked variant is timed as well), and
+    ``+other-kernels`` when ``KLDIV_INLINE_KERNELS`` builds another kernels/ tree. An installed copy of the
+    package, not a checkout, says ``unknown (installed <version>)``."""
+    mark = "+other-kernels" if other_kernels() else ""
     if os.environ.get("KLDIV_INLINE_COMMIT"):
-        return os.environ["KLDIV_INLINE_COMMIT"]
+        return os.environ["KLDIV_INLINE_COMMIT"] + mark
+    if not is_source_tree():
+        return f"unknown (installed {_version()})" + mark
+    if not _is_checkout():  # a copy of the tree without its .git
+        return "unknown" + mark
     head = _git("rev-parse", "HEAD") or "unknown"
-    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", "kernels", "kldiv_inline")
-    return head + ("+dirty" if dirty else "")
+    dirty = _git("status", "--porcelain", "--untracked-files=normal", "--", "kernels", "kldiv_inline")
+    return head + ("+dirty" if dirty else "") + mark
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return "kldiv_inline " + metadata.version("kldiv_inline")
+    except metadata.PackageNotFoundError:
+        return "kldiv_inline, version unknown"
 
 
 def driver_version() -> str | None:
@@ -94,6 +132,7 @@ def environment(device: str) -> dict:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "commit": commit(),
+        **({"kernels_dir": other_kernels()} if other_kernels() else {}),
         "command": " ".join(["python -m kldiv_inline", *sys.argv[1:]]) if sys.argv else "",
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "variables": timing_variables(),

@@ -130,6 +130,41 @@ def test_environment_records_the_variables_that_change_timings(monkeypatch):
     assert "KLDIV_UNRELATED" not in recorded
 
 
+def test_the_recorded_commit_says_when_the_code_is_not_that_commits(tmp_path, monkeypatch):
+    # A new kernel file beside the committed ones (a variant the bench times), another kernels/ tree by
+    # KLDIV_INLINE_KERNELS, and a copy installed inside some other repository all recorded a clean commit.
+    from kldiv_inline import envinfo
+
+    monkeypatch.delenv("KLDIV_INLINE_COMMIT", raising=False)
+    monkeypatch.delenv("KLDIV_INLINE_KERNELS", raising=False)
+    repo = tmp_path / "repo"
+    (repo / "kernels").mkdir(parents=True)
+    (repo / "pyproject.toml").write_text("")
+    (repo / "kernels" / "a.cu").write_text("")
+
+    def git(*a):
+        return subprocess.run(["git", "-C", str(repo), "-c", "user.email=a@b", "-c", "user.name=n", *a],
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "x")
+    head = git("rev-parse", "HEAD")
+    monkeypatch.setattr(envinfo, "REPO_ROOT", repo.resolve())
+    assert envinfo.commit() == head
+    (repo / "kernels" / "v4_new.cu").write_text("")
+    assert envinfo.commit() == head + "+dirty"
+    (repo / "kernels" / "v4_new.cu").unlink()
+    (tmp_path / "other").mkdir()
+    monkeypatch.setenv("KLDIV_INLINE_KERNELS", str(tmp_path / "other"))
+    assert envinfo.commit() == head + "+other-kernels"
+    assert envinfo.environment("cpu")["kernels_dir"] == str((tmp_path / "other").resolve())
+    monkeypatch.setenv("KLDIV_INLINE_KERNELS", str(repo / "kernels"))  # the checkout's own, named
+    assert envinfo.commit() == head
+    monkeypatch.setattr(envinfo, "REPO_ROOT", (repo / "kernels").resolve())  # a package dir, no source tree
+    assert envinfo.commit().startswith("unknown (installed ")
+
+
 def test_vocab_goals_are_evaluated_from_rows():
     # The split's goals from the two-GPU bench's rows: eager and captured steps each over their own one-GPU time,
     # the peer over ours; a form or beta without its rows gives no goal row rather than a made-up one.
@@ -480,6 +515,37 @@ def test_bench_refuses_to_drop_other_suites_rows(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kldiv_inline", "bench", "--suites", "kl", "--linear-sweep",
                            "--results", str(tmp_path / "other")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "add linear to --suites" in proc.stderr
+
+
+def test_bench_refuses_to_replace_a_run_of_more_cases(tmp_path):
+    # A run of the KL suite's headline cases into a folder holding its whole sweep, or of other --linear-tokens:
+    # it replaced the finished run's bench.csv with fewer rows, and said nothing.
+    import argparse
+
+    folder = tmp_path / "cpu-run"
+    bench.write_csv(_fake_rows(), folder / "bench.csv")
+
+    def args(**kw):
+        return argparse.Namespace(**{"suites": list(bench.SUITES), "reps": 2, "headline_only": False,
+                                     "linear_sweep": False, "linear_tokens": None, **kw})
+
+    def recorded(**kw):
+        (folder / "env.json").write_text(json.dumps({"options": bench.run_options(args(**kw))}))
+
+    recorded()
+    with pytest.raises(SystemExit, match="the size sweep"):
+        bench.check_suites(args(headline_only=True), folder)
+    bench.check_suites(args(), folder)  # the same cases again: a re-run replaces the run
+    recorded(headline_only=True)
+    bench.check_suites(args(), folder)  # more cases than the run there
+    recorded(linear_tokens=[8, 24])
+    with pytest.raises(SystemExit, match="--linear-tokens 8,24"):
+        bench.check_suites(args(linear_tokens=[8]), folder)
+    bench.check_suites(args(linear_tokens=[8, 24, 32]), folder)
+    bench.check_suites(args(suites=["kl"]), folder)  # (the linear suite's rows are not in this fake bench.csv)
+    from kldiv_inline.__main__ import _tokens
+
+    assert _tokens("8,8,4") == [4, 8]  # a count given twice is one case
 
 
 def test_results_files_are_written_whole(tmp_path, monkeypatch):
