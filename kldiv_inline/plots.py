@@ -316,16 +316,28 @@ def plot_correctness(path: Path, ax=None, title: str = ""):
     """Worst relative error against float64 per dtype and case, with each dtype's tolerance."""
     df = pd.read_csv(path)
     ax = ax or plt.subplots(figsize=(7.5, 4.2))[1]
-    worst = df.groupby(["dtype", "case"])["rel_err"].max().unstack(0)
+    rel = df["rel_err"].where(df["rel_err"].abs() != float("inf"))  # inf (NaN misplaced, a shape): drawn below
+    worst = df.assign(rel_err=rel).groupby(["dtype", "case"])["rel_err"].max().unstack(0)
     worst = worst.clip(lower=1e-17)
     worst.plot(ax=ax, marker="o", lw=0)
     for tol in df.groupby("dtype")["tol"].first():
         ax.axhline(tol, ls=":", lw=1, color="gray")
     ax.set_yscale("log")
+    # Failed checks marked, so that a figure never looks passed where a check was not: at their error, or at the
+    # top of the axis where it is not finite (a log axis draws no inf, and the point was simply missing).
+    failed = df[~df["ok"].astype(bool)] if "ok" in df else df.iloc[:0]
+    if len(failed):
+        finite = worst.stack()
+        top = max(1.0, float(finite.max()) * 10) if len(finite) else 1.0
+        where = {case: i for i, case in enumerate(worst.index)}
+        ax.scatter([where[c] for c in failed["case"]], failed["rel_err"].where(rel.notna(), top).clip(lower=1e-17),
+                   marker="X", s=70, color="red", zorder=5, label=f"failed check ({len(failed)})")
+        ax.legend(fontsize=7)
     ax.set_ylabel("worst relative error vs float64")
     ax.set_xticks(range(len(worst.index)))
     ax.set_xticklabels(worst.index, rotation=30, ha="right", fontsize=7)
-    ax.set_title(title or "correctness against float64 (dotted: tolerances)")
+    ax.set_title(title or "correctness against float64 (dotted: tolerances)"
+                 + (f"; {len(failed)} FAILED" if len(failed) else ""))
     ax.grid(True, which="both", alpha=0.3)
     return ax
 

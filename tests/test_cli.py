@@ -197,6 +197,26 @@ def test_plot_cli_draws_pngs_without_gpu(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["bench.csv", "env.json"]  # --out leaves the source alone
 
 
+def test_correctness_figure_marks_failed_checks(tmp_path):
+    # A failed check's rel_err is inf where NaN sat in the wrong place or a shape differed: a log axis draws no
+    # inf, so the point was missing and the figure looked passed.
+    import matplotlib.pyplot as plt
+
+    rows = [{"dtype": d, "case": c, "rel_err": 1e-7 if d == "float32" else 1e-3, "tol": 1e-5 if d == "float32"
+             else 8e-3, "ok": True} for d in ("float32", "bfloat16") for c in ("a", "b", "c")]
+    rows[1].update(rel_err=float("inf"), ok=False)
+    rows[5].update(rel_err=2e-2, ok=False)
+    path = tmp_path / "correctness.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    ax = plots.plot_correctness(path)
+    (marks,) = [c for c in ax.collections if c.get_label().startswith("failed check")]
+    xy = marks.get_offsets()
+    assert len(xy) == 2 and sorted(xy[:, 0]) == [1, 2]  # cases b and c
+    assert max(xy[:, 1]) >= 1.0 and min(xy[:, 1]) == pytest.approx(2e-2)  # inf at the top, the other at its error
+    assert "2 FAILED" in ax.get_title()
+    plt.close(ax.figure)
+
+
 def test_status_takes_each_goal_from_the_latest_run_of_its_card(tmp_path, capsys):
     # Three runs: card A on two days (the later one slower, partial, and without the peers), card B once. Each goal
     # of card A comes from the latest run that measured it; the floor row is the lowest of the card's runs.
