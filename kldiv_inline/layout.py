@@ -132,15 +132,29 @@ def elementwise(shape: tuple[int, ...], operands: list[Layout]) -> Layout:
     return shape, tuple(out)
 
 
+def _cast_first(op: Layout, dtype, common, device_type: str) -> Layout:
+    """An operand as TensorIterator sees it in an op of ``common`` dtype: on the CPU one of another dtype is cast
+    first (``Tensor.to``, which keeps a dense layout and lays any other, a sliced or expanded view, out densely in
+    its order of strides, as an elementwise op of it alone would); CUDA casts inside the kernel, so there the
+    operand's own strides count."""
+    if device_type != "cpu" or dtype == common or _is_non_overlapping_and_dense(*op):
+        return op
+    return elementwise(op[0], [op])
+
+
 def kl_div_strides(input: Tensor, target: Tensor, shape: tuple[int, ...],
                    from_probs: bool) -> tuple[int, ...]:
     """The strides of ``F.kl_div(input, target, reduction='none')`` (of ``torch.log(input)`` for the
     probability form): xlogy(t, t) - t * x, or exp(t) * (t - x); both have the same operand order."""
+    import torch
+
     x: Layout = (tuple(input.shape), tuple(input.stride()))
     t: Layout = (tuple(target.shape), tuple(target.stride()))
     if from_probs:
         x = elementwise(x[0], [x])
-    return elementwise(shape, [elementwise(t[0], [t]), elementwise(shape, [t, x])])[1]
+    common, where = torch.promote_types(input.dtype, target.dtype), input.device.type
+    pair = [_cast_first(t, target.dtype, common, where), _cast_first(x, input.dtype, common, where)]
+    return elementwise(shape, [elementwise(t[0], [t]), elementwise(shape, pair)])[1]
 
 
 def outer_to_inner(shape: tuple[int, ...], strides: tuple[int, ...]) -> list[int] | None:

@@ -570,23 +570,24 @@ def test_none_layout_under_torch_compile(device):
     assert_forward_matches(out, "probs", x, t, "none", False)
 
 
-def _random_layout(shape, rng):
+def _random_layout(shape, rng, dtype=torch.float32):
     """A CPU tensor of `shape` with a random memory order, maybe sliced, expanded or channels_last."""
     if len(shape) == 4 and rng.random() < 0.2:
-        return torch.rand(shape).to(memory_format=torch.channels_last)
+        return torch.rand(shape, dtype=dtype).to(memory_format=torch.channels_last)
     if rng.random() < 0.1:  # stride 0 along some dimensions
-        return torch.rand([s if rng.random() < 0.5 else 1 for s in shape]).expand(shape)
+        return torch.rand([s if rng.random() < 0.5 else 1 for s in shape], dtype=dtype).expand(shape)
     perm = list(range(len(shape)))
     rng.shuffle(perm)
     steps = [rng.choice([1, 1, 2]) for _ in shape]
-    base = torch.rand([shape[p] * s for p, s in zip(perm, steps)])
+    base = torch.rand([shape[p] * s for p, s in zip(perm, steps)], dtype=dtype)
     return base[tuple(slice(None, None, s) for s in steps)].permute([perm.index(i) for i in range(len(shape))])
 
 
 def test_layout_rules_match_pytorch_on_random_layouts():
     """layout.py against F.kl_div's own strides on small CPU tensors (meta tensors follow other rules for
     the strides of size-1 dimensions): random ranks, memory orders, slicing, channels_last, expanded, size-1
-    and broadcast dimensions."""
+    and broadcast dimensions; operands of two dtypes (the CPU casts one of another dtype first, and an expanded
+    one becomes contiguous)."""
     rng = random.Random(int(torch.randint(0, 2**31, ())))
     for _ in range(2000):
         nd = rng.randint(1, 5)
@@ -600,12 +601,13 @@ def test_layout_rules_match_pytorch_on_random_layouts():
                 st[d] = 1
         if rng.random() < 0.2:
             sx = sx[rng.randint(0, nd):]
-        x, t = _random_layout(sx, rng), _random_layout(st, rng)
+        dx, dt = (rng.choice([torch.float32, torch.float64]) for _ in "xt")
+        x, t = _random_layout(sx, rng, dx), _random_layout(st, rng, dt)
         from_probs, log_target = rng.random() < 0.5, rng.random() < 0.5
         native = _torch_kl("probs" if from_probs else "logprobs", x, t, "none", log_target)
         full = tuple(native.shape)
         strides = layout.kl_div_strides(x, t, full, from_probs)
-        assert strides == native.stride(), (sx, x.stride(), st, t.stride(), from_probs)
+        assert strides == native.stride(), (sx, x.stride(), dx, st, t.stride(), dt, from_probs)
         order = layout.outer_to_inner(full, strides) or list(range(nd))
         made = torch.empty([full[d] for d in order], device="meta").permute(
             [order.index(i) for i in range(nd)])
