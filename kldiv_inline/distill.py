@@ -235,6 +235,49 @@ def _backward(ctx, grad_out, _g_student, _g_teacher):
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _loss_impl(student: Tensor, teacher: Tensor | None, topk_idx: Tensor | None, topk_lp: Tensor | None,
+               labels: Tensor | None, ignore_index: int, beta: float, temperature: float, reduction: int,
+               loss_scale: float, want_student: bool, want_teacher: bool) -> Tensor:
+    """The loss alone, the op torch.compile's graphs take. Their backward is traced: it cannot rescale a gradient
+    the forward wrote in place, and a recomputation beside it (which does not read grad_out) was moved into the
+    forward by the partitioner, so the kernel ran twice there and a written gradient went unread. Here the
+    forward reads the logits once and writes nothing more; backward runs _grad_op with grad_out folded in (the
+    logits read again, the gradient written once, each entry rounded once: the bytes of a fused gradient rescaled
+    out of place). ``want_*``: which gradients backward makes. _grad_op has no autograd of its own, so
+    create_graph=True fails in AOTAutograd rather than drop a penalty's term."""
+    return _module(student.device).distill_forward(student, teacher, topk_idx, topk_lp, labels, ignore_index, beta,
+                                                   temperature, reduction, False, False, None, None, loss_scale)[0]
+
+
+_loss_op = torch.library.custom_op("kldiv_inline::distill_loss", mutates_args=())(_loss_impl)
+
+
+@_loss_op.register_fake
+def _(student, teacher, topk_idx, topk_lp, labels, ignore_index, beta, temperature, reduction, loss_scale,
+      want_student, want_teacher):
+    return student.new_empty((student.shape[0],) if reduction == 0 else (), dtype=_acc_dtype(student.dtype))
+
+
+def _loss_setup_context(ctx, inputs, output):
+    student, teacher, topk_idx, topk_lp, labels, *settings, ws, wt = inputs
+    ctx.save_for_backward(student, teacher, topk_idx, topk_lp, labels)
+    ctx.args, ctx.wanted = tuple(settings), (ws, wt)
+
+
+def _loss_backward(ctx, grad_out):
+    if grad_out is None:
+        return (None,) * 12
+    _refuse_double_backward("generalized_jsd")  # (backend="eager" runs this backward as it is, not traced)
+    student, teacher, topk_idx, topk_lp, labels = ctx.saved_tensors
+    need_s = ctx.needs_input_grad[0] and ctx.wanted[0]
+    need_t = ctx.needs_input_grad[1] and ctx.wanted[1]
+    out_s, out_t = _grad_op(student, teacher, topk_idx, topk_lp, labels, *ctx.args, grad_out, need_s, need_t)
+    return (out_s if need_s else None, out_t if need_t else None) + (None,) * 10
+
+
+_loss_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
+
+
 class _EagerForward(torch.autograd.Function):
     """The custom op's eager twin: the same kernel call, context and backward, without the dispatcher's layers
     that torch.library's autograd wrapper adds (filling the schema's defaults, redispatching): ~0.25 ms of host
@@ -467,7 +510,12 @@ _TENSOR_DISPATCH = Tensor.__torch_dispatch__
 
 
 def check_loss_scale(loss_scale, who: str = "generalized_jsd") -> float:
-    """loss_scale as a float: a finite real number (a tensor is refused: a device value goes through backward)."""
+    """loss_scale as a float: a finite real number (a tensor is refused: a device value goes through backward).
+    While torch.compile traces with dynamic=True the value is symbolic, and math.isfinite of it cannot be traced:
+    there only its type is checked."""
+    if torch.compiler.is_compiling() and not isinstance(loss_scale, (Tensor, bool)) and isinstance(
+            loss_scale, numbers.Real):
+        return loss_scale
     if type(loss_scale) is float and math.isfinite(loss_scale):
         return loss_scale  # the usual case, without the type checks below on the step's host path
     if isinstance(loss_scale, Tensor):
@@ -672,7 +720,9 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     grad_on = torch.is_grad_enabled()
     want_s = bool(grad_on and student.requires_grad)
     want_t = bool(grad_on and teacher is not None and teacher.requires_grad)
-    if _is_tracing(student):
+    if torch.compiler.is_compiling():
+        loss = _loss_op(*args, loss_scale, want_s, want_t)
+    elif _is_tracing(student):  # meta or fake tensors outside torch.compile, CUDA-graph capture
         loss = _forward_op(*args, loss_scale, want_s, want_t)[0]
     elif want_s or want_t:
         loss = _EagerForward.apply(*args, loss_scale, want_s, want_t)

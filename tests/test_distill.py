@@ -2253,6 +2253,58 @@ def test_torch_compile_fullgraph(device, sliced, dtype):
     assert_grad_close(g, rg, dtype, "grad")
 
 
+def test_torch_compile_runs_the_kernel_once_a_pass_and_refuses_double_backward(monkeypatch):
+    # The traced backward recomputed the gradient beside the one the forward wrote, and the partitioner moved that
+    # recomputation (it reads no grad_out) into the forward: two full passes there, a written gradient unread, and
+    # under create_graph=True a penalty on the gradient silently dropped. Now the forward computes the loss alone
+    # and backward the gradient, grad_out folded in.
+    from kldiv_inline import distill
+
+    mod, seen = distill._module(torch.device("cpu")), []
+
+    class Recording:
+        def __getattr__(self, name):
+            fn = getattr(mod, name)
+            return lambda *a: seen.append((name, a[9:11] if name == "distill_forward" else ())) or fn(*a)
+
+    monkeypatch.setitem(distill._MODULES, "cpu", Recording())
+    s, t = logits((8, 300), torch.float32, "cpu").requires_grad_(), logits((8, 300), torch.float32, "cpu")
+    lab = labels_for((8,), "cpu")
+
+    def step(a, b, y):
+        return K.generalized_jsd(a, b, beta=0.5, temperature=2.0, labels=y)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    loss = compiled(s, t, lab)
+    assert seen == [("distill_forward", (False, False))], seen
+    (g,) = torch.autograd.grad(loss * 3, s)
+    assert [n for n, _ in seen].count("distill_forward") == 2 and seen[-1] == ("distill_forward", (True, False))
+    ref, (rg,) = reference(s, t, torch.tensor(3.0, dtype=torch.float64), beta=0.5, temperature=2.0, labels=lab)
+    assert_close(loss, ref, 2e-6, "loss")
+    assert_grad_close(g, rg, torch.float32, "grad", grad_out=3.0)
+    loss = compiled(s, t, lab)
+    (g,) = torch.autograd.grad(loss, s, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad((g**2).sum() + s.sum(), s)
+
+
+@pytest.mark.slow
+def test_torch_compile_with_dynamic_shapes():
+    # dynamic=True makes the Python floats symbolic: math.isfinite of loss_scale could not be traced.
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b, y, ls: K.generalized_jsd(a, b, beta=0.3, labels=y, loss_scale=ls),
+                             fullgraph=True, dynamic=True)
+    for rows in (4, 7):
+        s, t = logits((rows, 100), torch.float32, "cpu").requires_grad_(), logits((rows, 100), torch.float32, "cpu")
+        lab = labels_for((rows,), "cpu")
+        loss = compiled(s, t, lab, 0.5)
+        (g,) = torch.autograd.grad(loss, s)
+        ref, (rg,) = reference(s, t, torch.tensor(0.5, dtype=torch.float64), beta=0.3, labels=lab)
+        assert_close(loss, ref * 0.5, 2e-6, f"loss {rows}")
+        assert_grad_close(g, rg, torch.float32, f"grad {rows}", grad_out=0.5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("teacher_grad", [False, True], ids=["student", "self_distillation"])
 def test_cuda_graph_capture(teacher_grad):
