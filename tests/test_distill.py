@@ -2190,6 +2190,11 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.kldiv_inline.distill_grad.default,
                           (s16, None, idx, prepared_topk(idx, lp, 37), None, -100, 0.0, 1.0, 0, 0.25,
                            torch.rand(4, device=device) - 0.5, True, False))
+    # torch.compile's op: the loss alone, its backward through distill_grad
+    torch.library.opcheck(torch.ops.kldiv_inline.distill_loss.default,
+                          (s, t, None, None, lab, -100, 0.5, 2.0, 2, 1.0, True, True))
+    torch.library.opcheck(torch.ops.kldiv_inline.distill_loss.default,
+                          (s, None, idx, prepared_topk(idx, lp, 37), None, -100, 0.0, 1.0, 0, 0.25, True, False))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_id)
