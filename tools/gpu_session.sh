@@ -33,12 +33,16 @@
 #   tools/gpu_session.sh teacher-accuracy  # one GPU: the JSD's float32 teacher gradient on a group of one rank
 #                                  #   (tools/probe_split_teacher_accuracy.py, 30 draws; kernels/NOTES.md, version
 #                                  #   66), then the gpu-marked teacher-gradient tests and the split's group of one
+#   tools/gpu_session.sh host-paths  # one GPU: the gpu-marked tests of the host-side paths changed without a GPU:
+#                                  #   the harness (test_harness; its two-GPU case skips on one), the KL op (test_ops,
+#                                  #   test_ops_reliability: float16's gradient folded in backward, torch.compile),
+#                                  #   the distillation's compiled op and opcheck (test_distill -k "compile or opcheck")
 #   tools/gpu_session.sh x2        # two GPUs: the two-GPU tests, then the committed run of the split
 #                                  #   (bench_vocab_parallel --reps 10 --warmup 3 --graph) -> ${RESULTS:-results}/<card>-x2/
 # Two GPUs: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2 \
 #   tools/bench_vocab_parallel.py    # the vocabulary split across GPUs -> results/<card>-x2/
 set -euo pipefail
-mode=${1:?test|results|notebooks|sweep|errors|split|topk|graph|accuracy|teacher-accuracy|profile|kept-offset|against|x2}
+mode=${1:?test|results|notebooks|sweep|errors|split|topk|graph|accuracy|teacher-accuracy|host-paths|profile|kept-offset|against|x2}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -103,6 +107,9 @@ case $mode in
     python3 tools/probe_split_teacher_accuracy.py --draws 30
     python3 -m pytest -q -m gpu tests/test_distill.py -k teacher
     python3 -m pytest -q tests/test_vocab_parallel.py::test_one_gpu_group_of_one_rank ;;
+  host-paths)
+    python3 -m pytest -q -m gpu tests/test_harness.py tests/test_ops.py tests/test_ops_reliability.py
+    python3 -m pytest -q -m gpu tests/test_distill.py -k "compile or opcheck" ;;
   x2)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     python3 -m pytest -q -x -m gpu tests/test_vocab_parallel.py
