@@ -122,9 +122,10 @@ def goal_rows(rows: list[dict], device: str, ours: str) -> list[dict]:
     """Each goal of GOALS for `device` ("cuda" or "cpu") that the rows measured for provider `ours`, its
     value and whether it is met, then the floor goal."""
     def find(impl, g):
-        return pick_row(rows, lambda r: _one_gpu(r) and (
-            r["impl"], r["pass"], r["form"], r["dtype"], int(r["batch"]), int(r["features"]), r["timer"]) == (impl,
-                                                                                                          *g[2:8]))
+        def match(r):
+            key = (r["impl"], r["pass"], r["form"], r["dtype"], int(r["batch"]), int(r["features"]), r["timer"])
+            return key == (impl, *g[2:8]) and _one_gpu(r)
+        return pick_row(rows, match)
 
     out = []
     for g in GOALS:
