@@ -794,10 +794,10 @@ def load_sources(
         key.update(str(p).encode() + b"\0" + texts[p].encode("utf-8", "surrogateescape") + b"\0")
     fn_key = sorted(functions.items()) if isinstance(functions, Mapping) else functions
     compilers = _compiler_env()
-    # The sources' order too: each language's sources are joined into one file in the order given, so a macro
-    # one defines reaches the ones after it.
-    for p in _linker_inputs(extra_ldflags):
+    for p in _linker_inputs(extra_ldflags):  # a library rebuilt under the same name must relink the module
         key.update(str(p).encode() + b"\0" + hashlib.sha256(p.read_bytes()).digest())
+    # The sources' order too (cpp_srcs, cuda_srcs): each language's sources are joined into one file in the order
+    # given, so a macro one defines reaches the ones after it.
     for part in (repr(list(fn_key) if fn_key is not None else None), repr(sorted(compilers.items())),
                  repr([str(p) for p in cpp_srcs]), repr([str(p) for p in cuda_srcs]),
                  repr(cflags), repr(cuda_cflags), repr(list(extra_ldflags)), repr(include_flags),
