@@ -42,6 +42,11 @@ def _pair(shape_x, shape_t, dtype, device, from_probs, log_target):
         # t close to p makes the single loss value a cancellation near 0 (ill-conditioned in any float32
         # code, PyTorch's included): keep the check meaningful.
         t = rows(shape_t).double()
+    # Probabilities no smaller than the dtype's smallest normal: a sharp softmax row cast to float16 had ~20% of its
+    # entries at 0, its log -inf, and a reduced loss of +inf on both sides, a check that cannot fail (inf passes
+    # where the reference is inf). Zeros are target-zeros' own case.
+    tiny = torch.finfo(dtype).smallest_normal
+    p, t = p.clamp_min(tiny), t.clamp_min(tiny)
     x = p if from_probs else p.log()
     tt = t.log() if log_target else t
     return x.to(device=device, dtype=dtype), tt.to(device=device, dtype=dtype)
@@ -95,6 +100,10 @@ def check_one(x, t, reduction: str, log_target: bool, from_probs: bool) -> float
 def run_checks(device: str, dtypes=DTYPES, cases=CASES) -> Iterator[dict]:
     for case, dtype, from_probs, log_target, reduction in itertools.product(
             cases, dtypes, (True, False), (False, True), ("none", "sum", "mean", "batchmean")):
+        if case.name == "target-zeros" and log_target and reduction != "none":
+            # exp(-inf) * (-inf - x) is NaN (PyTorch's rule), so every reduced value is NaN on both sides: a
+            # check that cannot fail. reduction='none' checks where the NaNs lie.
+            continue
         x, t = case.make(dtype, device, from_probs, log_target)
         err = check_one(x, t, reduction, log_target, from_probs)
         tol = TOLERANCE[dtype]

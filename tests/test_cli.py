@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 from kldiv_inline import bench, bench_linear, plots
 from kldiv_inline import goals as goals_mod
@@ -27,6 +28,29 @@ def test_check_cli_writes_results(tmp_path):
     for key in ("device_name", "torch", "commit", "command"):
         assert env[key]
     assert " passed, 0 failed" in proc.stdout
+
+
+def test_every_reduced_check_can_fail(monkeypatch):
+    # An op whose reduced results are 10% too large must fail every reduced row but the empty case's. A float16
+    # softmax row cast from a sharp distribution had ~20% of its probabilities at 0, a reduced loss of +inf on both
+    # sides, and inf passed against inf: 16-18 of 30 float16 rows passed such an op. log_target's target-zeros
+    # rows are NaN on both sides by PyTorch's rule, and are checked by reduction='none' alone.
+    from kldiv_inline import check
+
+    def wrong(f):
+        def g(x, t, reduction="mean", log_target=False):
+            out = f(x, t, reduction=reduction, log_target=log_target)
+            return out if reduction == "none" else out * 1.1
+        return g
+
+    monkeypatch.setattr(check, "kl_div_from_probs", wrong(check.kl_div_from_probs))
+    monkeypatch.setattr(check, "kl_div", wrong(check.kl_div))
+    rows = list(check.run_checks("cpu", dtypes=(torch.float16, torch.bfloat16)))
+    passed = [(r["case"], r["dtype"], r["form"], r["log_target"], r["reduction"]) for r in rows
+              if r["ok"] and r["reduction"] != "none" and r["case"] != "empty-0x5"]
+    assert passed == [], passed[:8]
+    assert all(r["ok"] for r in rows if r["reduction"] == "none")
+    assert not any(r["case"] == "target-zeros" and r["log_target"] and r["reduction"] != "none" for r in rows)
 
 
 def _fake_rows(ours="kldiv_inline", peak_gbps=3350.0):
