@@ -91,12 +91,21 @@ def generalized_jsd_reference(student_logits: Tensor, teacher_logits: Tensor | N
     """The distillation divergence of ``kldiv_inline.generalized_jsd`` written plainly in float64 PyTorch
     (TRL's generalized_jsd_loss convention, label masks, the top-k teacher's k + 1 buckets); differentiable, so
     autograd of it is the reference gradient."""
-    ls = torch.log_softmax(student_logits.double() / temperature, dim=-1)
+    keep = labels != ignore_index if labels is not None else None
+
+    def plain_if_masked(rows: Tensor, fill: float) -> Tensor:
+        # A masked token's row replaced by a plain one before the softmax: its logits may be no distribution (all
+        # -inf, a NaN), and the 0 its gradient gets back times their NaN partial derivatives would be NaN, where
+        # the kit's gradient is 0 (its documented rule).
+        return rows if keep is None else torch.where(keep[..., None], rows, fill)
+
+    ls = torch.log_softmax(plain_if_masked(student_logits.double(), 0.0) / temperature, dim=-1)
     if teacher_topk is None:
-        per_token = _divergence(ls, torch.log_softmax(teacher_logits.double() / temperature, dim=-1), beta)
+        lt = torch.log_softmax(plain_if_masked(teacher_logits.double(), 0.0) / temperature, dim=-1)
+        per_token = _divergence(ls, lt, beta)
     else:
         idx, lp = teacher_topk
-        idx, lp = idx.long(), lp.double()
+        idx, lp = idx.long(), plain_if_masked(lp.double(), -math.log(ls.shape[-1]))
         # As the kit: mass above 1 (rounding) divided out; with k = V the buckets are the whole distribution.
         lse = lp.logsumexp(-1, keepdim=True)
         shift = lse if idx.shape[-1] == ls.shape[-1] else lse.clamp_min(0)
@@ -109,8 +118,7 @@ def generalized_jsd_reference(student_logits: Tensor, teacher_logits: Tensor | N
             ls_b = torch.cat([ls_b, p_tail.log()], dim=-1)
             lt_b = torch.cat([lt_b, q_tail.log()], dim=-1)
         per_token = _divergence(ls_b, lt_b, beta)
-    if labels is not None:
-        keep = labels != ignore_index
+    if keep is not None:
         per_token = torch.where(keep, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
         count = keep.sum()
     else:

@@ -745,6 +745,30 @@ def test_masked_tokens_are_ignored_whatever_they_hold(device):
     torch.testing.assert_close(base, none.sum() / 4)
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_the_reference_gradient_of_masked_tokens_whatever_they_hold_is_zero(beta):
+    # Masked rows of all -inf, a +inf or a NaN: the reference's autograd multiplied the 0 its masked rows get back
+    # by their NaN partial derivatives, a NaN gradient where the kit's (documented) is 0: the kit failed a check
+    # against it. Both sides, logits and top-k teachers.
+    lab = torch.tensor([1, -100, 2, -100, -100])
+    s = logits((5, 40), torch.float64, "cpu")
+    t = logits((5, 40), torch.float64, "cpu")
+    s[1], s[3, 3], s[4, 5] = -math.inf, math.inf, math.nan
+    t[1, 2], t[3], t[4] = math.nan, -math.inf, math.inf
+    idx, lp = topk_teacher((5,), 40, 4, "cpu")
+    lp = lp.double()
+    lp[1], lp[3] = math.nan, -math.inf
+    for teacher, topk in ((t, None), (None, (idx, lp))):
+        grads = []
+        for fn in (generalized_jsd_reference, K.generalized_jsd):
+            x = s.clone().requires_grad_()
+            fn(x, teacher, teacher_topk=topk, beta=beta, temperature=2.0, labels=lab).backward()
+            grads.append(x.grad)
+        ref, ours = grads
+        assert not ref.isnan().any() and (ref[lab == -100] == 0).all(), ref
+        torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-14)
+
+
 # ------------------------------------------------------------------------------------ 3. special values
 @pytest.mark.parametrize("pad", PADS, ids=str)
 @pytest.mark.parametrize("beta", BETAS)
