@@ -259,6 +259,7 @@ import shutil
 import tempfile
 
 WORK = Path(tempfile.mkdtemp(prefix="kldiv_edit_loop_")).resolve()
+USER_CACHE = os.environ.get("KLDIV_INLINE_CACHE")  # yours, given back at the end
 os.environ["KLDIV_INLINE_CACHE"] = str(WORK / "cache")  # this section's builds stay in WORK
 
 TINY_CPP = """\
@@ -344,5 +345,8 @@ edit(EDITED.replace(";", " +;"), EDITED)
 again = build()
 assert again is second
 
-del os.environ["KLDIV_INLINE_CACHE"]
+if USER_CACHE is None:
+    del os.environ["KLDIV_INLINE_CACHE"]
+else:
+    os.environ["KLDIV_INLINE_CACHE"] = USER_CACHE
 shutil.rmtree(WORK, ignore_errors=True)

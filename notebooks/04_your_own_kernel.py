@@ -64,6 +64,7 @@ import shutil
 import tempfile
 
 WORK = Path(tempfile.mkdtemp(prefix="kldiv_your_kernel_")).resolve()
+USER_CACHE = os.environ.get("KLDIV_INLINE_CACHE")  # yours, given back at the end
 os.environ["KLDIV_INLINE_CACHE"] = str(WORK / "cache")
 
 (WORK / "scale2_bindings.cpp").write_text("""\
@@ -311,5 +312,8 @@ plt.show()
 # its builds in the default cache.
 
 # %%
-del os.environ["KLDIV_INLINE_CACHE"]
+if USER_CACHE is None:
+    del os.environ["KLDIV_INLINE_CACHE"]
+else:
+    os.environ["KLDIV_INLINE_CACHE"] = USER_CACHE
 shutil.rmtree(WORK, ignore_errors=True)
