@@ -1,8 +1,10 @@
 """Research variants under kernels/variants/: one self-contained .cu each, all exporting
 ``kl_div_probs_batchmean(predictions, targets)`` (the seed's problem), built by the same loader.
-Adding a variant is adding one file; ``variant_names()`` lists them in file-name order (v0, v1, ...)."""
+Adding a variant is adding one file, named ``v<number>_<what>.cu``; ``variant_names()`` lists them in the
+order of their numbers (v0, v1, ..., v10). Other .cu files there (a scratch copy, say) are no variant."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from .loader import kernels_root, load_sources
@@ -14,8 +16,12 @@ def variants_dir() -> Path:
     return kernels_root() / "variants"
 
 
+_VARIANT_RE = re.compile(r"v(\d+)_\w+")
+
+
 def variant_names() -> list[str]:
-    return sorted(p.stem for p in variants_dir().glob("*.cu"))
+    names = [p.stem for p in variants_dir().glob("v*_*.cu") if _VARIANT_RE.fullmatch(p.stem)]
+    return sorted(names, key=lambda n: (int(_VARIANT_RE.fullmatch(n)[1]), n))  # v10 after v9, not after v1
 
 
 def load_variant(name: str, *, verbose: bool = False):

@@ -21,6 +21,28 @@ def test_variant_names():
     assert variant_names() == VARIANTS
 
 
+def test_variant_names_in_number_order_and_only_variants(tmp_path, monkeypatch):
+    # Sorted as strings, v10 came before v1; and any .cu there (a scratch copy) was a variant the bench timed.
+    (tmp_path / "variants").mkdir()
+    for name in (*VARIANTS, "v10_next", "notes_scratch", "v2b_draft"):
+        (tmp_path / "variants" / f"{name}.cu").write_text("")
+    monkeypatch.setenv("KLDIV_INLINE_KERNELS", str(tmp_path))
+    assert variant_names() == [*VARIANTS, "v10_next"]
+
+
+def test_a_variant_that_does_not_build_fails_as_one_provider(monkeypatch):
+    # It raised out of bench.providers and ended the whole CUDA bench; now its row says why.
+    from kldiv_inline import bench, variants
+
+    def broken(name):
+        raise RuntimeError(f"{name} does not build")
+
+    monkeypatch.setattr(variants, "load_variant", broken)
+    fn = bench._variant("v9_broken")
+    with pytest.raises(RuntimeError, match="v9_broken does not build"):
+        fn(torch.ones(2), torch.ones(2))
+
+
 @pytest.mark.parametrize("name", FIXED)
 def test_each_variant_holds_only_its_idea(name):
     text = (variants_dir() / f"{name}.cu").read_text()
