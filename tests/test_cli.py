@@ -445,6 +445,15 @@ def test_kl_suite_resumed_runs_only_the_cases_it_lacks(tmp_path, monkeypatch):
     assert len(pd.read_csv(tmp_path / "cpu-run" / "bench.csv")) == sum(len(c.passes) for c in cases)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_no_case_is_timed_twice(device):
+    # The CPU sweep's 2048 x 4096 forward was P5's headline case again: two rows of one case in bench.csv, the goal
+    # taking the first.
+    timed = [(c.form, c.dtype, c.batch, c.features, p, c.timer)
+             for c in bench.headline_cases(device) + bench.sweep_cases(device) for p in c.passes]
+    assert len(timed) == len(set(timed)), sorted(t for t in timed if timed.count(t) > 1)
+
+
 def test_bench_resume_finishes_a_run_cut_short(tmp_path, monkeypatch):
     # --resume keeps the cases a cut-short run saved (not run again), runs the rest, and records the earlier part;
     # a finished run, another commit or other suites are refused.
