@@ -9,7 +9,7 @@ microseconds, and Dynamo traces it (strides become guards).
 """
 from __future__ import annotations
 
-from torch import Tensor
+from torch import Tensor, promote_types
 
 Layout = tuple[tuple[int, ...], tuple[int, ...]]  # (sizes, strides)
 
@@ -146,13 +146,11 @@ def kl_div_strides(input: Tensor, target: Tensor, shape: tuple[int, ...],
                    from_probs: bool) -> tuple[int, ...]:
     """The strides of ``F.kl_div(input, target, reduction='none')`` (of ``torch.log(input)`` for the
     probability form): xlogy(t, t) - t * x, or exp(t) * (t - x); both have the same operand order."""
-    import torch
-
     x: Layout = (tuple(input.shape), tuple(input.stride()))
     t: Layout = (tuple(target.shape), tuple(target.stride()))
     if from_probs:
         x = elementwise(x[0], [x])
-    common, where = torch.promote_types(input.dtype, target.dtype), input.device.type
+    common, where = promote_types(input.dtype, target.dtype), input.device.type
     pair = [_cast_first(t, target.dtype, common, where), _cast_first(x, input.dtype, common, where)]
     return elementwise(shape, [elementwise(t[0], [t]), elementwise(shape, pair)])[1]
 
