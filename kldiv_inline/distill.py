@@ -185,7 +185,8 @@ def _save_context(ctx, inputs, gs: Tensor | None, gt: Tensor | None) -> None:
     ctx.wanted = (ws, wt)
     # Held outside save_for_backward: backward rescales them in place, and hands them over as the gradients.
     fuse = _fuses(student.dtype)
-    ctx.fused = (gs.detach() if ws and fuse else None, gt.detach() if wt and fuse else None)
+    ctx.fused = (gs.detach() if ws and fuse and gs is not None else None,
+                 gt.detach() if wt and fuse and gt is not None else None)
     ctx.set_materialize_grads(False)
 
 
@@ -215,20 +216,22 @@ def _backward(ctx, grad_out, _g_student, _g_teacher):
     need_t = ctx.needs_input_grad[1] and ctx.wanted[1]
     gs, gt = ctx.fused
     tracing = torch.compiler.is_compiling() or type(grad_out) is not Tensor
-    if not _fuses(student.dtype):  # the gradients with grad_out folded in, every time (see _fuses)
+    if not _fuses(student.dtype) or tracing:
+        # The gradients with grad_out folded in: float16's every time (see _fuses), and a traced backward's, which
+        # cannot rescale a fused gradient in place, and whose recomputation of one (it reads no grad_out) the
+        # partitioner would move into the forward, beside the forward's own kernel (see _loss_impl).
         grad = _grad_op if tracing else _grad_impl
         out_s, out_t = grad(student, teacher, topk_idx, topk_lp, labels, *ctx.args, grad_out, need_s, need_t)
         return (out_s if need_s else None, out_t if need_t else None) + (None,) * 10
-    if gs is None and gt is None or tracing or (need_s and gs is None) or (need_t and gt is None):
-        # A second backward (retain_graph=True) or a traced one: compute the gradients again, out of place.
+    if gs is None and gt is None or (need_s and gs is None) or (need_t and gt is None):
+        # A second backward (retain_graph=True), or none was fused (torch.compile's loss op run by backend="eager"):
+        # compute the gradients again.
         _, gs, gt = _forward_op(student, teacher, topk_idx, topk_lp, labels, *ctx.args, need_s, need_t)
-        in_place = not tracing
     else:
         ctx.fused = (None, None)  # rescaled in place once; a second backward recomputes
-        in_place = True
     grad_out = grad_out.to(_acc_dtype(student.dtype))
-    out_s = _scaled(gs, grad_out, in_place) if need_s else None
-    out_t = _scaled(gt, grad_out, in_place) if need_t else None
+    out_s = _scaled(gs, grad_out, True) if need_s else None
+    out_t = _scaled(gt, grad_out, True) if need_t else None
     return (out_s, out_t) + (None,) * 10
 
 
@@ -259,20 +262,11 @@ def _(student, teacher, topk_idx, topk_lp, labels, ignore_index, beta, temperatu
 
 
 def _loss_setup_context(ctx, inputs, output):
-    student, teacher, topk_idx, topk_lp, labels, *settings, ws, wt = inputs
-    ctx.save_for_backward(student, teacher, topk_idx, topk_lp, labels)
-    ctx.args, ctx.wanted = tuple(settings), (ws, wt)
+    _save_context(ctx, inputs, None, None)  # (no fused gradients: _backward computes them)
 
 
 def _loss_backward(ctx, grad_out):
-    if grad_out is None:
-        return (None,) * 12
-    _refuse_double_backward("generalized_jsd")  # (backend="eager" runs this backward as it is, not traced)
-    student, teacher, topk_idx, topk_lp, labels = ctx.saved_tensors
-    need_s = ctx.needs_input_grad[0] and ctx.wanted[0]
-    need_t = ctx.needs_input_grad[1] and ctx.wanted[1]
-    out_s, out_t = _grad_op(student, teacher, topk_idx, topk_lp, labels, *ctx.args, grad_out, need_s, need_t)
-    return (out_s if need_s else None, out_t if need_t else None) + (None,) * 10
+    return _backward(ctx, grad_out, None, None)
 
 
 _loss_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
