@@ -41,7 +41,7 @@ import pandas as pd
 import torch
 
 from . import floors, layout, timing
-from .reference import relative_error
+from .reference import error_dtype, relative_error
 
 # Relative error allowed per output dtype: a few units of the dtype's rounding, for arrays of values.
 # Integer and boolean outputs must be exact.
@@ -256,7 +256,7 @@ def compare(out: Any, ref: Any, tolerance: float | Mapping | None = None, per_el
             rel, abs_err = _integer_error(o, r)
         else:
             rel = relative_error(o, r)  # NaN/inf must sit where the reference has them, else inf
-            wide = torch.complex128 if o.is_complex() or r.is_complex() else torch.float64  # (as relative_error)
+            wide = error_dtype(o, r)
             o, r = o.to(device=r.device, dtype=wide), r.to(wide)
             finite = torch.isfinite(r)
             diff = torch.where(finite, (o - r).abs(), 0.0)  # (0 where the reference is not finite)

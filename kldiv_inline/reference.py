@@ -34,6 +34,12 @@ def probability_rows(batch: int, features: int, *, dtype=torch.float32, device="
 _ERROR_CHUNK = 1 << 24
 
 
+def error_dtype(*tensors: Tensor) -> torch.dtype:
+    """The dtype errors are measured in: float64, or complex128 where a tensor is complex (.double() would keep a
+    complex tensor's real part alone: a conjugate would pass)."""
+    return torch.complex128 if any(t.is_complex() for t in tensors) else torch.float64
+
+
 def relative_error(out: Tensor, ref: Tensor) -> float:
     """||out - ref|| / ||ref|| in float64 (inf when the reference is 0 and out is not; NaN never passes).
 
@@ -43,8 +49,7 @@ def relative_error(out: Tensor, ref: Tensor) -> float:
     if o_all.numel() != r_all.numel():
         raise ValueError(f"relative_error: {o_all.numel()} elements against {r_all.numel()}")
     o_all = o_all.to(r_all.device)
-    # complex outputs in complex128: .double() would keep the real part alone (a conjugate would pass)
-    wide = torch.complex128 if o_all.is_complex() or r_all.is_complex() else torch.float64
+    wide = error_dtype(o_all, r_all)
     zero = torch.zeros((), dtype=torch.float64, device=r_all.device)
     nan_o, nan_r, bad = zero.bool(), zero.bool(), zero.bool()
     num, den = zero, zero
