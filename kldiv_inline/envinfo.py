@@ -119,6 +119,7 @@ def timing_variables() -> dict:
 
 
 def environment(device: str) -> dict:
+    kernels_dir = other_kernels()
     env = {
         "device": device,
         "device_name": device_name(device),
@@ -132,7 +133,7 @@ def environment(device: str) -> dict:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "commit": commit(),
-        **({"kernels_dir": other_kernels()} if other_kernels() else {}),
+        **({"kernels_dir": kernels_dir} if kernels_dir else {}),
         "command": " ".join(["python -m kldiv_inline", *sys.argv[1:]]) if sys.argv else "",
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "variables": timing_variables(),
