@@ -92,10 +92,12 @@ def _divergence(ls: Tensor, lt: Tensor, beta: float) -> Tensor:
 
 def generalized_jsd_reference(student_logits: Tensor, teacher_logits: Tensor | None = None, *, teacher_topk=None,
                               beta: float = 0.0, temperature: float = 1.0, labels: Tensor | None = None,
-                              ignore_index: int = -100, reduction: str = "batchmean") -> Tensor:
+                              ignore_index: int = -100, reduction: str = "batchmean",
+                              dtype: torch.dtype = torch.float64) -> Tensor:
     """The distillation divergence of ``kldiv_inline.generalized_jsd`` written plainly in float64 PyTorch
     (TRL's generalized_jsd_loss convention, label masks, the top-k teacher's k + 1 buckets); differentiable, so
-    autograd of it is the reference gradient."""
+    autograd of it is the reference gradient. ``dtype=torch.float32`` computes the same formula in float32: what
+    PyTorch's own float32 autograd makes of it, the yardstick of a float32 kernel's rounding."""
     keep = labels != ignore_index if labels is not None else None
 
     def plain_if_masked(rows: Tensor, fill: float) -> Tensor:
@@ -104,13 +106,13 @@ def generalized_jsd_reference(student_logits: Tensor, teacher_logits: Tensor | N
         # the kit's gradient is 0 (its documented rule).
         return rows if keep is None else torch.where(keep[..., None], rows, fill)
 
-    ls = torch.log_softmax(plain_if_masked(student_logits.double(), 0.0) / temperature, dim=-1)
+    ls = torch.log_softmax(plain_if_masked(student_logits.to(dtype), 0.0) / temperature, dim=-1)
     if teacher_topk is None:
-        lt = torch.log_softmax(plain_if_masked(teacher_logits.double(), 0.0) / temperature, dim=-1)
+        lt = torch.log_softmax(plain_if_masked(teacher_logits.to(dtype), 0.0) / temperature, dim=-1)
         per_token = _divergence(ls, lt, beta)
     else:
         idx, lp = teacher_topk
-        idx, lp = idx.long(), plain_if_masked(lp.double(), -math.log(ls.shape[-1]))
+        idx, lp = idx.long(), plain_if_masked(lp.to(dtype), -math.log(ls.shape[-1]))
         # As the kit: mass above 1 (rounding) divided out; with k = V the buckets are the whole distribution.
         lse = lp.logsumexp(-1, keepdim=True)
         shift = lse if idx.shape[-1] == ls.shape[-1] else lse.clamp_min(0)

@@ -495,14 +495,6 @@ def test_teacher_gradient_from_the_fast_kernels(dtype, vocab):
     assert_gradient_in_place(s, t, None, None, lab, (0.0, 0.5, 1.0), teacher_grad=True)
 
 
-def _float32_jsd_steps(student, teacher, beta, temperature):
-    """The JSD in plain float32 PyTorch (log_softmax, the mixture by logsumexp), summed over rows: what PyTorch's own
-    float32 autograd makes of the formula, the yardstick of a float32 gradient's rounding."""
-    ls = torch.log_softmax(student / temperature, -1)
-    lt = torch.log_softmax(teacher / temperature, -1)
-    return K.reference._divergence(ls, lt, beta).sum()
-
-
 # A float32 JSD whose teacher holds its mass where the student has little (d = lt - ls >> 0 there): u_t tends to
 # -log beta and the teacher's gradient beta pt (u_t - kt) is a small difference of numbers near it. u_t formed as
 # d - log z (two numbers near d, ~30 here) was rounded at d's ulp: the teacher's gradient came out up to 39 x as far
@@ -528,7 +520,9 @@ def test_float32_teacher_gradient_where_the_teacher_outweighs_the_student(device
     truth = teacher_grad(lambda s, t, **kw: generalized_jsd_reference(s, t, reduction="sum", **kw), s.double(),
                          t.double())
     ours = teacher_grad(lambda s, t, **kw: K.generalized_jsd(s, t, reduction="sum", **kw), s, t)
-    torch32 = teacher_grad(_float32_jsd_steps, s, t)
+    # PyTorch's own float32 autograd of the formula: the yardstick of a float32 gradient's rounding
+    torch32 = teacher_grad(lambda s, t, **kw: generalized_jsd_reference(s, t, reduction="sum", dtype=torch.float32,
+                                                                        **kw), s, t)
     err, yardstick = relative_error(ours, truth), relative_error(torch32, truth)
     bound = yardstick * (2 if device == "cuda" else 1)
     assert err <= bound, f"teacher gradient {err:.2e} from float64, PyTorch's float32 {yardstick:.2e}"
