@@ -163,18 +163,21 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return found
 
 
-def _device(args: tuple) -> str:
+def _case_device(args: tuple) -> torch.device:
+    """The device of a case: its first tensor's (the CPU where it has none)."""
     tensors = _tensors(args)
-    return tensors[0].device.type if tensors else "cpu"
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def _device(args: tuple) -> str:
+    return _case_device(args).type
 
 
 def _on_device_of(args: tuple):
     """The GPU of the case's tensors made the current one, where the events, the L2 flush, the poisoned
     allocator and the floor act (a case on cuda:1 was timed by events on cuda:0's stream); on the CPU, nothing."""
-    tensors = _tensors(args)
-    if tensors and tensors[0].device.type == "cuda":
-        return torch.cuda.device(tensors[0].device)
-    return contextlib.nullcontext()
+    device = _case_device(args)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _outputs(out: Any, who: str = "a provider") -> list:
