@@ -486,23 +486,27 @@ def _kl(input: Tensor, target: Tensor, reduction: str, log_target: bool, from_pr
         # F.kl_div's layout (transposed, channels_last, ...), decided by the operands as passed.
         strides = layout.kl_div_strides(*operands, tuple(shape), from_probs)
         order = layout.outer_to_inner(tuple(shape), strides)
-    if from_probs and input.dtype != dtype and torch.promote_types(input.dtype, dtype) != dtype:
-        # The probabilities would be cast to a narrower type (a 0-d float32 p with a float16 target): small
-        # ones would flush to 0 before the log. Take the log in their own precision first, as
-        # F.kl_div(torch.log(p), t) does, and continue with the log-probability form.
-        input, from_probs = torch.log(input), False
-    if input.dtype != dtype:
-        input = input.to(dtype)
-    if target.dtype != dtype:
-        target = target.to(dtype)
+    # The dtype the kernels run in: the result's, or the wider operand's where the result is narrower than it.
+    # That happens only for a 0-d operand beside a dimensioned one (a float64 target of 1e-8 with float16
+    # log-probabilities; a 0-d float32 p = 1e-8 with a float16 target): rounded to the result's dtype first it
+    # would flush to 0 or overflow (a loss of 0, an inf, a NaN gradient), where F.kl_div keeps it in its own
+    # precision inside its ops. So both run in the wider dtype and only the result is rounded (the gradients too:
+    # through the casts' autograd, each in its operand's dtype). It costs a wider copy of the dimensioned operand,
+    # for this rare mix only.
+    work = torch.promote_types(input.dtype, target.dtype)
+    if input.dtype != work:
+        input = input.to(work)
+    if target.dtype != work:
+        target = target.to(work)
     if order is not None:  # iterate in the result's memory order: the kernel writes it row-major
         input = input[(None,) * (len(shape) - input.dim())].permute(order)
         target = target[(None,) * (len(shape) - target.dim())].permute(order)
         inverse = sorted(range(len(order)), key=order.__getitem__)
-        return layout.with_strides(_dispatch(input, target, False, 1.0, log_target, from_probs).permute(inverse),
-                                   strides)
+        out = _dispatch(input, target, False, 1.0, log_target, from_probs).permute(inverse)
+        return layout.with_strides(out if work == dtype else out.to(dtype), strides)
     divisor = _divisor(reduction, input, shape) if reduce else 1.0
-    return _dispatch(input, target, reduce, divisor, log_target, from_probs)
+    out = _dispatch(input, target, reduce, divisor, log_target, from_probs)
+    return out if work == dtype else out.to(dtype)
 
 
 def _dispatch(input: Tensor, target: Tensor, reduce: bool, divisor: float, log_target: bool,

@@ -92,14 +92,11 @@ def reference(form, x, t, reduction, log_target=False):
 
 def assert_forward_matches(out, form, x, t, reduction, log_target, *, tol=None, nondegenerate=True):
     native = torch_native(form, x, t, reduction, log_target)
-    # Mixed dtypes: like PyTorch, both operands are first converted to the result dtype. For the probability
-    # form PyTorch converts log(p), taken in p's own precision: that matters where the conversion narrows p
-    # (small probabilities would flush to 0); a widening one is exact and the log is best taken after it.
+    # Mixed dtypes: float64 of the operands as given, rounded to the result dtype. A widening conversion is exact;
+    # a narrowing one (a 0-d operand wider than the result) is not made: the kernels run in the wider dtype (a
+    # float64 0-d operand rounded to float16 first could flush to 0 or overflow).
     def ref_of(red):
-        if form == "probs" and torch.promote_types(x.dtype, native.dtype) != native.dtype:
-            return reference("logprobs", torch.log(x.double()).to(native.dtype), t.to(native.dtype), red,
-                             log_target)
-        return reference(form, x.to(native.dtype), t.to(native.dtype), red, log_target)
+        return reference(form, x.double(), t.double(), red, log_target).to(native.dtype)
 
     ref = ref_of(reduction)
     assert out.shape == native.shape == ref.shape, (out.shape, native.shape)

@@ -149,7 +149,7 @@ def test_second_order_torch_func_raises(device):
         torch.func.grad(lambda a: inner(a).pow(2).sum())(x)
 
 
-# ------------------------------------------------------------ mixed dtypes: the log before narrowing
+# ------------------------------------------------------------ mixed dtypes: no narrowing before the log
 @pytest.mark.parametrize("p_dtype,t_dtype,small", [(torch.float32, torch.float16, 1e-8),
                                                    (torch.float64, torch.float16, 1e-8),
                                                    (torch.bfloat16, torch.float16, 1e-9),
@@ -168,8 +168,8 @@ def test_0d_probability_takes_its_log_before_narrowing(device, p_dtype, t_dtype,
     theirs = _torch_kl("probs", p, t, reduction, log_target)
     assert ours.dtype == theirs.dtype == t_dtype and ours.shape == theirs.shape
     assert torch.isfinite(ours).all() and torch.isfinite(theirs).all()
-    # F.kl_div(torch.log(p), t) in float64: the log in p's precision, converted to the result dtype.
-    truth = reference("logprobs", torch.log(p).to(t_dtype), t, reduction, log_target)
+    # float64 of p as given (the kernels run in the wider dtype), rounded to the result dtype.
+    truth = reference("probs", p.double(), t.double(), reduction, log_target).to(t_dtype).double()
     torch.testing.assert_close(ours.double(), truth, rtol=TOLERANCE[t_dtype], atol=0)
     # The gradient with respect to p flows through that log.
     pg = p.clone().requires_grad_()
@@ -182,6 +182,43 @@ def test_0d_probability_takes_its_log_before_narrowing(device, p_dtype, t_dtype,
     # Both are rounded to p's dtype last: a bfloat16 gradient may differ by one of its units.
     rtol = 4 * TOLERANCE[t_dtype] + 2 * torch.finfo(p_dtype).eps
     torch.testing.assert_close(pg.grad.double(), pt.grad.double(), rtol=rtol, atol=0)
+
+
+# A 0-d operand wider than the result: a float64 target of 1e-8 beside float16 log-probabilities (0 in float16:
+# the loss came out 0 and the target's gradient NaN), a float64 log-probability of -1e5 beside a float16 target
+# (-inf in float16: an inf loss), a 0-d float32 p of 1e-8 beside a float16 target. The kernels run in the wider
+# dtype and only the result is rounded. The truth: float64 of the operands as given, rounded to the result dtype.
+@pytest.mark.parametrize("case", ["f16-logp_0d-f64-target", "0d-f64-logp_f16-target", "0d-f32-p_f16-target",
+                                  "bf16-logp_0d-f32-target"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_0d_operand_wider_than_the_result_is_not_rounded_first(device, case, reduction):
+    q = torch.rand(6, 33, dtype=torch.float64) + 0.05
+    q = q / q.sum(-1, keepdim=True)
+    form = "probs" if case == "0d-f32-p_f16-target" else "logprobs"
+    if case == "f16-logp_0d-f64-target":
+        x, t = q.log().to(torch.float16), torch.tensor(1e-8 * (1 + torch.rand(()).item()), dtype=torch.float64)
+    elif case == "0d-f64-logp_f16-target":
+        x, t = torch.tensor(-1e5 * (1 + torch.rand(()).item()), dtype=torch.float64), q.to(torch.float16)
+    elif case == "0d-f32-p_f16-target":
+        x, t = torch.tensor(1e-8 * (1 + torch.rand(()).item()), dtype=torch.float32), q.to(torch.float16)
+    else:
+        x, t = q.log().to(torch.bfloat16), torch.tensor(3e-3 * (1 + torch.rand(()).item()), dtype=torch.float32)
+    result = torch.bfloat16 if case.startswith("bf16") else torch.float16
+    x, t = x.to(device), t.to(device)
+    xg, tg = x.clone().requires_grad_(), t.clone().requires_grad_()
+    ours = call(form, xg, tg, reduction)
+    xr, tr = x.double().requires_grad_(), t.double().requires_grad_()
+    truth = reference(form, xr, tr, reduction)
+    assert ours.dtype == result and ours.shape == truth.shape
+    assert torch.isfinite(truth).all()
+    torch.testing.assert_close(ours.double(), truth.to(result).double(), rtol=TOLERANCE[result], atol=0)
+    w = torch.rand(truth.shape, dtype=torch.float64, device=device) + 0.5  # per element, not only the sum
+    (ours.double() * w).sum().backward()
+    (truth * w).sum().backward()
+    for got, want in ((xg.grad, xr.grad), (tg.grad, tr.grad)):
+        assert got.dtype == (x if got is xg.grad else t).dtype and torch.isfinite(want).all()
+        torch.testing.assert_close(got.double(), want.to(got.dtype).double(), rtol=GRAD_RTOL[result],
+                                   atol=GRAD_RTOL[result] * want.abs().max().item())
 
 
 # ------------------------------------------------------------ torch.compile with reduction='mean'
