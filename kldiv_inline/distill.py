@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -523,14 +524,39 @@ def check_loss_scale(loss_scale, who: str = "generalized_jsd") -> float:
     return v
 
 
-def _check_settings(beta, temperature, ignore_index, reduction, who: str = "generalized_jsd") -> tuple[float, float]:
-    """Checks the divergence's settings; returns beta and the temperature as floats."""
+# From here up, a double rounds to float32's inf (the midpoint of its largest value and 2^128 rounds to even: up).
+_FLOAT32_OVERFLOW = 2.0**128 - 2.0**103
+_LOG2E = 1.0 / math.log(2.0)
+
+
+def _check_lanes(beta: float, temperature: float, dtype: torch.dtype, who: str) -> None:
+    """Settings that float32 lanes (16-bit and float32 logits) cannot hold; float64's lanes are double. A beta
+    within 3e-8 of 1 is 1 in float32, where 1 - beta is 0 and the JSD's student side 0 x inf (a NaN loss and
+    gradient wherever the student has mass the teacher has not); a temperature below ~4.2e-39 makes log2(e) / T,
+    which every logit is scaled by, inf in float32 (a NaN loss where PyTorch's x / T is finite)."""
+    if dtype == torch.float64:
+        return
+    if beta < 1.0 and struct.unpack("f", struct.pack("f", beta))[0] == 1.0:
+        raise ValueError(f"{who}: beta={beta!r} is 1 in float32, the lanes of {dtype} logits, where the JSD's "
+                         "1 - beta would be 0: pass beta=1 (reverse KL), a beta further from 1, or float64 logits")
+    if _LOG2E / temperature >= _FLOAT32_OVERFLOW:
+        raise ValueError(f"{who}: temperature={temperature!r} is too small for the float32 lanes of {dtype} logits "
+                         "(log2(e) / T, by which every logit is scaled, overflows below ~4.2e-39): use float64 "
+                         "logits")
+
+
+def _check_settings(beta, temperature, ignore_index, reduction, who: str = "generalized_jsd",
+                    dtype: torch.dtype | None = None) -> tuple[float, float]:
+    """Checks the divergence's settings; returns beta and the temperature as floats. ``dtype``: the logits'
+    (where known), for what their lanes can hold."""
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(f"{who}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
     beta = _check_number("beta", beta, 0.0, 1.0, low_open=False, who=who)
     temperature = _check_number("temperature", temperature, 0.0, float("inf"), low_open=True, who=who)
     if temperature == float("inf"):
         raise ValueError(f"{who}: temperature must be finite")
+    if dtype is not None:
+        _check_lanes(beta, temperature, dtype, who)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"{who}: ignore_index must be an int, got {type(ignore_index).__name__}")
     if not -(2**63) <= int(ignore_index) < 2**63:
@@ -608,7 +634,7 @@ def _prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, la
                          f"{tuple(student_logits.shape)}")
     if student_logits.device.type not in ("cpu", "cuda", "meta"):
         raise NotImplementedError(f"generalized_jsd: no kernels for {student_logits.device.type} tensors")
-    beta, temperature = _check_settings(beta, temperature, ignore_index, reduction)
+    beta, temperature = _check_settings(beta, temperature, ignore_index, reduction, dtype=student_logits.dtype)
     pair = teacher_topk if isinstance(teacher_topk, (tuple, list)) else ()
     refuse_transforms("generalized_jsd", student_logits, teacher_logits, labels, *pair)
     vocab, lead = student_logits.shape[-1], student_logits.shape[:-1]
@@ -673,9 +699,14 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     row's maximum is subtracted, which beyond that offset costs more than the softmax can absorb, so such a token
     is NaN rather than wrong (PyTorch, subtracting the maximum first, still gives a number). float64 logits hold
     to 2^53 ln 2, about 6e15. Padding at a large finite value (-1e10, the dtype's lowest) is exact: the limit
-    concerns a row's maximum. With a top-k teacher, a student whose mass outside the k tokens is below what
-    float32 lanes hold (~1e-38; as at temperatures far below 1) gets an infinite loss where float64 gives a finite
-    one: the tail's probabilities are summed, not log-summed. The generalized JSD loses digits in float32 lanes as
+    concerns a row's maximum. A scaled logit beyond float32's range (|x / T| above ~2.4e38: the lowest value of
+    float32 or bfloat16 at T below ~1.4) counts as -inf, no mass, as padding should; where the other distribution
+    has mass there, the loss is inf and the gradients NaN (the true loss is ~1e38). A beta within 3e-8 of 1 (1 in
+    float32, where 1 - beta would be 0) and a temperature below ~4.2e-39 (log2(e) / T overflows float32) are refused
+    with an error; float64 logits take them. With a top-k teacher, a student whose mass outside the k tokens is
+    below what float32 lanes hold (~1e-38; as at temperatures far below 1) gets an infinite loss where float64 gives
+    a finite one, and its tail tokens get no share of the tail bucket's gradient (a row's gradient then does not sum
+    to 0): the tail's probabilities are summed, not log-summed. The generalized JSD loses digits in float32 lanes as
     beta nears 0 or 1: the mixture's log is formed to an absolute ~1e-7 while the loss is ~min(beta, 1 - beta)
     times a divergence, so its relative error grows as ~0.3 x 1.2e-7 / min(beta, 1 - beta) (measured on the CPU:
     up to 4e-5 at beta = 1e-3 or 0.999, 5e-4 at 1e-4, 3.5e-3 at 1e-5): use beta = 0 or 1 for the KLs, or float64,
@@ -692,8 +723,10 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
 
     float16 logits: the forward writes no gradient; backward computes it with grad_output folded in (a second read
     of the logits): each entry rounded once at its final size for one grad_output value, and for reduction none's
-    per-token ones at the smallest nonzero one's size (but at least 1's), then multiplied by each one's share.
-    float16's range cannot hold the unscaled gradient: an entry ~p / tokens lies among its subnormals, and a
+    per-token ones at the smallest nonzero one's size (but at least 1's), then multiplied by each one's share:
+    a row weighted far above the smallest (per-token weights of 1 and 1e4) keeps only the digits float16 holds at
+    the smallest's size (entries below its subnormals are 0 before they are multiplied up; bfloat16 and float32
+    logits keep them). float16's range cannot hold the unscaled gradient: an entry ~p / tokens lies among its subnormals, and a
     GradScaler's 65536 multiplied in afterwards left the median entry 3.6% off and 90k of 1.6M entries 0 at
     32 x 50000 (now 2e-4, as PyTorch's autograd). With ``group`` (the vocabulary split) alike: backward then runs
     the split's collectives again, so every rank must call it (as every rank calls a distributed step's backward).

@@ -452,7 +452,7 @@ def _checked_locally(student_hidden, student_weight, teacher_hidden, teacher_wei
     dtype, device = student_hidden.dtype, student_hidden.device
     vocab = student_weight.shape[0]
     lead = student_hidden.shape[:-1]
-    beta, temperature = _check_settings(beta, temperature, ignore_index, reduction, who=_WHO)
+    beta, temperature = _check_settings(beta, temperature, ignore_index, reduction, who=_WHO, dtype=dtype)
     if reduction == "none":
         raise ValueError(_err("reduction='none' is not supported: the gradients are summed over the tokens as "
                               "they are made; use 'batchmean' or 'sum', or generalized_jsd on logits for per-token "

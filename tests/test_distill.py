@@ -1058,6 +1058,37 @@ def test_float64_jsd_keeps_its_digits_at_the_ends_of_beta(device, beta):
             assert err <= 1e-13, (r, who, err)
 
 
+# What float32 lanes (16-bit and float32 logits) cannot hold is refused, not computed into a NaN: a beta within
+# 3e-8 of 1 rounds to 1 there (1 - beta = 0: the student's side 0 x inf where the teacher has no mass, a NaN loss
+# where the truth is ~1e-9), and a temperature below ~4.2e-39 overflows log2(e) / T (NaN where PyTorch's x / T
+# is ~1e4). float64 logits take both (their lanes are double); a beta just short of the rounding still works.
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_settings_float32_lanes_cannot_hold(device, dtype):
+    s, t = logits((3, 7), dtype, device), logits((3, 7), dtype, device)
+    t[:, 2] = -math.inf  # the teacher has no mass there: where 1 - beta = 0 gave NaN
+    tiny_t = 1e-39
+    if dtype != torch.float64:
+        with pytest.raises(ValueError, match="beta=.* is 1 in float32"):
+            K.generalized_jsd(s, t, beta=1 - 1e-9)
+        with pytest.raises(ValueError, match="temperature=.* too small"):
+            K.generalized_jsd(s, t, temperature=tiny_t)
+        with pytest.raises(ValueError, match="temperature=.* too small"):
+            K.GeneralizedJSDLoss(temperature=tiny_t)(s, t)
+        beta = 1 - 2e-7  # 1 - 2.4e-7 in float32: still the JSD
+        out, _ = run(s.clone().requires_grad_(), t, beta=beta, reduction="none")
+        assert torch.isfinite(out).all()
+        return
+    for beta, temperature, scale in ((1 - 1e-9, 1.0, 1.0), (0.0, tiny_t, 1e-35)):
+        ss, tt = (s * scale).requires_grad_(), (t * scale).requires_grad_()
+        out, grads = run(ss, tt, beta=beta, temperature=temperature, reduction="none")
+        ref = generalized_jsd_reference(s * scale, t * scale, beta=beta, temperature=temperature, reduction="none")
+        assert torch.isfinite(ref).all() and ref.abs().max() > 0  # (a row may be 0: one-hot on one token at T ~ 0)
+        # (the float64 reference's logsumexp mixture loses ~1e-16 / (1 - beta) ~ 1e-7 at beta = 1 - 1e-9; the
+        # kernels' double lanes hold 1e-14 of 60-digit arithmetic there: test_float64_jsd_keeps_its_digits...)
+        assert relative_error(out, ref) <= 1e-6, (beta, temperature, out, ref)
+        assert all(torch.isfinite(g).all() for g in grads)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
 @pytest.mark.parametrize("beta", [0.3, 0.5, 0.9])
 def test_jsd_gradient_of_small_logits_that_nearly_agree(device, dtype, beta):

@@ -685,6 +685,8 @@ def test_bad_input_raises_clearly(device):
         (dict(reduction="mean", **good), ValueError, "reduction"),
         (dict(beta=1.5, **good), ValueError, "beta"),
         (dict(temperature=0.0, **good), ValueError, "temperature"),
+        (dict(beta=1 - 1e-9, **good), ValueError, "is 1 in float32"),  # (what float32 lanes cannot hold)
+        (dict(temperature=1e-39, **good), ValueError, "too small for the float32 lanes"),
         (dict(labels=torch.zeros(3, dtype=torch.long, device=device), **good), ValueError, "leading"),
         (dict(labels=torch.zeros(4, device=device), **good), TypeError, "integer"),
         (dict(chunk_size=0, **good), ValueError, "chunk_size"),
