@@ -723,13 +723,13 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
 
     float16 logits: the forward writes no gradient; backward computes it with grad_output folded in (a second read
     of the logits): each entry rounded once at its final size for one grad_output value, and for reduction none's
-    per-token ones at the smallest nonzero one's size (but at least 1's), then multiplied by each one's share:
-    a row weighted far above the smallest (per-token weights of 1 and 1e4) keeps only the digits float16 holds at
-    the smallest's size (entries below its subnormals are 0 before they are multiplied up; bfloat16 and float32
-    logits keep them). float16's range cannot hold the unscaled gradient: an entry ~p / tokens lies among its subnormals, and a
-    GradScaler's 65536 multiplied in afterwards left the median entry 3.6% off and 90k of 1.6M entries 0 at
-    32 x 50000 (now 2e-4, as PyTorch's autograd). With ``group`` (the vocabulary split) alike: backward then runs
-    the split's collectives again, so every rank must call it (as every rank calls a distributed step's backward).
+    per-token ones at the smallest nonzero one's size (but at least 1's), then multiplied by each one's share: a row
+    weighted far above the smallest (per-token weights of 1 and 1e4) keeps only the digits float16 holds at the
+    smallest's size (entries below its subnormals are 0 before they are multiplied up; bfloat16 and float32 logits
+    keep them). float16's range cannot hold the unscaled gradient: an entry ~p / tokens lies among its subnormals,
+    and a GradScaler's 65536 multiplied in afterwards left the median entry 3.6% off and 90k of 1.6M entries 0 at 32
+    x 50000 (now 2e-4, as PyTorch's autograd). With ``group`` (the vocabulary split) alike: backward then runs the
+    split's collectives again, so every rank must call it (as every rank calls a distributed step's backward).
 
     ``group`` (a ``torch.distributed`` process group): the vocabulary is split across its ranks, each holding a
     contiguous slice of both logits in rank order (``kldiv_inline.vocab_parallel``); the loss is the global one
