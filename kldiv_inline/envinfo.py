@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -110,7 +111,8 @@ def driver_version() -> str | None:
 # recorded with every run (PyTorch's NCCL flight recorder, for one, gathers the Python stack at every collective).
 TIMING_VARIABLES = ("TORCH_NCCL_", "TORCH_FR_", "NCCL_", "TORCH_SYMM_MEM_", "PYTORCH_CUDA_ALLOC_CONF",
                     "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING",
-                    "CUDA_LAUNCH_BLOCKING", "OMP_NUM_THREADS")
+                    "CUDA_LAUNCH_BLOCKING", "OMP_NUM_THREADS",
+                    "KLDIV_DISTILL_")  # the distillation kernels' own knobs (KLDIV_DISTILL_FAST=0: the general kernel)
 
 
 def timing_variables() -> dict:
@@ -134,7 +136,7 @@ def environment(device: str) -> dict:
         "platform": platform.platform(),
         "commit": commit(),
         **({"kernels_dir": kernels_dir} if kernels_dir else {}),
-        "command": " ".join(["python -m kldiv_inline", *sys.argv[1:]]) if sys.argv else "",
+        "command": shlex.join(["python", "-m", "kldiv_inline", *sys.argv[1:]]) if sys.argv else "",  # replayable
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "variables": timing_variables(),
     }
@@ -159,6 +161,17 @@ def write_atomic(path: Path, text: str) -> Path:
     return path
 
 
+# Keys environment() writes only sometimes: an earlier run's must not outlive it in a merged record (a
+# kernels_dir beside a commit that says no other kernels were built).
+SOMETIMES_KEYS = ("kernels_dir", "driver", "sm_count", "capability", "memory_gib")
+
+
+def _merge_environment(data: dict, record: dict) -> None:
+    for key in SOMETIMES_KEYS:
+        data.pop(key, None)
+    data.update(record)
+
+
 def write_env(folder: Path, device: str, extra: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
     """Merge this run's environment (and ``extra``) into ``folder/env.json``, less the keys in ``drop``."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -166,7 +179,7 @@ def write_env(folder: Path, device: str, extra: dict | None = None, drop: tuple[
     data = json.loads(path.read_text()) if path.exists() else {}
     for key in drop:
         data.pop(key, None)
-    data.update(environment(device))
+    _merge_environment(data, environment(device))
     if extra:
         data.update(extra)
     return write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
@@ -186,6 +199,6 @@ def write_check_env(folder: Path, device: str) -> Path:
     data = json.loads(path.read_text()) if path.exists() else {}
     record = environment(device)
     if not ((folder / "bench.csv").exists() or any(k in data for k in BENCH_KEYS)):
-        data.update(record)
+        _merge_environment(data, record)
     data["check"] = record
     return write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -2,6 +2,7 @@
 CSVs without a GPU, and the goals of the benchmark are evaluated from its rows."""
 import csv
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from kldiv_inline import bench, bench_linear, plots
+from kldiv_inline import bench, bench_linear, envinfo, plots
 from kldiv_inline import goals as goals_mod
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -187,6 +188,30 @@ def test_the_recorded_commit_says_when_the_code_is_not_that_commits(tmp_path, mo
     assert envinfo.commit() == head
     monkeypatch.setattr(envinfo, "REPO_ROOT", (repo / "kernels").resolve())  # a package dir, no source tree
     assert envinfo.commit().startswith("unknown (installed ")
+
+
+def test_env_record_is_this_runs(tmp_path, monkeypatch):
+    # A merged env.json keeps no key of an earlier run that this one does not write (a kernels_dir beside a commit
+    # that says no other kernels were built); the kernels' knobs are recorded; the command replays as given.
+    (tmp_path / "other").mkdir()
+    monkeypatch.setenv("KLDIV_INLINE_KERNELS", str(tmp_path / "other"))
+    monkeypatch.setenv("KLDIV_DISTILL_FAST", "0")
+    monkeypatch.setattr(sys, "argv", ["kldiv_inline", "bench", "--results", str(tmp_path / "my results")])
+    envinfo.write_env(tmp_path / "run", "cpu")
+    first = json.loads((tmp_path / "run" / "env.json").read_text())
+    assert first["kernels_dir"] == str((tmp_path / "other").resolve())
+    assert first["variables"]["KLDIV_DISTILL_FAST"] == "0"
+    assert shlex.split(first["command"])[-1] == str(tmp_path / "my results")
+    envinfo.write_check_env(tmp_path / "check", "cpu")
+    assert json.loads((tmp_path / "check" / "env.json").read_text())["kernels_dir"]
+    monkeypatch.delenv("KLDIV_INLINE_KERNELS")
+    monkeypatch.delenv("KLDIV_DISTILL_FAST")
+    envinfo.write_env(tmp_path / "run", "cpu")
+    envinfo.write_check_env(tmp_path / "check", "cpu")  # (at the top too: no bench has written one)
+    for folder in ("run", "check"):
+        env = json.loads((tmp_path / folder / "env.json").read_text())
+        assert "kernels_dir" not in env and "+other-kernels" not in env["commit"], folder
+        assert "KLDIV_DISTILL_FAST" not in env["variables"], folder
 
 
 def test_vocab_goals_are_evaluated_from_rows():
