@@ -1,7 +1,13 @@
 """The set-up files agree with each other and with the layout the users asked for."""
 import re
-import tomllib
 from pathlib import Path
+
+import pytest
+
+try:
+    import tomllib  # Python >= 3.11
+except ImportError:  # 3.10, which the kit supports: tomli is tomllib's source, where installed
+    tomllib = pytest.importorskip("tomli", reason="reading pyproject.toml on Python 3.10 needs tomli")
 
 ROOT = Path(__file__).resolve().parent.parent
 
