@@ -52,6 +52,8 @@ lint: $(SETUP)
 	$(PY) $(CLANG_FORMAT) --dry-run --Werror $(CPP_SOURCES)
 	$(PY) $(NBSTRIP) --verify $(NOTEBOOKS)/*.ipynb || \
 	  { echo "notebooks hold outputs: run make notebooks (and make nbstripout-install once per clone)"; exit 1; }
+	@$(PY) -c "import jupytext" || \
+	  { echo "PYTHON=$(PY) lacks jupytext: the notebook pairs cannot be checked (pip install -e '.[test,lint]')"; exit 1; }
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_notebooks.py -k pairs_in_step
 
 check: $(SETUP)
