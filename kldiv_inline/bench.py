@@ -239,6 +239,10 @@ def check_suites(args, folder: Path) -> None:
         raise SystemExit("--linear-tokens sizes the fused LM head's suite: add linear to --suites")
     if getattr(args, "linear_tokens", None) and getattr(args, "linear_sweep", False):
         raise SystemExit("--linear-sweep and --linear-tokens both pick the fused LM head's sizes: give one")
+    device = getattr(args, "device", None) or "cpu"
+    if getattr(args, "linear_sweep", False) and device != "cuda":
+        raise SystemExit("--linear-sweep times the fused LM head from 1k to 16k tokens on a GPU; on the CPU it would "
+                         "time the one small shape the CPU runs: give --linear-tokens for more sizes there")
     path = folder / "bench.csv"
     if not path.exists():
         return
@@ -250,24 +254,39 @@ def check_suites(args, folder: Path) -> None:
     env_path = folder / "env.json"
     recorded = json.loads(env_path.read_text()).get("options") if env_path.exists() else None
     if isinstance(recorded, dict) and not getattr(args, "resume", False):  # (--resume: the same options, or refused)
-        dropped = _cases_dropped(recorded, run_options(args))
+        dropped = _cases_dropped(recorded, run_options(args), device)
         if dropped:
             raise SystemExit(f"{path} holds a run with {dropped}, whose rows this run would drop: give this run "
                              "another folder (--results), or run it with the same options")
 
 
-def _cases_dropped(recorded: dict, options: dict) -> str:
+def linear_tokens_timed(options: dict, device: str) -> set[int]:
+    """The token counts of the fused LM head's cases that a run of ``options`` (run_options') times on ``device``,
+    as main picks them: --linear-tokens', else the default sizes with --linear-sweep or on the CPU, else the goals'
+    size alone; none without the linear suite."""
+    from . import bench_linear
+
+    if "linear" not in options.get("suites", SUITES):
+        return set()
+    if options.get("linear_tokens"):
+        return {int(t) for t in options["linear_tokens"]}
+    if options.get("linear_sweep") or device != "cuda":
+        return {size[0] for size in bench_linear.default_sizes(device)}
+    return {bench_linear.HEADLINE[0]}
+
+
+def _cases_dropped(recorded: dict, options: dict, device: str) -> str:
     """What the run of ``recorded`` options made that one of ``options`` would not make (as the flags say it),
     else "". Suites left out are check_suites' to refuse; a run of more cases replaces one of fewer."""
     held = []
     if options["headline_only"] and not recorded.get("headline_only"):
         held.append("the size sweep (no --headline-only)")
     if "linear" in options["suites"]:
-        if recorded.get("linear_sweep") and not options["linear_sweep"]:
-            held.append("--linear-sweep")
-        tokens = recorded.get("linear_tokens")
-        if tokens and not set(tokens) <= set(options["linear_tokens"] or ()):
-            held.append(_as_flag("linear_tokens", tokens))
+        had = linear_tokens_timed(recorded, device)
+        if not had <= linear_tokens_timed(options, device):
+            held.append("--linear-sweep" if recorded.get("linear_sweep") else
+                        _as_flag("linear_tokens", sorted(had)) if recorded.get("linear_tokens") else
+                        f"the fused LM head at its default {', '.join(str(t) for t in sorted(had))} tokens")
     return " and ".join(held)
 
 

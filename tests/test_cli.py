@@ -621,6 +621,23 @@ def test_bench_refuses_to_replace_a_run_of_more_cases(tmp_path):
         bench.check_suites(args(linear_tokens=[8]), folder)
     bench.check_suites(args(linear_tokens=[8, 24, 32]), folder)
     bench.check_suites(args(suites=["kl"]), folder)  # (the linear suite's rows are not in this fake bench.csv)
+    # A recorded run of the default sizes (no --linear-tokens: 64 tokens on the CPU, 4096 on a GPU) is not
+    # replaced by one of other token counts; a sweep's counts hold the default's and --linear-tokens may hold it.
+    recorded()
+    with pytest.raises(SystemExit, match="default 64 tokens"):
+        bench.check_suites(args(linear_tokens=[128]), folder)
+    bench.check_suites(args(linear_tokens=[64, 128]), folder)
+    recorded(device="cuda", linear_sweep=True)
+    with pytest.raises(SystemExit, match="--linear-sweep"):
+        bench.check_suites(args(device="cuda", linear_tokens=[4096]), folder)
+    bench.check_suites(args(device="cuda", linear_tokens=[1024, 2048, 4096, 8192, 16384]), folder)
+    recorded(device="cuda", linear_tokens=[4096, 16384])
+    bench.check_suites(args(device="cuda", linear_sweep=True), folder)
+    recorded(device="cuda")
+    with pytest.raises(SystemExit, match="default 4096 tokens"):
+        bench.check_suites(args(device="cuda", linear_tokens=[1024]), folder)
+    with pytest.raises(SystemExit, match="on a GPU"):  # the CPU times one small shape: a sweep there sweeps nothing
+        bench.check_suites(args(linear_sweep=True), folder)
     from kldiv_inline.__main__ import _tokens
 
     assert _tokens("8,8,4") == [4, 8]  # a count given twice is one case
