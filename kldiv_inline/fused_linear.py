@@ -541,7 +541,8 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     logits with skip_masked, whose rows are gathered), 2048 with teacher logits or top-k). The memory beyond the inputs
     and the parameter gradients is those buffers (and one more where the CUDA kernel cannot write d logits over the
     logits: rows longer than its clusters hold on chip: beyond 409600 entries in float32 with the teacher's logits,
-    819200 in bfloat16).
+    819200 in bfloat16; and with ``group`` whenever a gradient is wanted, as whether a slice fits may differ between
+    ranks).
     ``accum_dtype``: the grad weight's accumulator over the chunks; None accumulates in the weight's dtype,
     ``torch.float32`` (for 16-bit weights) in a float32 copy (2x the weight's size more memory) rounded once at the
     end. The loss is float32 (float64 for float64 inputs). Double backward is not supported (a clear error).
