@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import numbers
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -45,7 +46,8 @@ from .reference import error_dtype, relative_error
 
 # Relative error allowed per output dtype: a few units of the dtype's rounding, for arrays of values.
 # Integer and boolean outputs must be exact.
-TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3,
+             torch.complex128: 1e-12, torch.complex64: 1e-5}  # (complex: its parts' float dtype's)
 
 CHECK_COLUMNS = ["provider", "case", "device", "max_abs_err", "rel_err", "tol", "ok", "error"]
 BENCH_COLUMNS = ["provider", "case", "device", "timer", "status", "median_ms", "q20_ms", "q80_ms", "bytes",
@@ -120,7 +122,8 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_map_tensors(o, fn) for o in obj)
+        items = [_map_tensors(o, fn) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)  # (a namedtuple: its fields)
     if isinstance(obj, Mapping):
         return {k: _map_tensors(v, fn) for k, v in obj.items()}
     return obj
@@ -221,14 +224,30 @@ def tolerance_for(dtype: torch.dtype, tolerance: float | Mapping | None = None) 
     ``TOLERANCE`` updated by ``tolerance`` (a dtype -> number mapping); 0 for integer and boolean outputs
     unless such a mapping names their dtype. One number is for the floating outputs only: passed to widen a
     bfloat16 output's tolerance, it must not let an integer output (argmax indices beside the values) be off."""
+    tolerance = _tolerance_arg(tolerance)
     if not (dtype.is_floating_point or dtype.is_complex):
         return float(tolerance[dtype]) if isinstance(tolerance, Mapping) and dtype in tolerance else 0.0
-    if isinstance(tolerance, (int, float)):
-        return float(tolerance)
+    if isinstance(tolerance, float):
+        return tolerance
     table = {**TOLERANCE, **(tolerance or {})}
     if dtype in table:
         return table[dtype]
     raise ValueError(f"no tolerance for {dtype} outputs: pass tolerance= (a number or {{dtype: number}})")
+
+
+def _tolerance_arg(tolerance: Any) -> float | Mapping | None:
+    """``tolerance=`` as tolerance_for takes it: None, one number as a float (a numpy scalar, a 0-d tensor
+    too), or a {dtype: number} mapping; anything else a clear error, not a failed check of every provider."""
+    if tolerance is None or isinstance(tolerance, Mapping):
+        return tolerance
+    if isinstance(tolerance, torch.Tensor) and tolerance.numel() == 1 and not tolerance.is_complex():
+        tolerance = tolerance.item()
+    if isinstance(tolerance, numbers.Real) and not isinstance(tolerance, bool):
+        value = float(tolerance)
+        if not value >= 0:
+            raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
+        return value
+    raise TypeError(f"tolerance must be a number or a {{dtype: number}} mapping, got {type(tolerance).__name__}")
 
 
 _REL_ERR = "relative error"  # compare's words for a failure in the numbers alone (bench's status tells the rest)
@@ -251,7 +270,9 @@ def compare(out: Any, ref: Any, tolerance: float | Mapping | None = None, per_el
                 errors.append(f"output {i} is {'None' if o is None else 'a tensor'}, the reference's is not")
             continue
         o, r = o.detach(), r.detach()
-        tol = tolerance_for(o.dtype, tolerance)
+        # An integer or boolean reference (indices) is exact whatever dtype the provider returns it in: argmax
+        # indices returned as float32, ten of them off by one, passed at float32's tolerance.
+        tol = tolerance_for(r.dtype if _integral(r) else o.dtype, tolerance)
         if o.shape != r.shape:
             errors.append(f"output {i} has shape {tuple(o.shape)}, the reference {tuple(r.shape)}")
             rel, abs_err = math.inf, math.inf
@@ -338,8 +359,10 @@ def check(providers: Mapping[str, Callable | None], reference: Callable, cases: 
     norm (``compare``).
 
     ``frame.attrs[CHECKED_ATTR]`` records which callable each provider name was, so that ``bench(checked=)``
-    times only the callables checked."""
+    times only the callables checked. pandas keeps it through ``pd.concat`` only where every frame checked the
+    same callables; frames of other callables joined lose it and are trusted by name, as one built by hand."""
     _check_cases(cases)
+    tolerance = _tolerance_arg(tolerance)
     prepare = _prepare(setup)
     rows = []
     for case in cases:
@@ -382,6 +405,19 @@ class _Checked(str):
         self = super().__new__(cls, "harness.check: the callables checked (held in memory only)")
         self.callables = dict(providers)
         return self
+
+    def __eq__(self, other):
+        # The same callables under the same names, not the same note: pandas keeps a frame's attrs through concat
+        # only where every frame's are equal, and as a str every record equalled every other (two checks of other
+        # callables joined kept the first's record alone: a provider checked in the second was refused, and one
+        # that failed there was judged by the first's verdict). Joined checks of other callables lose the record.
+        return (isinstance(other, _Checked) and self.callables.keys() == other.callables.keys()
+                and all(_same_callable(f, other.callables[k]) for k, f in self.callables.items()))
+
+    def __ne__(self, other):
+        return not self == other
+
+    __hash__ = str.__hash__  # (every record's note is one string: equal records hash alike)
 
     def __deepcopy__(self, memo):
         return self
@@ -609,6 +645,8 @@ def bench(providers: Mapping[str, Callable | None], cases: Sequence[Case], *,
     """
     _check_cases(cases)
     _check_bench_args(timer, reps, warmup)
+    if tolerance is not _LAST_CHECK:
+        tolerance = _tolerance_arg(tolerance)
     verdicts = _verdicts(providers, cases, reference, checked, tolerance, setup, per_element)
     prepare = _prepare(setup)
     flushes: dict[tuple, timing.L2Flush] = {}

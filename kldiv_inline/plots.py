@@ -45,11 +45,18 @@ def _lines(df: pd.DataFrame, by: str, x: str, ours: str | None):
         yield name, rows, style
 
 
+def _label(name) -> str:
+    """A provider's or case's name as matplotlib draws it as given: "$" escaped (mathtext read "mine $x^$" as a
+    formula and savefig raised), and a leading "_" behind a zero-width space (the legend hides such labels)."""
+    text = str(name).replace("$", r"\$")
+    return "\u200b" + text if text.startswith("_") else text
+
+
 def draw_time(ax, df: pd.DataFrame, *, by: str, x: str, xlabel: str, ours: str | None = None,
               legend: bool = True):
     """Median time against ``x``, log-log, 20-80% bands, the floor dashed."""
     for name, rows, style in _lines(df, by, x, ours):
-        ax.plot(rows[x], rows["median_ms"], marker="o", ms=3, label=name, **style)
+        ax.plot(rows[x], rows["median_ms"], marker="o", ms=3, label=_label(name), **style)
         ax.fill_between(rows[x], rows["q20_ms"], rows["q80_ms"], alpha=0.2, color=style["color"])
     if "floor_ms" in df and df["floor_ms"].notna().any():
         floor = df.groupby(x, as_index=False)["floor_ms"].first().sort_values(x)
@@ -79,7 +86,7 @@ def draw_gbps(ax, df: pd.DataFrame, *, by: str, x: str, xlabel: str, ours: str |
     dashed (``floor_gbps``, else the rows') and the vendor peak dotted."""
     for name, rows, style in _lines(df, by, x, ours):
         gb = rows["gbps"] * rows["median_ms"]  # the bytes moved, in 1e6 x GB/s x ms
-        ax.plot(rows[x], rows["gbps"], marker="o", ms=3, label=name, **style)
+        ax.plot(rows[x], rows["gbps"], marker="o", ms=3, label=_label(name), **style)
         ax.fill_between(rows[x], gb / rows["q80_ms"], gb / rows["q20_ms"], alpha=0.2, color=style["color"])
     if floor_gbps is None and "floor_gbps" in df and df["floor_gbps"].notna().any():
         floor_gbps = float(df["floor_gbps"].max())
@@ -120,8 +127,11 @@ def plot_timings(timed: pd.DataFrame, ours: str | None = None, title: str | None
     df["case_index"] = df["case"].map({c: i for i, c in enumerate(names)})
     with_bytes = "bytes" in df and df["bytes"].notna().any()
     # Cases that move the same bytes (one input contiguous and one transposed, say) would share a point on a
-    # bytes axis, and a line keeps one of them: such cases are drawn per case, in their order, instead.
-    by_case = not with_bytes or df.groupby("bytes")["case"].nunique().max() > 1
+    # bytes axis, and a line keeps one of them: such cases are drawn per case, in their order, instead. So are
+    # cases where a timed case has no bytes (None, or 0: an empty case), which a bytes axis cannot place.
+    timed_ok = df[df["status"] == "ok"] if "status" in df else df
+    placed = with_bytes and bool((timed_ok["bytes"].notna() & (timed_ok["bytes"] > 0)).all())
+    by_case = not placed or df.groupby("bytes")["case"].nunique().max() > 1
     x, xlabel = ("case_index", "case") if by_case else ("mib_moved", "MiB moved per call")
     if with_bytes:
         df["mib_moved"] = df["bytes"] / 2**20
@@ -135,7 +145,7 @@ def plot_timings(timed: pd.DataFrame, ours: str | None = None, title: str | None
     if by_case:
         for ax in axes:
             ax.set_xscale("linear")
-            ax.set_xticks(range(len(names)), names, rotation=20)
+            ax.set_xticks(range(len(names)), [_label(n) for n in names], rotation=20)
     fig.suptitle(title or f"{', '.join(dict.fromkeys(df['device']))}: time and bandwidth per provider",
                  fontsize=9)
     legend_outside(fig, axes)

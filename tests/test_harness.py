@@ -1,6 +1,8 @@
 """The harness: a researcher's own kernel checked, timed and plotted in a few lines (the README's snippet,
 run as written), wrong providers caught and never timed, the timing columns, the floors and vendor peaks."""
+import collections
 import functools
+import io
 import math
 import textwrap
 import time
@@ -416,12 +418,80 @@ def test_one_number_of_tolerance_leaves_integer_outputs_exact():
     assert harness.tolerance_for(torch.int64, {torch.int64: 1.0}) == 1.0  # named by dtype: the caller's choice
 
 
+def test_an_integer_reference_is_exact_whatever_dtype_the_provider_returns():
+    # argsort indices returned as float32, ten of them off by one, passed at float32's tolerance.
+    ref = torch.rand(100_000).argsort()
+    off = ref.clone()
+    off[::10_000] += 1
+    assert harness.compare(ref.float(), ref)["ok"]
+    verdict = harness.compare(off.float(), ref)
+    assert not verdict["ok"] and verdict["tol"] == 0.0, verdict
+    assert not harness.compare(ref.float() + 0.25, ref, tolerance=1e-2)["ok"]  # one number: floats only
+
+
+def test_tolerance_is_one_number_of_any_kind_or_a_clear_error():
+    # A numpy scalar or a 0-d tensor failed every provider (a TypeError from inside each check).
+    out, ref = torch.ones(8), torch.ones(8, dtype=torch.float64) * (1 + 1e-4)
+    for tolerance in (np.float32(1e-3), np.float64(1e-3), torch.tensor(1e-3), 1e-3, 1):
+        assert harness.compare(out, ref, tolerance=tolerance)["ok"], tolerance
+    cases = _cases("cpu", (1 << 8,))
+    for bad, error in (("1e-3", TypeError), (True, TypeError), (-1.0, ValueError), (math.nan, ValueError)):
+        with pytest.raises(error, match="tolerance"):
+            harness.check({"m": lambda x: 2 * x}, reference=lambda x: 2 * x, cases=cases, tolerance=bad)
+        with pytest.raises(error, match="tolerance"):
+            harness.bench({"m": lambda x: 2 * x}, cases=cases, reference=lambda x: 2 * x, tolerance=bad, reps=3)
+
+
+def test_namedtuples_in_a_cases_args():
+    pair = collections.namedtuple("Pair", "a b")
+    x = torch.rand(64)
+    cases = [harness.Case("nt", (pair(x, x + 1),))]
+    verdict = harness.check({"m": lambda p: p.a + p.b}, reference=lambda p: p.a + p.b, cases=cases)
+    assert verdict["ok"].all(), verdict
+    timed = harness.bench({"m": lambda p: p.a + p.b}, cases=cases, reps=3, warmup=1)
+    assert timed["status"].eq("ok").all(), timed
+
+
+def test_joined_checks_keep_each_providers_verdict():
+    # pd.concat keeps attrs only where every frame's are equal, and every record was equal to every other (a
+    # str): the first frame's record alone was kept, so a provider checked in the second was refused, and a wrong
+    # callable was timed as "ok" on the first's verdict for a case.
+    cases = _cases("cpu", (1 << 8, 1 << 9))
+    good, bad, theirs = (lambda x: 2 * x), (lambda x: 3 * x), (lambda x: x + x)
+    first = harness.check({"mine": good}, reference=lambda x: 2 * x, cases=cases)
+    second = harness.check({"torch": theirs}, reference=lambda x: 2 * x, cases=cases)
+    joined = pd.concat([first, second], ignore_index=True)
+    timed = harness.bench({"mine": good, "torch": theirs}, cases=cases, checked=joined, reps=3, warmup=1)
+    assert timed["status"].eq("ok").all(), timed
+    again = pd.concat([first, harness.check({"mine": good}, reference=lambda x: 2 * x, cases=cases)])
+    assert isinstance(again.attrs.get(harness.CHECKED_ATTR), harness._Checked)  # the same callables: kept
+    with pytest.raises(ValueError, match="not the callable"):
+        harness.bench({"mine": bad}, cases=cases, checked=again, reps=3, warmup=1)
+
+
+def test_plot_draws_every_name_and_every_case():
+    # A provider named "_fast" was missing from the legend (matplotlib hides labels that start with "_"); one
+    # named with "$" made savefig raise (mathtext); a case without bytes (None) was dropped from a bytes axis.
+    x = {n: torch.rand(n) for n in (256, 512, 1024)}
+    cases = [harness.Case(f"n=${n}$_^", (x[n],)) for n in x]
+    timed = harness.bench({"_fast": lambda t: 2 * t, "mine $x^$": lambda t: t + t}, cases=cases, reference=None,
+                          reps=3, warmup=1, floor=floors.Floor("cpu", 10.0, "fake", {"fake": 10.0}),
+                          bytes_moved=lambda t: None if t.numel() == 512 else 2 * t.nbytes)
+    fig = harness.plot(timed, ours="_fast")
+    fig.savefig(io.BytesIO(), format="png")
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert any(label.endswith("_fast") for label in labels) and any("mine" in label for label in labels), labels
+    lines = [line for line in fig.axes[0].get_lines() if line.get_label().endswith("_fast")]
+    assert len(lines) == 1 and len(lines[0].get_xdata()) == 3  # every case, drawn per case
+    plt.close(fig)
+
+
 def test_complex_outputs_are_compared_whole():
     # .double() of a complex tensor keeps its real part: the conjugate of the right answer passed.
     x = torch.rand(64, 256)
     cases = [harness.Case("rfft", (x,))]
     verdict = harness.check({"right": torch.fft.rfft, "conj": lambda x: torch.fft.rfft(x).conj()},
-                            reference=torch.fft.rfft, cases=cases, tolerance=1e-5).set_index("provider")
+                            reference=torch.fft.rfft, cases=cases).set_index("provider")  # (complex64's default)
     assert verdict.loc["right", "ok"] and not verdict.loc["conj", "ok"], verdict
     assert verdict.loc["conj", "rel_err"] > 0.1
     ref = torch.fft.rfft(x.double())
