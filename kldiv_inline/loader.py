@@ -89,7 +89,6 @@ _KIT_CUDA_CFLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 
 # One module object per (name) for the life of the process.
 _MODULES: dict[str, object] = {}
-_FAILED: set[str] = set()
 
 
 class KernelBuildError(RuntimeError):
@@ -396,6 +395,9 @@ def _resolve_includes(path: Path, include_dirs: Sequence[Path], seen: dict[Path,
     if path in seen:
         return
     text = path.read_bytes().decode("utf-8", "surrogateescape")  # any bytes (a system header need not be UTF-8)
+    # A UTF-8 byte-order mark (some editors save one): the compiler skips it at a file's start, but behind the
+    # #line the loader puts first it is a stray character, and it hid a first line's #include from the key.
+    text = text.removeprefix("\ufeff")
     seen[path] = text
     for delim, inc in _INCLUDE_RE.findall(text):
         for d in (path.parent, *quote_dirs, *include_dirs) if delim == '"' else include_dirs:
@@ -474,7 +476,12 @@ def _build_lock(ext_name: str):
                                f"build of {ext_name}: build it once where the cache is writable, or set "
                                "KLDIV_INLINE_CACHE to a writable directory.") from e
     with fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            # Said, as a long build is: a waiting process printed nothing for the whole of another's build.
+            _log.info("waiting for another process building %s (lock %s)...", ext_name, fh.name)
+            fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -542,6 +549,14 @@ def _load_failure(name: str, err: ImportError) -> Exception:
     """A KernelBuildError for a module that linked but does not load because a symbol is missing (shared
     libraries may link with undefined symbols; the dynamic loader finds out) or because nothing defines the
     Python module; other import errors as they are."""
+    if "is already registered" in str(err):
+        return KernelBuildError(name, [
+            f"the build of {name} is complete but does not load in this process: {err}",
+            "  pybind11 registers a bound class once per process, and an earlier build binding the same class "
+            "(an edit of these sources, or the same sources under another name) is loaded here already: restart "
+            "the Python process (the notebook's kernel), where this build loads from the cache, or declare the "
+            "class py::module_local()",
+        ], str(err))
     if "does not define module export function" in str(err):
         return KernelBuildError(name, [
             "the built module has no Python module to import: no .cpp source holds "
@@ -587,9 +602,16 @@ def _expected_build_s(base: str, with_cuda: bool, texts: Mapping[Path, str]) -> 
 _LINKER_RE = re.compile(r"^(?:\S*/)?ld(?:\.\w+)?: |undefined reference to|multiple definition of|cannot find -l")
 
 
+# Lines with the word "error" that state none: a source line the compiler quotes ("  2 | int check(int error)")
+# and a warning ("x.cpp:3:2: warning: #warning "error paths untested"").
+_NOT_AN_ERROR_RE = re.compile(r"^\s*\d*\s*\||:\d+(?::\d+)?: warning\b|\(\d+\): warning\b|^\s*warning\b", re.IGNORECASE)
+# ptxas names an undefined device function by its mangled name.
+_PTXAS_EXTERN_RE = re.compile(r"Unresolved extern function '(\S+)'")
+
+
 def _compiler_errors(log: str) -> list[str]:
-    """The lines of a ninja/nvcc/g++ log that state an error (the linker's too), with a little context after
-    each."""
+    """The lines of a ninja/nvcc/g++ log that state an error (the linker's and ptxas' fatal ones too), with a
+    little context after each."""
     lines = log.splitlines()
     out = []
     wrappers = ("FAILED:", "ninja:", "Error building extension")  # ninja's and torch's lines, not the compiler's
@@ -598,7 +620,11 @@ def _compiler_errors(log: str) -> list[str]:
             continue
         if _LINKER_RE.search(line):
             out.append(line)
-        elif re.search(r"\berror\b", line, re.IGNORECASE):
+        elif m := _PTXAS_EXTERN_RE.search(line):
+            readable = _demangle(m[1])
+            out.append(line + (f" ({readable}: declared and called, defined in no source given)"
+                               if readable != m[1] else ""))
+        elif re.search(r"\b(error|fatal)\b", line, re.IGNORECASE) and not _NOT_AN_ERROR_RE.search(line):
             out.append(line)
             # The compiler's context (the source line, a caret), not the next build command or ninja's lines.
             out.extend(nxt for nxt in lines[i + 1:i + 3]
@@ -675,13 +701,65 @@ def _flag_values(flags: Sequence[str], options: Sequence[str]) -> list[tuple[str
     return out
 
 
+def _shell_words(flags: Sequence[str]) -> list[str]:
+    """The arguments the flags are to the compiler: torch writes them into build.ninja as they are, whose
+    commands run in the shell, so a flag with a space is two and a quoted one is one ("-I'/a b'" is -I/a b).
+    The cache key follows the same words (a quoted folder was looked for with its quotes)."""
+    words = []
+    for f in flags:
+        try:
+            words += shlex.split(f)
+        except ValueError:  # unbalanced quotes: the compiler's shell fails on them, and says so
+            words.append(f)
+    return words
+
+
+def _absolute_flags(flags: Sequence[str], options: Sequence[str], nvcc: bool = False,
+                    files: bool = False) -> list[str]:
+    """``flags`` with the relative folders and files their ``options`` name made absolute (``files``: bare file
+    arguments too, a static library in the link flags): the compiler runs in the build folder, where a path
+    relative to this process's working directory (the one the cache key read, as include_dirs=) is not found."""
+    def absolute(opt: str, value: str) -> str:
+        out = []
+        for v in value.split(",") if nvcc else [value]:
+            if v and not os.path.isabs(v) and shlex.quote(v) == v:  # (a plain path: quoted ones are left as given)
+                forced = _NVCC_LONG_FLAGS.get(opt, opt) in _FORCED_INCLUDE_FLAGS
+                if not forced or Path(v).is_file():  # (a forced include may lie in a search folder instead)
+                    v = str(Path(v).resolve())
+            out.append(v)
+        return ",".join(out)
+
+    out, flags, i = [], list(flags), 0
+    while i < len(flags):
+        f = flags[i]
+        for opt in options:
+            if f == opt and i + 1 < len(flags):
+                out += [f, absolute(opt, flags[i + 1])]
+                i += 1
+                break
+            if f.startswith(opt) and len(f) > len(opt):
+                value = f[len(opt):]
+                if opt.startswith("--"):
+                    if not value.startswith("="):
+                        continue  # another long option that starts alike
+                    out.append(f"{opt}={absolute(opt, value[1:])}")
+                else:
+                    out.append(opt + absolute(opt, value))
+                break
+        else:
+            plain = files and not f.startswith("-") and shlex.quote(f) == f and not os.path.isabs(f)
+            out.append(str(Path(f).resolve()) if plain and Path(f).is_file() else f)
+        i += 1
+    return out
+
+
 def _flag_search(flags: Sequence[str], nvcc: bool = False) -> tuple[list[Path], list[Path], list[str]]:
     """What the extra flags add to the compiler's header search: the folders for ``#include "..."`` only
     (-iquote), the folders for both kinds (-I, -isystem, -idirafter), and the files forced in before the source
     (-include, -imacros; as given). ``nvcc``: the flags are nvcc's (its long names and comma lists too)."""
     quote, both, forced = [], [], []
     options = _SEARCH_DIR_FLAGS + _FORCED_INCLUDE_FLAGS + (tuple(_NVCC_LONG_FLAGS) if nvcc else ())
-    for opt, value in _flag_values(flags, options):
+    for opt, value in _flag_values(_shell_words(flags), options):
         opt = _NVCC_LONG_FLAGS.get(opt, opt)
         for v in value.split(",") if nvcc else [value]:
             if opt in _FORCED_INCLUDE_FLAGS:
@@ -695,7 +773,7 @@ def _linker_inputs(ldflags: Sequence[str]) -> list[Path]:
     """The files the extra link flags bring in that the cache key must follow: files named as they are (a static
     library, an object) and the libraries ``-lname`` finds in the ``-L`` folders given (a rebuilt library there
     must relink the module). Libraries found in the system's folders are not followed."""
-    flags = list(ldflags)
+    flags = _shell_words(ldflags)
     dirs = [Path(v) for _, v in _flag_values(flags, ("-L",))]
     found = [Path(f) for f in flags if not f.startswith("-") and Path(f).is_file()]
     for _, name in _flag_values(flags, ("-l",)):
@@ -707,8 +785,9 @@ def _linker_inputs(ldflags: Sequence[str]) -> list[Path]:
 def _forced_candidates(name: str, search: Sequence[Path]) -> list[Path]:
     """The files that ``-include name`` may stand for, all to be hashed: the path itself when absolute. A relative
     one the compiler looks for in its working directory (the build folder) and then in the ``#include "..."``
-    folders: every match there, and the path from our working directory (as relative -I folders are read). One
-    that does not exist is left to the compiler to report."""
+    folders: every match there, and the path from our working directory (where load_sources made such a path
+    absolute, _absolute_flags, as it does relative -I folders). One that does not exist is left to the compiler
+    to report."""
     cands = [Path(name)] if os.path.isabs(name) else [Path(name).resolve(), *(d / name for d in search)]
     return [c for c in cands if c.is_file()]
 
@@ -732,7 +811,11 @@ def load_sources(
     folders and files that ``-I``, ``-isystem``, ``-iquote``, ``-idirafter`` and ``-include`` name in the
     extra flags, and nvcc's ``--include-path``, ``--system-include``, ``--pre-include`` and comma lists), the
     sources' order, and the files the link flags name (a library, or one ``-l`` finds in a ``-L`` folder given)
-    are part of the cache key.
+    are part of the cache key. Only literal ``#include`` lines are followed: a header named through a macro
+    (``#include CONFIG_H``) is not, so an edit to it needs a change to a source (or ``make clean-cache``).
+    One path, flag or folder may be given alone (a str). The flags reach the compiler through the shell, as
+    ``load_inline`` writes them: a flag with a space is two arguments unless quoted (``"-I'/a b'"``); relative
+    folders and files in them are read from this process's working directory, as ``include_dirs``.
 
     All the ``.cpp`` sources are compiled as ONE translation unit, and all the ``.cu`` sources as another:
     ``load_inline`` joins each language's sources into one file (``#line`` directives keep the real names in
@@ -748,9 +831,21 @@ def load_sources(
     ``PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)``. ``cuda`` defaults to "any .cu given". The module
     is memoised per process.
     """
+    # One path, flag or folder given alone (a str) is a list of one: a str was iterated letter by letter.
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
+    extra_cflags, extra_cuda_cflags, extra_ldflags, include_dirs = (
+        [v] if isinstance(v, (str, os.PathLike)) else list(v)
+        for v in (extra_cflags, extra_cuda_cflags, extra_ldflags, include_dirs))
+    extra_cflags = _absolute_flags(extra_cflags, _SEARCH_DIR_FLAGS + _FORCED_INCLUDE_FLAGS)
+    extra_cuda_cflags = _absolute_flags(extra_cuda_cflags,
+                                        _SEARCH_DIR_FLAGS + _FORCED_INCLUDE_FLAGS + tuple(_NVCC_LONG_FLAGS), nvcc=True)
+    extra_ldflags = _absolute_flags(extra_ldflags, ("-L",), files=True)
     srcs = [Path(p).resolve() for p in paths]
     if not srcs:
         raise ValueError("load_sources needs at least one source file")
+    twice = sorted({str(p) for p in srcs if srcs.count(p) > 1})
+    if twice:  # (joined into one translation unit, a file given twice defines everything twice)
+        raise ValueError(f"a source given twice: {', '.join(twice)}")
     for p in srcs:
         if not p.is_file():
             raise FileNotFoundError(f"kernel source not found: {p}")
@@ -765,7 +860,9 @@ def load_sources(
     if isinstance(functions, str):
         functions = [functions]
     incs = [Path(d).resolve() for d in include_dirs]
-    for d in {p.parent for p in srcs}:
+    # The sources' folders in the order given (a set's order changed from process to process: the cache key,
+    # and which of two same-named headers a quoted #include found, with it).
+    for d in dict.fromkeys(p.parent for p in srcs):
         if d not in incs:
             incs.append(d)
     # Folders and files named by the extra flags (-I, -isystem, -idirafter, -iquote, -include, -imacros) reach
@@ -780,7 +877,8 @@ def load_sources(
     for p in srcs:
         _check_utf8(p, texts[p])
     if functions is not None:
-        _check_bindings_header(cpp_srcs, incs, functions)
+        host_forced = [c for f in host[2] for c in _forced_candidates(f, [*host[0], *search])]
+        _check_bindings_header(cpp_srcs, search, functions, host[0], host_forced)
 
     cflags = list(_KIT_CFLAGS) + list(extra_cflags)
     cuda_cflags = list(_KIT_CUDA_CFLAGS) + list(extra_cuda_cflags)
@@ -827,12 +925,14 @@ def load_sources(
     return module
 
 
-def _check_bindings_header(cpp_srcs: Sequence[Path], include_dirs: Sequence[Path], functions) -> None:
+def _check_bindings_header(cpp_srcs: Sequence[Path], include_dirs: Sequence[Path], functions,
+                           quote_dirs: Sequence[Path] = (), forced: Sequence[Path] = ()) -> None:
     """load_inline appends generated pybind11 bindings to the .cpp sources, and with no_implicit_headers
-    nothing includes what they need: say so before a compiler fails on the generated code."""
+    nothing includes what they need: say so before a compiler fails on the generated code. ``include_dirs``,
+    ``quote_dirs`` and ``forced``: the host compiler's search (the flags' folders too) and forced includes."""
     reached: dict[Path, str] = {}
-    for p in cpp_srcs:
-        _resolve_includes(p, include_dirs, reached)
+    for p in [*cpp_srcs, *forced]:
+        _resolve_includes(p, include_dirs, reached, quote_dirs)
     if not any(_BINDINGS_HEADER_RE.search(text) for text in reached.values()):
         given = ", ".join(map(str, cpp_srcs)) or "none"
         raise ValueError(f"functions={list(functions)} are bound by code generated after the .cpp sources, which "
@@ -849,9 +949,10 @@ def _build(ext_name, build_dir: Path, cpp_srcs, cuda_srcs, texts, functions, cfl
 
     shutil.rmtree(build_dir, ignore_errors=True)
     build_dir.mkdir(parents=True)
-    if ext_name in _FAILED:
-        # pytorch#119206: the JIT versioner remembers the failed attempt and would skip the rebuild.
-        cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(ext_name, None)
+    # torch's JIT versioner remembers every attempt in this process, and for sources it has seen skips the build
+    # (pytorch#119206): after a failed one, and after one cut short (Ctrl-C in a notebook, a full disk), which
+    # left it marked built, so the next call imported the .so just removed above. Here a build is always wanted.
+    cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(ext_name, None)
 
     cpp_sources = [_with_line(p, texts[p]) for p in cpp_srcs]
     if functions is not None:
@@ -878,19 +979,30 @@ def _build(ext_name, build_dir: Path, cpp_srcs, cuda_srcs, texts, functions, cfl
             no_implicit_headers=True,
         )
     except (RuntimeError, subprocess.CalledProcessError) as e:
-        _FAILED.add(ext_name)
         log = str(e)
         if isinstance(e, subprocess.CalledProcessError) and e.output:
             log += "\n" + (e.output.decode() if isinstance(e.output, bytes) else e.output)
-        raise KernelBuildError(ext_name, _compiler_errors(log), log,
-                               _shared_unit_hint(log, [*cpp_srcs, *cuda_srcs])) from None
+        errors = _compiler_errors(log)
+        if verbose and not errors:
+            # verbose: torch streamed the compiler's output to the terminal and kept none of it for the error;
+            # the failing step run again, captured, gives the errors their file and line here too.
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                again = subprocess.run(["ninja", "-v"], cwd=build_dir, capture_output=True, text=True, timeout=900)
+                log += "\n" + again.stdout + again.stderr
+                errors = _compiler_errors(log)
+        raise KernelBuildError(ext_name, errors, log, _shared_unit_hint(log, [*cpp_srcs, *cuda_srcs])) from None
     except ImportError as e:
-        _FAILED.add(ext_name)
         failure = _load_failure(ext_name, e)
+        if "is already registered" in str(e):
+            # The .so is whole; only this process cannot load it: the manifest makes it a hit after a restart.
+            so = next(iter(sorted(build_dir.glob(f"{ext_name}*.so"))), None)
+            if so is not None:
+                _write_manifest(build_dir, so, time.perf_counter() - start)
         if failure is e:
             raise
         raise failure from None
-    _FAILED.discard(ext_name)
+    except OSError as e:  # (a full disk, a folder that went away): say where
+        raise OSError(e.errno, f"building {ext_name} in {build_dir}: {e.strerror or e}") from e
     seconds = time.perf_counter() - start
     _write_manifest(build_dir, Path(module.__file__), seconds)
     _log.info("built %s in %.1f s", ext_name, seconds)

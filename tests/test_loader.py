@@ -8,6 +8,7 @@ under tmp_path), except the kit's own modules, which use the default cache that 
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -1013,6 +1014,16 @@ def test_functions_with_torch_extension_h_in_an_included_header_pass_the_check(t
     with pytest.raises(kldiv_inline.KernelBuildError, match="stopped before compiling"):
         kldiv_inline.load_sources([src], functions=["twice"])
     assert reached == [["twice"]]
+    # The header in a folder the flags name, or forced in by them: the compiler finds it, so must the check.
+    (tmp_path / "flagged").mkdir()
+    (tmp_path / "flagged" / "ext.h").write_text("#pragma once\n#include <torch/extension.h>\n")
+    (tmp_path / "by_flag.cpp").write_text('#include "ext.h"\nint twice(int x) { return 2 * x; }\n')
+    (tmp_path / "forced.cpp").write_text("int twice(int x) { return 2 * x; }\n")
+    for source, flags in (("by_flag.cpp", [f"-I{tmp_path / 'flagged'}"]),
+                          ("forced.cpp", ["-include", str(tmp_path / "flagged" / "ext.h")])):
+        with pytest.raises(kldiv_inline.KernelBuildError, match="stopped before compiling"):
+            kldiv_inline.load_sources([tmp_path / source], functions=["twice"], extra_cflags=flags)
+    assert len(reached) == 3
 
 
 def test_undefined_symbol_at_import_is_a_build_error(tmp_path, cache):
@@ -1136,3 +1147,104 @@ def test_cuda_arch_that_nvcc_cannot_target_is_rejected_before_compiling(tmp_path
     msg = str(info.value)
     assert "'3.5'" in msg and "9.0" in msg and "nvcc" in msg, msg
     assert no_compiler_runs == []
+
+
+# ------------------------------------------------------------------ 16. a researcher's loop, its rough edges
+def test_sources_in_two_folders_build_alike_in_every_process(tmp_path, cache):
+    # The sources' folders were added to the search as a set, whose order follows Python's string hashes, seeded
+    # per process: the cache key changed between processes (a rebuild), and so did which of two cfg.h a quoted
+    # #include found (1 or 2).
+    for d, v in (("d1", 1), ("d2", 2)):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "cfg.h").write_text(f"#define CFG {v}\n")
+    (tmp_path / "d1" / "one.cpp").write_text(capi_module("CFG", prelude='#include "cfg.h"'))
+    (tmp_path / "d2" / "two.cpp").write_text("int two_helper() { return 2; }\n")
+    sources = [tmp_path / "d1" / "one.cpp", tmp_path / "d2" / "two.cpp"]
+    seen = [run_child(tmp_path, sources, PYTHONHASHSEED=seed) for seed in (0, 1, 2, 3)]
+    assert {r["value"] for r in seen} == {1} and len({r["file"] for r in seen}) == 1, seen
+    assert [r["builds"] for r in seen] == [1, 0, 0, 0]
+
+
+def test_a_build_cut_short_is_built_again_by_the_next_call(tmp_path, cache, monkeypatch):
+    # Ctrl-C in a notebook (or a full disk) mid-build: torch's versioner kept the sources as built, so the next
+    # call skipped the build and imported the .so the loader had just removed (an ImportError).
+    src = tmp_path / "cut.cpp"
+    src.write_text(capi_module("11"))
+    real = cpp_extension._write_ninja_file_and_build_library
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cpp_extension, "_write_ninja_file_and_build_library", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        kldiv_inline.load_sources([src])
+    monkeypatch.setattr(cpp_extension, "_write_ninja_file_and_build_library", real)
+    assert kldiv_inline.load_sources([src]).value() == 11
+
+
+def test_sources_flags_and_folders_given_alone_or_twice(tmp_path, cache, no_compiler_runs):
+    # A str where a list is expected was iterated letter by letter ("kernel source not found: /…/o"); a source
+    # listed twice failed with redefinitions and no word on why.
+    src = tmp_path / "alone.cpp"
+    src.write_text(capi_module("1"))
+    with pytest.raises(ValueError, match="a source given twice"):
+        kldiv_inline.load_sources([src, tmp_path / ".." / tmp_path.name / "alone.cpp"])
+    assert no_compiler_runs == []
+
+
+def test_a_str_path_and_flags_relative_to_the_working_directory(tmp_path, cache, monkeypatch):
+    # One path as a str; -I and -include folders and files relative to the working directory, which the key read
+    # but the compiler (run in the build folder) did not find; a file with a UTF-8 byte-order mark (a stray
+    # character behind the loader's #line); a header with one, whose first-line #include the key missed.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "inc").mkdir()
+    (tmp_path / "inc" / "inner.h").write_text("#define INNER 20\n")
+    (tmp_path / "inc" / "outer.h").write_text('\ufeff#include "inner.h"\n#define OUTER (INNER + 1)\n')
+    (tmp_path / "forced.h").write_text("#define FORCED 100\n")
+    (tmp_path / "rel.cpp").write_text("\ufeff" + capi_module("OUTER + FORCED", prelude='#include "outer.h"'))
+    m = kldiv_inline.load_sources("rel.cpp", extra_cflags=["-Iinc", "-include", "forced.h"])
+    assert m.value() == 121
+    (tmp_path / "inc" / "inner.h").write_text("#define INNER 30\n")
+    assert kldiv_inline.load_sources("rel.cpp", extra_cflags=["-Iinc", "-include", "forced.h"]).value() == 131
+
+
+def test_a_quoted_folder_with_a_space_is_followed(tmp_path, cache):
+    # The flags go through the shell: "-I'/a b'" is one folder, whose headers the key now follows (it looked for a
+    # folder named with the quotes, and an edit there left the old module).
+    inc = tmp_path / "inc dir"
+    inc.mkdir()
+    (inc / "sp.h").write_text("#define SP 1\n")
+    (tmp_path / "sp.cpp").write_text(capi_module("SP", prelude='#include "sp.h"'))
+    flags = [f"-I{shlex.quote(str(inc))}"]
+    assert kldiv_inline.load_sources([tmp_path / "sp.cpp"], extra_cflags=flags).value() == 1
+    (inc / "sp.h").write_text("#define SP 2\n")
+    assert kldiv_inline.load_sources([tmp_path / "sp.cpp"], extra_cflags=flags).value() == 2
+
+
+def test_errors_are_the_compilers_errors_not_warnings_or_quoted_source(tmp_path, cache):
+    src = tmp_path / "warn.cpp"
+    src.write_text(capi_module("check(1)", prelude='#warning "error paths untested"\n'
+                                                   "static int check(int error) { return error + missing_name; }"))
+    with pytest.raises(kldiv_inline.KernelBuildError) as info:
+        kldiv_inline.load_sources([src])
+    errors = info.value.errors
+    assert any("missing_name" in e and "error" in e for e in errors), errors
+    assert not any("warning" in e for e in errors) and not any(re.match(r"\s*\d+\s*\|", e) for e in errors), errors
+
+
+def test_verbose_build_errors_keep_their_file_and_line(tmp_path, cache, capfd):
+    # verbose=True: torch streams the compiler's output and kept none of it for the error (errors == []).
+    src = tmp_path / "verr.cpp"
+    src.write_text(capi_module("missing_name"))
+    with pytest.raises(kldiv_inline.KernelBuildError) as info:
+        kldiv_inline.load_sources([src], verbose=True)
+    assert any(f"{src}:" in e and "missing_name" in e for e in info.value.errors), info.value.errors
+
+
+def test_a_class_bound_again_in_one_process_says_to_restart():
+    # pybind11 registers a bound class once per process: an edited extension that binds the same class does not
+    # load beside the earlier build (a raw ImportError before).
+    err = ImportError('generic_type: type "Counter" is already registered!')
+    failure = loader._load_failure("counter_0123456789abcdef", err)
+    assert isinstance(failure, kldiv_inline.KernelBuildError)
+    assert "restart" in str(failure) and "py::module_local()" in str(failure)
