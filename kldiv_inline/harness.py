@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import numbers
 import warnings
@@ -49,7 +50,7 @@ from .reference import error_dtype, relative_error
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3,
              torch.complex128: 1e-12, torch.complex64: 1e-5}  # (complex: its parts' float dtype's)
 
-CHECK_COLUMNS = ["provider", "case", "device", "max_abs_err", "rel_err", "tol", "ok", "error"]
+CHECK_COLUMNS = ["provider", "case", "device", "max_abs_err", "rel_err", "tol", "ok", "error", "check_id"]
 BENCH_COLUMNS = ["provider", "case", "device", "timer", "status", "median_ms", "q20_ms", "q80_ms", "bytes",
                  "gbps", "floor_gbps", "floor_source", "floor_ms", "x_floor", "pct_of_peak", "rel_err"]
 
@@ -59,7 +60,6 @@ TIMERS = ("auto", "cuda", "wall")
 # A case's meta becomes columns of its rows: a meta key named like a result column would overwrite it.
 RESERVED_META = frozenset(CHECK_COLUMNS + BENCH_COLUMNS + ["peak_mib"])
 
-CHECKED_ATTR = "providers"  # check's frame.attrs[CHECKED_ATTR]: provider name -> the callable checked
 
 
 @dataclasses.dataclass
@@ -238,8 +238,13 @@ def tolerance_for(dtype: torch.dtype, tolerance: float | Mapping | None = None) 
 def _tolerance_arg(tolerance: Any) -> float | Mapping | None:
     """``tolerance=`` as tolerance_for takes it: None, one number as a float (a numpy scalar, a 0-d tensor
     too), or a {dtype: number} mapping; anything else a clear error, not a failed check of every provider."""
-    if tolerance is None or isinstance(tolerance, Mapping):
-        return tolerance
+    if tolerance is None:
+        return None
+    if isinstance(tolerance, Mapping):
+        for dtype in tolerance:
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(f"tolerance's keys must be torch dtypes, got {dtype!r}")
+        return {dtype: _tolerance_arg(value) for dtype, value in tolerance.items()}
     if isinstance(tolerance, torch.Tensor) and tolerance.numel() == 1 and not tolerance.is_complex():
         tolerance = tolerance.item()
     if isinstance(tolerance, numbers.Real) and not isinstance(tolerance, bool):
@@ -358,9 +363,9 @@ def check(providers: Mapping[str, Callable | None], reference: Callable, cases: 
     ``per_element``: every element within the tolerance of its output's largest reference value, besides the
     norm (``compare``).
 
-    ``frame.attrs[CHECKED_ATTR]`` records which callable each provider name was, so that ``bench(checked=)``
-    times only the callables checked. pandas keeps it through ``pd.concat`` only where every frame checked the
-    same callables; frames of other callables joined lose it and are trusted by name, as one built by hand."""
+    Each row's ``check_id`` ("check <n>", one per call) records which callable each provider name was, so that
+    ``bench(checked=)`` times only the callables checked, also for frames of several checks joined by
+    ``pd.concat``; rows without it (built by hand, read from a file) are trusted by name."""
     _check_cases(cases)
     tolerance = _tolerance_arg(tolerance)
     prepare = _prepare(setup)
@@ -377,8 +382,9 @@ def check(providers: Mapping[str, Callable | None], reference: Callable, cases: 
                     rows.append({**row, "ok": False, "error": "not installed"})
                     continue
                 rows.append({**row, **_check_one(fn, case, ref, prepare, device, tolerance, per_element)})
+    mark = _CheckId(next(_CHECK_NUMBERS), providers)
     df = _frame(rows, CHECK_COLUMNS, cases)
-    df.attrs[CHECKED_ATTR] = _Checked(providers)
+    df["check_id"] = pd.Series([mark] * len(df), index=df.index, dtype=object)  # (object: pandas keeps the mark)
     return df
 
 
@@ -395,35 +401,28 @@ def _check_one(fn: Callable, case: Case, ref: Any, prepare: Callable, device: st
         return {"ok": False, "error": _error(e)}
 
 
-class _Checked(str):
-    """Provider name -> the callable checked, in ``.callables``. A str to everything else: a frame's attrs are
-    written by to_parquet (as JSON) and to_pickle, which cannot hold callables (a lambda does not pickle), so
-    they keep only this note, and such a frame's verdicts are trusted by name, as a frame built by hand. pandas
-    deep-copies attrs as it copies a frame: this stays itself, so the callables stay the very objects checked."""
+class _CheckId(str):
+    """The mark of one ``check`` call on each of its rows (column ``check_id``, "check <n>"), holding which callable
+    each provider name was (``.callables``). A column, not the frame's attrs: pandas keeps attrs through
+    ``pd.concat`` only where every frame's are equal, so joined checks of other callables either kept the first's
+    record alone (a provider checked in the second refused; one that failed there judged by the first's verdict)
+    or lost it (trusted by name); a column keeps each row's own. A str to everything else: written to CSV or
+    parquet, pickled (a lambda does not pickle), it is the plain "check <n>", and such rows are trusted by name,
+    as rows built by hand. Copies of a frame keep this very object, so the callables stay the ones checked."""
 
-    def __new__(cls, providers: Mapping[str, Callable | None]):
-        self = super().__new__(cls, "harness.check: the callables checked (held in memory only)")
+    def __new__(cls, number: int, providers: Mapping[str, Callable | None]):
+        self = super().__new__(cls, f"check {number}")
         self.callables = dict(providers)
         return self
-
-    def __eq__(self, other):
-        # The same callables under the same names, not the same note: pandas keeps a frame's attrs through concat
-        # only where every frame's are equal, and as a str every record equalled every other (two checks of other
-        # callables joined kept the first's record alone: a provider checked in the second was refused, and one
-        # that failed there was judged by the first's verdict). Joined checks of other callables lose the record.
-        return (isinstance(other, _Checked) and self.callables.keys() == other.callables.keys()
-                and all(_same_callable(f, other.callables[k]) for k, f in self.callables.items()))
-
-    def __ne__(self, other):
-        return not self == other
-
-    __hash__ = str.__hash__  # (every record's note is one string: equal records hash alike)
 
     def __deepcopy__(self, memo):
         return self
 
     def __reduce__(self):
         return (str, (str(self),))
+
+
+_CHECK_NUMBERS = itertools.count(1)
 
 
 def _run_reference(reference: Callable, prepare: Callable, case: Case) -> Any:
@@ -463,17 +462,18 @@ def _same_callable(a: Callable | None, b: Callable | None) -> bool:
 
 
 def _check_checked(providers: Mapping[str, Callable | None], checked: pd.DataFrame) -> None:
-    """Refuses a check's verdict on a provider name that now names another callable. A frame without the
-    record (built by hand) is trusted by name."""
-    record = checked.attrs.get(CHECKED_ATTR)
-    if not isinstance(record, _Checked):  # none (a frame built by hand), or a note after a pickle or JSON trip
+    """Refuses a check's verdict on a provider name that now names another callable than the check of that row
+    ran. Rows without a check's mark (built by hand, read from a file) are trusted by name."""
+    if "check_id" not in checked:
         return
-    record = record.callables
-    names = set(checked["provider"])
-    for name, fn in providers.items():
-        if fn is not None and name in names and not (name in record and _same_callable(record[name], fn)):
-            raise ValueError(f"provider {name!r} is not the callable checked= was made with ({fn!r} now, "
-                             f"{record.get(name)!r} then): check it again (harness.check) and pass that result")
+    for name, mark in zip(checked["provider"], checked["check_id"]):
+        fn = providers.get(name)
+        if fn is None or not isinstance(mark, _CheckId):
+            continue
+        then = mark.callables.get(name)
+        if not (name in mark.callables and _same_callable(then, fn)):
+            raise ValueError(f"provider {name!r} is not the callable {mark} of checked= ran ({fn!r} now, {then!r} "
+                             "then): check it again (harness.check) and pass that result")
 
 
 def _verdict(row) -> tuple[bool, float, str]:

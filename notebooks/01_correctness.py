@@ -151,7 +151,8 @@ for op, args, log_target, _ in FORMS.values():  # the result's dtype is the inpu
 # %%
 from kldiv_inline.harness import TOLERANCE
 
-by_dtype = [harness.Case(str(dtype).removeprefix("torch."), (p.to(dtype), t.to(dtype))) for dtype in TOLERANCE]
+FLOAT_DTYPES = [dtype for dtype in TOLERANCE if dtype.is_floating_point]  # (the table has complex ones too)
+by_dtype = [harness.Case(str(dtype).removeprefix("torch."), (p.to(dtype), t.to(dtype))) for dtype in FLOAT_DTYPES]
 checked = harness.check({"kldiv_inline": K.kl_div_from_probs}, reference_loss("batchmean", False, True), by_dtype)
 display(checked[["case", "rel_err", "tol", "ok"]])
 assert checked["ok"].all()
@@ -397,14 +398,14 @@ if seed is not None:
 
 # %%
 FEATURES = 1024
-errors = {dtype: [] for dtype in TOLERANCE}
+errors = {dtype: [] for dtype in FLOAT_DTYPES}
 for numel in SWEEP_NUMEL:
     p64 = probability_rows(numel // FEATURES, FEATURES, dtype=torch.float64, device=DEVICE, scale=1.0)
     t64 = probability_rows(numel // FEATURES, FEATURES, dtype=torch.float64, device=DEVICE, scale=1.0)
-    cases = [harness.Case(str(dtype), (p64.to(dtype), t64.to(dtype))) for dtype in TOLERANCE]
+    cases = [harness.Case(str(dtype), (p64.to(dtype), t64.to(dtype))) for dtype in FLOAT_DTYPES]
     del p64, t64
     checked = harness.check({"kldiv_inline": K.kl_div_from_probs}, reference_loss("batchmean", False, True), cases)
-    for dtype, err in zip(TOLERANCE, checked["rel_err"]):
+    for dtype, err in zip(FLOAT_DTYPES, checked["rel_err"]):
         errors[dtype].append(err)
     del cases
 

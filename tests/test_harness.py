@@ -261,7 +261,7 @@ def test_bench_times_only_the_callables_checked():
     checked = harness.check({"m": op.run}, reference=lambda x: 2 * x, cases=cases)
     assert harness.bench({"m": op.run}, cases=cases, checked=checked, reps=3, warmup=1)["status"].eq("ok").all()
     # A frame built by hand has no record: trusted by name, as before.
-    by_hand = pd.DataFrame(checked.to_dict("records"))
+    by_hand = pd.DataFrame(checked.drop(columns="check_id").to_dict("records"))
     assert harness.bench({"m": lambda x: x + x}, cases=cases, checked=by_hand, reps=3,
                          warmup=1)["status"].eq("ok").all()
 
@@ -435,7 +435,10 @@ def test_tolerance_is_one_number_of_any_kind_or_a_clear_error():
     for tolerance in (np.float32(1e-3), np.float64(1e-3), torch.tensor(1e-3), 1e-3, 1):
         assert harness.compare(out, ref, tolerance=tolerance)["ok"], tolerance
     cases = _cases("cpu", (1 << 8,))
-    for bad, error in (("1e-3", TypeError), (True, TypeError), (-1.0, ValueError), (math.nan, ValueError)):
+    assert harness.compare(out, ref, tolerance={torch.float32: np.float32(1e-3)})["ok"]
+    for bad, error in (("1e-3", TypeError), (True, TypeError), (-1.0, ValueError), (math.nan, ValueError),
+                       ({torch.float32: "1e-3"}, TypeError), ({torch.float32: -1.0}, ValueError),
+                       ({"float32": 1e-3}, TypeError)):
         with pytest.raises(error, match="tolerance"):
             harness.check({"m": lambda x: 2 * x}, reference=lambda x: 2 * x, cases=cases, tolerance=bad)
         with pytest.raises(error, match="tolerance"):
@@ -453,9 +456,9 @@ def test_namedtuples_in_a_cases_args():
 
 
 def test_joined_checks_keep_each_providers_verdict():
-    # pd.concat keeps attrs only where every frame's are equal, and every record was equal to every other (a
-    # str): the first frame's record alone was kept, so a provider checked in the second was refused, and a wrong
-    # callable was timed as "ok" on the first's verdict for a case.
+    # pd.concat keeps attrs only where every frame's are equal: with the record in attrs, joined checks of other
+    # callables kept the first's record alone (a provider checked in the second was refused) or lost it (a
+    # callable never checked was timed as "ok" by name). Each row now carries its own check's record.
     cases = _cases("cpu", (1 << 8, 1 << 9))
     good, bad, theirs = (lambda x: 2 * x), (lambda x: 3 * x), (lambda x: x + x)
     first = harness.check({"mine": good}, reference=lambda x: 2 * x, cases=cases)
@@ -463,10 +466,14 @@ def test_joined_checks_keep_each_providers_verdict():
     joined = pd.concat([first, second], ignore_index=True)
     timed = harness.bench({"mine": good, "torch": theirs}, cases=cases, checked=joined, reps=3, warmup=1)
     assert timed["status"].eq("ok").all(), timed
-    again = pd.concat([first, harness.check({"mine": good}, reference=lambda x: 2 * x, cases=cases)])
-    assert isinstance(again.attrs.get(harness.CHECKED_ATTR), harness._Checked)  # the same callables: kept
-    with pytest.raises(ValueError, match="not the callable"):
-        harness.bench({"mine": bad}, cases=cases, checked=again, reps=3, warmup=1)
+    with pytest.raises(ValueError, match="'mine' is not the callable check"):  # never checked: refused
+        harness.bench({"mine": bad, "torch": theirs}, cases=cases, checked=joined, reps=3, warmup=1)
+    # The bad callable checked on one case, the good on the other: the bad one is refused, not judged by the
+    # good one's verdict on that case.
+    mixed = pd.concat([harness.check({"mine": bad}, reference=lambda x: 2 * x, cases=cases[1:]),
+                       harness.check({"mine": good}, reference=lambda x: 2 * x, cases=cases[:1])])
+    with pytest.raises(ValueError, match="'mine' is not the callable check"):
+        harness.bench({"mine": bad}, cases=cases, checked=mixed, reps=3, warmup=1)
 
 
 def test_plot_draws_every_name_and_every_case():
@@ -684,7 +691,7 @@ def test_sparse_inputs_are_copied_as_they_are():
 
 def test_a_check_frame_pickles_and_serialises(tmp_path):
     # The record of the callables checked stays in memory: the frame pickles (a lambda would not) and writes as
-    # JSON (as to_parquet writes attrs); read back, its verdicts are trusted by name.
+    # CSV; read back, its verdicts are trusted by name.
     import json
     import pickle
 
@@ -693,7 +700,9 @@ def test_a_check_frame_pickles_and_serialises(tmp_path):
     df = harness.check({"m": f}, reference=lambda x: 2 * x, cases=cases)
     back = pickle.loads(pickle.dumps(df))
     json.dumps(df.attrs)
-    assert back["ok"].all()
+    assert back["ok"].all() and back["check_id"].tolist() == [str(df["check_id"].iloc[0])]
+    df.to_csv(tmp_path / "checked.csv", index=False)
+    assert pd.read_csv(tmp_path / "checked.csv")["check_id"].iloc[0].startswith("check ")
     timed = harness.bench({"m": f}, cases, checked=back, reps=1, warmup=0, timer="wall")
     assert timed["status"].tolist() == ["ok"]
     with pytest.raises(ValueError, match="check it again"):  # in memory, the record still guards
