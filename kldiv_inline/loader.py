@@ -714,6 +714,12 @@ def _shell_words(flags: Sequence[str]) -> list[str]:
     return words
 
 
+def _relative_path(value: str) -> bool:
+    """Whether a flag's value is a path relative to the working directory: not absolute, and not "=dir" (gcc:
+    under the sysroot; nvcc: "-I=dir" is "-I dir"), "$SYSROOT/..." or "-" (gcc's old -I-)."""
+    return bool(value) and not os.path.isabs(value) and not value.startswith(("=", "$", "-"))
+
+
 def _absolute_flags(flags: Sequence[str], options: Sequence[str], nvcc: bool = False,
                     files: bool = False) -> list[str]:
     """``flags`` with the relative folders and files their ``options`` name made absolute (``files``: bare file
@@ -722,13 +728,26 @@ def _absolute_flags(flags: Sequence[str], options: Sequence[str], nvcc: bool = F
     def absolute(opt: str, value: str) -> str:
         out = []
         for v in value.split(",") if nvcc else [value]:
-            if v and not os.path.isabs(v) and shlex.quote(v) == v:  # (a plain path: quoted ones are left as given)
+            if _relative_path(v) and shlex.quote(v) == v:  # (a plain path: quoted ones are left as given)
                 forced = _NVCC_LONG_FLAGS.get(opt, opt) in _FORCED_INCLUDE_FLAGS
                 if not forced or Path(v).is_file():  # (a forced include may lie in a search folder instead)
                     v = str(Path(v).resolve())
             out.append(v)
         return ",".join(out)
 
+    for f in flags:
+        # A flag of several shell words ("-I inc", "-Iinc -Wall"): rewriting a path inside it would mean quoting
+        # it for the shell, so a relative one there is refused rather than left for the build folder to miss.
+        words = _shell_words([f])
+        if len(words) > 1 or words != [f]:
+            paths = [v for _, value in _flag_values(words, options) for v in (value.split(",") if nvcc else [value])]
+            if files:
+                paths += [w for w in words if not w.startswith("-") and Path(w).is_file()]
+            bad = [v for v in paths if _relative_path(v)]
+            if bad:
+                raise ValueError(f"the flag {f!r} names the relative path {bad[0]!r} inside several shell words: the "
+                                 "compiler runs in the build folder, so give it as separate flags "
+                                 f"([..., {bad[0]!r}]) or as an absolute path")
     out, flags, i = [], list(flags), 0
     while i < len(flags):
         f = flags[i]
@@ -762,6 +781,10 @@ def _flag_search(flags: Sequence[str], nvcc: bool = False) -> tuple[list[Path], 
     for opt, value in _flag_values(_shell_words(flags), options):
         opt = _NVCC_LONG_FLAGS.get(opt, opt)
         for v in value.split(",") if nvcc else [value]:
+            if nvcc and v.startswith("="):
+                v = v[1:]  # (nvcc: "-I=dir" is "-I dir")
+            elif v.startswith(("=", "$")) or v in ("", "-"):
+                continue  # under gcc's sysroot, or gcc's old -I-: not a folder of ours to follow
             if opt in _FORCED_INCLUDE_FLAGS:
                 forced.append(v)
             else:
@@ -986,11 +1009,15 @@ def _build(ext_name, build_dir: Path, cpp_srcs, cuda_srcs, texts, functions, cfl
         if verbose and not errors:
             # verbose: torch streamed the compiler's output to the terminal and kept none of it for the error;
             # the failing step run again, captured, gives the errors their file and line here too.
-            with contextlib.suppress(OSError, subprocess.SubprocessError):
-                again = subprocess.run(["ninja", "-v"], cwd=build_dir, capture_output=True, text=True, timeout=900)
-                log += "\n" + again.stdout + again.stderr
-                errors = _compiler_errors(log)
+            log += "\n" + _build_again(build_dir)
+            errors = _compiler_errors(log)
         raise KernelBuildError(ext_name, errors, log, _shared_unit_hint(log, [*cpp_srcs, *cuda_srcs])) from None
+    except UnicodeDecodeError:
+        # The compiler echoed bytes that are not UTF-8 (a header's Latin-1 comment on an error's line), and torch
+        # failed to decode its output: run the failing step again, decoded with replacement characters.
+        log = _build_again(build_dir)
+        raise KernelBuildError(ext_name, _compiler_errors(log), log,
+                               _shared_unit_hint(log, [*cpp_srcs, *cuda_srcs])) from None
     except ImportError as e:
         failure = _load_failure(ext_name, e)
         if "is already registered" in str(e):
@@ -1007,6 +1034,14 @@ def _build(ext_name, build_dir: Path, cpp_srcs, cuda_srcs, texts, functions, cfl
     _write_manifest(build_dir, Path(module.__file__), seconds)
     _log.info("built %s in %.1f s", ext_name, seconds)
     return module
+
+
+def _build_again(build_dir: Path) -> str:
+    """The output of ninja run again in ``build_dir`` (the failing step fails again), decoded whatever its bytes."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        again = subprocess.run(["ninja", "-v"], cwd=build_dir, capture_output=True, timeout=900)
+        return (again.stdout + again.stderr).decode("utf-8", "replace")
+    return ""
 
 
 # ------------------------------------------------------------------------------------ the kit's own

@@ -1248,3 +1248,30 @@ def test_a_class_bound_again_in_one_process_says_to_restart():
     failure = loader._load_failure("counter_0123456789abcdef", err)
     assert isinstance(failure, kldiv_inline.KernelBuildError)
     assert "restart" in str(failure) and "py::module_local()" in str(failure)
+
+
+def test_flag_spellings_that_are_not_relative_paths(tmp_path, cache, monkeypatch):
+    # "-I=dir" (gcc: under the sysroot, here "/"; nvcc: "-I dir") was made "<cwd>/=dir"; a relative folder inside a
+    # flag of several shell words cannot be rewritten, and is refused rather than missed by the compiler.
+    monkeypatch.chdir(tmp_path)
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "eq.h").write_text("#define EQ 3\n")
+    (tmp_path / "eq.cpp").write_text(capi_module("EQ", prelude='#include "eq.h"'))
+    assert kldiv_inline.load_sources([tmp_path / "eq.cpp"], extra_cflags=["--sysroot=/", f"-I={inc}"]).value() == 3
+    for flags in (["-I inc"], ["-Iinc -Wall"], ["-I'inc'"]):
+        with pytest.raises(ValueError, match="relative path 'inc' inside several shell words"):
+            kldiv_inline.load_sources([tmp_path / "eq.cpp"], extra_cflags=flags)
+    assert loader._absolute_flags(["-gencode=arch=compute_90,code=sm_90", "-Xcompiler", "-fopenmp", "-DNAME=v",
+                                   "-I-"], loader._SEARCH_DIR_FLAGS + loader._FORCED_INCLUDE_FLAGS, nvcc=True) == \
+        ["-gencode=arch=compute_90,code=sm_90", "-Xcompiler", "-fopenmp", "-DNAME=v", "-I-"]
+
+
+def test_a_compiler_message_that_is_not_utf8_is_a_build_error(tmp_path, cache):
+    # gcc echoes a header's Latin-1 byte on an error's line: torch's decode of its output raised UnicodeDecodeError.
+    (tmp_path / "latin.h").write_bytes(b"static int caf\xe9 = missing_name; // caf\xe9\n")
+    (tmp_path / "latin.cpp").write_text(capi_module("1", prelude='#include "latin.h"'))
+    for verbose in (False, True):
+        with pytest.raises(kldiv_inline.KernelBuildError) as info:
+            kldiv_inline.load_sources([tmp_path / "latin.cpp"], verbose=verbose)
+        assert any("missing_name" in e for e in info.value.errors), info.value.errors
