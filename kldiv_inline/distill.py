@@ -177,11 +177,27 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(gs, gt)
 
 
+def save_inputs(ctx, *tensors) -> None:
+    """ctx.save_for_backward(*tensors), except inference tensors (a teacher run under torch.inference_mode, the
+    usual distillation recipe, or labels made there), which cannot be saved for backward ("Inference tensors
+    cannot be saved") and cannot change outside inference mode either: those are held as they are (saved_inputs
+    gives every one back)."""
+    held = tuple(t if isinstance(t, Tensor) and t.is_inference() else None for t in tensors)
+    ctx.held_inputs = held if any(h is not None for h in held) else None
+    ctx.save_for_backward(*(None if h is not None else t for t, h in zip(tensors, held)))
+
+
+def saved_inputs(ctx) -> tuple:
+    """The tensors save_inputs was given, in its order."""
+    saved, held = ctx.saved_tensors, ctx.held_inputs
+    return saved if held is None else tuple(t if h is None else h for t, h in zip(saved, held))
+
+
 def _save_context(ctx, inputs, gs: Tensor | None, gt: Tensor | None) -> None:
     """What _backward needs: the inputs (for a recomputation), the settings, and the fused gradients."""
     student, teacher, topk_idx, topk_lp, labels, ignore_index, beta, temperature, reduction, loss_scale, ws, wt = \
         inputs
-    ctx.save_for_backward(student, teacher, topk_idx, topk_lp, labels)
+    save_inputs(ctx, student, teacher, topk_idx, topk_lp, labels)
     ctx.args = (ignore_index, beta, temperature, reduction, loss_scale)
     ctx.wanted = (ws, wt)
     # Held outside save_for_backward: backward rescales them in place, and hands them over as the gradients.
@@ -212,11 +228,13 @@ def _backward(ctx, grad_out, _g_student, _g_teacher):
     if grad_out is None:
         return (None,) * 12
     _refuse_double_backward("generalized_jsd")
-    student, teacher, topk_idx, topk_lp, labels = ctx.saved_tensors
+    student, teacher, topk_idx, topk_lp, labels = saved_inputs(ctx)
     need_s = ctx.needs_input_grad[0] and ctx.wanted[0]
     need_t = ctx.needs_input_grad[1] and ctx.wanted[1]
     gs, gt = ctx.fused
-    tracing = torch.compiler.is_compiling() or type(grad_out) is not Tensor
+    # (a batched backward's grad_out, is_grads_batched=True: the registered op takes it slice by slice)
+    tracing = (torch.compiler.is_compiling() or type(grad_out) is not Tensor
+               or torch._C._functorch.is_legacy_batchedtensor(grad_out))
     if not _fuses(student.dtype) or tracing:
         # The gradients with grad_out folded in: float16's every time (see _fuses), and a traced backward's, which
         # cannot rescale a fused gradient in place, and whose recomputation of one (it reads no grad_out) the

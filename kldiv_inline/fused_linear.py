@@ -25,6 +25,7 @@ The teacher is a constant: no gradient flows to it, whether or not its tensors r
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
 from dataclasses import dataclass
 
@@ -49,6 +50,8 @@ from .distill import (
     check_loss_scale,
     is_topk_pair,
     refuse_transforms,
+    save_inputs,
+    saved_inputs,
 )
 from .vocab_parallel import (
     check_same_call,
@@ -142,12 +145,21 @@ def _unmasked_first(labels: Tensor, ignore_index: int):
     return order, labels.index_select(0, order), count
 
 
-def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor | None,
-           t_weight: Tensor | None, t_bias: Tensor | None, t_logits: Tensor | None,
-           topk_idx: Tensor | None, topk_lp: Tensor | None, labels: Tensor | None, ignore_index: int,
-           beta: float, temperature: float, batchmean: bool, loss_scale: float, chunk_size: int,
-           accum_dtype: torch.dtype | None, group_name: str | None, skip_masked: bool, offset: int, whole: int,
-           want_hidden: bool, want_weight: bool, want_bias: bool):
+def _fused(hidden: Tensor, *args):
+    """_fused_chunks with autocast off: its products run in the inputs' dtypes, as the kernels do (under autocast
+    a bare torch.mm came out in bfloat16 beside float32 buffers, and skip_masked's index_copy_ of it failed)."""
+    device = hidden.device.type
+    off = torch.autocast(device, enabled=False) if device in ("cpu", "cuda") else contextlib.nullcontext()
+    with off:
+        return _fused_chunks(hidden, *args)
+
+
+def _fused_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor | None,
+                  t_weight: Tensor | None, t_bias: Tensor | None, t_logits: Tensor | None,
+                  topk_idx: Tensor | None, topk_lp: Tensor | None, labels: Tensor | None, ignore_index: int,
+                  beta: float, temperature: float, batchmean: bool, loss_scale: float, chunk_size: int,
+                  accum_dtype: torch.dtype | None, group_name: str | None, skip_masked: bool, offset: int,
+                  whole: int, want_hidden: bool, want_weight: bool, want_bias: bool):
     """The loss (batchmean or sum, times loss_scale) and its gradients w.r.t. hidden [n, H], weight and bias (each only
     if wanted, else an empty tensor). With ``group_name``, the vocabulary (weight's rows, bias, teacher logits) is this
     rank's slice: each chunk's divergence runs in kldiv_inline.vocab_parallel's phases, and grad hidden is summed over
@@ -220,10 +232,11 @@ def _fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden: Tensor
     # d logits go over the logits where the kernel allows it (rows that sit on chip), else to their own buffer.
     in_place = mod.distill_in_place_ok(vocab, hidden.element_size(), t_hidden is None and t_logits is None)
     g_buf = None if in_place else torch.empty_like(s_buf)
-    if group is not None and want:
-        # Split over ranks, d logits go to their own buffer: whether a slice fits on chip may differ between
-        # ranks, and a retry after a refusal would desynchronise the collectives.
-        g_buf = torch.empty_like(s_buf)
+    if group is not None:
+        # Split over ranks, a teacher's logits' d logits go to their own buffer: whether a slice fits on chip may
+        # differ between ranks, and a retry after a refusal would desynchronise the collectives. A top-k teacher's
+        # split kernel makes its own (one was allocated here beside it and never written).
+        g_buf = torch.empty_like(s_buf) if want and topk_idx is None else None
     ones = torch.ones((), dtype=torch.float64, device=hidden.device) if group is not None else None
     sum_code = _REDUCTION_CODE["sum"]
     if group is not None and topk_idx is not None and not 0 <= offset <= offset + vocab <= whole:
@@ -305,7 +318,7 @@ _N_INPUTS = 24
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:10])
+    save_inputs(ctx, *inputs[:10])
     ctx.args = inputs[10:21]  # (ignore_index ... whole)
     ctx.wanted = inputs[21:24]
     _, g_hidden, g_weight, g_bias = output
@@ -319,9 +332,11 @@ def _backward(ctx, grad_loss, *_grads_of_gradients):
     if grad_loss is None:
         return (None,) * _N_INPUTS
     _refuse_double_backward("fused_linear_generalized_jsd")
-    saved = ctx.saved_tensors
+    saved = saved_inputs(ctx)
     need = [ctx.needs_input_grad[i] and ctx.wanted[i] for i in range(3)]
-    tracing = torch.compiler.is_compiling() or type(grad_loss) is not Tensor
+    # (a batched backward's grad_loss, is_grads_batched=True, has no storage: scaled out of place too)
+    tracing = (torch.compiler.is_compiling() or type(grad_loss) is not Tensor
+               or torch._C._functorch.is_legacy_batchedtensor(grad_loss))
     fused = ctx.fused
     if fused is None:
         # A second backward (retain_graph=True): compute the gradients again, out of place.

@@ -268,7 +268,7 @@ class _VocabParallelDivergence(torch.autograd.Function):
     def forward(ctx, student, teacher, idx, lp, labels, settings, want_s, want_t):
         fuse = distill._fuses(student.dtype)
         loss, gs, gt = _run(student, teacher, idx, lp, labels, settings, want_s and fuse, want_t and fuse)
-        ctx.save_for_backward(student, teacher, idx, lp, labels)
+        distill.save_inputs(ctx, student, teacher, idx, lp, labels)
         ctx.settings = settings
         ctx.fused = (gs, gt)
         ctx.set_materialize_grads(False)
@@ -279,18 +279,26 @@ class _VocabParallelDivergence(torch.autograd.Function):
         if grad_out is None:
             return (None,) * 8
         distill._refuse_double_backward("generalized_jsd")
-        student, teacher, idx, lp, labels = ctx.saved_tensors
+        student, teacher, idx, lp, labels = distill.saved_inputs(ctx)
         need_s, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # A batched backward's grad_out (is_grads_batched=True) has no storage a kernel could read: the fused
+        # gradients are scaled out of place (and kept); float16's folded run cannot take it.
+        batched = torch._C._functorch.is_legacy_batchedtensor(grad_out)
         if not distill._fuses(student.dtype):
+            if batched:
+                raise NotImplementedError("generalized_jsd with group=: a batched backward (is_grads_batched=True, "
+                                          "jacobian(vectorize=True)) of float16 logits is not supported; "
+                                          "differentiate one grad_output at a time")
             return _run_folded(student, teacher, idx, lp, labels, ctx.settings, need_s, need_t, grad_out) + \
                 (None,) * 6
         gs, gt = ctx.fused
         if (need_s and gs is None) or (need_t and gt is None):  # a second backward: compute them again
             _, gs, gt = _run(student, teacher, idx, lp, labels, ctx.settings, need_s, need_t)
-        ctx.fused = (None, None)  # rescaled in place below: a later backward recomputes
+        if not batched:
+            ctx.fused = (None, None)  # rescaled in place below: a later backward recomputes
         grad_out = grad_out.to(distill._acc_dtype(student.dtype))
-        out_s = distill._scaled(gs, grad_out, True) if need_s else None
-        out_t = distill._scaled(gt, grad_out, True) if need_t else None
+        out_s = distill._scaled(gs, grad_out, not batched) if need_s else None
+        out_t = distill._scaled(gt, grad_out, not batched) if need_t else None
         return (out_s, out_t) + (None,) * 6
 
 

@@ -2625,3 +2625,50 @@ def test_trl_peer_matches_the_reference_and_leaves_masked_tokens_out(beta):
         # TRL upcasts to float): a loss of 0.09 (logits of spread 0.5) came out 1.05e-7 off, 1.2e-6 of itself
         bound = 1e-6 * abs(float(ref)) + torch.finfo(torch.float32).eps * math.log(s.shape[-1])
         assert abs(float(got) - float(ref)) <= bound, f"{how} beta={beta}: {float(got)} against {float(ref)}"
+
+
+# The usual recipe runs the teacher under torch.inference_mode(): its logits (and labels made there) cannot be
+# saved for backward ("Inference tensors cannot be saved"), which the op did with every input. Each dtype's path:
+# the fused gradient rescaled (float32, bfloat16), recomputed with grad_output folded in (float16), a second
+# backward (retain_graph); a top-k teacher's pair too. The same bits as with ordinary tensors of those values.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=_id)
+@pytest.mark.parametrize("form", ["logits", "topk"])
+def test_a_teacher_and_labels_made_under_inference_mode(device, dtype, form):
+    s = logits((6, 50), dtype, device).requires_grad_()
+    with torch.inference_mode():
+        t = logits((6, 50), dtype, device)
+        lab = torch.randint(0, 50, (6,), device=device).masked_fill(torch.rand(6, device=device) < 0.3, -100)
+        lp, idx = torch.log_softmax(t.float(), -1).topk(7, dim=-1)
+    go = torch.rand(6, device=device) + 0.5
+    found = []
+    for made in ("inference", "ordinary"):
+        tt, ll, ii, pp = (t, lab, idx, lp) if made == "inference" else (x.clone() for x in (t, lab, idx, lp))
+        assert all(x.is_inference() == (made == "inference") for x in (tt, ll, ii, pp))
+        teacher = dict(teacher_logits=tt) if form == "logits" else dict(teacher_topk=(ii, pp))
+        out = K.generalized_jsd(s, **teacher, beta=0.5, labels=ll, reduction="none")
+        (g1,) = torch.autograd.grad(out, s, go, retain_graph=True)
+        (g2,) = torch.autograd.grad(out, s, go)
+        found.append((out.detach(), g1, g2))
+    for a, b in zip(*found):
+        assert torch.equal(a, b)
+    assert (found[0][1][lab == -100] == 0).all() and found[0][1].abs().max() > 0
+
+
+# torch.autograd's batched backward (is_grads_batched=True, jacobian(vectorize=True)) hands backward a grad_output
+# with no storage: the kernels called on it raised "Cannot access data pointer"; now the registered op takes it
+# slice by slice and the fused gradient is scaled out of place. Against PyTorch's autograd of the float64 formula.
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16], ids=_id)
+def test_batched_backward(device, dtype):
+    s = logits((4, 9), dtype, device).requires_grad_()
+    t = logits((4, 9), dtype, device)
+    gos = torch.tensor([1.0, 0.5, -2.0], dtype=torch.float32, device=device)
+    (ours,) = torch.autograd.grad(K.generalized_jsd(s, t, beta=0.5), s, gos, is_grads_batched=True)
+    sr = s.detach().double().requires_grad_()
+    (truth,) = torch.autograd.grad(generalized_jsd_reference(sr, t.double(), beta=0.5), sr, gos.double(),
+                                   is_grads_batched=True)
+    assert ours.shape == (3, 4, 9) and relative_error(ours, truth) <= {torch.float64: 1e-12}.get(dtype, 4e-3)
+    jac = torch.autograd.functional.jacobian(lambda a: K.generalized_jsd(a, t, beta=0.5, reduction="none"),
+                                             s.detach(), vectorize=True)
+    ref = torch.autograd.functional.jacobian(
+        lambda a: generalized_jsd_reference(a, t.double(), beta=0.5, reduction="none"), sr.detach(), vectorize=True)
+    assert jac.shape == (4, 4, 9) and relative_error(jac, ref) <= {torch.float64: 1e-12}.get(dtype, 4e-3)

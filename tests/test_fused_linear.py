@@ -859,3 +859,39 @@ def test_skip_masked_cuda():
     with pytest.raises(RuntimeError, match="skip_masked"):
         with torch.cuda.graph(graph):
             K.fused_linear_generalized_jsd(h, w, student_bias=b, **kw, skip_masked=True)
+
+
+# ------------------------------------------------------------------------------ 7. the usual recipe's modes
+@pytest.mark.parametrize("form", ["hidden", "logits", "topk"])
+def test_a_teacher_and_labels_made_under_inference_mode(device, form):
+    # The usual recipe runs the teacher under torch.inference_mode(); its tensors cannot be saved for backward
+    # ("Inference tensors cannot be saved"), which the op did with every input.
+    h, w, b = leaves(*head((2, 5), 8, 40, torch.float32, device))
+    with torch.inference_mode():
+        t_kw, t_ref = teacher(form, (2, 5), 40, torch.float32, device)
+        lab = labels_for((2, 5), device)
+    assert all(v.is_inference() for v in (*t_kw.values(), lab) if isinstance(v, torch.Tensor))
+    loss = K.fused_linear_generalized_jsd(h, w, student_bias=b, **t_kw, labels=lab, beta=0.5)
+    grads = torch.autograd.grad(loss, [h, w, b], retain_graph=True)
+    again = torch.autograd.grad(loss, [h, w, b])  # (a second backward recomputes from the held inputs)
+    t_ref = {k: (v.clone() if isinstance(v, torch.Tensor) else tuple(x.clone() for x in v)) for k, v in t_ref.items()}
+    ref, ref_grads = reference(h, w, b, t_ref, labels=lab.clone(), beta=0.5)
+    assert_close(loss, ref, 1e-5, "loss")
+    for g, g2, r in zip(grads, again, ref_grads):
+        assert_close(g, r, GRAD_TOL[torch.float32], "grad")
+        assert_close(g2, r, GRAD_TOL[torch.float32], "second grad")
+
+
+def test_skip_masked_under_autocast(device):
+    # Under autocast a bare torch.mm of float32 tensors came out in bfloat16 (or float16), and skip_masked's
+    # index_copy_ of it into the float32 grad hidden failed; the op runs its products in the inputs' dtypes.
+    h, w, b = leaves(*head((12,), 8, 40, torch.float32, device))
+    t_kw, t_ref = teacher("logits", (12,), 40, torch.float32, device)
+    lab = labels_for((12,), device, frac=0.5)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        loss, grads = run(h, w, b, t_kw, labels=lab, skip_masked=True, chunk_size=4)
+    ref, ref_grads = reference(h, w, b, t_ref, labels=lab)
+    assert_close(loss, ref, 1e-5, "loss")
+    for g, r in zip(grads, ref_grads):
+        assert g.dtype == torch.float32
+        assert_close(g, r, GRAD_TOL[torch.float32], "grad")
