@@ -11,20 +11,20 @@ A provider is any callable taking a case's ``args``; it returns a tensor or a tu
 runs the reference on the same inputs upcast to float64 (floating tensors only, recursively in tuples, lists and
 dicts; integer tensors, indices perhaps, reach it as they are) and compares each provider's outputs with it, output
 by output (dicts key by key): the relative error ||out - ref|| / ||ref|| against a tolerance for the output's dtype
-(``TOLERANCE``, overridable; integer and boolean outputs exact, complex ones compared whole), NaN or inf only where
-the reference has them, shapes equal. A norm lets a few wrong elements of a long output through (three of a million,
-each off by its own size, are 2e-3 relative: within bfloat16's tolerance); ``per_element=True`` also holds every
-element to the tolerance times the output's largest reference value, which catches them (a vectorised loop's
-mishandled tail, say). Each call runs ``poisoned``: new tensors start as NaN, so an element the kernel fails to
-write shows up. Every provider and the reference get their own copies of the case's tensors, so one that writes into
-its inputs (or accumulates gradients in them) changes no one else's.
+(``TOLERANCE``, overridable; exact where the reference's output is integer or boolean, complex ones compared whole),
+NaN or inf only where the reference has them, shapes equal. A norm lets a few wrong elements of a long output
+through (three of a million, each off by its own size, are 2e-3 relative: within bfloat16's tolerance);
+``per_element=True`` also holds every element to the tolerance times the output's largest reference value, which
+catches them (a vectorised loop's mishandled tail, say). Each call runs ``poisoned``: new tensors start as NaN, so
+an element the kernel fails to write shows up. Every provider and the reference get their own copies of the case's
+tensors, so one that writes into its inputs (or accumulates gradients in them) changes no one else's.
 
 ``bench`` refuses to time a provider that failed its check: it checks every provider first, against ``reference=``
 or else the reference the cases were last checked with (``check`` records it on each case, with its tolerance and
 per_element, which that check is held to again), unless ``checked=`` hands it the result of a check (of these very
-callables: ``check`` records them) or ``reference=None`` says to time unchecked. Timing follows
-``kldiv_inline.timing`` (CUDA events, L2 flush, input rotation, median and 20/80% quantiles; a wall clock on the
-CPU); the floor is the bytes moved over the read bandwidth of ``kldiv_inline.floors``.
+callables: ``check`` records them on each row, ``check_id``) or ``reference=None`` says to time unchecked. Timing
+follows ``kldiv_inline.timing`` (CUDA events, L2 flush, input rotation, median and 20/80% quantiles; a wall clock on
+the CPU); the floor is the bytes moved over the read bandwidth of ``kldiv_inline.floors``.
 
 The kit's own suites (``kldiv_inline.bench``) go through the same functions.
 """
