@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import struct
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -545,6 +544,9 @@ def check_loss_scale(loss_scale, who: str = "generalized_jsd") -> float:
 # From here up, a double rounds to float32's inf (the midpoint of its largest value and 2^128 rounds to even: up).
 _FLOAT32_OVERFLOW = 2.0**128 - 2.0**103
 _LOG2E = 1.0 / math.log(2.0)
+# From here up to 1, a double rounds to float32's 1 (the midpoint of 1 - 2^-24 and 1 rounds to even: up). Compared,
+# not converted (struct), so that torch.compile traces the check where beta is symbolic (dynamic=True).
+_FLOAT32_ONE_FROM = 1.0 - 2.0**-25
 
 
 def _check_lanes(beta: float, temperature: float, dtype: torch.dtype, who: str) -> None:
@@ -554,7 +556,7 @@ def _check_lanes(beta: float, temperature: float, dtype: torch.dtype, who: str) 
     which every logit is scaled by, inf in float32 (a NaN loss where PyTorch's x / T is finite)."""
     if dtype == torch.float64:
         return
-    if beta < 1.0 and struct.unpack("f", struct.pack("f", beta))[0] == 1.0:
+    if _FLOAT32_ONE_FROM <= beta < 1.0:
         raise ValueError(f"{who}: beta={beta!r} is 1 in float32, the lanes of {dtype} logits, where the JSD's "
                          "1 - beta would be 0: pass beta=1 (reverse KL), a beta further from 1, or float64 logits")
     if _LOG2E / temperature >= _FLOAT32_OVERFLOW:

@@ -1094,6 +1094,17 @@ def test_settings_float32_lanes_cannot_hold(device, dtype):
         assert all(torch.isfinite(g).all() for g in grads)
 
 
+def test_the_lanes_check_traces_with_symbolic_settings():
+    # torch.compile(dynamic=True) makes beta and the temperature symbolic: the check converted beta to float32
+    # (struct), which Dynamo could not trace (a RecursionError), where it compares now.
+    s, t = logits((4, 9), torch.float32, "cpu").requires_grad_(), logits((4, 9), torch.float32, "cpu")
+    step = torch.compile(lambda s, t, b, temp: K.generalized_jsd(s, t, beta=b, temperature=temp), fullgraph=True,
+                         dynamic=True)
+    for beta, temperature in ((0.5, 2.0), (0.3, 1.5)):
+        ref = generalized_jsd_reference(s, t, beta=beta, temperature=temperature)
+        assert_close(step(s, t, beta, temperature), ref, LOSS_TOL[torch.float32], "loss")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
 @pytest.mark.parametrize("beta", [0.3, 0.5, 0.9])
 def test_jsd_gradient_of_small_logits_that_nearly_agree(device, dtype, beta):
