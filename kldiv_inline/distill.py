@@ -180,16 +180,29 @@ def save_inputs(ctx, *tensors) -> None:
     """ctx.save_for_backward(*tensors), except inference tensors (a teacher run under torch.inference_mode, the
     usual distillation recipe, or labels made there), which cannot be saved for backward ("Inference tensors
     cannot be saved") and cannot change outside inference mode either: those are held as they are (saved_inputs
-    gives every one back)."""
+    gives every one back). Unlike saved tensors they have no version counter: one changed in place under
+    inference mode before a backward that reads the inputs again (float16's, a second one) goes unnoticed."""
     held = tuple(t if isinstance(t, Tensor) and t.is_inference() else None for t in tensors)
     ctx.held_inputs = held if any(h is not None for h in held) else None
     ctx.save_for_backward(*(None if h is not None else t for t, h in zip(tensors, held)))
 
 
+def keep_graph() -> bool:
+    """Whether the backward running now keeps its graph (retain_graph=True): where it does not, what a ctx holds
+    outside save_for_backward is let go once read, as saved tensors are (a teacher held while the loss lived, a
+    logged loss kept one per step). True where torch says nothing (a private function of its autograd)."""
+    get = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if get is None else bool(get())
+
+
 def saved_inputs(ctx) -> tuple:
-    """The tensors save_inputs was given, in its order."""
+    """The tensors save_inputs was given, in its order (the held ones let go unless the graph is kept)."""
     saved, held = ctx.saved_tensors, ctx.held_inputs
-    return saved if held is None else tuple(t if h is None else h for t, h in zip(saved, held))
+    if held is None:
+        return saved
+    if not keep_graph():
+        ctx.held_inputs = None
+    return tuple(t if h is None else h for t, h in zip(saved, held))
 
 
 def _save_context(ctx, inputs, gs: Tensor | None, gt: Tensor | None) -> None:
@@ -240,6 +253,8 @@ def _backward(ctx, grad_out, _g_student, _g_teacher):
         # partitioner would move into the forward, beside the forward's own kernel (see _loss_impl).
         grad = _grad_op if tracing else _grad_impl
         out_s, out_t = grad(student, teacher, topk_idx, topk_lp, labels, *ctx.args, grad_out, need_s, need_t)
+        if not torch.compiler.is_compiling() and type(grad_out) is Tensor and not keep_graph():
+            ctx.fused = (None, None)  # (a batched backward's: the fused gradients unread, let go with the graph)
         return (out_s if need_s else None, out_t if need_t else None) + (None,) * 10
     if gs is None and gt is None or (need_s and gs is None) or (need_t and gt is None):
         # A second backward (retain_graph=True), or none was fused (torch.compile's loss op run by backend="eager"):
@@ -707,7 +722,9 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     summed in float64 from the given float32 (float64) log-probabilities, so a teacher whose k tokens hold all but
     ~1e-5 of its mass still has its tail to float32 precision.
 
-    Gradients flow to the student's logits, and to the teacher's logits when they require grad. A padded
+    Gradients flow to the student's logits, and to the teacher's logits when they require grad. A teacher (and
+    labels) made under ``torch.inference_mode()`` is taken as it is in eager mode; under torch.compile AOTAutograd
+    saves it for backward itself, which PyTorch refuses: make it under ``torch.no_grad()`` there, or clone it. A padded
     vocabulary is legal whatever the padding holds (-inf, -1e10, the dtype's lowest value): it holds no mass. A
     token whose student or teacher row is no distribution (a NaN or +inf logit, every logit -inf) has a NaN loss
     for every beta, as PyTorch's.

@@ -49,6 +49,7 @@ from .distill import (
     _validate_topk,
     check_loss_scale,
     is_topk_pair,
+    keep_graph,
     refuse_transforms,
     save_inputs,
     saved_inputs,
@@ -344,6 +345,8 @@ def _backward(ctx, grad_loss, *_grads_of_gradients):
         in_place = False
     elif tracing:
         in_place = False  # torch.compile: the forward's outputs, scaled out of place in the graph
+        if not torch.compiler.is_compiling() and not keep_graph():
+            ctx.fused = None  # (a batched backward's: let go with the graph)
     else:
         ctx.fused = None  # rescaled in place once; a second backward recomputes
         in_place = True

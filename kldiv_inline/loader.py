@@ -728,6 +728,9 @@ def _absolute_flags(flags: Sequence[str], options: Sequence[str], nvcc: bool = F
     def absolute(opt: str, value: str) -> str:
         out = []
         for v in value.split(",") if nvcc else [value]:
+            if nvcc and v.startswith("=") and _relative_path(v[1:]) and shlex.quote(v[1:]) == v[1:]:
+                out.append("=" + str(Path(v[1:]).resolve()))  # (nvcc: "-I=dir" is "-I dir", read in the build folder)
+                continue
             if _relative_path(v) and shlex.quote(v) == v:  # (a plain path: quoted ones are left as given)
                 forced = _NVCC_LONG_FLAGS.get(opt, opt) in _FORCED_INCLUDE_FLAGS
                 if not forced or Path(v).is_file():  # (a forced include may lie in a search folder instead)
@@ -740,14 +743,16 @@ def _absolute_flags(flags: Sequence[str], options: Sequence[str], nvcc: bool = F
         # it for the shell, so a relative one there is refused rather than left for the build folder to miss.
         words = _shell_words([f])
         if len(words) > 1 or words != [f]:
-            paths = [v for _, value in _flag_values(words, options) for v in (value.split(",") if nvcc else [value])]
+            # (a value may hold words of its own: "-Xcompiler '-I /usr/include/x'" gives -I " /usr/include/x")
+            paths = [v.strip() for _, value in _flag_values(_shell_words(words), options)
+                     for v in (value.split(",") if nvcc else [value])]
             if files:
                 paths += [w for w in words if not w.startswith("-") and Path(w).is_file()]
-            bad = [v for v in paths if _relative_path(v)]
+            bad = [v for v in paths if _relative_path(v.removeprefix("=") if nvcc else v)]
             if bad:
-                raise ValueError(f"the flag {f!r} names the relative path {bad[0]!r} inside several shell words: the "
-                                 "compiler runs in the build folder, so give it as separate flags "
-                                 f"([..., {bad[0]!r}]) or as an absolute path")
+                raise ValueError(f"the flag {f!r} names the relative path {bad[0]!r} inside quotes or several shell "
+                                 "words, which the loader does not rewrite: the compiler runs in the build folder, "
+                                 "so give an absolute path (or the path plainly as a flag of its own)")
     out, flags, i = [], list(flags), 0
     while i < len(flags):
         f = flags[i]
@@ -781,6 +786,7 @@ def _flag_search(flags: Sequence[str], nvcc: bool = False) -> tuple[list[Path], 
     for opt, value in _flag_values(_shell_words(flags), options):
         opt = _NVCC_LONG_FLAGS.get(opt, opt)
         for v in value.split(",") if nvcc else [value]:
+            v = v.strip()  # (a value that held words of its own, inside -Xcompiler '...')
             if nvcc and v.startswith("="):
                 v = v[1:]  # (nvcc: "-I=dir" is "-I dir")
             elif v.startswith(("=", "$")) or v in ("", "-"):

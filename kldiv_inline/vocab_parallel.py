@@ -294,8 +294,8 @@ class _VocabParallelDivergence(torch.autograd.Function):
         gs, gt = ctx.fused
         if (need_s and gs is None) or (need_t and gt is None):  # a second backward: compute them again
             _, gs, gt = _run(student, teacher, idx, lp, labels, ctx.settings, need_s, need_t)
-        if not batched:
-            ctx.fused = (None, None)  # rescaled in place below: a later backward recomputes
+        if not batched or not distill.keep_graph():
+            ctx.fused = (None, None)  # rescaled in place below (or let go with the graph): a later one recomputes
         grad_out = grad_out.to(distill._acc_dtype(student.dtype))
         out_s = distill._scaled(gs, grad_out, not batched) if need_s else None
         out_t = distill._scaled(gt, grad_out, not batched) if need_t else None

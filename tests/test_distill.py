@@ -11,6 +11,7 @@ import math
 import re
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -2663,6 +2664,15 @@ def test_a_teacher_and_labels_made_under_inference_mode(device, dtype, form):
     for a, b in zip(*found):
         assert torch.equal(a, b)
     assert (found[0][1][lab == -100] == 0).all() and found[0][1].abs().max() > 0
+    # Held outside save_for_backward, the teacher is let go by a backward that frees the graph, as a saved tensor
+    # is: a loss kept after its step (logged) held its teacher's logits.
+    with torch.inference_mode():
+        t2 = logits((6, 50), dtype, device)
+    alive = weakref.ref(t2)
+    out = K.generalized_jsd(s, t2, beta=0.5)
+    out.backward()
+    del t2
+    assert alive() is None and out is not None
 
 
 # torch.autograd's batched backward (is_grads_batched=True, jacobian(vectorize=True)) hands backward a grad_output

@@ -1260,11 +1260,19 @@ def test_flag_spellings_that_are_not_relative_paths(tmp_path, cache, monkeypatch
     (tmp_path / "eq.cpp").write_text(capi_module("EQ", prelude='#include "eq.h"'))
     assert kldiv_inline.load_sources([tmp_path / "eq.cpp"], extra_cflags=["--sysroot=/", f"-I={inc}"]).value() == 3
     for flags in (["-I inc"], ["-Iinc -Wall"], ["-I'inc'"]):
-        with pytest.raises(ValueError, match="relative path 'inc' inside several shell words"):
+        with pytest.raises(ValueError, match="relative path 'inc' inside quotes or several shell words"):
             kldiv_inline.load_sources([tmp_path / "eq.cpp"], extra_cflags=flags)
+    options = loader._SEARCH_DIR_FLAGS + loader._FORCED_INCLUDE_FLAGS
     assert loader._absolute_flags(["-gencode=arch=compute_90,code=sm_90", "-Xcompiler", "-fopenmp", "-DNAME=v",
-                                   "-I-"], loader._SEARCH_DIR_FLAGS + loader._FORCED_INCLUDE_FLAGS, nvcc=True) == \
+                                   "-I-"], options, nvcc=True) == \
         ["-gencode=arch=compute_90,code=sm_90", "-Xcompiler", "-fopenmp", "-DNAME=v", "-I-"]
+    # nvcc's -I=dir is -I dir, read in the build folder: made absolute (gcc's, under the sysroot, is not).
+    assert loader._absolute_flags(["-I=inc"], options, nvcc=True) == [f"-I={inc}"]
+    assert loader._absolute_flags(["-I=inc"], options) == ["-I=inc"]
+    # An absolute folder inside a host-compiler option string is no relative path ("-I /usr/..." was read
+    # as the path " /usr/...").
+    for flag in ("-Xcompiler '-I /usr/include'", "--compiler-options '-isystem /usr/include'"):
+        assert loader._absolute_flags([flag], options, nvcc=True) == [flag]
 
 
 def test_a_compiler_message_that_is_not_utf8_is_a_build_error(tmp_path, cache):
