@@ -19,6 +19,7 @@ grad_output folded in.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import threading
@@ -196,13 +197,22 @@ def keep_graph() -> bool:
 
 
 def saved_inputs(ctx) -> tuple:
-    """The tensors save_inputs was given, in its order (the held ones let go unless the graph is kept)."""
+    """The tensors save_inputs was given, in its order."""
     saved, held = ctx.saved_tensors, ctx.held_inputs
-    if held is None:
-        return saved
-    if not keep_graph():
-        ctx.held_inputs = None
-    return tuple(t if h is None else h for t, h in zip(saved, held))
+    return saved if held is None else tuple(t if h is None else h for t, h in zip(saved, held))
+
+
+def releases_held(backward: Callable) -> Callable:
+    """A backward that lets go of save_inputs' held tensors once it has succeeded, unless the graph is kept (a
+    backward that raises leaves them for a retry, as PyTorch leaves saved tensors; under torch.compile's traced
+    backward nothing is let go: keep_graph is not traceable)."""
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        out = backward(ctx, *grads)
+        if getattr(ctx, "held_inputs", None) is not None and not torch.compiler.is_compiling() and not keep_graph():
+            ctx.held_inputs = None
+        return out
+    return run
 
 
 def _save_context(ctx, inputs, gs: Tensor | None, gt: Tensor | None) -> None:
@@ -268,7 +278,7 @@ def _backward(ctx, grad_out, _g_student, _g_teacher):
     return (out_s, out_t) + (None,) * 10
 
 
-_forward_op.register_autograd(_backward, setup_context=_setup_context)
+_forward_op.register_autograd(releases_held(_backward), setup_context=_setup_context)
 
 
 def _loss_impl(student: Tensor, teacher: Tensor | None, topk_idx: Tensor | None, topk_lp: Tensor | None,
@@ -302,7 +312,7 @@ def _loss_backward(ctx, grad_out):
     return _backward(ctx, grad_out, None, None)
 
 
-_loss_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
+_loss_op.register_autograd(releases_held(_loss_backward), setup_context=_loss_setup_context)
 
 
 class _EagerForward(torch.autograd.Function):
@@ -323,6 +333,7 @@ class _EagerForward(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @releases_held
     def backward(ctx, grad_out):
         return _backward(ctx, grad_out, None, None)
 

@@ -51,6 +51,7 @@ from .distill import (
     is_topk_pair,
     keep_graph,
     refuse_transforms,
+    releases_held,
     save_inputs,
     saved_inputs,
 )
@@ -357,7 +358,7 @@ def _backward(ctx, grad_loss, *_grads_of_gradients):
     return (*out,) + (None,) * (_N_INPUTS - 3)
 
 
-_fused_op.register_autograd(_backward, setup_context=_setup_context)
+_fused_op.register_autograd(releases_held(_backward), setup_context=_setup_context)
 
 
 # ------------------------------------------------------------------------------------------ front end

@@ -728,14 +728,13 @@ def _absolute_flags(flags: Sequence[str], options: Sequence[str], nvcc: bool = F
     def absolute(opt: str, value: str) -> str:
         out = []
         for v in value.split(",") if nvcc else [value]:
-            if nvcc and v.startswith("=") and _relative_path(v[1:]) and shlex.quote(v[1:]) == v[1:]:
-                out.append("=" + str(Path(v[1:]).resolve()))  # (nvcc: "-I=dir" is "-I dir", read in the build folder)
-                continue
+            eq = "=" if nvcc and v.startswith("=") else ""  # (nvcc: "-I=dir" is "-I dir", read in the build folder)
+            v = v[len(eq):]
             if _relative_path(v) and shlex.quote(v) == v:  # (a plain path: quoted ones are left as given)
                 forced = _NVCC_LONG_FLAGS.get(opt, opt) in _FORCED_INCLUDE_FLAGS
                 if not forced or Path(v).is_file():  # (a forced include may lie in a search folder instead)
                     v = str(Path(v).resolve())
-            out.append(v)
+            out.append(eq + v)
         return ",".join(out)
 
     for f in flags:

@@ -275,6 +275,7 @@ class _VocabParallelDivergence(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @distill.releases_held
     def backward(ctx, grad_out):
         if grad_out is None:
             return (None,) * 8

@@ -1269,6 +1269,10 @@ def test_flag_spellings_that_are_not_relative_paths(tmp_path, cache, monkeypatch
     # nvcc's -I=dir is -I dir, read in the build folder: made absolute (gcc's, under the sysroot, is not).
     assert loader._absolute_flags(["-I=inc"], options, nvcc=True) == [f"-I={inc}"]
     assert loader._absolute_flags(["-I=inc"], options) == ["-I=inc"]
+    # A forced include spelled -include=name stays as given unless it is a file here (a search folder may hold it).
+    nvcc_options = options + tuple(loader._NVCC_LONG_FLAGS)
+    assert loader._absolute_flags(["-include=eq.h", "--pre-include=eq.h"], nvcc_options, nvcc=True) == \
+        ["-include=eq.h", "--pre-include=eq.h"]
     # An absolute folder inside a host-compiler option string is no relative path ("-I /usr/..." was read
     # as the path " /usr/...").
     for flag in ("-Xcompiler '-I /usr/include'", "--compiler-options '-isystem /usr/include'"):

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pandas as pd
@@ -1340,3 +1341,28 @@ def test_checksum_sees_changes_whose_position_weighted_sums_agree():
         weights = torch.arange(1, a.numel() + 1)
         assert not torch.equal(a, b) and int(((a - b).reshape(-1) * weights).sum()) == 0
         assert VP._checksum(a) != VP._checksum(b), (a, b)
+
+
+def _inference_teacher_body(rank, world, device, seed):
+    # A teacher made under inference mode, held outside save_for_backward: a backward that raises (float16's
+    # batched one, refused) keeps it for the retry; one that succeeds lets it go with the graph.
+    torch.manual_seed(seed)
+    group = dist.group.WORLD
+    s = torch.randn(5, 9, device=device).to(torch.float16).requires_grad_()
+    with torch.inference_mode():
+        t = torch.randn(5, 9, device=device).to(torch.float16)
+    alive = weakref.ref(t)
+    out = K.generalized_jsd(s, t, beta=0.5, group=group)
+    with pytest.raises(NotImplementedError, match="batched backward"):
+        torch.autograd.grad(out, s, torch.tensor([1.0, 2.0], device=device), is_grads_batched=True,
+                            retain_graph=False)
+    (g,) = torch.autograd.grad(out, s)
+    want = K.generalized_jsd(s, t.clone(), beta=0.5, group=group)
+    (ref,) = torch.autograd.grad(want, s)
+    assert torch.equal(g, ref)
+    del t
+    assert alive() is None and out is not None
+
+
+def test_an_inference_teacher_survives_a_refused_backward_and_is_let_go_after():
+    spawn(_inference_teacher_body, 1, int(torch.randint(0, 2**31, ())))
