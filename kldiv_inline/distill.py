@@ -191,9 +191,17 @@ def save_inputs(ctx, *tensors) -> None:
 def keep_graph() -> bool:
     """Whether the backward running now keeps its graph (retain_graph=True): where it does not, what a ctx holds
     outside save_for_backward is let go once read, as saved tensors are (a teacher held while the loss lived, a
-    logged loss kept one per step). True where torch says nothing (a private function of its autograd)."""
+    logged loss kept one per step). True where torch says nothing (a private function of its autograd) and while
+    torch.compile traces a backward (the function cannot be traced: nothing is let go there)."""
     get = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return True if get is None else bool(get())
+    return True if get is None or torch.compiler.is_compiling() else bool(get())
+
+
+def batched_grad(grad: Tensor) -> bool:
+    """A grad_output of torch.autograd's batched backward (is_grads_batched=True, jacobian(vectorize=True)): no
+    storage a kernel could read, so the registered ops take it slice by slice and fused gradients are scaled out
+    of place."""
+    return torch._C._functorch.is_legacy_batchedtensor(grad)
 
 
 def saved_inputs(ctx) -> tuple:
@@ -204,12 +212,11 @@ def saved_inputs(ctx) -> tuple:
 
 def releases_held(backward: Callable) -> Callable:
     """A backward that lets go of save_inputs' held tensors once it has succeeded, unless the graph is kept (a
-    backward that raises leaves them for a retry, as PyTorch leaves saved tensors; under torch.compile's traced
-    backward nothing is let go: keep_graph is not traceable)."""
+    backward that raises leaves them for a retry, as PyTorch leaves saved tensors)."""
     @functools.wraps(backward)
     def run(ctx, *grads):
         out = backward(ctx, *grads)
-        if getattr(ctx, "held_inputs", None) is not None and not torch.compiler.is_compiling() and not keep_graph():
+        if getattr(ctx, "held_inputs", None) is not None and not keep_graph():
             ctx.held_inputs = None
         return out
     return run
@@ -255,15 +262,14 @@ def _backward(ctx, grad_out, _g_student, _g_teacher):
     need_t = ctx.needs_input_grad[1] and ctx.wanted[1]
     gs, gt = ctx.fused
     # (a batched backward's grad_out, is_grads_batched=True: the registered op takes it slice by slice)
-    tracing = (torch.compiler.is_compiling() or type(grad_out) is not Tensor
-               or torch._C._functorch.is_legacy_batchedtensor(grad_out))
+    tracing = torch.compiler.is_compiling() or type(grad_out) is not Tensor or batched_grad(grad_out)
     if not _fuses(student.dtype) or tracing:
         # The gradients with grad_out folded in: float16's every time (see _fuses), and a traced backward's, which
         # cannot rescale a fused gradient in place, and whose recomputation of one (it reads no grad_out) the
         # partitioner would move into the forward, beside the forward's own kernel (see _loss_impl).
         grad = _grad_op if tracing else _grad_impl
         out_s, out_t = grad(student, teacher, topk_idx, topk_lp, labels, *ctx.args, grad_out, need_s, need_t)
-        if not torch.compiler.is_compiling() and type(grad_out) is Tensor and not keep_graph():
+        if type(grad_out) is Tensor and not keep_graph():
             ctx.fused = (None, None)  # (a batched backward's: the fused gradients unread, let go with the graph)
         return (out_s if need_s else None, out_t if need_t else None) + (None,) * 10
     if gs is None and gt is None or (need_s and gs is None) or (need_t and gt is None):

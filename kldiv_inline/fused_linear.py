@@ -47,6 +47,7 @@ from .distill import (
     _rows,
     _scaled,
     _validate_topk,
+    batched_grad,
     check_loss_scale,
     is_topk_pair,
     keep_graph,
@@ -337,8 +338,7 @@ def _backward(ctx, grad_loss, *_grads_of_gradients):
     saved = saved_inputs(ctx)
     need = [ctx.needs_input_grad[i] and ctx.wanted[i] for i in range(3)]
     # (a batched backward's grad_loss, is_grads_batched=True, has no storage: scaled out of place too)
-    tracing = (torch.compiler.is_compiling() or type(grad_loss) is not Tensor
-               or torch._C._functorch.is_legacy_batchedtensor(grad_loss))
+    tracing = torch.compiler.is_compiling() or type(grad_loss) is not Tensor or batched_grad(grad_loss)
     fused = ctx.fused
     if fused is None:
         # A second backward (retain_graph=True): compute the gradients again, out of place.
@@ -346,7 +346,7 @@ def _backward(ctx, grad_loss, *_grads_of_gradients):
         in_place = False
     elif tracing:
         in_place = False  # torch.compile: the forward's outputs, scaled out of place in the graph
-        if not torch.compiler.is_compiling() and not keep_graph():
+        if not keep_graph():
             ctx.fused = None  # (a batched backward's: let go with the graph)
     else:
         ctx.fused = None  # rescaled in place once; a second backward recomputes

@@ -678,15 +678,15 @@ _FORCED_INCLUDE_FLAGS = ("-include", "-imacros")
 _NVCC_LONG_FLAGS = {"--include-path": "-I", "--system-include": "-isystem", "--pre-include": "-include"}
 
 
-def _flag_values(flags: Sequence[str], options: Sequence[str]) -> list[tuple[str, str]]:
-    """(option, value) for each of these options in flags, given as ``-opt value`` or ``-optvalue`` (a long
-    ``--opt`` also as ``--opt=value``)."""
+def _split_flags(flags: Sequence[str], options: Sequence[str]) -> list[tuple[str | None, str, str]]:
+    """Each of the flags as (option, value, joint) where one of ``options`` takes a value: given as ``-opt value``
+    (joint " "), ``-optvalue`` ("") or a long ``--opt=value`` ("="); any other flag as (None, the flag, "")."""
     out, flags, i = [], list(flags), 0
     while i < len(flags):
         f = flags[i]
         for opt in options:
             if f == opt and i + 1 < len(flags):
-                out.append((opt, flags[i + 1]))
+                out.append((opt, flags[i + 1], " "))
                 i += 1  # the value is not a flag of its own
                 break
             if f.startswith(opt) and len(f) > len(opt):
@@ -694,11 +694,19 @@ def _flag_values(flags: Sequence[str], options: Sequence[str]) -> list[tuple[str
                 if opt.startswith("--"):
                     if not value.startswith("="):
                         continue  # another long option that starts alike
-                    value = value[1:]
-                out.append((opt, value))
+                    out.append((opt, value[1:], "="))
+                else:
+                    out.append((opt, value, ""))
                 break
+        else:
+            out.append((None, f, ""))
         i += 1
     return out
+
+
+def _flag_values(flags: Sequence[str], options: Sequence[str]) -> list[tuple[str, str]]:
+    """(option, value) for each of these options in flags (_split_flags' spellings)."""
+    return [(opt, value) for opt, value, _ in _split_flags(flags, options) if opt is not None]
 
 
 def _shell_words(flags: Sequence[str]) -> list[str]:
@@ -752,27 +760,15 @@ def _absolute_flags(flags: Sequence[str], options: Sequence[str], nvcc: bool = F
                 raise ValueError(f"the flag {f!r} names the relative path {bad[0]!r} inside quotes or several shell "
                                  "words, which the loader does not rewrite: the compiler runs in the build folder, "
                                  "so give an absolute path (or the path plainly as a flag of its own)")
-    out, flags, i = [], list(flags), 0
-    while i < len(flags):
-        f = flags[i]
-        for opt in options:
-            if f == opt and i + 1 < len(flags):
-                out += [f, absolute(opt, flags[i + 1])]
-                i += 1
-                break
-            if f.startswith(opt) and len(f) > len(opt):
-                value = f[len(opt):]
-                if opt.startswith("--"):
-                    if not value.startswith("="):
-                        continue  # another long option that starts alike
-                    out.append(f"{opt}={absolute(opt, value[1:])}")
-                else:
-                    out.append(opt + absolute(opt, value))
-                break
+    out = []
+    for opt, value, joint in _split_flags(flags, options):
+        if opt is None:
+            plain = files and not value.startswith("-") and shlex.quote(value) == value and not os.path.isabs(value)
+            out.append(str(Path(value).resolve()) if plain and Path(value).is_file() else value)
+        elif joint == " ":
+            out += [opt, absolute(opt, value)]
         else:
-            plain = files and not f.startswith("-") and shlex.quote(f) == f and not os.path.isabs(f)
-            out.append(str(Path(f).resolve()) if plain and Path(f).is_file() else f)
-        i += 1
+            out.append(opt + joint + absolute(opt, value))
     return out
 
 

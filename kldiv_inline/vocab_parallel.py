@@ -284,7 +284,7 @@ class _VocabParallelDivergence(torch.autograd.Function):
         need_s, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # A batched backward's grad_out (is_grads_batched=True) has no storage a kernel could read: the fused
         # gradients are scaled out of place (and kept); float16's folded run cannot take it.
-        batched = torch._C._functorch.is_legacy_batchedtensor(grad_out)
+        batched = distill.batched_grad(grad_out)
         if not distill._fuses(student.dtype):
             if batched:
                 raise NotImplementedError("generalized_jsd with group=: a batched backward (is_grads_batched=True, "
