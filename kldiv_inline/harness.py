@@ -172,14 +172,9 @@ def _case_device(args: tuple) -> torch.device:
     return tensors[0].device if tensors else torch.device("cpu")
 
 
-def _device(args: tuple) -> str:
-    return _case_device(args).type
-
-
-def _on_device_of(args: tuple):
-    """The GPU of the case's tensors made the current one, where the events, the L2 flush, the poisoned
-    allocator and the floor act (a case on cuda:1 was timed by events on cuda:0's stream); on the CPU, nothing."""
-    device = _case_device(args)
+def _on_device(device: torch.device):
+    """A case's GPU (_case_device) made the current one, where the events, the L2 flush, the poisoned allocator
+    and the floor act (a case on cuda:1 was timed by events on cuda:0's stream); on the CPU, nothing."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
@@ -371,10 +366,11 @@ def check(providers: Mapping[str, Callable | None], reference: Callable, cases: 
     prepare = _prepare(setup)
     rows = []
     for case in cases:
-        with _on_device_of(case.args):
+        where = _case_device(case.args)
+        with _on_device(where):
             case.reference = reference
             case.checked_with = {"tolerance": tolerance, "per_element": per_element}
-            device = _device(case.args)
+            device = where.type
             ref = _run_reference(reference, prepare, case)
             for name, fn in providers.items():
                 row = {"provider": name, "case": case.name, **case.meta, "device": device}
@@ -560,11 +556,10 @@ def _peak_mib(fn: Callable, args: tuple, device: str) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def _bench_case(case: Case, providers, verdicts, prepare, flushes, *, bytes_moved, floor, timer, reps, warmup,
-                measure_memory, inference_mode) -> list[dict]:
-    """bench's rows of one case, on the case's device (the current one)."""
+def _bench_case(case: Case, device: str, providers, verdicts, prepare, flushes, *, bytes_moved, floor, timer, reps,
+                warmup, measure_memory, inference_mode) -> list[dict]:
+    """bench's rows of one case, on the case's device (``device``'s type; the current one)."""
     rows = []
-    device = _device(case.args)
     case_timer = ("cuda" if device == "cuda" else "wall") if timer == "auto" else timer
     if case_timer == "cuda" and device != "cuda":
         raise ValueError(f"case {case.name!r}: timer='cuda' needs inputs on a CUDA device")
@@ -652,9 +647,10 @@ def bench(providers: Mapping[str, Callable | None], cases: Sequence[Case], *,
     flushes: dict[tuple, timing.L2Flush] = {}
     rows = []
     for case in cases:
-        with _on_device_of(case.args):
-            rows += _bench_case(case, providers, verdicts, prepare, flushes, bytes_moved=bytes_moved, floor=floor,
-                                timer=timer, reps=reps, warmup=warmup, measure_memory=measure_memory,
+        where = _case_device(case.args)
+        with _on_device(where):
+            rows += _bench_case(case, where.type, providers, verdicts, prepare, flushes, bytes_moved=bytes_moved,
+                                floor=floor, timer=timer, reps=reps, warmup=warmup, measure_memory=measure_memory,
                                 inference_mode=inference_mode)
     columns = BENCH_COLUMNS + (["peak_mib"] if measure_memory else [])
     return _frame(rows, columns, cases)
