@@ -320,6 +320,22 @@ def _(hidden, weight, bias, t_hidden, t_weight, t_bias, t_logits, topk_idx, topk
 _N_INPUTS = 24
 
 
+@torch.library.custom_op("kldiv_inline::fused_linear_scale", mutates_args=())
+def _traced_scale(grad: Tensor, factor: Tensor, anchors: list[Tensor]) -> Tensor:
+    """``grad * factor`` out of place, for torch.compile's traced backward. ``anchors``: the inputs whose gradient
+    ``grad`` is, not read. The gradients were written by the forward and have no graph of their own; scaled by a
+    plain multiplication, the compiled backward read nothing but them and grad_loss, so AOTAutograd ran a double
+    backward (create_graph=True) through it and a penalty on the gradient lost its terms in the inputs without a
+    word. Taking the inputs ties the compiled backward to them, and this op has no autograd: a double backward
+    now meets AOTAutograd's refusal, as the eager path's _refuse_double_backward."""
+    return _scaled(grad, factor, False)
+
+
+@_traced_scale.register_fake
+def _(grad, factor, anchors):
+    return grad.new_empty(grad.shape)
+
+
 def _setup_context(ctx, inputs, output):
     save_inputs(ctx, *inputs[:10])
     ctx.args = inputs[10:21]  # (ignore_index ... whole)
@@ -352,9 +368,11 @@ def _backward(ctx, grad_loss, *_grads_of_gradients):
         ctx.fused = None  # rescaled in place once; a second backward recomputes
         in_place = True
     factor = grad_loss.to(_acc_dtype(saved[0].dtype))
+    anchors = [t for t, ok in zip(saved[:3], need) if ok]
     # As 2-d rows for _scaled (sizes, not -1: a hidden size of 0 leaves -1 ambiguous); the bias's as one row.
-    out = [_scaled(g.view(g.shape[0] if g.dim() > 1 else 1, g.shape[-1]), factor, in_place).view(g.shape)
-           if ok else None for g, ok in zip(fused, need)]
+    out = [(_traced_scale(g2, factor, anchors) if torch.compiler.is_compiling() else _scaled(g2, factor, in_place))
+           .view(g.shape) if ok else None
+           for g, ok in zip(fused, need) for g2 in (g.view(g.shape[0] if g.dim() > 1 else 1, g.shape[-1]),)]
     return (*out,) + (None,) * (_N_INPUTS - 3)
 
 

@@ -631,6 +631,11 @@ def test_opcheck(device):
                                None, False, -1, -1, False, True, True))
     torch.library.opcheck(op, (h, w, b, th, tw, None, None, None, None, lab, -100, 0.5, 2.0, True, 1.0, 4, None,
                                None, True, -1, -1, True, True, True))  # skip_masked
+    # the traced backward's scaling (no autograd of its own: a double backward through it is refused)
+    scale = torch.ops.kldiv_inline.fused_linear_scale.default
+    torch.library.opcheck(scale, (torch.randn(6, 8, device=device), torch.tensor(0.5, device=device),
+                                  [h.detach(), w.detach()]),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
 
 @pytest.mark.slow
@@ -653,6 +658,25 @@ def test_torch_compile_fullgraph(device):
     assert_close(loss, ref * 0.5, 2e-6, "loss")
     for g, r in zip(grads, rgrads):
         assert_close(g, r, GRAD_TOL[torch.float32], "grad")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrt", ["hidden", "weight"])
+def test_torch_compile_refuses_double_backward(device, wrt):
+    # The traced backward scaled the forward's gradients (no graph of their own) by a plain multiplication, so
+    # AOTAutograd ran create_graph=True through it and a penalty on the gradient lost its terms without a word
+    # (the second-order gradient came out as if the penalty were not there). Now it refuses, as the eager path.
+    h, w, _ = leaves(*head((4,), 8, 20, torch.float32, device, bias=False))
+    th, tw, _ = head((4,), 8, 20, torch.float32, device, bias=False)
+    x = h if wrt == "hidden" else w
+    (h if wrt == "weight" else w).requires_grad_(False)
+    torch._dynamo.reset()
+    # (AOTAutograd's cache can serve a backward traced from older code of this package: trace it afresh)
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled = torch.compile(lambda a, b: K.fused_linear_generalized_jsd(a, b, th, tw, beta=0.5), fullgraph=True)
+        (g,) = torch.autograd.grad(compiled(h, w), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad((g**2).sum() + x.sum(), x)
 
 
 # ------------------------------------------------------------------------------------------- 6. errors
