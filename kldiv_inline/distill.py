@@ -257,6 +257,7 @@ def _backward(ctx, grad_out, _g_student, _g_teacher):
     if grad_out is None:
         return (None,) * 12
     _refuse_double_backward("generalized_jsd")
+    grad_out = grad_out.resolve_neg()  # (a negative view: see _rows)
     student, teacher, topk_idx, topk_lp, labels = saved_inputs(ctx)
     need_s = ctx.needs_input_grad[0] and ctx.wanted[0]
     need_t = ctx.needs_input_grad[1] and ctx.wanted[1]
@@ -356,7 +357,10 @@ def _check_number(name: str, value, low: float, high: float, low_open: bool, who
 
 
 def _rows(x: Tensor, vocab: int) -> Tensor:
-    """[..., V] -> [rows, V] with unit stride along the vocabulary (a view where possible)."""
+    """[..., V] -> [rows, V] with unit stride along the vocabulary (a view where possible). A negative view
+    (x.conj().imag of a complex x: a negation PyTorch applies when its ops read it) is resolved first, since the
+    kernels read the memory itself (a no-op for every other tensor)."""
+    x = x.resolve_neg()
     x2 = x if x.dim() == 2 else x.reshape(-1, vocab)  # (rows already: no reshape call on the step's host path)
     if x2.stride(-1) == 1:
         return x2
@@ -399,6 +403,7 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, 
         raise ValueError(f"{who}: the top-k teacher must be on the logits' device")
     if lp.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"{who}: no gradient flows to a top-k teacher's log-probabilities; detach them")
+    lp = lp.resolve_neg()  # (a negative view: see _rows)
     acc = _acc_dtype(student.dtype)
     # float64 log-probabilities are prepared in float64 whatever the lanes, then rounded: the tail, 1 - the sum of
     # the k probabilities, is then that of the values given (from their float32 roundings, reverse KL's per-token
@@ -789,12 +794,12 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     contiguous slice of both logits in rank order (``kldiv_inline.vocab_parallel``); the loss is the global one
     on every rank, the gradients are each rank's slice's; ``teacher_topk``'s indices are then global.
     """
-    loss_scale = check_loss_scale(loss_scale)
-    if group is not None:
+    if group is not None:  # (loss_scale checked there, where a rank that refuses it tells the others)
         from .vocab_parallel import generalized_jsd_vocab_parallel
         return generalized_jsd_vocab_parallel(student_logits, teacher_logits, teacher_topk=teacher_topk, beta=beta,
                                               temperature=temperature, labels=labels, ignore_index=ignore_index,
                                               reduction=reduction, group=group, loss_scale=loss_scale)
+    loss_scale = check_loss_scale(loss_scale)
     args, lead, check = _prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, labels,
                                  ignore_index, reduction, defer_check=True)
     student, teacher = args[0], args[1]

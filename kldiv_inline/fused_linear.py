@@ -351,6 +351,7 @@ def _backward(ctx, grad_loss, *_grads_of_gradients):
     if grad_loss is None:
         return (None,) * _N_INPUTS
     _refuse_double_backward("fused_linear_generalized_jsd")
+    grad_loss = grad_loss.resolve_neg()  # (a negative view: the kernels read the memory, not the view's negation)
     saved = saved_inputs(ctx)
     need = [ctx.needs_input_grad[i] and ctx.wanted[i] for i in range(3)]
     # (a batched backward's grad_loss, is_grads_batched=True, has no storage: scaled out of place too)
@@ -370,7 +371,10 @@ def _backward(ctx, grad_loss, *_grads_of_gradients):
     factor = grad_loss.to(_acc_dtype(saved[0].dtype))
     anchors = [t for t, ok in zip(saved[:3], need) if ok]
     # As 2-d rows for _scaled (sizes, not -1: a hidden size of 0 leaves -1 ambiguous); the bias's as one row.
-    out = [(_traced_scale(g2, factor, anchors) if torch.compiler.is_compiling() else _scaled(g2, factor, in_place))
+    # (traced: under Dynamo, or by AOTAutograd, which torch 2.11 does with is_compiling() False but a grad_loss
+    # of its own tensor types; a batched backward's takes the plain form, which vmap can take)
+    traced = tracing and not batched_grad(grad_loss)
+    out = [(_traced_scale(g2, factor, anchors) if traced else _scaled(g2, factor, in_place))
            .view(g.shape) if ok else None
            for g, ok in zip(fused, need) for g2 in (g.view(g.shape[0] if g.dim() > 1 else 1, g.shape[-1]),)]
     return (*out,) + (None,) * (_N_INPUTS - 3)

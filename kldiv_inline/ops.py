@@ -216,7 +216,7 @@ def _backward_with(ctx, grad_out):
     reduce, divisor, log_target, from_probs = ctx.flags
     need_x, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     gx = gt = None
-    grad_out = grad_out.to(input.dtype)
+    grad_out = grad_out.to(input.dtype).resolve_neg()  # (a negative view: see _kl)
     # The fused gradient is rescaled in place, once: a second backward (retain_graph=True) recomputes.
     # Any tracing (Dynamo, or AOTAutograd alone as in opcheck, which passes tensor subclasses) takes the
     # functional path too: an in-place update of a forward output cannot be partitioned. So does
@@ -460,7 +460,8 @@ def _kl(input: Tensor, target: Tensor, reduction: str, log_target: bool, from_pr
             and not (torch.is_grad_enabled() and (input.requires_grad or target.requires_grad))
             and (input.is_cuda or input.is_cpu) and not torch.compiler.is_compiling()
             and not _transforms_active() and (input.dtype not in _HALF_DTYPES or not _any_autocast())
-            and getattr(forward_ad, "_current_level", 0) < 0):  # _dual_level_active(), inlined: host time
+            and getattr(forward_ad, "_current_level", 0) < 0  # _dual_level_active(), inlined: host time
+            and not input.is_neg() and not target.is_neg()):  # (negative views: see below; after is_compiling)
         if reduction == "mean" and warn_mean:
             _warn_mean()
         reduce = reduction != "none"
@@ -484,6 +485,9 @@ def _kl(input: Tensor, target: Tensor, reduction: str, log_target: bool, from_pr
         input, target = _autocast_operand(input), _autocast_operand(target)
     operands = (input, target)
     input, target, shape, dtype = _check(input, target, reduction, log_target)
+    # A negative view (x.conj().imag of a complex x) is a negation PyTorch applies when its ops read it; the
+    # kernels read the memory itself, so they take a resolved copy (a no-op for every other tensor).
+    input, target = input.resolve_neg(), target.resolve_neg()
     if reduction == "mean" and warn_mean:
         _warn_mean()
     reduce = reduction != "none"

@@ -280,6 +280,7 @@ class _VocabParallelDivergence(torch.autograd.Function):
         if grad_out is None:
             return (None,) * 8
         distill._refuse_double_backward("generalized_jsd")
+        grad_out = grad_out.resolve_neg()  # (a negative view: the kernels read the memory, not its negation)
         student, teacher, idx, lp, labels = distill.saved_inputs(ctx)
         need_s, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # A batched backward's grad_out (is_grads_batched=True) has no storage a kernel could read: the fused
@@ -429,7 +430,8 @@ def check_same_call(group, who: str, fields: dict, labels: Tensor | None, refuse
     refusing rank would skip, and a refusing rank passes the same names (``also``'s included) with any values.
     Callers run it where same_call_due says (every call on CPU ranks; now and then on GPU ranks)."""
     words = [0 if refused else 1]
-    words += [_NONE_WORD if v is None else struct.unpack("<q", struct.pack("<d", float(v)))[0]
+    # (+ 0.0: -0.0 and 0.0 are one setting, whose bits differ)
+    words += [_NONE_WORD if v is None else struct.unpack("<q", struct.pack("<d", float(v) + 0.0))[0]
               if isinstance(v, float) else int(v) for v in fields.values()]
     words.append(_checksum(labels))
     words += [_checksum(t) for _, t in also]
@@ -569,6 +571,7 @@ def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tenso
     # every collective: a rank that raised before one would leave the others waiting in it.
     due, on = same_call_due(student_logits, group)
     try:
+        loss_scale = distill.check_loss_scale(loss_scale)
         args, lead, check = distill._prepare(student_logits, teacher_logits, teacher_topk, beta, temperature,
                                              labels, ignore_index, reduction, topk_vocab=vocab, defer_check=True)
     except Exception:

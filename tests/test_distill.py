@@ -2693,3 +2693,31 @@ def test_batched_backward(device, dtype):
     ref = torch.autograd.functional.jacobian(
         lambda a: generalized_jsd_reference(a, t.double(), beta=0.5, reduction="none"), sr.detach(), vectorize=True)
     assert jac.shape == (4, 4, 9) and relative_error(jac, ref) <= {torch.float64: 1e-12}.get(dtype, 4e-3)
+
+
+# A negative view (x.conj().imag of a complex x) holds the negated values in memory and PyTorch's ops negate them
+# when they read it; the kernels read the memory. Logits with a unit stride along the vocabulary went to the kernels
+# as views (the loss of the negated logits), a top-k teacher's row was checked negated (a legal teacher refused as
+# holding too little mass), and float64's grad_output reached the in-place rescale as it was (the gradient's sign
+# flipped). (torch._neg_view makes the contiguous negative views that .imag, whose stride is 2, does not.)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=_id)
+def test_negative_views_are_read_as_their_values(device, dtype):
+    def negative(x):
+        v = torch._neg_view(-x)
+        assert v.is_neg() and torch.equal(v, x)
+        return v
+
+    s, t = logits((5, 40), dtype, device), logits((5, 40), dtype, device)
+    lab = labels_for((5,), device)
+    ns = negative(s).requires_grad_()
+    loss = K.generalized_jsd(ns, negative(t), beta=0.5, temperature=1.5, labels=lab, reduction="none")
+    go = random_grad_out(loss)
+    (g,) = torch.autograd.grad(loss, ns, negative(go))
+    ref, (rg,) = reference(s.requires_grad_(), t, go, beta=0.5, temperature=1.5, labels=lab, reduction="none")
+    assert_close(loss, ref, 2e-6 if dtype != torch.float64 else 1e-12, "loss")
+    assert_grad_close(g, rg, dtype, "grad", grad_out=2.5)
+    idx, lp = topk_teacher((3,), 40, 1, device)
+    sk = logits((3, 40), dtype, device)
+    ours = K.generalized_jsd(sk, teacher_topk=(idx, negative(lp)), reduction="none")
+    ref, _ = reference(sk, teacher_topk=(idx, lp), reduction="none")
+    assert_close(ours, ref, 2e-6 if dtype != torch.float64 else 1e-6, "top-k loss")

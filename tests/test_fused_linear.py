@@ -919,3 +919,17 @@ def test_skip_masked_under_autocast(device):
     for g, r in zip(grads, ref_grads):
         assert g.dtype == torch.float32
         assert_close(g, r, GRAD_TOL[torch.float32], "grad")
+
+
+def test_a_negative_grad_output_is_read_as_its_value(device):
+    # A negative view (x.conj().imag) as grad_output: its memory holds the negated value, which the in-place rescale
+    # read as it was for float64 (the gradients' sign flipped).
+    h, w, _ = leaves(*head((4,), 8, 20, torch.float64, device, bias=False))
+    th, tw, _ = head((4,), 8, 20, torch.float64, device, bias=False)
+    go = torch.complex(torch.zeros((), dtype=torch.float64), torch.tensor(-1.5, dtype=torch.float64)).conj().imag
+    assert go.is_neg() and float(go) == 1.5
+    loss = K.fused_linear_generalized_jsd(h, w, th, tw, beta=0.5)
+    grads = torch.autograd.grad(loss, [h, w], go.to(device))
+    ref, rgrads = reference(h, w, None, dict(teacher_logits=th @ tw.T), 1.5, beta=0.5)
+    for g, r in zip(grads, rgrads):
+        assert_close(g, r, GRAD_TOL[torch.float64], "grad")

@@ -858,3 +858,32 @@ def test_batched_backward(device, reduction):
     ref = torch.autograd.functional.jacobian(lambda a: _quiet(F.kl_div, a, t, reduction=reduction), x.detach(),
                                              vectorize=True)
     torch.testing.assert_close(jac, ref, rtol=1e-12, atol=1e-15)
+
+
+# ---------------------------------------------------------------- negative views (x.conj().imag)
+def negative_view(x: torch.Tensor) -> torch.Tensor:
+    """x's values in a view whose negative bit is set, as x.conj().imag of a complex tensor gives: PyTorch's ops
+    negate its memory when they read it."""
+    v = torch.complex(torch.zeros_like(x), -x).conj().imag
+    assert v.is_neg() and torch.equal(v, x)
+    return v
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_negative_views_are_read_as_their_values(device, form, reduction, grad, dtype):
+    # The kernels read a tensor's memory, and a negative view's memory holds the negated values: the loss came out
+    # of the negated operands (the sign of the log-probabilities flipped, NaN from a negated probability), and a
+    # negated grad_output, reaching the in-place rescale as it was, flipped the gradient.
+    x, t = make_pair((7, 33), (7, 33), dtype, device, form, False)
+    nx, nt = negative_view(x), negative_view(t)
+    if grad:
+        nx.requires_grad_()
+    out = call(form, nx, nt, reduction)
+    assert_forward_matches(out, form, x, t, reduction, False)
+    if grad:
+        go = random_grad_out(out)
+        (g,) = torch.autograd.grad(out, nx, negative_view(go))
+        assert_grad_close(g, ref_grads(form, x, t, reduction, False, go, "input")["input"], x)

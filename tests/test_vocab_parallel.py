@@ -617,6 +617,16 @@ def _mismatch_body(rank, world, device, seed):
     # One rank's own inputs refused: it raises its error, the others one that names it (not a wait for it)
     with pytest.raises(ValueError, match="same shape" if rank == 1 else "rank 1 of the group refused its inputs"):
         K.generalized_jsd(s, t[:, :9] if rank == 1 else t, group=group)
+    # (a loss_scale refused on one rank: it was checked before the split's first collective, so the other rank
+    # waited in that collective until the backend's timeout)
+    with pytest.raises(ValueError, match="loss_scale" if rank == 1 else "rank 1 of the group refused its inputs"):
+        K.generalized_jsd(s, t, loss_scale=float("nan") if rank == 1 else 1.0, group=group)
+    # -0.0 and 0.0 are one setting (their bits differ: they were refused as different)
+    zero = -0.0 if rank else 0.0
+    ref = K.generalized_jsd(s, t, group=group, loss_scale=0.5)
+    assert torch.equal(K.generalized_jsd(s, t, beta=zero, group=group, loss_scale=0.5), ref)
+    assert torch.equal(K.fused_linear_generalized_jsd(torch.ones(6, 1), torch.ones(10, 1), teacher_logits=t,
+                                                      beta=zero, loss_scale=zero, group=group), torch.tensor(0.0))
     # Top-k teachers (global indices over the two ranks' 20 entries) that differ between the ranks
     idx = torch.stack([torch.randperm(20, generator=gen)[:3] for _ in range(6)])
     lp = torch.log_softmax(torch.randn(6, 3, generator=gen), -1) - 0.1
