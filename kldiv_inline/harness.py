@@ -16,13 +16,16 @@ NaN or inf only where the reference has them, shapes equal. A norm lets a few wr
 through (three of a million, each off by its own size, are 2e-3 relative: within bfloat16's tolerance);
 ``per_element=True`` also holds every element to the tolerance times the output's largest reference value, which
 catches them (a vectorised loop's mishandled tail, say). Each call runs ``poisoned``: new tensors start as NaN, so
-an element the kernel fails to write shows up. Every provider and the reference get their own copies of the case's
-tensors, so one that writes into its inputs (or accumulates gradients in them) changes no one else's.
+an element the kernel fails to write shows up (boolean and integer outputs, where the poison is a legal value, are
+computed a second time over memory that held zeros). Every provider and the reference get their own copies of the
+case's tensors, so one that writes into its inputs (or accumulates gradients in them) changes no one else's; tensors
+that share memory share their copy.
 
 ``bench`` refuses to time a provider that failed its check: it checks every provider first, against ``reference=``
 or else the reference the cases were last checked with (``check`` records it on each case, with its tolerance and
 per_element, which that check is held to again), unless ``checked=`` hands it the result of a check (of these very
-callables: ``check`` records them on each row, ``check_id``) or ``reference=None`` says to time unchecked. Timing
+callables and the kinds of the cases' inputs: ``check`` records them on each row, ``check_id``) or
+``reference=None`` says to time unchecked. A time below ``BELOW_FLOOR`` x the floor is warned about. Timing
 follows ``kldiv_inline.timing`` (CUDA events, L2 flush, input rotation, median and 20/80% quantiles; a wall clock on
 the CPU); the floor is the bytes moved over the read bandwidth of ``kldiv_inline.floors``.
 
@@ -41,6 +44,7 @@ from typing import Any
 
 import pandas as pd
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import floors, layout, timing
 from .reference import error_dtype, relative_error
@@ -54,6 +58,8 @@ CHECK_COLUMNS = ["provider", "case", "device", "max_abs_err", "rel_err", "tol", 
 BENCH_COLUMNS = ["provider", "case", "device", "timer", "status", "median_ms", "q20_ms", "q80_ms", "bytes",
                  "gbps", "floor_gbps", "floor_source", "floor_ms", "x_floor", "pct_of_peak", "rel_err"]
 
+# Below this x_floor a timing is warned about (noise allows a little under 1: the floor is itself measured).
+BELOW_FLOOR = 0.9
 WALL_INNER_CUDA = 50  # back-to-back calls per wall-clock sample on a GPU: the host's cost per call shows
 TIMERS = ("auto", "cuda", "wall")
 
@@ -147,17 +153,40 @@ def _leaf(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return out.requires_grad_(grad)
 
 
+def _copies(obj: Any, dtype_of: Callable[[torch.Tensor], torch.dtype | None]) -> Any:
+    """``obj`` with each tensor copied (_leaf, in ``dtype_of(t)``), tensors that share memory copied together so
+    that they share the copy alike: a case built to pass one tensor twice, or overlapping views of one buffer
+    (a kernel that must work in place, or whose inputs alias), reaches the provider so, not as separate copies.
+    (Tensors of one storage but different dtypes, or other layouts, are copied apart.)"""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in _tensors(obj):
+        if t.layout == torch.strided and t.numel() > 0 and t.untyped_storage().data_ptr() != 0:
+            groups.setdefault((t.device, t.untyped_storage().data_ptr(), t.dtype), []).append(t)
+    shared: dict[int, torch.Tensor] = {}
+    for ts in groups.values():
+        if len(ts) < 2:
+            continue
+        lo = min(t.storage_offset() for t in ts)
+        hi = max(t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1 for t in ts)
+        flat = _leaf(ts[0].detach().as_strided((hi - lo,), (1,), lo), dtype_of(ts[0]))
+        for t in ts:
+            view = flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
+            shared[id(t)] = view.requires_grad_(t.requires_grad) if t.requires_grad else view
+    return _map_tensors(obj, lambda t: shared[id(t)] if id(t) in shared else _leaf(t, dtype_of(t)))
+
+
 def upcast(obj: Any) -> Any:
     """``obj`` with every floating tensor as a float64 leaf (complex ones complex128; requiring grad where the
     original did) and every other tensor a copy as it is (integers may be indices): the reference cannot change
-    the case's inputs."""
-    return _map_tensors(obj, lambda t: _leaf(t, torch.float64 if t.is_floating_point() else
-                                             torch.complex128 if t.is_complex() else None))
+    the case's inputs. Tensors sharing memory share their copy (_copies)."""
+    return _copies(obj, lambda t: torch.float64 if t.is_floating_point() else
+                   torch.complex128 if t.is_complex() else None)
 
 
 def clone_args(obj: Any) -> Any:
-    """Fresh copies of every tensor in ``obj`` (leaves, requiring grad where the originals did)."""
-    return _map_tensors(obj, _leaf)
+    """Fresh copies of every tensor in ``obj`` (leaves, requiring grad where the originals did; tensors sharing
+    memory share their copy: _copies)."""
+    return _copies(obj, lambda t: None)
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -184,9 +213,10 @@ def _outputs(out: Any, who: str = "a provider") -> list:
     computed in is unknown: held to float32's tolerance, as a kernel's float would be)."""
     if out is None or isinstance(out, torch.Tensor):
         return [out]
-    if isinstance(out, (int, float, bool)):
-        wide = isinstance(out, float) and who == "the reference"
-        return [torch.tensor(out, dtype=torch.float64 if wide else None)]
+    if isinstance(out, float):  # (numpy's float64 too, a float: it was held to float64's tolerance)
+        return [torch.tensor(float(out), dtype=torch.float64 if who == "the reference" else torch.float32)]
+    if isinstance(out, (int, bool)):
+        return [torch.tensor(out)]
     if isinstance(out, (tuple, list)):
         return [o for item in out for o in _outputs(item, who)]
     if isinstance(out, Mapping):
@@ -364,9 +394,10 @@ def check(providers: Mapping[str, Callable | None], reference: Callable, cases: 
     _check_cases(cases)
     tolerance = _tolerance_arg(tolerance)
     prepare = _prepare(setup)
-    rows = []
+    rows, signatures = [], {}
     for case in cases:
         where = _case_device(case.args)
+        signatures[case.name] = _signature(case.args)
         with _on_device(where):
             case.reference = reference
             case.checked_with = {"tolerance": tolerance, "per_element": per_element}
@@ -378,7 +409,7 @@ def check(providers: Mapping[str, Callable | None], reference: Callable, cases: 
                     rows.append({**row, "ok": False, "error": "not installed"})
                     continue
                 rows.append({**row, **_check_one(fn, case, ref, prepare, device, tolerance, per_element)})
-    mark = _CheckId(next(_CHECK_NUMBERS), providers)
+    mark = _CheckId(next(_CHECK_NUMBERS), providers, signatures)
     df = _frame(rows, CHECK_COLUMNS, cases)
     df["check_id"] = pd.Series([mark] * len(df), index=df.index, dtype=object)  # (object: pandas keeps the mark)
     return df
@@ -392,9 +423,42 @@ def _check_one(fn: Callable, case: Case, ref: Any, prepare: Callable, device: st
         args = prepare(*clone_args(case.args))  # its own inputs: it may write into them
         with poisoned(device):
             out = fn(*args)
-        return compare(out, ref, tolerance, per_element)
+        result = compare(out, ref, tolerance, per_element)
+        if result["ok"] and any(r is not None and _integral(r) for r in _outputs(ref, "the reference")):
+            # Poisoned memory reads True in a boolean tensor (an integer's maximum), a legal value: a mask kernel
+            # that leaves elements unwritten passed wherever the truth there is True. Run it again over new memory
+            # that held zeros, and hold that result to the reference too.
+            del out
+            args = prepare(*clone_args(case.args))
+            with _zeroed():
+                again = compare(fn(*args), ref, tolerance, per_element)
+            if not again["ok"]:
+                again["error"] = ("run again over new memory that held zeros (False), not the poison: "
+                                  f"{again['error']} (elements left unwritten?)")
+                return again
+        return result
     except Exception as e:  # a provider that fails is reported, the check goes on
         return {"ok": False, "error": _error(e)}
+
+
+class _ZeroedEmpty(TorchDispatchMode):
+    """New tensors (empty, empty_like, empty_strided, new_empty, ...) filled with zeros as they are made, by
+    PyTorch's operators called from Python or from a C++ extension alike (a kernel that takes its memory some other
+    way is not seen)."""
+
+    _EMPTY = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in self._EMPTY and isinstance(out, torch.Tensor) and out.numel():
+            with torch.no_grad():
+                out.zero_()
+        return out
+
+
+def _zeroed():
+    """The second look at integral outputs (_check_one): new memory holds zeros (False), not the poison."""
+    return _ZeroedEmpty()
 
 
 class _CheckId(str):
@@ -406,9 +470,10 @@ class _CheckId(str):
     parquet, pickled (a lambda does not pickle), it is the plain "check <n>", and such rows are trusted by name,
     as rows built by hand. Copies of a frame keep this very object, so the callables stay the ones checked."""
 
-    def __new__(cls, number: int, providers: Mapping[str, Callable | None]):
+    def __new__(cls, number: int, providers: Mapping[str, Callable | None], cases: Mapping[str, tuple]):
         self = super().__new__(cls, f"check {number}")
         self.callables = dict(providers)
+        self.cases = dict(cases)  # case name -> _signature of its args as checked
         return self
 
     def __deepcopy__(self, memo):
@@ -419,6 +484,37 @@ class _CheckId(str):
 
 
 _CHECK_NUMBERS = itertools.count(1)
+
+
+def _signature(args: Any) -> tuple:
+    """What kind of inputs a case has: each tensor's rank, strides, dtype, device, layout and requires_grad, and
+    every other argument's repr, in order. A case rebuilt under its name in another dtype, on another device or
+    with other strides (a notebook's cases cell edited, the bench cell run again) is not the case a check ran.
+    Fresh values and other sizes are: a check of the first rows of a case too large to upcast to float64 vouches
+    for the whole case (the kit's suites check so)."""
+    parts: list = []
+
+    def note(t: torch.Tensor) -> torch.Tensor:
+        parts.append(("tensor", t.dim(), t.stride() if t.layout == torch.strided else None, t.dtype, t.device,
+                      t.layout, t.requires_grad))
+        return t
+
+    def walk(obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            note(obj)
+        elif isinstance(obj, (tuple, list)):
+            parts.append((type(obj).__name__, len(obj)))
+            for o in obj:
+                walk(o)
+        elif isinstance(obj, Mapping):
+            parts.append(("mapping", tuple(sorted(map(repr, obj)))))
+            for k in sorted(obj, key=repr):
+                walk(obj[k])
+        else:
+            parts.append(repr(obj))
+
+    walk(args)
+    return tuple(parts)
 
 
 def _run_reference(reference: Callable, prepare: Callable, case: Case) -> Any:
@@ -457,14 +553,23 @@ def _same_callable(a: Callable | None, b: Callable | None) -> bool:
     return a is b or a == b
 
 
-def _check_checked(providers: Mapping[str, Callable | None], checked: pd.DataFrame) -> None:
+def _check_checked(providers: Mapping[str, Callable | None], checked: pd.DataFrame,
+                   cases: Sequence[Case]) -> None:
     """Refuses a check's verdict on a provider name that now names another callable than the check of that row
-    ran. Rows without a check's mark (built by hand, read from a file) are trusted by name."""
+    ran, or on a case name whose inputs now differ in kind from those it ran on (_signature). Rows without a
+    check's mark (built by hand, read from a file) are trusted by name."""
     if "check_id" not in checked:
         return
-    for name, mark in zip(checked["provider"], checked["check_id"]):
+    now = {c.name: _signature(c.args) for c in cases}
+    for name, case, mark in zip(checked["provider"], checked["case"], checked["check_id"]):
+        if not isinstance(mark, _CheckId):
+            continue
+        if case in now and case in mark.cases and mark.cases[case] != now[case]:
+            raise ValueError(f"case {case!r} is not the case {mark} of checked= ran: its inputs' dtypes, devices, "
+                             "ranks, strides or other arguments differ from those checked: check it again "
+                             "(harness.check) and pass that result")
         fn = providers.get(name)
-        if fn is None or not isinstance(mark, _CheckId):
+        if fn is None:
             continue
         then = mark.callables.get(name)
         if not (name in mark.callables and _same_callable(then, fn)):
@@ -482,7 +587,7 @@ def _verdicts(providers, cases, reference, checked, tolerance, setup,
     """(provider, case) -> (ok, rel_err, error) for every provider that exists."""
     out = {}
     if checked is not None:
-        _check_checked(providers, checked)
+        _check_checked(providers, checked, cases)
         for r in checked.itertuples(index=False):
             out[(r.provider, r.case)] = _verdict(r)
     for case in cases:
@@ -564,6 +669,9 @@ def _bench_case(case: Case, device: str, providers, verdicts, prepare, flushes, 
     if case_timer == "cuda" and device != "cuda":
         raise ValueError(f"case {case.name!r}: timer='cuda' needs inputs on a CUDA device")
     nbytes = bytes_moved(*case.args) if bytes_moved is not None else None
+    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real)
+                               or not 0 <= nbytes < math.inf):
+        raise ValueError(f"case {case.name!r}: bytes_moved returned {nbytes!r}; it must be a number of bytes >= 0")
     base = {"case": case.name, **case.meta, "device": device, "timer": case_timer}
     if nbytes is not None:
         fl = floor or floors.measure_floor(device)
@@ -605,6 +713,11 @@ def _bench_case(case: Case, device: str, providers, verdicts, prepare, flushes, 
             # (no bytes to move, an empty case: no floor to be a multiple of)
             row.update(gbps=nbytes / med / 1e6 if med > 0 else math.nan,
                        x_floor=med / row["floor_ms"] if row["floor_ms"] > 0 else math.nan)
+            if row["x_floor"] < BELOW_FLOOR:
+                warnings.warn(f"{name!r} on case {case.name!r} ran at {row['x_floor']:.3g} x the floor: faster than "
+                              "the bytes it must move allow. bytes_moved may count bytes it need not move (padding, "
+                              "masked rows), or it does not do its work each call (a result cached across calls, "
+                              "work left running on another stream)", stacklevel=3)
             if peak:
                 row["pct_of_peak"] = 100.0 * row["gbps"] / peak
         rows.append(row)

@@ -764,3 +764,91 @@ def test_capture_replays_a_training_step():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(g, x.detach())
+
+
+# ------------------------------------------------------------------- ways a wrong kernel or timing got through
+def test_an_unwritten_boolean_element_is_caught():
+    # Poisoned memory reads True in a boolean tensor, a legal value: a mask whose loop stops one element early
+    # passed wherever the truth there is True. check runs such outputs again over memory that held zeros.
+    x = torch.rand(1000)
+    x[-1] = 0.9  # the truth at the element left unwritten: True
+
+    def mask(x):
+        out = torch.empty(x.shape, dtype=torch.bool)
+        out[:-1] = x[:-1] > 0.5
+        return out
+
+    def good(x):
+        return x > 0.5
+
+    checked = harness.check({"mask": mask, "good": good}, lambda x: x > 0.5, [harness.Case("b", (x,))])
+    assert checked.set_index("provider").ok.to_dict() == {"mask": False, "good": True}
+    assert "elements left unwritten" in checked.set_index("provider").error["mask"]
+
+
+def test_args_that_share_memory_share_their_copies():
+    # A case passing one tensor twice (or overlapping views of one buffer) reached every provider as separate
+    # copies: a kernel wrong for aliased inputs, the point of such a case, passed.
+    y = torch.rand(1000)
+
+    def axpy_in_place(a, b):  # meant 2 a + b; it writes a first, so b reads 2 a where b is a
+        a.mul_(2)
+        return a + b
+
+    def seen(a, b, c):
+        assert a.data_ptr() == b.data_ptr() and c.data_ptr() == a.data_ptr() + 4 * a.element_size()
+        return a + b + c.sum()
+
+    cases = [harness.Case("alias", (y, y))]
+    checked = harness.check({"axpy": axpy_in_place}, lambda a, b: 2 * a + b, cases)
+    assert not checked.ok.item() and checked.rel_err.item() > 0.3
+    ok = harness.check({"seen": seen}, lambda a, b, c: a + b + c.sum(), [harness.Case("views", (y, y, y[4:]))])
+    assert ok.ok.item(), ok.error.item()
+
+
+def test_bench_refuses_a_checked_verdict_for_a_case_rebuilt_otherwise():
+    # bench(checked=) took a verdict by the case's name: cases rebuilt under the same names in bfloat16 (a
+    # notebook's cases cell edited) were timed "ok" on the float32 check of a kernel wrong in bfloat16.
+    def mine(x):
+        return 2 * x if x.dtype == torch.float32 else 3 * x
+
+    checked = harness.check({"mine": mine}, lambda x: 2 * x, [harness.Case("n", (torch.rand(64),))])
+    # fresh values of the same kind, or more of them (a check of a case's first rows vouches for it): the same case
+    for again in (torch.rand(64), torch.rand(1000)):
+        timed = harness.bench({"mine": mine}, [harness.Case("n", (again,))], checked=checked, reps=2)
+        assert timed.status.item() == "ok"
+    for other in (torch.rand(64, dtype=torch.bfloat16), torch.rand(8, 8), torch.rand(128)[::2], torch.rand(64) + 0j):
+        with pytest.raises(ValueError, match="'n' is not the case check .* of checked= ran"):
+            harness.bench({"mine": mine}, [harness.Case("n", (other,))], checked=checked, reps=2)
+
+
+def test_a_time_below_the_floor_is_warned_about():
+    # A provider that caches its result across calls ran at 1e-4 x the floor, reported "ok" without a word.
+    cache = {}
+
+    def cached(x):
+        key = (x.data_ptr(), x._version)
+        if key not in cache:
+            cache[key] = 2 * x
+        return cache[key]
+
+    floor = floors.Floor("cpu", 1.0, "given", {"given": 1.0})  # 1 GB/s: 8 MB take 8 ms
+    with pytest.warns(UserWarning, match="'cached' on case 'c' ran at .* x the floor"):
+        timed = harness.bench({"cached": cached}, [harness.Case("c", (torch.rand(1 << 20),))],
+                              reference=lambda x: 2 * x, reps=3, floor=floor,
+                              bytes_moved=lambda x: 2 * x.numel() * x.element_size())
+    assert timed.x_floor.item() < harness.BELOW_FLOOR
+    for bad in (-5, math.nan, "8", True):
+        with pytest.raises(ValueError, match="bytes_moved returned"):
+            harness.bench({"t": lambda x: 2 * x}, [harness.Case("c", (torch.rand(4),))], reference=lambda x: 2 * x,
+                          reps=2, bytes_moved=lambda x, bad=bad: bad)
+
+
+def test_a_numpy_float_from_a_provider_is_held_to_float32s_tolerance():
+    # numpy's float64 is a float: held to float64's 1e-12, a float32 result (as a Python float is) failed.
+    x = torch.rand(100)
+    ref = float(x.double().sum())
+    got = float(x.sum())  # float32's rounding
+    checked = harness.check({"py": lambda x: got, "np": lambda x: np.float64(got)}, lambda x: x.sum(),
+                            [harness.Case("s", (x,))])
+    assert checked.ok.all() and (checked.tol == harness.TOLERANCE[torch.float32]).all(), (checked, ref)
