@@ -360,7 +360,7 @@ def _rows(x: Tensor, vocab: int) -> Tensor:
     """[..., V] -> [rows, V] with unit stride along the vocabulary (a view where possible). A negative view
     (x.conj().imag of a complex x: a negation PyTorch applies when its ops read it) is resolved first, since the
     kernels read the memory itself (a no-op for every other tensor)."""
-    x = x.resolve_neg()
+    x = x.resolve_neg()  # (unconditionally: Dynamo cannot trace is_neg())
     x2 = x if x.dim() == 2 else x.reshape(-1, vocab)  # (rows already: no reshape call on the step's host path)
     if x2.stride(-1) == 1:
         return x2

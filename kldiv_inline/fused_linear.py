@@ -327,7 +327,10 @@ def _traced_scale(grad: Tensor, factor: Tensor, anchors: list[Tensor]) -> Tensor
     plain multiplication, the compiled backward read nothing but them and grad_loss, so AOTAutograd ran a double
     backward (create_graph=True) through it and a penalty on the gradient lost its terms in the inputs without a
     word. Taking the inputs ties the compiled backward to them, and this op has no autograd: a double backward
-    now meets AOTAutograd's refusal, as the eager path's _refuse_double_backward."""
+    now meets AOTAutograd's refusal, as the eager path's _refuse_double_backward, wherever the compiled
+    backward's inputs require grad when it runs. (Not where the hidden states are made inside the compiled
+    region from inputs that do not and the weight is frozen: then AOTAutograd drops the term, as it does for
+    PyTorch's own operations.)"""
     return _scaled(grad, factor, False)
 
 
@@ -372,7 +375,8 @@ def _backward(ctx, grad_loss, *_grads_of_gradients):
     anchors = [t for t, ok in zip(saved[:3], need) if ok]
     # As 2-d rows for _scaled (sizes, not -1: a hidden size of 0 leaves -1 ambiguous); the bias's as one row.
     # (traced: under Dynamo, or by AOTAutograd, which torch 2.11 does with is_compiling() False but a grad_loss
-    # of its own tensor types; a batched backward's takes the plain form, which vmap can take)
+    # of its own tensor types; an eager batched backward's takes the plain form, which vmap can take; a batched
+    # backward through a compiled head is refused: the op has no batching rule)
     traced = tracing and not batched_grad(grad_loss)
     out = [(_traced_scale(g2, factor, anchors) if traced else _scaled(g2, factor, in_place))
            .view(g.shape) if ok else None

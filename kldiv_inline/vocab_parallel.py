@@ -386,21 +386,24 @@ def _position_weights(lo: int, n: int, device) -> Tensor:
 
 
 def _checksum(t) -> int:
-    """A word that differs between tensors of different shapes or values (in order; but for a chance of ~2^-62),
+    """A word that differs between tensors of different shapes or values (in order; but for a chance of ~2^-61),
     the same on every rank for the same tensor (int64 arithmetic wraps alike); -1 for None, -2 for anything else."""
     if t is None:
         return -1
     if not isinstance(t, Tensor):
         return -2
-    flat = t.detach().reshape(-1)
+    flat = t.detach().resolve_neg().reshape(-1)  # (a negative view's values: view(int64) refuses its bit)
     total = torch.zeros((), dtype=torch.int64, device=flat.device)
     for lo in range(0, flat.numel(), _CHECKSUM_CHUNK):  # in chunks: a few MiB of temporaries, whatever the size
         part = flat[lo:lo + _CHECKSUM_CHUNK]
         part = part.to(torch.float64).view(torch.int64) if part.is_floating_point() else part.to(torch.int64)
+        part = part ^ (part >> 32)  # the high bits (a float's sign) into the low ones, which the product spreads up
         total += ((part + 3) * _position_weights(lo, part.numel(), part.device)).sum()
-    total = int(total)
-    # (crc32, not hash(): str hashes differ between processes)
-    return (total + zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode())) & (2**62 - 1)
+    # A float's sign is its top bit, which a product modulo 2^64 never carries down, and the word was the sum's low
+    # 62 bits: a sign flipped anywhere went unseen (a teacher negated on one rank passed as the same teacher). So
+    # each word's high half is folded into its low half first, and the sum is reduced modulo a prime, which every
+    # bit of it moves. (crc32, not hash(): str hashes differ between processes.)
+    return (int(total) + zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode())) % (2**61 - 1)
 
 
 def _refused(every_status: list) -> list[int]:

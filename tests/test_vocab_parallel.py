@@ -1376,3 +1376,17 @@ def _inference_teacher_body(rank, world, device, seed):
 
 def test_an_inference_teacher_survives_a_refused_backward_and_is_let_go_after():
     spawn(_inference_teacher_body, 1, int(torch.randint(0, 2**31, ())))
+
+
+def test_the_checksum_of_a_negative_view_is_its_values():
+    # A float64 negative view (x.conj().imag) made view(int64) raise on the rank given it, before the call's check
+    # gathered the others into it (they waited); it sums its values, as any other tensor's.
+    from kldiv_inline import vocab_parallel as VP
+    x = torch.randn(5, 7, dtype=torch.float64)
+    neg = torch.complex(torch.zeros_like(x), -x).conj().imag
+    assert neg.is_neg() and torch.equal(neg, x)
+    assert VP._checksum(neg) == VP._checksum(x)
+    # (and a sign flipped anywhere is seen: the word was the sum's low 62 bits, which a sign bit never reaches)
+    flipped = x.clone()
+    flipped[2, 3] *= -1
+    assert len({VP._checksum(x), VP._checksum(-x), VP._checksum(flipped)}) == 3
