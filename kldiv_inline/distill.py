@@ -205,7 +205,10 @@ def batched_grad(grad: Tensor) -> bool:
 
 
 def saved_inputs(ctx) -> tuple:
-    """The tensors save_inputs was given, in its order."""
+    """The tensors save_inputs was given, in its order. Read only by a backward that computes again (float16's, a
+    second one, a traced one): reading saved tensors checks that none changed in place since the forward, which a
+    backward that only rescales the forward's gradients need not ask (a teacher's logits refilled for the next
+    micro-batch before this one's backward raised PyTorch's in-place error, where PyTorch's own loss runs)."""
     saved, held = ctx.saved_tensors, ctx.held_inputs
     return saved if held is None else tuple(t if h is None else h for t, h in zip(saved, held))
 
@@ -227,6 +230,7 @@ def _save_context(ctx, inputs, gs: Tensor | None, gt: Tensor | None) -> None:
     student, teacher, topk_idx, topk_lp, labels, ignore_index, beta, temperature, reduction, loss_scale, ws, wt = \
         inputs
     save_inputs(ctx, student, teacher, topk_idx, topk_lp, labels)
+    ctx.student_dtype = student.dtype  # (backward reads the inputs only to compute again: saved_inputs)
     ctx.args = (ignore_index, beta, temperature, reduction, loss_scale)
     ctx.wanted = (ws, wt)
     # Held outside save_for_backward: backward rescales them in place, and hands them over as the gradients.
@@ -258,13 +262,13 @@ def _backward(ctx, grad_out, _g_student, _g_teacher):
         return (None,) * 12
     _refuse_double_backward("generalized_jsd")
     grad_out = grad_out.resolve_neg()  # (a negative view: see _rows)
-    student, teacher, topk_idx, topk_lp, labels = saved_inputs(ctx)
     need_s = ctx.needs_input_grad[0] and ctx.wanted[0]
     need_t = ctx.needs_input_grad[1] and ctx.wanted[1]
     gs, gt = ctx.fused
     # (a batched backward's grad_out, is_grads_batched=True: the registered op takes it slice by slice)
     tracing = torch.compiler.is_compiling() or type(grad_out) is not Tensor or batched_grad(grad_out)
-    if not _fuses(student.dtype) or tracing:
+    if not _fuses(ctx.student_dtype) or tracing:
+        student, teacher, topk_idx, topk_lp, labels = saved_inputs(ctx)
         # The gradients with grad_out folded in: float16's every time (see _fuses), and a traced backward's, which
         # cannot rescale a fused gradient in place, and whose recomputation of one (it reads no grad_out) the
         # partitioner would move into the forward, beside the forward's own kernel (see _loss_impl).
@@ -276,10 +280,10 @@ def _backward(ctx, grad_out, _g_student, _g_teacher):
     if gs is None and gt is None or (need_s and gs is None) or (need_t and gt is None):
         # A second backward (retain_graph=True), or none was fused (torch.compile's loss op run by backend="eager"):
         # compute the gradients again.
-        _, gs, gt = _forward_op(student, teacher, topk_idx, topk_lp, labels, *ctx.args, need_s, need_t)
+        _, gs, gt = _forward_op(*saved_inputs(ctx), *ctx.args, need_s, need_t)
     else:
         ctx.fused = (None, None)  # rescaled in place once; a second backward recomputes
-    grad_out = grad_out.to(_acc_dtype(student.dtype))
+    grad_out = grad_out.to(_acc_dtype(ctx.student_dtype))
     out_s = _scaled(gs, grad_out, True) if need_s else None
     out_t = _scaled(gt, grad_out, True) if need_t else None
     return (out_s, out_t) + (None,) * 10

@@ -341,6 +341,7 @@ def _(grad, factor, anchors):
 
 def _setup_context(ctx, inputs, output):
     save_inputs(ctx, *inputs[:10])
+    ctx.hidden_dtype = inputs[0].dtype  # (backward reads the inputs only to compute again or to trace: saved_inputs)
     ctx.args = inputs[10:21]  # (ignore_index ... whole)
     ctx.wanted = inputs[21:24]
     _, g_hidden, g_weight, g_bias = output
@@ -355,14 +356,13 @@ def _backward(ctx, grad_loss, *_grads_of_gradients):
         return (None,) * _N_INPUTS
     _refuse_double_backward("fused_linear_generalized_jsd")
     grad_loss = grad_loss.resolve_neg()  # (a negative view: the kernels read the memory, not the view's negation)
-    saved = saved_inputs(ctx)
     need = [ctx.needs_input_grad[i] and ctx.wanted[i] for i in range(3)]
     # (a batched backward's grad_loss, is_grads_batched=True, has no storage: scaled out of place too)
     tracing = torch.compiler.is_compiling() or type(grad_loss) is not Tensor or batched_grad(grad_loss)
     fused = ctx.fused
     if fused is None:
         # A second backward (retain_graph=True): compute the gradients again, out of place.
-        fused = _fused_op(*saved, *ctx.args, *need)[1:]
+        fused = _fused_op(*saved_inputs(ctx), *ctx.args, *need)[1:]
         in_place = False
     elif tracing:
         in_place = False  # torch.compile: the forward's outputs, scaled out of place in the graph
@@ -371,13 +371,13 @@ def _backward(ctx, grad_loss, *_grads_of_gradients):
     else:
         ctx.fused = None  # rescaled in place once; a second backward recomputes
         in_place = True
-    factor = grad_loss.to(_acc_dtype(saved[0].dtype))
-    anchors = [t for t, ok in zip(saved[:3], need) if ok]
+    factor = grad_loss.to(_acc_dtype(ctx.hidden_dtype))
     # As 2-d rows for _scaled (sizes, not -1: a hidden size of 0 leaves -1 ambiguous); the bias's as one row.
     # (traced: under Dynamo, or by AOTAutograd, which torch 2.11 does with is_compiling() False but a grad_loss
     # of its own tensor types; an eager batched backward's takes the plain form, which vmap can take; a batched
     # backward through a compiled head is refused: the op has no batching rule)
     traced = tracing and not batched_grad(grad_loss)
+    anchors = [t for t, ok in zip(saved_inputs(ctx)[:3], need) if ok] if traced else []
     out = [(_traced_scale(g2, factor, anchors) if traced else _scaled(g2, factor, in_place))
            .view(g.shape) if ok else None
            for g, ok in zip(fused, need) for g2 in (g.view(g.shape[0] if g.dim() > 1 else 1, g.shape[-1]),)]

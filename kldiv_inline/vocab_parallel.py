@@ -269,6 +269,7 @@ class _VocabParallelDivergence(torch.autograd.Function):
         fuse = distill._fuses(student.dtype)
         loss, gs, gt = _run(student, teacher, idx, lp, labels, settings, want_s and fuse, want_t and fuse)
         distill.save_inputs(ctx, student, teacher, idx, lp, labels)
+        ctx.student_dtype = student.dtype  # (backward reads the inputs only to compute again: saved_inputs)
         ctx.settings = settings
         ctx.fused = (gs, gt)
         ctx.set_materialize_grads(False)
@@ -281,24 +282,23 @@ class _VocabParallelDivergence(torch.autograd.Function):
             return (None,) * 8
         distill._refuse_double_backward("generalized_jsd")
         grad_out = grad_out.resolve_neg()  # (a negative view: the kernels read the memory, not its negation)
-        student, teacher, idx, lp, labels = distill.saved_inputs(ctx)
         need_s, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # A batched backward's grad_out (is_grads_batched=True) has no storage a kernel could read: the fused
         # gradients are scaled out of place (and kept); float16's folded run cannot take it.
         batched = distill.batched_grad(grad_out)
-        if not distill._fuses(student.dtype):
+        if not distill._fuses(ctx.student_dtype):
             if batched:
                 raise NotImplementedError("generalized_jsd with group=: a batched backward (is_grads_batched=True, "
                                           "jacobian(vectorize=True)) of float16 logits is not supported; "
                                           "differentiate one grad_output at a time")
-            return _run_folded(student, teacher, idx, lp, labels, ctx.settings, need_s, need_t, grad_out) + \
+            return _run_folded(*distill.saved_inputs(ctx), ctx.settings, need_s, need_t, grad_out) + \
                 (None,) * 6
         gs, gt = ctx.fused
         if (need_s and gs is None) or (need_t and gt is None):  # a second backward: compute them again
-            _, gs, gt = _run(student, teacher, idx, lp, labels, ctx.settings, need_s, need_t)
+            _, gs, gt = _run(*distill.saved_inputs(ctx), ctx.settings, need_s, need_t)
         if not batched or not distill.keep_graph():
             ctx.fused = (None, None)  # rescaled in place below (or let go with the graph): a later one recomputes
-        grad_out = grad_out.to(distill._acc_dtype(student.dtype))
+        grad_out = grad_out.to(distill._acc_dtype(ctx.student_dtype))
         out_s = distill._scaled(gs, grad_out, not batched) if need_s else None
         out_t = distill._scaled(gt, grad_out, not batched) if need_t else None
         return (out_s, out_t) + (None,) * 6

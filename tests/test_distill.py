@@ -2721,3 +2721,27 @@ def test_negative_views_are_read_as_their_values(device, dtype):
     ours = K.generalized_jsd(sk, teacher_topk=(idx, negative(lp)), reduction="none")
     ref, _ = reference(sk, teacher_topk=(idx, lp), reduction="none")
     assert_close(ours, ref, 2e-6 if dtype != torch.float64 else 1e-6, "top-k loss")
+
+
+# A teacher's logits (or labels) refilled in place for the next micro-batch before this one's backward: backward
+# read the saved inputs to check their versions even where it only rescales the gradient the forward wrote, and
+# raised PyTorch's in-place error where PyTorch's own loss (which keeps no teacher) runs. Now the inputs are read
+# only by a backward that computes again: float16's, and a second one, refuse a changed input as before.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=_id)
+def test_a_teacher_refilled_before_backward(device, dtype):
+    s = logits((6, 50), dtype, device).requires_grad_()
+    t, lab = logits((6, 50), dtype, device), labels_for((6,), device)
+    ref, (rg,) = reference(s, t, beta=0.5, labels=lab)
+    loss = K.generalized_jsd(s, t, beta=0.5, labels=lab)
+    with torch.no_grad():
+        t.copy_(logits((6, 50), dtype, device))  # the next micro-batch's teacher, in the same buffer
+        lab.copy_(labels_for((6,), device))
+    if dtype == torch.float16:  # (its backward computes the gradient from the inputs: a changed one is refused)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(loss, s)
+        return
+    (g,) = torch.autograd.grad(loss, s, retain_graph=True)
+    assert_close(loss, ref, 2e-6, "loss")
+    assert_grad_close(g, rg, dtype, "grad")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # a second one computes again
+        torch.autograd.grad(loss, s)

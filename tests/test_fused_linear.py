@@ -933,3 +933,21 @@ def test_a_negative_grad_output_is_read_as_its_value(device):
     ref, rgrads = reference(h, w, None, dict(teacher_logits=th @ tw.T), 1.5, beta=0.5)
     for g, r in zip(grads, rgrads):
         assert_close(g, r, GRAD_TOL[torch.float64], "grad")
+
+
+def test_a_teacher_refilled_before_backward(device):
+    # The teacher's hidden states refilled in place for the next micro-batch before this one's backward, which
+    # only rescales the gradients the forward wrote: it raised PyTorch's in-place error (the saved inputs were
+    # read to check their versions). A second backward, which computes again, still refuses.
+    h, w, _ = leaves(*head((5,), 8, 30, torch.float32, device, bias=False))
+    th, tw, _ = head((5,), 8, 30, torch.float32, device, bias=False)
+    ref, rgrads = reference(h, w, None, dict(teacher_logits=th @ tw.T), beta=0.5)
+    loss = K.fused_linear_generalized_jsd(h, w, th, tw, beta=0.5)
+    with torch.no_grad():
+        th.copy_(torch.randn_like(th))
+    grads = torch.autograd.grad(loss, [h, w], retain_graph=True)
+    assert_close(loss, ref, 2e-6, "loss")
+    for g, r in zip(grads, rgrads):
+        assert_close(g, r, GRAD_TOL[torch.float32], "grad")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, [h, w])
