@@ -219,8 +219,11 @@ def releases_held(backward: Callable) -> Callable:
     @functools.wraps(backward)
     def run(ctx, *grads):
         out = backward(ctx, *grads)
-        if getattr(ctx, "held_inputs", None) is not None and not keep_graph():
-            ctx.held_inputs = None
+        if not keep_graph():
+            if getattr(ctx, "held_inputs", None) is not None:
+                ctx.held_inputs = None
+            if getattr(ctx, "student_versions", None):  # (the fused head's: let go as saved tensors are)
+                ctx.student_versions = ()
         return out
     return run
 

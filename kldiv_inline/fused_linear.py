@@ -342,6 +342,11 @@ def _(grad, factor, anchors):
 def _setup_context(ctx, inputs, output):
     save_inputs(ctx, *inputs[:10])
     ctx.hidden_dtype = inputs[0].dtype  # (backward reads the inputs only to compute again or to trace: saved_inputs)
+    # The student's hidden states, weight and bias with their versions now: a backward that only rescales still
+    # refuses them changed in place since (an optimizer step before this loss's backward), as PyTorch's products
+    # would; the teacher's inputs, a constant, may be refilled (they are read only to compute again).
+    ctx.student_versions = tuple((t, t._version) for t in inputs[:3]
+                                 if type(t) in (Tensor, torch.nn.Parameter) and not t.is_inference())
     ctx.args = inputs[10:21]  # (ignore_index ... whole)
     ctx.wanted = inputs[21:24]
     _, g_hidden, g_weight, g_bias = output
@@ -371,6 +376,12 @@ def _backward(ctx, grad_loss, *_grads_of_gradients):
     else:
         ctx.fused = None  # rescaled in place once; a second backward recomputes
         in_place = True
+        for t, version in ctx.student_versions:
+            if t._version != version:
+                raise RuntimeError("fused_linear_generalized_jsd: one of the variables needed for gradient "
+                                   f"computation has been modified by an inplace operation: the student's "
+                                   f"{tuple(t.shape)} {t.dtype} input is at version {t._version}, at {version} in "
+                                   "the forward (an optimizer step before this backward?)")
     factor = grad_loss.to(_acc_dtype(ctx.hidden_dtype))
     # As 2-d rows for _scaled (sizes, not -1: a hidden size of 0 leaves -1 ambiguous); the bias's as one row.
     # (traced: under Dynamo, or by AOTAutograd, which torch 2.11 does with is_compiling() False but a grad_loss

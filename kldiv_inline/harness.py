@@ -160,18 +160,33 @@ def _copies(obj: Any, dtype_of: Callable[[torch.Tensor], torch.dtype | None]) ->
     (Tensors of one storage but different dtypes, or other layouts, are copied apart.)"""
     groups: dict[tuple, list[torch.Tensor]] = {}
     for t in _tensors(obj):
-        if t.layout == torch.strided and t.numel() > 0 and t.untyped_storage().data_ptr() != 0:
-            groups.setdefault((t.device, t.untyped_storage().data_ptr(), t.dtype), []).append(t)
+        # (plain tensors: a wrapper subclass has no storage of its own to share; the conjugate and negative bits
+        # in the key, since a view cut from another's copy would take that one's)
+        if (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and t.numel() > 0
+                and t.device.type != "meta" and t.untyped_storage().data_ptr() != 0):
+            key = (t.device, t.untyped_storage().data_ptr(), t.dtype, t.is_conj(), t.is_neg())
+            groups.setdefault(key, []).append(t)
     shared: dict[int, torch.Tensor] = {}
     for ts in groups.values():
-        if len(ts) < 2:
-            continue
-        lo = min(t.storage_offset() for t in ts)
-        hi = max(t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1 for t in ts)
-        flat = _leaf(ts[0].detach().as_strided((hi - lo,), (1,), lo), dtype_of(ts[0]))
-        for t in ts:
-            view = flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
-            shared[id(t)] = view.requires_grad_(t.requires_grad) if t.requires_grad else view
+        # Tensors whose spans of the storage overlap, copied together (a span of its own each: views of one large
+        # buffer far apart copy only what they reach)
+        spans = sorted(((t.storage_offset(), t.storage_offset() + sum((n - 1) * st for n, st in
+                                                                      zip(t.shape, t.stride())) + 1, t) for t in ts),
+                       key=lambda span: span[:2])
+        clusters: list[list] = []
+        for lo, hi, t in spans:
+            if clusters and lo < clusters[-1][1]:
+                clusters[-1][1] = max(clusters[-1][1], hi)
+                clusters[-1][2].append(t)
+            else:
+                clusters.append([lo, hi, [t]])
+        for lo, hi, members in clusters:
+            if len(members) < 2:
+                continue
+            flat = _leaf(members[0].detach().as_strided((hi - lo,), (1,), lo), dtype_of(members[0]))
+            for t in members:
+                view = flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
+                shared[id(t)] = view.requires_grad_(t.requires_grad) if t.requires_grad else view
     return _map_tensors(obj, lambda t: shared[id(t)] if id(t) in shared else _leaf(t, dtype_of(t)))
 
 
@@ -430,8 +445,12 @@ def _check_one(fn: Callable, case: Case, ref: Any, prepare: Callable, device: st
             # that held zeros, and hold that result to the reference too.
             del out
             args = prepare(*clone_args(case.args))
-            with _zeroed():
-                again = compare(fn(*args), ref, tolerance, per_element)
+            try:
+                with poisoned(device), _zeroed():
+                    out = fn(*args)
+            except Exception:  # (what the mode cannot run, e.g. a higher-order op: the first look stands)
+                return result
+            again = compare(out, ref, tolerance, per_element)
             if not again["ok"]:
                 again["error"] = ("run again over new memory that held zeros (False), not the poison: "
                                   f"{again['error']} (elements left unwritten?)")
@@ -442,11 +461,21 @@ def _check_one(fn: Callable, case: Case, ref: Any, prepare: Callable, device: st
 
 
 class _ZeroedEmpty(TorchDispatchMode):
-    """New tensors (empty, empty_like, empty_strided, new_empty, ...) filled with zeros as they are made, by
-    PyTorch's operators called from Python or from a C++ extension alike (a kernel that takes its memory some other
-    way is not seen)."""
+    """New tensors (empty, empty_like, empty_strided, empty_permuted, new_empty, ...) filled with zeros as they are
+    made, by PyTorch's operators called from Python or from a C++ extension alike, with PyTorch's own fill of new
+    memory switched off. Not seen: memory a kernel takes some other way, a resize_ that grows a tensor, a compiled
+    provider's graph (it runs eagerly under the mode)."""
 
-    _EMPTY = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+    _EMPTY = {"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided"}
+
+    def __enter__(self):
+        self._fill = torch.utils.deterministic.fill_uninitialized_memory
+        torch.utils.deterministic.fill_uninitialized_memory = False
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.utils.deterministic.fill_uninitialized_memory = self._fill
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -487,16 +516,22 @@ _CHECK_NUMBERS = itertools.count(1)
 
 
 def _signature(args: Any) -> tuple:
-    """What kind of inputs a case has: each tensor's rank, strides, dtype, device, layout and requires_grad, and
-    every other argument's repr, in order. A case rebuilt under its name in another dtype, on another device or
-    with other strides (a notebook's cases cell edited, the bench cell run again) is not the case a check ran.
-    Fresh values and other sizes are: a check of the first rows of a case too large to upcast to float64 vouches
-    for the whole case (the kit's suites check so)."""
+    """What kind of inputs a case has: each tensor's rank, dtype, device, layout, memory order (contiguous, or the
+    order of its strides and which are 0) and requires_grad; every other argument's type (and the value of a
+    string, bool or None: a reduction's name). A case rebuilt under its name in another dtype, on another device or
+    transposed (a notebook's cases cell edited, the bench cell run again) is not the case a check ran. Fresh values
+    and other sizes (of tensors, or numbers) are: a check of the first rows of a case too large to upcast to
+    float64 vouches for the whole case (the kit's suites check so)."""
     parts: list = []
 
+    def order(t: torch.Tensor):
+        if t.layout != torch.strided or t.is_contiguous():
+            return "contiguous"
+        st = t.stride()
+        return tuple(sorted(range(t.dim()), key=lambda d: -st[d])), tuple(d for d in range(t.dim()) if st[d] == 0)
+
     def note(t: torch.Tensor) -> torch.Tensor:
-        parts.append(("tensor", t.dim(), t.stride() if t.layout == torch.strided else None, t.dtype, t.device,
-                      t.layout, t.requires_grad))
+        parts.append(("tensor", t.dim(), t.dtype, t.device, t.layout, order(t), t.requires_grad))
         return t
 
     def walk(obj: Any) -> None:
@@ -510,8 +545,10 @@ def _signature(args: Any) -> tuple:
             parts.append(("mapping", tuple(sorted(map(repr, obj)))))
             for k in sorted(obj, key=repr):
                 walk(obj[k])
-        else:
+        elif obj is None or isinstance(obj, (str, bool)):
             parts.append(repr(obj))
+        else:
+            parts.append(type(obj).__qualname__)
 
     walk(args)
     return tuple(parts)
@@ -566,8 +603,8 @@ def _check_checked(providers: Mapping[str, Callable | None], checked: pd.DataFra
             continue
         if case in now and case in mark.cases and mark.cases[case] != now[case]:
             raise ValueError(f"case {case!r} is not the case {mark} of checked= ran: its inputs' dtypes, devices, "
-                             "ranks, strides or other arguments differ from those checked: check it again "
-                             "(harness.check) and pass that result")
+                             "ranks, memory orders or other arguments' types differ from those checked: check it "
+                             "again (harness.check) and pass that result")
         fn = providers.get(name)
         if fn is None:
             continue
@@ -669,6 +706,8 @@ def _bench_case(case: Case, device: str, providers, verdicts, prepare, flushes, 
     if case_timer == "cuda" and device != "cuda":
         raise ValueError(f"case {case.name!r}: timer='cuda' needs inputs on a CUDA device")
     nbytes = bytes_moved(*case.args) if bytes_moved is not None else None
+    if isinstance(nbytes, torch.Tensor) and nbytes.dim() == 0 and not nbytes.is_complex():
+        nbytes = nbytes.item()
     if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real)
                                or not 0 <= nbytes < math.inf):
         raise ValueError(f"case {case.name!r}: bytes_moved returned {nbytes!r}; it must be a number of bytes >= 0")

@@ -396,7 +396,8 @@ def _checksum(t) -> int:
     total = torch.zeros((), dtype=torch.int64, device=flat.device)
     for lo in range(0, flat.numel(), _CHECKSUM_CHUNK):  # in chunks: a few MiB of temporaries, whatever the size
         part = flat[lo:lo + _CHECKSUM_CHUNK]
-        part = part.to(torch.float64).view(torch.int64) if part.is_floating_point() else part.to(torch.int64)
+        # (+ 0.0: -0.0 and 0.0 one value, as torch.equal has them; their bits differ)
+        part = (part.to(torch.float64) + 0.0).view(torch.int64) if part.is_floating_point() else part.to(torch.int64)
         part = part ^ (part >> 32)  # the high bits (a float's sign) into the low ones, which the product spreads up
         total += ((part + 3) * _position_weights(lo, part.numel(), part.device)).sum()
     # A float's sign is its top bit, which a product modulo 2^64 never carries down, and the word was the sum's low

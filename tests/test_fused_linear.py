@@ -951,3 +951,17 @@ def test_a_teacher_refilled_before_backward(device):
         assert_close(g, r, GRAD_TOL[torch.float32], "grad")
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         torch.autograd.grad(loss, [h, w])
+
+
+def test_a_student_changed_in_place_before_backward_is_refused(device):
+    # The backward that only rescales reads no saved input (a teacher refilled in place is fine), but the student's
+    # hidden states or weight changed since the forward (an optimizer step before this loss's backward) are refused,
+    # as PyTorch's materialised head refuses them.
+    for which in ("hidden", "weight"):
+        h, w, _ = leaves(*head((5,), 8, 30, torch.float32, device, bias=False))
+        th, tw, _ = head((5,), 8, 30, torch.float32, device, bias=False)
+        loss = K.fused_linear_generalized_jsd(h, w, th, tw, beta=0.5)
+        with torch.no_grad():
+            (h if which == "hidden" else w).mul_(1.01)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(loss, [h, w])

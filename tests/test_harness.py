@@ -852,3 +852,52 @@ def test_a_numpy_float_from_a_provider_is_held_to_float32s_tolerance():
     checked = harness.check({"py": lambda x: got, "np": lambda x: np.float64(got)}, lambda x: x.sum(),
                             [harness.Case("s", (x,))])
     assert checked.ok.all() and (checked.tol == harness.TOLERANCE[torch.float32]).all(), (checked, ref)
+
+
+def test_shared_copies_keep_each_tensors_kind():
+    # (the first cut of the shared copies gave every tensor of a storage the first one's conjugate and negative
+    # bits, refused wrapper subclasses, which have no storage of their own, and copied the whole span of a large
+    # buffer for two far-apart views of it)
+    x = torch.randn(6)
+    z = torch.randn(6, dtype=torch.complex64)
+    neg = torch._neg_view(x)
+    got = harness.clone_args((x, neg, z, z.conj()))
+    assert torch.equal(got[1], -x) and torch.equal(got[3], z.conj())
+    big = torch.randn(1 << 20)
+    a, b = harness.upcast((big[:4], big[-4:]))
+    assert a.untyped_storage().nbytes() < 1024 and torch.equal(b, big[-4:].double())
+    from torch.testing._internal.two_tensor import TwoTensor
+    two = TwoTensor(torch.randn(3), torch.randn(3))
+    assert torch.equal(harness.clone_args((two, two))[0], two)
+
+
+def test_the_second_look_fails_no_correct_provider():
+    x = torch.rand(64)
+
+    def permuted_half(x):  # unwritten half of a tensor from empty_permuted: caught too
+        out = torch.empty_permuted(x.shape, (0,), dtype=torch.bool)
+        out[:32] = x[:32] > 0.5
+        return out
+
+    def by_cond(x):  # a higher-order op the zeroing mode cannot run: the first look stands
+        return torch.cond(x.sum() > 0, lambda v: v > 0.5, lambda v: v < 0.5, (x,))
+
+    x[40:] = 0.9
+    checked = harness.check({"permuted": permuted_half, "cond": by_cond}, lambda x: x > 0.5,
+                            [harness.Case("b", (x,))]).set_index("provider")
+    assert not checked.ok["permuted"] and checked.ok["cond"], checked.error.to_dict()
+
+
+def test_a_check_of_smaller_inputs_of_the_same_kind_vouches_for_a_case():
+    # Fresh 3-d tensors of other sizes have other strides, and a size passed as a number differs: the same kind of
+    # case (they were refused); a transposed input, a string setting changed, are not.
+    def f(x, n, how):
+        return x * n
+
+    checked = harness.check({"f": f}, f, [harness.Case("c", (torch.rand(2, 3, 8), 3, "a"))])
+    for args in ((torch.rand(2, 5, 8), 4, "a"),):
+        harness.bench({"f": f}, [harness.Case("c", args)], checked=checked, reps=2,
+                      bytes_moved=lambda x, n, how: torch.tensor(x.numel() * 8))  # (a 0-d tensor of bytes)
+    for args in ((torch.rand(8, 3, 2).transpose(0, 2), 3, "a"), (torch.rand(2, 3, 8), 3, "b")):
+        with pytest.raises(ValueError, match="is not the case"):
+            harness.bench({"f": f}, [harness.Case("c", args)], checked=checked, reps=2)

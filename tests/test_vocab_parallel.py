@@ -1390,3 +1390,11 @@ def test_the_checksum_of_a_negative_view_is_its_values():
     flipped = x.clone()
     flipped[2, 3] *= -1
     assert len({VP._checksum(x), VP._checksum(-x), VP._checksum(flipped)}) == 3
+
+
+def test_the_checksum_takes_minus_zero_as_zero():
+    from kldiv_inline import vocab_parallel as VP
+    x = torch.randn(4, 5, dtype=torch.float64)
+    y = x.clone()
+    x[1, 2], y[1, 2] = 0.0, -0.0
+    assert torch.equal(x, y) and VP._checksum(x) == VP._checksum(y)
