@@ -767,14 +767,14 @@ def test_capture_replays_a_training_step():
 
 
 # ------------------------------------------------------------------- ways a wrong kernel or timing got through
-def test_an_unwritten_boolean_element_is_caught():
+def test_an_unwritten_boolean_element_is_caught(device):
     # Poisoned memory reads True in a boolean tensor, a legal value: a mask whose loop stops one element early
     # passed wherever the truth there is True. check runs such outputs again over memory that held zeros.
-    x = torch.rand(1000)
+    x = torch.rand(1000, device=device)
     x[-1] = 0.9  # the truth at the element left unwritten: True
 
     def mask(x):
-        out = torch.empty(x.shape, dtype=torch.bool)
+        out = torch.empty(x.shape, dtype=torch.bool, device=x.device)
         out[:-1] = x[:-1] > 0.5
         return out
 
