@@ -223,7 +223,7 @@ def releases_held(backward: Callable) -> Callable:
             if getattr(ctx, "held_inputs", None) is not None:
                 ctx.held_inputs = None
             if getattr(ctx, "student_versions", None):  # (the fused head's: let go as saved tensors are)
-                ctx.student_versions = ()
+                ctx.student_versions = None
         return out
     return run
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -342,11 +343,12 @@ def _(grad, factor, anchors):
 def _setup_context(ctx, inputs, output):
     save_inputs(ctx, *inputs[:10])
     ctx.hidden_dtype = inputs[0].dtype  # (backward reads the inputs only to compute again or to trace: saved_inputs)
-    # The student's hidden states, weight and bias with their versions now: a backward that only rescales still
-    # refuses them changed in place since (an optimizer step before this loss's backward), as PyTorch's products
-    # would; the teacher's inputs, a constant, may be refilled (they are read only to compute again).
-    ctx.student_versions = tuple((t, t._version) for t in inputs[:3]
-                                 if type(t) in (Tensor, torch.nn.Parameter) and not t.is_inference())
+    # The student's hidden states and weight (weak references) with their versions now: a backward that only
+    # rescales still refuses one changed in place since (an optimizer step before this loss's backward) where
+    # PyTorch's product would have saved it: the weight for the hidden states' gradient, the hidden states for the
+    # weight's. The teacher's inputs, a constant, may be refilled (they are read only to compute again).
+    ctx.student_versions = tuple((weakref.ref(t), t._version) if type(t) in (Tensor, torch.nn.Parameter)
+                                 and not t.is_inference() else None for t in inputs[:2])
     ctx.args = inputs[10:21]  # (ignore_index ... whole)
     ctx.wanted = inputs[21:24]
     _, g_hidden, g_weight, g_bias = output
@@ -376,12 +378,15 @@ def _backward(ctx, grad_loss, *_grads_of_gradients):
     else:
         ctx.fused = None  # rescaled in place once; a second backward recomputes
         in_place = True
-        for t, version in ctx.student_versions:
-            if t._version != version:
+        # (the weight checked where the hidden states' gradient is made, the hidden states where the weight's is)
+        for kept, wanted, what in zip(ctx.student_versions or (None, None), (need[1], need[0]), ("hidden states",
+                                                                                               "weight")):
+            t = kept[0]() if kept is not None and wanted else None
+            if t is not None and t._version != kept[1]:
                 raise RuntimeError("fused_linear_generalized_jsd: one of the variables needed for gradient "
-                                   f"computation has been modified by an inplace operation: the student's "
-                                   f"{tuple(t.shape)} {t.dtype} input is at version {t._version}, at {version} in "
-                                   "the forward (an optimizer step before this backward?)")
+                                   f"computation has been modified by an inplace operation: the student's {what} "
+                                   f"are at version {t._version}, at {kept[1]} in the forward (an optimizer step "
+                                   "before this backward?)")
     factor = grad_loss.to(_acc_dtype(ctx.hidden_dtype))
     # As 2-d rows for _scaled (sizes, not -1: a hidden size of 0 leaves -1 ambiguous); the bias's as one row.
     # (traced: under Dynamo, or by AOTAutograd, which torch 2.11 does with is_compiling() False but a grad_loss

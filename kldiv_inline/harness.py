@@ -448,8 +448,16 @@ def _check_one(fn: Callable, case: Case, ref: Any, prepare: Callable, device: st
             try:
                 with poisoned(device), _zeroed():
                     out = fn(*args)
-            except Exception:  # (what the mode cannot run, e.g. a higher-order op: the first look stands)
-                return result
+            except Exception as e:
+                # What the zeros made raise is a failure; what any dispatch mode makes raise (a higher-order op
+                # with no rule for one) is the mode's: then the first look stands.
+                try:
+                    with poisoned(device), _PassThrough():
+                        fn(*prepare(*clone_args(case.args)))
+                except Exception:
+                    return result
+                return {"ok": False, "error": "run again over new memory that held zeros (False), not the poison: "
+                                              f"{_error(e)} (elements left unwritten?)"}
             again = compare(out, ref, tolerance, per_element)
             if not again["ok"]:
                 again["error"] = ("run again over new memory that held zeros (False), not the poison: "
@@ -485,6 +493,13 @@ class _ZeroedEmpty(TorchDispatchMode):
         return out
 
 
+class _PassThrough(TorchDispatchMode):
+    """A dispatch mode that changes nothing: whether a provider runs under one at all (see _check_one)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 def _zeroed():
     """The second look at integral outputs (_check_one): new memory holds zeros (False), not the poison."""
     return _ZeroedEmpty()
@@ -517,8 +532,8 @@ _CHECK_NUMBERS = itertools.count(1)
 
 def _signature(args: Any) -> tuple:
     """What kind of inputs a case has: each tensor's rank, dtype, device, layout, memory order (contiguous, or the
-    order of its strides and which are 0) and requires_grad; every other argument's type (and the value of a
-    string, bool or None: a reduction's name). A case rebuilt under its name in another dtype, on another device or
+    order of its strides and which are 0) and requires_grad; every number's type, and every other argument's
+    repr (a dtype, a reduction's name, a function). A case rebuilt under its name in another dtype, on another device or
     transposed (a notebook's cases cell edited, the bench cell run again) is not the case a check ran. Fresh values
     and other sizes (of tensors, or numbers) are: a check of the first rows of a case too large to upcast to
     float64 vouches for the whole case (the kit's suites check so)."""
@@ -545,10 +560,10 @@ def _signature(args: Any) -> tuple:
             parts.append(("mapping", tuple(sorted(map(repr, obj)))))
             for k in sorted(obj, key=repr):
                 walk(obj[k])
-        elif obj is None or isinstance(obj, (str, bool)):
-            parts.append(repr(obj))
+        elif isinstance(obj, numbers.Number) and not isinstance(obj, bool):
+            parts.append(type(obj).__qualname__)  # (a size or a scale: a smaller check vouches for it)
         else:
-            parts.append(type(obj).__qualname__)
+            parts.append(repr(obj))  # (a dtype, a device, a string setting, a function: as they are)
 
     walk(args)
     return tuple(parts)

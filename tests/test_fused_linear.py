@@ -953,15 +953,25 @@ def test_a_teacher_refilled_before_backward(device):
         torch.autograd.grad(loss, [h, w])
 
 
-def test_a_student_changed_in_place_before_backward_is_refused(device):
+@pytest.mark.parametrize("changed,frozen,refused", [("hidden", None, True), ("weight", None, True),
+                                                     ("bias", None, False), ("hidden", "weight", False),
+                                                     ("weight", "hidden", False)])
+def test_a_student_changed_in_place_before_backward(device, changed, frozen, refused):
     # The backward that only rescales reads no saved input (a teacher refilled in place is fine), but the student's
-    # hidden states or weight changed since the forward (an optimizer step before this loss's backward) are refused,
-    # as PyTorch's materialised head refuses them.
-    for which in ("hidden", "weight"):
-        h, w, _ = leaves(*head((5,), 8, 30, torch.float32, device, bias=False))
-        th, tw, _ = head((5,), 8, 30, torch.float32, device, bias=False)
-        loss = K.fused_linear_generalized_jsd(h, w, th, tw, beta=0.5)
-        with torch.no_grad():
-            (h if which == "hidden" else w).mul_(1.01)
+    # hidden states or weight changed since the forward (an optimizer step before this loss's backward) are refused
+    # where PyTorch's materialised head refuses them: the weight where the hidden states' gradient is made (the
+    # product saved it), the hidden states where the weight's is; never the bias.
+    h, w, b = leaves(*head((5,), 8, 30, torch.float32, device))
+    th, tw, _ = head((5,), 8, 30, torch.float32, device, bias=False)
+    inputs = dict(hidden=h, weight=w, bias=b)
+    if frozen:
+        inputs[frozen].requires_grad_(False)
+    loss = K.fused_linear_generalized_jsd(h, w, th, tw, student_bias=b, beta=0.5)
+    with torch.no_grad():
+        inputs[changed].mul_(1.01)
+    wrt = [t for t in inputs.values() if t.requires_grad]
+    if refused:
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-            torch.autograd.grad(loss, [h, w])
+            torch.autograd.grad(loss, wrt)
+    else:
+        torch.autograd.grad(loss, wrt)

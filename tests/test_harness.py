@@ -882,10 +882,16 @@ def test_the_second_look_fails_no_correct_provider():
     def by_cond(x):  # a higher-order op the zeroing mode cannot run: the first look stands
         return torch.cond(x.sum() > 0, lambda v: v > 0.5, lambda v: v < 0.5, (x,))
 
+    def divides_by_unwritten(x):  # raises where its unwritten buffer holds zeros: a failure, not the mode's
+        count = torch.empty(1, dtype=torch.int64)  # never written: the poison (int64's maximum), then 0
+        7 // int(count[0])
+        return x > 0.5
+
     x[40:] = 0.9
-    checked = harness.check({"permuted": permuted_half, "cond": by_cond}, lambda x: x > 0.5,
-                            [harness.Case("b", (x,))]).set_index("provider")
+    checked = harness.check({"permuted": permuted_half, "cond": by_cond, "divides": divides_by_unwritten},
+                            lambda x: x > 0.5, [harness.Case("b", (x,))]).set_index("provider")
     assert not checked.ok["permuted"] and checked.ok["cond"], checked.error.to_dict()
+    assert not checked.ok["divides"] and "ZeroDivisionError" in checked.error["divides"]
 
 
 def test_a_check_of_smaller_inputs_of_the_same_kind_vouches_for_a_case():
@@ -898,6 +904,7 @@ def test_a_check_of_smaller_inputs_of_the_same_kind_vouches_for_a_case():
     for args in ((torch.rand(2, 5, 8), 4, "a"),):
         harness.bench({"f": f}, [harness.Case("c", args)], checked=checked, reps=2,
                       bytes_moved=lambda x, n, how: torch.tensor(x.numel() * 8))  # (a 0-d tensor of bytes)
-    for args in ((torch.rand(8, 3, 2).transpose(0, 2), 3, "a"), (torch.rand(2, 3, 8), 3, "b")):
+    for args in ((torch.rand(8, 3, 2).transpose(0, 2), 3, "a"), (torch.rand(2, 3, 8), 3, "b"),
+                 (torch.rand(2, 3, 8), 3, torch.float16)):
         with pytest.raises(ValueError, match="is not the case"):
             harness.bench({"f": f}, [harness.Case("c", args)], checked=checked, reps=2)
