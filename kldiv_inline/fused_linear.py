@@ -346,7 +346,9 @@ def _setup_context(ctx, inputs, output):
     # The student's hidden states and weight (weak references) with their versions now: a backward that only
     # rescales still refuses one changed in place since (an optimizer step before this loss's backward) where
     # PyTorch's product would have saved it: the weight for the hidden states' gradient, the hidden states for the
-    # weight's. The teacher's inputs, a constant, may be refilled (they are read only to compute again).
+    # weight's. The teacher's inputs, a constant, may be refilled (they are read only to compute again). (Under
+    # saved-tensor hooks that pack copies the hidden states' view dies after the forward and goes unchecked, as
+    # PyTorch's own products check nothing there.)
     ctx.student_versions = tuple((weakref.ref(t), t._version) if type(t) in (Tensor, torch.nn.Parameter)
                                  and not t.is_inference() else None for t in inputs[:2])
     ctx.args = inputs[10:21]  # (ignore_index ... whole)

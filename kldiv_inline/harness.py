@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import itertools
 import math
 import numbers
@@ -532,8 +533,9 @@ _CHECK_NUMBERS = itertools.count(1)
 
 def _signature(args: Any) -> tuple:
     """What kind of inputs a case has: each tensor's rank, dtype, device, layout, memory order (contiguous, or the
-    order of its strides and which are 0) and requires_grad; every number's type, and every other argument's
-    repr (a dtype, a reduction's name, a function). A case rebuilt under its name in another dtype, on another device or
+    order of its strides and which are 0) and requires_grad; the value of a string, bool, None, dtype, device or
+    enum (a reduction's name, a dtype to compute in), a function's name, and every other argument's type (a
+    number, an array, a slice). A case rebuilt under its name in another dtype, on another device or
     transposed (a notebook's cases cell edited, the bench cell run again) is not the case a check ran. Fresh values
     and other sizes (of tensors, or numbers) are: a check of the first rows of a case too large to upcast to
     float64 vouches for the whole case (the kit's suites check so)."""
@@ -560,10 +562,12 @@ def _signature(args: Any) -> tuple:
             parts.append(("mapping", tuple(sorted(map(repr, obj)))))
             for k in sorted(obj, key=repr):
                 walk(obj[k])
-        elif isinstance(obj, numbers.Number) and not isinstance(obj, bool):
-            parts.append(type(obj).__qualname__)  # (a size or a scale: a smaller check vouches for it)
+        elif obj is None or isinstance(obj, (str, bool, torch.dtype, torch.device, enum.Enum)):
+            parts.append(repr(obj))  # (a setting: a reduction's name, a dtype to compute in)
+        elif callable(obj) and hasattr(obj, "__qualname__"):
+            parts.append(("callable", obj.__qualname__))  # (by name: a lambda made again when a cell reruns)
         else:
-            parts.append(repr(obj))  # (a dtype, a device, a string setting, a function: as they are)
+            parts.append(type(obj).__qualname__)  # (a size, a scale, an array of values, a slice: of any size)
 
     walk(args)
     return tuple(parts)

@@ -908,3 +908,19 @@ def test_a_check_of_smaller_inputs_of_the_same_kind_vouches_for_a_case():
                  (torch.rand(2, 3, 8), 3, torch.float16)):
         with pytest.raises(ValueError, match="is not the case"):
             harness.bench({"f": f}, [harness.Case("c", args)], checked=checked, reps=2)
+
+
+def test_a_cases_kind_takes_settings_by_value_and_the_rest_by_type():
+    # (a numpy array, a slice or a lambda made again when a notebook cell reruns are the same kind of argument;
+    # a dtype or a string setting changed is not)
+    def f(x, a, s, fn, dtype):
+        return x * 2
+
+    def case(x, a, s, dtype=torch.float32):
+        return harness.Case("c", (x, a, s, lambda v: v, dtype))
+
+    checked = harness.check({"f": f}, f, [case(torch.rand(4), np.ones(3), slice(0, 2))])
+    harness.bench({"f": f}, [case(torch.rand(9), np.zeros(5), slice(1, 7))], checked=checked, reps=2)
+    with pytest.raises(ValueError, match="is not the case"):
+        harness.bench({"f": f}, [case(torch.rand(4), np.ones(3), slice(0, 2), torch.float16)], checked=checked,
+                      reps=2)
