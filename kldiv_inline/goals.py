@@ -69,6 +69,15 @@ VOCAB_GOALS = [
 ]
 
 
+
+def short_commit(commit, n: int) -> str:
+    """env.json's commit with its hash cut to ``n`` characters and its marks kept (``+dirty``, ``+other-kernels``:
+    cut whole, a run of changed code read as the clean commit's in status.md and the plots' captions)."""
+    text = str(commit or "?")
+    head, plus, marks = text.partition("+")
+    return (head[:n] if len(head) == 40 else head) + plus + marks
+
+
 def _number(value) -> float | None:
     """A CSV cell as a float; None when empty (NaN, None or '')."""
     try:
@@ -309,7 +318,7 @@ def status_markdown(runs: list[tuple[str, list[dict], dict]]) -> str:
     for key in sorted(latest, key=lambda k: (_goal_order(k[0]), k[1], k[2], k[3])):
         date, folder, env, g = latest[key]
         card = key[3]
-        run = f"{folder} ({str(env.get('commit') or '?')[:7]}, {date[:10] or '?'}" + (
+        run = f"{folder} ({short_commit(env.get('commit'), 7)}, {date[:10] or '?'}" + (
             ", partial)" if env.get("partial") else ")")
         lines.append(f"| {g['goal']} | {g['case']} | {g['target']} | {card} | {format_value(g)} | "
                      f"{'yes' if g['met'] else 'NO'} | {run} |")

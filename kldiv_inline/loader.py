@@ -675,6 +675,8 @@ def _shared_unit_hint(log: str, srcs: Sequence[Path]) -> str | None:
 # commas (``-Ia,b``).
 _SEARCH_DIR_FLAGS = ("-isystem", "-idirafter", "-iquote", "-I")
 _FORCED_INCLUDE_FLAGS = ("-include", "-imacros")
+# Environment variables the compilers search for headers as they search -I / -isystem folders.
+_SEARCH_VARIABLES = ("CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH")
 _NVCC_LONG_FLAGS = {"--include-path": "-I", "--system-include": "-isystem", "--pre-include": "-include"}
 
 
@@ -893,7 +895,11 @@ def load_sources(
     # their compiler through those flags, not ours: the headers found there are part of the cache key too.
     host, device = _flag_search(extra_cflags), _flag_search(extra_cuda_cflags, nvcc=True)
     quote_dirs, flag_dirs, forced = (a + b for a, b in zip(host, device))
-    search = incs + [d for d in flag_dirs if d not in incs]
+    # The compilers' own search variables name folders as -I and -isystem do: their headers count too (an edited
+    # header found through CPATH was a cache hit), and their values go into the key.
+    env_search = {v: os.environ.get(v, "") for v in _SEARCH_VARIABLES}
+    env_dirs = [Path(d).resolve() for value in env_search.values() for d in value.split(os.pathsep) if d]
+    search = incs + [d for d in [*flag_dirs, *env_dirs] if d not in incs]
 
     texts: dict[Path, str] = {}
     for p in [*srcs, *(c for f in forced for c in _forced_candidates(f, [*quote_dirs, *search]))]:
@@ -923,6 +929,7 @@ def load_sources(
     for part in (repr(list(fn_key) if fn_key is not None else None), repr(sorted(compilers.items())),
                  repr([str(p) for p in cpp_srcs]), repr([str(p) for p in cuda_srcs]),
                  repr(cflags), repr(cuda_cflags), repr(list(extra_ldflags)), repr(include_flags),
+                 repr(sorted(env_search.items())),
                  torch.__version__, str(torch.version.cuda), sys.version, repr(archs), _CACHE_LAYOUT,
                  _cpu_fingerprint() if any("native" in f for f in cflags) else ""):
         key.update(part.encode() + b"\0")

@@ -12,6 +12,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt  # without a display matplotlib picks the Agg backend by itself
 import pandas as pd
 
+from .goals import short_commit
+
 # Fixed colours for the kit's providers, so a provider looks the same in every figure; others take the
 # remaining colours of the tab10 cycle in order.
 COLORS = {"kldiv_inline": "tab:red", "torch_eager": "tab:blue", "torch_compile": "tab:green",
@@ -177,7 +179,8 @@ def _device_title(folder: Path, record: str | None = None) -> str:
         e = json.loads(env.read_text())
         if record and isinstance(e.get(record), dict):
             e = e[record]
-        return (f"{e.get('device_name', folder.name)} · torch {e.get('torch', '?')} · {str(e.get('commit', '?'))[:10]}"
+        return (f"{e.get('device_name', folder.name)} · torch {e.get('torch', '?')} · "
+                f"{short_commit(e.get('commit'), 10)}"
                 + (" · partial run (cut short)" if e.get("partial") else ""))
     return folder.name
 

@@ -180,7 +180,8 @@ mine = [line for line in lines if line.startswith("| D") and card is not None an
 if mine:
     print("\n".join(header + mine))
 else:
-    print(f"no committed distillation results for {card or DEVICE}: `make results` on such a card writes them")
+    print(f"no committed distillation goals (D1-D6) for {card or DEVICE}: they are judged on a GPU's cases "
+          "(4096 x 128256 bfloat16); `make results` on a GPU writes them, and on the CPU the suite's small rows only")
 
 # %% [markdown]
 # ## 5. The LM head fused in

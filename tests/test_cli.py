@@ -832,3 +832,19 @@ def test_console_table_and_cpu_goals_say_what_they_hold(monkeypatch):
     assert "built with no CUDA" in goals_mod.goals_markdown([], dict(env, torch_cuda_build=None))
     gpu = dict(env, device="cuda")
     assert "(torch 2.14.1+cu130, CUDA 13.0, commit" in goals_mod.goals_markdown([], gpu)
+
+
+def test_a_changed_codes_run_is_marked_in_status_and_captions(tmp_path):
+    # status.md and the plots' captions cut env.json's commit to its first characters, and the "+dirty" (or
+    # "+other-kernels") mark with it: a run of changed code read as the clean commit's.
+    from kldiv_inline import goals, plots
+    sha = "db2cfbef8b" + "0" * 30
+    assert goals.short_commit(sha + "+dirty", 7) == "db2cfbe+dirty"
+    assert goals.short_commit(sha + "+dirty+other-kernels", 10) == "db2cfbef8b+dirty+other-kernels"
+    assert goals.short_commit(sha, 7) == "db2cfbe" and goals.short_commit("2c591d7", 7) == "2c591d7"
+    row = dict(goal="P1", case="c", target="time / floor <= 1.05", value=1.0, met=True)
+    table = goals.status_markdown([("run", [row], {"device_name": "Card", "commit": sha + "+dirty",
+                                                   "date_utc": "2026-12-05T00:00:00Z"})])
+    assert "(db2cfbe+dirty, 2026-12-05" in table
+    (tmp_path / "env.json").write_text(json.dumps({"device_name": "Card", "torch": "2", "commit": sha + "+dirty"}))
+    assert plots._device_title(tmp_path).endswith("db2cfbef8b+dirty")

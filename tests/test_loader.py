@@ -314,15 +314,15 @@ def test_rebuild_after_failed_build_in_same_process(tmp_path, cache):
 
 
 def test_rebuild_after_failed_build_with_same_name(tmp_path, cache, monkeypatch):
-    """The fix lies outside the cache key (a header found through the compiler's CPATH, which the loader does not
-    read), so the retry has the failed build's name: torch's JIT versioner alone would skip the build and
-    fail to import (a known PyTorch issue: a failed JIT build's version is kept)."""
+    """The fix lies outside the cache key (a header named through a macro, which the loader does not follow), so
+    the retry has the failed build's name: torch's JIT versioner alone would skip the build and fail to import
+    (a known PyTorch issue: a failed JIT build's version is kept)."""
     inc = tmp_path / "inc"
     inc.mkdir()
     (inc / "fix.h").write_text("#define FIXED_VALUE (6 +)\n")
     monkeypatch.setenv("CPATH", str(inc))
     src = tmp_path / "samename.cpp"
-    src.write_text(capi_module("FIXED_VALUE", prelude="#include <fix.h>"))
+    src.write_text(capi_module("FIXED_VALUE", prelude="#define FIX_HEADER <fix.h>\n#include FIX_HEADER"))
     with pytest.raises(kldiv_inline.KernelBuildError) as info:
         kldiv_inline.load_sources([src])
     failed_name = info.value.name
@@ -893,6 +893,23 @@ def test_editing_header_found_through_nvcc_include_flags_changes_the_key(tmp_pat
     assert _key_of(monkeypatch, [src], extra_cuda_cflags=flags(inc)) == before
     (inc / "flagged.h").write_text("#define FLAGGED 7\n")
     assert _key_of(monkeypatch, [src], extra_cuda_cflags=flags(inc)) != before
+
+
+@pytest.mark.parametrize("variable", ["CPATH", "CPLUS_INCLUDE_PATH", "C_INCLUDE_PATH"])
+def test_editing_header_found_through_the_compilers_search_variables_changes_the_key(tmp_path, cache, monkeypatch,
+                                                                                    variable):
+    # A header the compiler found through CPATH (or C/CPLUS_INCLUDE_PATH) was not in the key: an edit of it was a
+    # cache hit, the old module served.
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "flagged.h").write_text("#define FLAGGED 2\n")
+    src = tmp_path / "flagged.cpp"
+    src.write_text(f'{_QUOTE}\nint value() {{ return FLAGGED; }}\n')
+    monkeypatch.setenv(variable, f"/nonexistent{os.pathsep}{inc}")
+    before = _key_of(monkeypatch, [src])
+    assert _key_of(monkeypatch, [src]) == before
+    (inc / "flagged.h").write_text("#define FLAGGED 7\n")
+    assert _key_of(monkeypatch, [src]) != before
 
 
 def test_the_sources_order_is_part_of_the_key(tmp_path, cache):
