@@ -396,9 +396,12 @@ def _backward(ctx, grad_loss, *_grads_of_gradients):
     # backward through a compiled head is refused: the op has no batching rule)
     traced = tracing and not batched_grad(grad_loss)
     anchors = [t for t, ok in zip(saved_inputs(ctx)[:3], need) if ok] if traced else []
-    out = [(_traced_scale(g2, factor, anchors) if traced else _scaled(g2, factor, in_place))
-           .view(g.shape) if ok else None
-           for g, ok in zip(fused, need) for g2 in (g.view(g.shape[0] if g.dim() > 1 else 1, g.shape[-1]),)]
+
+    def scaled(g: Tensor) -> Tensor:
+        rows = g.view(g.shape[0] if g.dim() > 1 else 1, g.shape[-1])
+        return (_traced_scale(rows, factor, anchors) if traced else _scaled(rows, factor, in_place)).view(g.shape)
+
+    out = [scaled(g) if ok else None for g, ok in zip(fused, need)]
     return (*out,) + (None,) * (_N_INPUTS - 3)
 
 

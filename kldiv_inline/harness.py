@@ -447,7 +447,7 @@ def _check_one(fn: Callable, case: Case, ref: Any, prepare: Callable, device: st
             del out
             args = prepare(*clone_args(case.args))
             try:
-                with poisoned(device), _zeroed():
+                with poisoned(device), _ZeroedEmpty():
                     out = fn(*args)
             except Exception as e:
                 # What the zeros made raise is a failure; what any dispatch mode makes raise (a higher-order op
@@ -457,16 +457,17 @@ def _check_one(fn: Callable, case: Case, ref: Any, prepare: Callable, device: st
                         fn(*prepare(*clone_args(case.args)))
                 except Exception:
                     return result
-                return {"ok": False, "error": "run again over new memory that held zeros (False), not the poison: "
-                                              f"{_error(e)} (elements left unwritten?)"}
+                return {"ok": False, "error": f"{_SECOND_LOOK}: {_error(e)} (elements left unwritten?)"}
             again = compare(out, ref, tolerance, per_element)
             if not again["ok"]:
-                again["error"] = ("run again over new memory that held zeros (False), not the poison: "
-                                  f"{again['error']} (elements left unwritten?)")
+                again["error"] = f"{_SECOND_LOOK}: {again['error']} (elements left unwritten?)"
                 return again
         return result
     except Exception as e:  # a provider that fails is reported, the check goes on
         return {"ok": False, "error": _error(e)}
+
+
+_SECOND_LOOK = "run again over new memory that held zeros (False), not the poison"
 
 
 class _ZeroedEmpty(TorchDispatchMode):
@@ -499,11 +500,6 @@ class _PassThrough(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
-
-
-def _zeroed():
-    """The second look at integral outputs (_check_one): new memory holds zeros (False), not the poison."""
-    return _ZeroedEmpty()
 
 
 class _CheckId(str):

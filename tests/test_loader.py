@@ -884,15 +884,22 @@ def _key_of(monkeypatch, sources, **kwargs) -> str:
 ], ids=["--include-path=dir", "--include-path dir", "-Ia,dir", "--system-include=dir", "--pre-include file"])
 def test_editing_header_found_through_nvcc_include_flags_changes_the_key(tmp_path, cache, monkeypatch, flags,
                                                                           prelude):
+    _assert_an_edit_of_flagged_h_changes_the_key(tmp_path, monkeypatch, "flagged.cu", prelude,
+                                                 extra_cuda_cflags=flags(tmp_path / "inc"))
+
+
+def _assert_an_edit_of_flagged_h_changes_the_key(tmp_path, monkeypatch, source: str, prelude: str, **kwargs):
+    """inc/flagged.h reached by ``prelude`` from tmp_path/``source``: the key is the same twice, and another once
+    the header is edited."""
     inc = tmp_path / "inc"
     inc.mkdir()
     (inc / "flagged.h").write_text("#define FLAGGED 2\n")
-    src = tmp_path / "flagged.cu"
+    src = tmp_path / source
     src.write_text(f"{prelude}\nint value() {{ return FLAGGED; }}\n")
-    before = _key_of(monkeypatch, [src], extra_cuda_cflags=flags(inc))
-    assert _key_of(monkeypatch, [src], extra_cuda_cflags=flags(inc)) == before
+    before = _key_of(monkeypatch, [src], **kwargs)
+    assert _key_of(monkeypatch, [src], **kwargs) == before
     (inc / "flagged.h").write_text("#define FLAGGED 7\n")
-    assert _key_of(monkeypatch, [src], extra_cuda_cflags=flags(inc)) != before
+    assert _key_of(monkeypatch, [src], **kwargs) != before
 
 
 @pytest.mark.parametrize("variable", ["CPATH", "CPLUS_INCLUDE_PATH", "C_INCLUDE_PATH"])
@@ -900,16 +907,8 @@ def test_editing_header_found_through_the_compilers_search_variables_changes_the
                                                                                     variable):
     # A header the compiler found through CPATH (or C/CPLUS_INCLUDE_PATH) was not in the key: an edit of it was a
     # cache hit, the old module served.
-    inc = tmp_path / "inc"
-    inc.mkdir()
-    (inc / "flagged.h").write_text("#define FLAGGED 2\n")
-    src = tmp_path / "flagged.cpp"
-    src.write_text(f'{_QUOTE}\nint value() {{ return FLAGGED; }}\n')
-    monkeypatch.setenv(variable, f"/nonexistent{os.pathsep}{inc}")
-    before = _key_of(monkeypatch, [src])
-    assert _key_of(monkeypatch, [src]) == before
-    (inc / "flagged.h").write_text("#define FLAGGED 7\n")
-    assert _key_of(monkeypatch, [src]) != before
+    monkeypatch.setenv(variable, f"/nonexistent{os.pathsep}{tmp_path / 'inc'}")
+    _assert_an_edit_of_flagged_h_changes_the_key(tmp_path, monkeypatch, "flagged.cpp", _QUOTE)
 
 
 def test_the_sources_order_is_part_of_the_key(tmp_path, cache):
