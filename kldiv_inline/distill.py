@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from .loader import load
+from .ops import batched_grad
 
 __all__ = ["generalized_jsd", "GeneralizedJSDLoss", "REDUCTIONS"]
 
@@ -195,13 +196,6 @@ def keep_graph() -> bool:
     torch.compile traces a backward (the function cannot be traced: nothing is let go there)."""
     get = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     return True if get is None or torch.compiler.is_compiling() else bool(get())
-
-
-def batched_grad(grad: Tensor) -> bool:
-    """A grad_output of torch.autograd's batched backward (is_grads_batched=True, jacobian(vectorize=True)): no
-    storage a kernel could read, so the registered ops take it slice by slice and fused gradients are scaled out
-    of place."""
-    return torch._C._functorch.is_legacy_batchedtensor(grad)
 
 
 def saved_inputs(ctx) -> tuple:

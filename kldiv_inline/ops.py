@@ -222,7 +222,7 @@ def _backward_with(ctx, grad_out):
     # functional path too: an in-place update of a forward output cannot be partitioned. So does
     # create_graph=True (grad mode on here): the fused gradient has no graph to carry.
     use_fused = (need_x and ctx.fused and not ctx.fused_used and type(grad_out) is Tensor
-                 and not torch.compiler.is_compiling() and not torch.is_grad_enabled() and not _batched(grad_out))
+                 and not torch.compiler.is_compiling() and not torch.is_grad_enabled() and not batched_grad(grad_out))
     if use_fused:
         ctx.fused_used = True
         gx, ctx.fused_grad = ctx.fused_grad, None
@@ -241,15 +241,15 @@ def _backward_with(ctx, grad_out):
     return gx, gt
 
 
-def _batched(grad_out: Tensor) -> bool:
+def batched_grad(grad: Tensor) -> bool:
     """A grad_output of torch.autograd's batched backward (is_grads_batched=True, jacobian(vectorize=True)): a
-    tensor with no storage of its own, which the registered op takes slice by slice (vmap's fallback) and a
-    kernel called directly cannot read."""
-    return torch._C._functorch.is_legacy_batchedtensor(grad_out)
+    tensor with no storage of its own, which a registered op takes slice by slice (vmap's fallback) and a kernel
+    called directly cannot read; fused gradients are scaled out of place. The distillation ops ask it too."""
+    return torch._C._functorch.is_legacy_batchedtensor(grad)
 
 
 def _input_grads(grad_out, input, target, reduce, divisor, log_target, from_probs, want_x, want_t):
-    if torch.compiler.is_compiling() or not _plain(grad_out, input, target) or _batched(grad_out):
+    if torch.compiler.is_compiling() or not _plain(grad_out, input, target) or batched_grad(grad_out):
         return _backward_op(grad_out, input, target, reduce, divisor, log_target, from_probs, want_x, want_t)
     if torch.is_grad_enabled() or _transforms_active():
         return _KLDivBackward.apply(grad_out, input, target, reduce, divisor, log_target, from_probs, want_x,
