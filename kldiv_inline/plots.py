@@ -305,9 +305,14 @@ def plot_linear_sweep(df: pd.DataFrame, ours: str, memory_bound_mib: float | Non
         draw_time(ax_t, sel, by="impl", x="batch", xlabel="tokens", ours=ours, legend=False)
         ax_t.set_ylabel("time per training step (ms)")
         ax_t.set_title(f"fwd+bwd, beta={beta:g}, hidden {hidden:g}, vocabulary {vocab:g}", fontsize=9)
+        drawn = False
         for name, rows, style in _lines(sel, "impl", "batch", ours):
             if "extra_mib" in rows and rows["extra_mib"].notna().any():
                 ax_m.plot(rows["batch"], rows["extra_mib"] / 1024, marker="o", ms=3, label=name, **style)
+                drawn = True
+        if not drawn:  # a CPU run: torch has no peak-memory counter there, so the panel says so, not blank
+            ax_m.text(0.5, 0.5, "memory not measured on this device\n(peak memory is counted on a CUDA GPU only)",
+                      ha="center", va="center", transform=ax_m.transAxes, fontsize=9)
         if memory_bound_mib:
             ax_m.axhline(memory_bound_mib / 1024, color="k", ls=":", lw=1, label="memory goal")
         ax_m.set_xscale("log")

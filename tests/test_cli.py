@@ -2,6 +2,7 @@
 CSVs without a GPU, and the goals of the benchmark are evaluated from its rows."""
 import csv
 import json
+import math
 import shlex
 import subprocess
 import sys
@@ -371,6 +372,17 @@ def test_linear_sweep_draws_time_and_memory_against_tokens(tmp_path):
     assert list(ours.get_ydata()) == pytest.approx([125 / 1024, 250 / 1024, 500 / 1024])
     assert any(line.get_label() == "floor" for line in time_ax.get_lines())
     assert any(line.get_label() == "memory goal" for line in memory_ax.get_lines())
+
+
+def test_linear_sweep_says_memory_was_not_measured():
+    # A CPU run has no peak-memory counter: its memory panels said nothing and looked like a plotting fault.
+    rows = [{**r, "extra_mib": math.nan, "peak_mib": math.nan} for r in _fake_linear_rows()]
+    fig = plots.plot_linear_sweep(pd.DataFrame(rows), bench.OURS)
+    memory_ax = fig.axes[1]
+    assert not memory_ax.get_lines() or all(line.get_label() == "memory goal" for line in memory_ax.get_lines())
+    assert any("not measured" in t.get_text() for t in memory_ax.texts)
+    measured = plots.plot_linear_sweep(pd.DataFrame(_fake_linear_rows()), bench.OURS)
+    assert not any("not measured" in t.get_text() for t in measured.axes[1].texts)
 
 
 def test_linear_sweep_leaves_out_a_beta_timed_at_one_size():
