@@ -447,7 +447,8 @@ def _module_base(name: str) -> str:
 def _check_utf8(path: Path, text: str) -> None:
     """load_inline writes the given sources out again as UTF-8, where a byte that is not UTF-8 (read as a lone
     surrogate) cannot be written: say which file and line hold one (headers are read by the compiler itself)."""
-    for n, line in enumerate(text.splitlines(), 1):
+    # (lines as the compiler counts them: split on "\n" alone, where splitlines also breaks at \f, \v, \x1c-\x1e)
+    for n, line in enumerate(text.split("\n"), 1):
         bad = next((c for c in line if "\udc80" <= c <= "\udcff"), None)
         if bad is not None:
             raise ValueError(f"{path}:{n}: byte 0x{ord(bad) - 0xdc00:02x} is not UTF-8: load_inline writes the "
@@ -625,12 +626,44 @@ def _compiler_errors(log: str) -> list[str]:
             out.append(line + (f" ({readable}: declared and called, defined in no source given)"
                                if readable != m[1] else ""))
         elif re.search(r"\b(error|fatal)\b", line, re.IGNORECASE) and not _NOT_AN_ERROR_RE.search(line):
+            out.extend(_gcc_required_here(lines, i))
             out.append(line)
             # The compiler's context (the source line, a caret), not the next build command or ninja's lines.
             out.extend(nxt for nxt in lines[i + 1:i + 3]
                        if nxt.strip() and "error" not in nxt.lower() and not re.match(r"\s*\[\d+/\d+\]", nxt)
                        and not nxt.startswith(wrappers) and not _LINKER_RE.search(nxt))
+            out.extend(_nvcc_instantiated_at(lines, i))
     return out
+
+
+# A template's error is reported where the template is (a system header's line, for std::sort of a type with no
+# operator<); the researcher's own line is only in the instantiation chain: g++ prints it before the error
+# ("op.cpp:8:12:   required from here"), nvcc after it ("detected during ... instantiation of ... at line 8 of
+# /x/op.cu"). Without them the message named only the header.
+_GCC_CHAIN_RE = re.compile(r":\d+(?::\d+)?:\s+(?:required from|required by|In instantiation of)|: In instantiation of")
+_NVCC_CHAIN_RE = re.compile(r"^\s+(?:detected during|instantiation of|\(\d+ more|.*\bat line \d+\b)")
+
+
+def _gcc_required_here(lines: Sequence[str], i: int) -> list[str]:
+    """The "required from here" line of the instantiation chain right above the error at lines[i], if any."""
+    j = i
+    while j > 0 and _GCC_CHAIN_RE.search(lines[j - 1]):
+        j -= 1
+    return [ln for ln in lines[j:i] if "required from here" in ln]
+
+
+def _nvcc_instantiated_at(lines: Sequence[str], i: int) -> list[str]:
+    """The lines of nvcc's instantiation chain below the error at lines[i] (past its source line and caret) that
+    say where: the first ("detected during ...") and the last, the outermost instantiation."""
+    j = i + 1
+    while j < len(lines) and j <= i + 3 and not _NVCC_CHAIN_RE.match(lines[j]):
+        j += 1
+    chain = []
+    while j < len(lines) and _NVCC_CHAIN_RE.match(lines[j]):
+        chain.append(lines[j])
+        j += 1
+    where = [ln for ln in chain if re.search(r"\bat line \d+\b", ln)]
+    return list(dict.fromkeys(where[:1] + where[-1:]))
 
 
 # A definition the compiler met twice, with the file of the first one: g++ and clang name it on a note after the

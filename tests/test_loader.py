@@ -249,6 +249,29 @@ def test_compile_error_in_header_names_the_header(tmp_path, cache):
     _assert_maps_to(info.value, f"{tmp_path / 'bad.h'}:3:")
 
 
+def test_a_templates_error_names_the_line_that_instantiated_it(tmp_path, cache):
+    # std::sort of a type with no operator<: g++ reports the error inside the standard library's header, and names
+    # the researcher's line only above it ("required from here"), which the message used to drop.
+    src = tmp_path / "sorts.cpp"
+    src.write_text("#include <algorithm>\n#include <vector>\nstruct Pair { int a; };\n// 4\n// 5\n"
+                   "int f() {\n  std::vector<Pair> v(3);\n  std::sort(v.begin(), v.end());\n  return 0;\n}\n")
+    with pytest.raises(kldiv_inline.KernelBuildError) as info:
+        kldiv_inline.load_sources([src])
+    assert f"{src}:8:" in str(info.value) and any(f"{src}:8:" in e for e in info.value.errors), str(info.value)
+
+
+def test_a_templates_error_names_the_line_that_instantiated_it_nvcc(tmp_path, cache):
+    # nvcc reports the error at the template and names the instantiating line after it ("detected during
+    # instantiation of ... at line 7"), beyond the two lines of context kept before.
+    src = tmp_path / "twice.cu"
+    src.write_text("struct Pair { int a; };\n"
+                   "template <typename T> __device__ int twice(T x) {\n  return x.missing * 2;\n}\n// 5\n// 6\n"
+                   "__global__ void k(int* o) { Pair p{1}; o[0] = twice(p); }\n")
+    with pytest.raises(kldiv_inline.KernelBuildError) as info:
+        kldiv_inline.load_sources([src])
+    assert "at line 7" in str(info.value) and f"{src}(3)" in str(info.value), str(info.value)
+
+
 @pytest.mark.parametrize("suffix", [".cpp", ".cu"])
 def test_same_static_helper_in_two_sources_says_they_are_one_translation_unit(tmp_path, cache, suffix):
     # Valid as separate files (g++ a.cpp b.cpp links), but load_inline joins one language's sources into one file.
@@ -948,6 +971,10 @@ def test_a_source_that_is_not_utf8_names_its_file_and_line(tmp_path, cache, no_c
     with pytest.raises(ValueError, match=re.escape(f"{src}:11: byte 0xb0 is not UTF-8")):
         kldiv_inline.load_sources([src])
     assert no_compiler_runs == []
+    # A form feed (a page break, which old sources have) is no line break to the compiler: the line stays 11.
+    src.write_bytes(capi_module("1").encode().replace(b"\n", b"\n\f", 1) + b"// 90\xb0 in Latin-1\n")
+    with pytest.raises(ValueError, match=re.escape(f"{src}:11: byte 0xb0 is not UTF-8")):
+        kldiv_inline.load_sources([src])
 
 
 def test_sources_without_a_python_module_say_so(tmp_path, cache):
