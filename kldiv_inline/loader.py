@@ -45,7 +45,7 @@ import subprocess
 import sys
 import time
 import unicodedata
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -390,8 +390,11 @@ def _resolve_includes(path: Path, include_dirs: Sequence[Path], seen: dict[Path,
     then the -I folders in command-line order, where the user's flags come before the loader's, then -isystem,
     the system's, -idirafter; nvcc's as g++'s), which the loader would have to reproduce exactly, or the header
     it hashes is not the one compiled and an edit to that one leaves a stale module. With all of them in the key
-    the order cannot matter; an edit to a shadowed copy costs a rebuild at most."""
-    path = path.resolve()
+    the order cannot matter; an edit to a shadowed copy costs a rebuild at most.
+
+    A header reached through a symbolic link is searched beside the link, as the compiler searches beside the
+    file as it opened it (the link's folder), not beside its target: so its folder is resolved, its name not."""
+    path = path.parent.resolve() / path.name
     if path in seen:
         return
     text = path.read_bytes().decode("utf-8", "surrogateescape")  # any bytes (a system header need not be UTF-8)
@@ -891,7 +894,33 @@ def load_sources(
     is memoised per process.
     """
     # One path, flag or folder given alone (a str) is a list of one: a str was iterated letter by letter.
-    paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    for _ in range(_BUILD_TRIES):
+        try:
+            return _load_sources(paths, functions, name, cuda, extra_cflags, extra_cuda_cflags, extra_ldflags,
+                                 include_dirs, verbose)
+        except _SourcesChanged as e:
+            _log.info("%s: a source or header changed while it was being built: building again", e.args[0])
+    raise RuntimeError(f"the sources of {paths} changed during each of {_BUILD_TRIES} builds: save them, then load "
+                       "again")
+
+
+# A source or header saved while the compiler ran: the build holds the old text, the new, or some of each, so it
+# is filed under no key (the next try reads them again).
+_BUILD_TRIES = 3
+
+
+# The names whose build this process imported although a source changed during it (_SourcesChanged): what it
+# holds is neither text's, and a build of that name again would import as the same module object.
+_MIXED: set[str] = set()
+
+
+class _SourcesChanged(Exception):
+    """Raised by _build where the texts hashed for the key are not the texts on disk after the build."""
+
+
+def _load_sources(paths, functions, name, cuda, extra_cflags, extra_cuda_cflags, extra_ldflags, include_dirs,
+                  verbose):
     extra_cflags, extra_cuda_cflags, extra_ldflags, include_dirs = (
         [v] if isinstance(v, (str, os.PathLike)) else list(v)
         for v in (extra_cflags, extra_cuda_cflags, extra_ldflags, include_dirs))
@@ -934,9 +963,13 @@ def load_sources(
     env_dirs = [Path(d).resolve() for value in env_search.values() for d in value.split(os.pathsep) if d]
     search = incs + [d for d in [*flag_dirs, *env_dirs] if d not in incs]
 
-    texts: dict[Path, str] = {}
-    for p in [*srcs, *(c for f in forced for c in _forced_candidates(f, [*quote_dirs, *search]))]:
-        _resolve_includes(p, search, texts, quote_dirs)
+    def read_texts() -> dict[Path, str]:
+        texts: dict[Path, str] = {}
+        for p in [*srcs, *(c for f in forced for c in _forced_candidates(f, [*quote_dirs, *search]))]:
+            _resolve_includes(p, search, texts, quote_dirs)
+        return texts
+
+    texts = read_texts()
     for p in srcs:
         _check_utf8(p, texts[p])
     if functions is not None:
@@ -972,6 +1005,10 @@ def load_sources(
 
     if ext_name in _MODULES:
         return _MODULES[ext_name]
+    if ext_name in _MIXED:
+        raise RuntimeError(f"{ext_name}: this process imported a build of these sources made while one of them was "
+                           "being saved, and Python loads a module of one name once per process: restart it (the "
+                           "kernel of a notebook) to load them; the cache holds no such build")
     build_dir = cache_root() / ext_name
     module = _import_cached(ext_name, build_dir)  # a hit: no lock, no writes (the cache may be read-only)
     if module is None:
@@ -984,7 +1021,8 @@ def load_sources(
                 with _build_environment(compilers):
                     module = _build(ext_name, build_dir, cpp_srcs, cuda_srcs, texts, functions,
                                     cflags + include_flags, cuda_cflags + include_flags, list(extra_ldflags),
-                                    with_cuda, verbose, _expected_build_s(base, with_cuda, texts))
+                                    with_cuda, verbose, _expected_build_s(base, with_cuda, texts),
+                                    unchanged=lambda: read_texts() == texts)
     _MODULES[ext_name] = module
     return module
 
@@ -1005,10 +1043,11 @@ def _check_bindings_header(cpp_srcs: Sequence[Path], include_dirs: Sequence[Path
 
 
 def _build(ext_name, build_dir: Path, cpp_srcs, cuda_srcs, texts, functions, cflags, cuda_cflags, ldflags,
-           with_cuda, verbose, expected_s: int):
+           with_cuda, verbose, expected_s: int, unchanged: Callable[[], bool] = lambda: True):
     """Build from scratch into build_dir (we hold its lock), import, then write the manifest that makes the
     entry a cache hit. An unfinished build (killed, failed) leaves no manifest and is started over next time;
-    ninja alone would keep a damaged .so that is newer than its objects."""
+    ninja alone would keep a damaged .so that is newer than its objects. ``unchanged``: whether the sources and
+    headers on disk are still the texts of the key; if not, no manifest (_SourcesChanged)."""
     from torch.utils import cpp_extension
 
     shutil.rmtree(build_dir, ignore_errors=True)
@@ -1071,6 +1110,9 @@ def _build(ext_name, build_dir: Path, cpp_srcs, cuda_srcs, texts, functions, cfl
         raise failure from None
     except OSError as e:  # (a full disk, a folder that went away): say where
         raise OSError(e.errno, f"building {ext_name} in {build_dir}: {e.strerror or e}") from e
+    if not unchanged():
+        _MIXED.add(ext_name)
+        raise _SourcesChanged(ext_name)
     seconds = time.perf_counter() - start
     _write_manifest(build_dir, Path(module.__file__), seconds)
     _log.info("built %s in %.1f s", ext_name, seconds)

@@ -2324,6 +2324,20 @@ def test_torch_compile_fullgraph(device, sliced, dtype):
     assert_grad_close(g, rg, dtype, "grad")
 
 
+def test_torch_compile_fullgraph_of_one_entry_rows_with_a_wide_stride():
+    # [N, 1] logits from a transposed [1, N]: the stride along the vocabulary is N. Eager calls take them as a view
+    # (as_strided with storage_offset()), which Dynamo could not trace: fullgraph failed where V > 1 compiled.
+    s = torch.randn(1, 6, dtype=torch.float64).t().requires_grad_()
+    t = torch.randn(1, 6, dtype=torch.float64).t()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b: K.generalized_jsd(a, b, beta=0.5), backend="aot_eager", fullgraph=True)
+    loss = compiled(s, t)
+    (g,) = torch.autograd.grad(loss, s)
+    ref, (rg,) = reference(s, t, None, beta=0.5)  # (one entry: every distribution is 1 there, the loss 0)
+    assert float(ref) == 0.0 and abs(float(loss)) < 1e-30, float(loss)  # (the double lanes' rounding: ~5e-34)
+    assert g.shape == s.shape and float((g - rg).abs().max()) < 1e-30
+
+
 def test_torch_compile_runs_the_kernel_once_a_pass_and_refuses_double_backward(monkeypatch):
     # The traced backward recomputed the gradient beside the one the forward wrote, and the partitioner moved that
     # recomputation (it reads no grad_out) into the forward: two full passes there, a written gradient unread, and

@@ -249,6 +249,50 @@ def test_compile_error_in_header_names_the_header(tmp_path, cache):
     _assert_maps_to(info.value, f"{tmp_path / 'bad.h'}:3:")
 
 
+def test_a_header_behind_a_symbolic_link_follows_the_links_folder(tmp_path, cache):
+    # src/sub/h.h links to shared/h.h, which includes "inner.h": the compiler finds it beside the link (the file
+    # as it opened it), where the loader looked beside the target, so an edit to the inner.h compiled was a hit.
+    (tmp_path / "src" / "sub").mkdir(parents=True)
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "h.h").write_text('#pragma once\n#include "inner.h"\n')
+    (tmp_path / "src" / "sub" / "h.h").symlink_to(tmp_path / "shared" / "h.h")
+    src = tmp_path / "src" / "op.cpp"
+    src.write_text(capi_module("VAL", prelude='#include "sub/h.h"'))
+    (tmp_path / "src" / "sub" / "inner.h").write_text("#define VAL 1\n")
+    assert kldiv_inline.load_sources([src]).value() == 1
+    (tmp_path / "src" / "sub" / "inner.h").write_text("#define VAL 2\n")
+    assert kldiv_inline.load_sources([src]).value() == 2
+
+
+def test_a_header_saved_during_the_build_is_not_filed_under_the_old_key(tmp_path, cache, monkeypatch):
+    # The key hashes the headers before the build and the compiler reads them during it: a header saved in between
+    # (an editor's save while a notebook cell builds) filed the new code under the old text's key, so going back
+    # to the old text gave the new code, in this process and every later one.
+    from torch.utils import cpp_extension
+
+    header = tmp_path / "val.h"
+    header.write_text("#define VAL 1\n")
+    src = tmp_path / "op.cpp"
+    src.write_text(capi_module("VAL", prelude='#include "val.h"'))
+    real, saves = cpp_extension.load_inline, []
+
+    def saved_while_building(*args, **kwargs):
+        if not saves:
+            saves.append(header.write_text("#define VAL 2\n"))  # once, after the key was taken
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpp_extension, "load_inline", saved_while_building)
+    assert kldiv_inline.load_sources([src]).value() == 2  # built again from what is on disk
+    header.write_text("#define VAL 1\n")
+    # This process imported the mixed build under the old text's name, and Python imports a name once: it says so.
+    with pytest.raises(RuntimeError, match="restart"):
+        kldiv_inline.load_sources([src])
+    # Another process builds the old text (no build was filed under its key).
+    code = f"import kldiv_inline; print(kldiv_inline.load_sources([{str(src)!r}]).value())"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.split()[-1] == "1", run.stderr[-2000:]
+
+
 def test_a_templates_error_names_the_line_that_instantiated_it(tmp_path, cache):
     # std::sort of a type with no operator<: g++ reports the error inside the standard library's header, and names
     # the researcher's line only above it ("required from here"), which the message used to drop.
