@@ -222,6 +222,21 @@ def releases_held(backward: Callable) -> Callable:
     return run
 
 
+def masked_rows(labels: Tensor | None, ignore_index: int, reduction: int) -> Tensor | None:
+    """For reduction none with labels: the rows whose label is ignore_index ([rows] bool), taken in forward
+    (the labels may be refilled before backward), else None. See masked_grad_out."""
+    if labels is None or reduction != _REDUCTION_CODE["none"]:
+        return None
+    return labels.reshape(-1) == ignore_index
+
+
+def masked_grad_out(grad_out: Tensor, masked: Tensor | None) -> Tensor:
+    """grad_out with the masked rows' entries 0: their gradient is 0 whatever their grad_output, as PyTorch's
+    ignore_index losses give. Multiplied, 0 times an inf or NaN weight (1 / the length of a sequence all padding)
+    was NaN. One value (sum, batchmean) is left as it is: non-finite, it makes every kept row's gradient so."""
+    return grad_out if masked is None or grad_out.dim() == 0 else grad_out.masked_fill(masked, 0)
+
+
 def _save_context(ctx, inputs, gs: Tensor | None, gt: Tensor | None) -> None:
     """What _backward needs: the inputs (for a recomputation), the settings, and the fused gradients."""
     student, teacher, topk_idx, topk_lp, labels, ignore_index, beta, temperature, reduction, loss_scale, ws, wt = \
@@ -229,6 +244,7 @@ def _save_context(ctx, inputs, gs: Tensor | None, gt: Tensor | None) -> None:
     save_inputs(ctx, student, teacher, topk_idx, topk_lp, labels)
     ctx.student_dtype = student.dtype  # (backward reads the inputs only to compute again: saved_inputs)
     ctx.args = (ignore_index, beta, temperature, reduction, loss_scale)
+    ctx.masked = masked_rows(labels, ignore_index, reduction)
     ctx.wanted = (ws, wt)
     # Held outside save_for_backward: backward rescales them in place, and hands them over as the gradients.
     fuse = _fuses(student.dtype)
@@ -258,7 +274,7 @@ def _backward(ctx, grad_out, _g_student, _g_teacher):
     if grad_out is None:
         return (None,) * 12
     _refuse_double_backward("generalized_jsd")
-    grad_out = grad_out.resolve_neg()  # (a negative view: see _rows)
+    grad_out = masked_grad_out(grad_out.resolve_neg(), ctx.masked)  # (a negative view: see _rows)
     need_s = ctx.needs_input_grad[0] and ctx.wanted[0]
     need_t = ctx.needs_input_grad[1] and ctx.wanted[1]
     gs, gt = ctx.fused

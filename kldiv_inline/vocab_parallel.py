@@ -271,6 +271,7 @@ class _VocabParallelDivergence(torch.autograd.Function):
         distill.save_inputs(ctx, student, teacher, idx, lp, labels)
         ctx.student_dtype = student.dtype  # (backward reads the inputs only to compute again: saved_inputs)
         ctx.settings = settings
+        ctx.masked = distill.masked_rows(labels, settings[0], settings[3])
         ctx.fused = (gs, gt)
         ctx.set_materialize_grads(False)
         return loss
@@ -282,6 +283,7 @@ class _VocabParallelDivergence(torch.autograd.Function):
             return (None,) * 8
         distill._refuse_double_backward("generalized_jsd")
         grad_out = grad_out.resolve_neg()  # (a negative view: the kernels read the memory, not its negation)
+        grad_out = distill.masked_grad_out(grad_out, ctx.masked)  # (a masked row's gradient is 0 whatever it is)
         need_s, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # A batched backward's grad_out (is_grads_batched=True) has no storage a kernel could read: the fused
         # gradients are scaled out of place (and kept); float16's folded run cannot take it.

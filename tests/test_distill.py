@@ -726,6 +726,29 @@ def test_all_masked_is_zero_not_nan(device, reduction):
     assert torch.equal(s.grad, torch.zeros_like(s)) and torch.equal(t.grad, torch.zeros_like(t))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize("teacher", ["logits", "topk"])
+def test_masked_tokens_get_zero_gradient_whatever_their_grad_output(device, dtype, teacher):
+    # reduction none with a per-token weight that is inf or NaN on masked tokens (1 / the length of a sequence all
+    # padding): their gradient is 0, as PyTorch's ignore_index losses give; multiplied in, 0 * inf was NaN there.
+    s = logits((2, 3, 37), dtype, device).requires_grad_()
+    t = logits((2, 3, 37), dtype, device).requires_grad_(teacher == "logits")
+    lab = torch.tensor([[1, -100, 2], [-100, 5, 6]], device=device)
+    kw = dict(beta=0.5, labels=lab, reduction="none")
+    if teacher == "topk":
+        lp, idx = torch.log_softmax(t.detach().double(), -1).topk(5, -1)
+        kw["teacher_topk"] = (idx, lp.to(dtype))
+    go = random_grad_out(torch.empty(2, 3, dtype=torch.float64, device=device))
+    go[0, 1], go[1, 0] = math.inf, math.nan
+    out, grads = run(s, t if teacher == "logits" else None, go.to(torch.float32 if dtype != torch.float64 else dtype),
+                     **kw)
+    finite = go.masked_fill(lab == -100, 0.0)  # what reaches the kept rows; the masked ones must not matter
+    ref, refs = reference(s, t if teacher == "logits" else None, finite, **kw)
+    for g, r, who in zip(grads, refs, ("student", "teacher")):
+        assert torch.equal(g[lab == -100], torch.zeros_like(g[lab == -100])), who
+        assert_grad_close(g, r, dtype, who, grad_out=float(finite.abs().max()))
+
+
 def test_masked_tokens_are_ignored_whatever_they_hold(device):
     s = logits((6, 40), torch.float32, device)
     t = logits((6, 40), torch.float32, device)

@@ -593,6 +593,45 @@ def test_float16_split_folds_grad_output_in_as_one_process_does(_fresh_seed):
     spawn(_float16_scaled_body, 2, _fresh_seed, (1500, 2100))
 
 
+def _masked_grad_out_body(rank, world, device, seed, widths):
+    """reduction none with an inf or NaN grad_output on masked tokens: their gradient is 0 on every rank (as
+    one process gives it, and PyTorch's ignore_index losses), the kept rows' as float64's."""
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
+    n, vocab = 4, sum(widths)
+    from kldiv_inline.reference import generalized_jsd_reference
+    lab = torch.tensor([3, -100, 7, -100], device=device)
+    for dtype in (torch.float32, torch.float16):
+        for teacher in ("logits", "topk"):
+            s_full = _logits((n, vocab), dtype, device, gen)
+            t_full = _logits((n, vocab), dtype, device, gen)
+            kw = dict(beta=0.5, labels=lab, reduction="none")
+            if teacher == "topk":
+                lp, idx = torch.log_softmax(t_full.double(), -1).topk(9, -1)
+                kw["teacher_topk"] = (idx, lp.float())
+            go = torch.rand(n, generator=gen, dtype=torch.float64).to(device) + 0.5
+            go[1], go[3] = math.inf, math.nan
+            s = s_full[:, lo:hi].clone().requires_grad_()
+            t = t_full[:, lo:hi].clone().requires_grad_(teacher == "logits")
+            loss = K.generalized_jsd(s, t if teacher == "logits" else None, group=group, **kw)
+            wrt = [s, t] if teacher == "logits" else [s]
+            grads = torch.autograd.grad(loss, wrt, go.float())
+            s64 = s_full.double().requires_grad_()
+            t64 = t_full.double().requires_grad_(teacher == "logits")
+            ref = generalized_jsd_reference(s64, t64 if teacher == "logits" else None, **kw)
+            refs = torch.autograd.grad(ref, [s64, t64] if teacher == "logits" else [s64], go.masked_fill(lab < 0, 0))
+            for g, r, who in zip(grads, refs, ("student", "teacher")):
+                what = f"rank {rank} {dtype} {teacher}: {who}'s gradient"
+                assert torch.equal(g[lab < 0], torch.zeros_like(g[lab < 0])), what
+                assert_grad_close(g, r[:, lo:hi], dtype, what, grad_out=1.5)
+
+
+def test_masked_tokens_get_zero_gradient_whatever_their_grad_output(_fresh_seed):
+    K.load("cpu", extension="distill")
+    spawn(_masked_grad_out_body, 2, _fresh_seed, (30, 41))
+
+
 def _mismatch_body(rank, world, device, seed):
     # Ranks called with different settings or labels (only the vocabulary may be split): on CPU ranks every rank
     # raises, naming what differs, where they would otherwise combine their statistics into a wrong loss (or wait

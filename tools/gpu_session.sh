@@ -37,7 +37,7 @@
 #                                  #   the harness (test_harness; its two-GPU case skips on one), the KL op (test_ops,
 #                                  #   test_ops_reliability: float16's gradient folded in backward, torch.compile),
 #                                  #   the distillation's compiled op, opcheck, batched backward, inference-mode teachers
-#                                  #   and float32 lanes' refusals, negative views, refilled teachers; the fused head's
+#                                  #   and float32 lanes' refusals, negative views, refilled teachers, masked tokens' grad_output; the fused head's
 #                                  #   inference-mode, autocast, compile, opcheck, negative grad_output and in-place
 #                                  #   tests; the harness's second look at integral outputs (CUDA)
 #   tools/gpu_session.sh x2        # two GPUs: the two-GPU tests, then the committed run of the split
@@ -114,7 +114,7 @@ case $mode in
   host-paths)
     python3 -m pytest -q -m gpu tests/test_harness.py tests/test_ops.py tests/test_ops_reliability.py
     python3 -m pytest -q -m gpu tests/test_distill.py \
-      -k "compile or opcheck or batched_backward or inference_mode or float32_lanes or negative or refilled"
+      -k "compile or opcheck or batched_backward or inference_mode or float32_lanes or negative or refilled or whatever_their"
     python3 -m pytest -q -m gpu tests/test_fused_linear.py -k "inference_mode or autocast or compile or opcheck or negative or refilled or in_place_before" ;;
   x2)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
