@@ -37,9 +37,10 @@
 #                                  #   the harness (test_harness; its two-GPU case skips on one), the KL op (test_ops,
 #                                  #   test_ops_reliability: float16's gradient folded in backward, torch.compile),
 #                                  #   the distillation's compiled op, opcheck, batched backward, inference-mode teachers
-#                                  #   and float32 lanes' refusals, negative views, refilled teachers, masked tokens' grad_output; the fused head's
-#                                  #   inference-mode, autocast, compile, opcheck, negative grad_output and in-place
-#                                  #   tests; the harness's second look at integral outputs (CUDA)
+#                                  #   and float32 lanes' refusals, negative views, refilled teachers, masked tokens'
+#                                  #   grad_output; the fused head's inference-mode, autocast, compile, opcheck,
+#                                  #   negative grad_output and in-place tests; the harness's second look at
+#                                  #   integral outputs (CUDA)
 #   tools/gpu_session.sh x2        # two GPUs: the two-GPU tests, then the committed run of the split
 #                                  #   (bench_vocab_parallel --reps 10 --warmup 3 --graph) -> ${RESULTS:-results}/<card>-x2/
 # Two GPUs: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone --nproc-per-node 2 \
