@@ -440,7 +440,7 @@ def _check_one(fn: Callable, case: Case, ref: Any, prepare: Callable, device: st
         with poisoned(device):
             out = fn(*args)
         result = compare(out, ref, tolerance, per_element)
-        if result["ok"] and any(r is not None and _integral(r) for r in _outputs(ref, "the reference")):
+        if result["ok"] and _any_integral(out, ref):
             # Poisoned memory reads True in a boolean tensor (an integer's maximum), a legal value: a mask kernel
             # that leaves elements unwritten passed wherever the truth there is True. Run it again over new memory
             # that held zeros, and hold that result to the reference too.
@@ -465,6 +465,13 @@ def _check_one(fn: Callable, case: Case, ref: Any, prepare: Callable, device: st
         return result
     except Exception as e:  # a provider that fails is reported, the check goes on
         return {"ok": False, "error": _error(e)}
+
+
+def _any_integral(out: Any, ref: Any) -> bool:
+    """Whether the provider's outputs or the reference's hold an integer or boolean tensor, where the poison is a
+    legal value. The provider's own count: a boolean mask checked against a reference of floats (1.0 and 0.0)
+    read its poison, True, as 1.0 and passed with elements unwritten."""
+    return any(t is not None and _integral(t) for t in [*_outputs(out), *_outputs(ref, "the reference")])
 
 
 _SECOND_LOOK = "run again over new memory that held zeros (False), not the poison"

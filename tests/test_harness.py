@@ -786,6 +786,23 @@ def test_an_unwritten_boolean_element_is_caught(device):
     assert "elements left unwritten" in checked.set_index("provider").error["mask"]
 
 
+def test_an_unwritten_boolean_element_is_caught_against_a_reference_of_floats():
+    # The second look ran only where the reference's output was integral: a boolean mask checked against floats
+    # (1.0 / 0.0) read its poison, True, as 1.0 and passed with its last element unwritten; an int one likewise.
+    x = torch.rand(1000)
+    x[-1] = 0.9
+
+    def mask(x, dtype=torch.bool):
+        out = torch.empty(x.shape, dtype=dtype)
+        out[:-1] = x[:-1] > 0.5
+        return out
+
+    providers = {"bool": mask, "int": functools.partial(mask, dtype=torch.int32), "good": lambda x: x > 0.5}
+    checked = harness.check(providers, lambda x: (x > 0.5).double(), [harness.Case("b", (x,))]).set_index("provider")
+    assert checked.ok.to_dict() == {"bool": False, "int": False, "good": True}, checked.error.to_dict()
+    assert "elements left unwritten" in checked.error["bool"]
+
+
 def test_args_that_share_memory_share_their_copies():
     # A case passing one tensor twice (or overlapping views of one buffer) reached every provider as separate
     # copies: a kernel wrong for aliased inputs, the point of such a case, passed.
