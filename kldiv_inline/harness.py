@@ -19,7 +19,8 @@ catches them (a vectorised loop's mishandled tail, say). Each call runs ``poison
 an element the kernel fails to write shows up (boolean and integer outputs, where the poison is a legal value, are
 computed a second time over memory that held zeros). Every provider and the reference get their own copies of the
 case's tensors, so one that writes into its inputs (or accumulates gradients in them) changes no one else's; tensors
-that share memory share their copy.
+that share memory share their copy. A copy keeps its tensor's strides and storage offset, and so the alignment of its
+data (far into a large buffer, modulo 512 bytes).
 
 ``bench`` refuses to time a provider that failed its check: it checks every provider first, against ``reference=``
 or else the reference the cases were last checked with (``check`` records it on each case, with its tolerance and
@@ -47,7 +48,7 @@ import pandas as pd
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import floors, layout, timing
+from . import floors, timing
 from .reference import error_dtype, relative_error
 
 # Relative error allowed per output dtype: a few units of the dtype's rounding, for arrays of values.
@@ -137,21 +138,42 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def _leaf(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A detached copy (in ``dtype``) with ``t``'s sizes and strides, a leaf that requires grad if ``t`` did.
-    The strides are kept even where clone() would not (a slice with gaps, an expanded view with stride 0): a
-    kernel checked or timed on a strided input must see that input, not a contiguous copy of it."""
+    """A detached copy (in ``dtype``) with ``t``'s sizes, strides and storage offset, a leaf that requires grad if
+    ``t`` did. The strides are kept even where clone() would not (a slice with gaps, an expanded view with stride
+    0): a kernel checked or timed on a strided input must see that input, not a contiguous copy of it. The offset
+    too (_offset), and with it the data's alignment: a copy at the start of its own storage let a kernel that
+    reads from the storage's start, or one whose vector loads need an alignment the input lacks, pass (and be
+    timed on aligned data)."""
     grad, t = t.requires_grad, t.detach()
     if t.layout != torch.strided:  # sparse and other layouts: strides do not apply
         return (t.to(dtype, copy=True) if dtype is not None else t.clone()).requires_grad_(grad)
-    if t.is_contiguous() or t.numel() == 0:
-        out = t.to(dtype, copy=True) if dtype is not None else t.clone(memory_format=torch.contiguous_format)
-        if t.numel() > 0:
-            out = layout.with_strides(out, t.stride())  # contiguous either way; only size-1 dims' strides differ
-    else:  # copy the span of storage the view reaches, then view it alike
-        span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-        flat = t.as_strided((span,), (1,), t.storage_offset())
-        out = (flat.to(dtype, copy=True) if dtype is not None else flat.clone()).as_strided(t.shape, t.stride())
-    return out.requires_grad_(grad)
+    if t.numel() == 0:
+        return (t.to(dtype, copy=True) if dtype is not None else
+                t.clone(memory_format=torch.contiguous_format)).requires_grad_(grad)
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    flat = t.as_strided((span,), (1,), t.storage_offset())  # the span of storage the view reaches
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):  # (a wrapper subclass: its own clone, at offset 0)
+        flat = flat.to(dtype, copy=True) if dtype is not None else flat.clone()
+        return flat.as_strided(t.shape, t.stride()).requires_grad_(grad)
+    # Copied into a storage of its own after the offset, then viewed alike (copy_ converts the dtype and resolves
+    # the conjugate and negative bits, as clone did)
+    offset = _offset(t.storage_offset(), (dtype or t.dtype).itemsize)
+    storage = torch.empty(offset + span, dtype=dtype or t.dtype, device=t.device)
+    # (what lies before the data reads NaN: a kernel that reads from the storage's start gets no plausible values)
+    storage[:offset].fill_(math.nan if storage.is_floating_point() or storage.is_complex() else 0)
+    storage[offset:].copy_(flat)
+    return storage.as_strided(t.shape, t.stride(), offset).requires_grad_(grad)
+
+
+_ALIGN_BYTES = 512  # the CUDA caching allocator's block size, a multiple of any vector load (the CPU's: 64)
+
+
+def _offset(offset: int, element_size: int) -> int:
+    """The storage offset (in elements) of a copy of a view at ``offset``: the same where it is small, else one
+    that keeps it not 0 and its address modulo _ALIGN_BYTES (views far into a large buffer copy only what they
+    reach, not the buffer before them)."""
+    unit = max(1, _ALIGN_BYTES // element_size)
+    return offset if offset < 2 * unit else unit + offset % unit
 
 
 def _copies(obj: Any, dtype_of: Callable[[torch.Tensor], torch.dtype | None]) -> Any:
@@ -185,8 +207,8 @@ def _copies(obj: Any, dtype_of: Callable[[torch.Tensor], torch.dtype | None]) ->
             if len(members) < 2:
                 continue
             flat = _leaf(members[0].detach().as_strided((hi - lo,), (1,), lo), dtype_of(members[0]))
-            for t in members:
-                view = flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
+            for t in members:  # (flat keeps lo's offset, _leaf: each view keeps its own alike)
+                view = flat.as_strided(t.shape, t.stride(), flat.storage_offset() + t.storage_offset() - lo)
                 shared[id(t)] = view.requires_grad_(t.requires_grad) if t.requires_grad else view
     return _map_tensors(obj, lambda t: shared[id(t)] if id(t) in shared else _leaf(t, dtype_of(t)))
 

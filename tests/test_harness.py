@@ -679,6 +679,36 @@ def test_copies_keep_the_inputs_strides():
     assert tuple(a.stride() for a in up) == want and all(torch.equal(u, a.double()) for u, a in zip(up, args))
 
 
+def test_copies_keep_the_inputs_storage_offset_and_alignment():
+    # Each copy started its own storage: a view at offset 1 (4 bytes off 16) reached providers at offset 0, aligned,
+    # so a kernel that reads from the storage's start (or needs aligned vector loads) passed, and bench timed it
+    # on aligned data.
+    big = torch.rand(1 << 12)
+    x = big[1:]
+    seen = []
+
+    def ignores_offset(x):  # the C++ slip: the storage's pointer, not x.data_ptr()
+        return 2 * torch.empty(0).set_(x.untyped_storage(), 0, x.shape, x.stride())
+
+    def spy(x):
+        seen.append((x.storage_offset(), x.data_ptr() % 16))
+        return 2 * x
+
+    case = harness.Case("offset1", (x,))
+    checked = harness.check({"ignores_offset": ignores_offset, "spy": spy}, lambda x: 2 * x, [case])
+    assert checked.set_index("provider").ok.to_dict() == {"ignores_offset": False, "spy": True}
+    harness.bench({"spy": spy}, [case], checked=checked, reps=2, warmup=0)
+    assert len(seen) >= 3 and set(seen) == {(1, x.data_ptr() % 16)}, seen
+    # Far into a large buffer: the offset stays not 0 and the address keeps its alignment (the CPU's 64 bytes),
+    # but the copy holds little more than what the view reaches; views that share memory keep their own offsets.
+    far = big[-5:]
+    copy, shared, shared2 = harness.clone_args((far, big[9:12], big[10:13]))
+    assert copy.storage_offset() > 0 and copy.data_ptr() % 64 == far.data_ptr() % 64, copy.storage_offset()
+    assert copy.untyped_storage().nbytes() < 2048 and torch.equal(copy, far)
+    assert (shared.storage_offset(), shared2.data_ptr() - shared.data_ptr()) == (9, 4)
+    assert torch.equal(harness.upcast((x,))[0], x.double())
+
+
 def test_sparse_inputs_are_copied_as_they_are():
     x = torch.randn(6, 6).relu().to_sparse()
     case = harness.Case("sparse", (x,))
