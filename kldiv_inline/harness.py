@@ -40,6 +40,7 @@ import enum
 import itertools
 import math
 import numbers
+import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -48,7 +49,7 @@ import pandas as pd
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import floors, timing
+from . import floors, loader, timing
 from .reference import error_dtype, relative_error
 
 # Relative error allowed per output dtype: a few units of the dtype's rounding, for arrays of values.
@@ -544,6 +545,7 @@ class _CheckId(str):
         self = super().__new__(cls, f"check {number}")
         self.callables = dict(providers)
         self.cases = dict(cases)  # case name -> _signature of its args as checked
+        self.loaded = dict(loader.LAST_LOADED)  # the extensions' builds loaded last (a lambda calls those)
         return self
 
     def __deepcopy__(self, memo):
@@ -656,6 +658,20 @@ def _check_checked(providers: Mapping[str, Callable | None], checked: pd.DataFra
         if not (name in mark.callables and _same_callable(then, fn)):
             raise ValueError(f"provider {name!r} is not the callable {mark} of checked= ran ({fn!r} now, {then!r} "
                              "then): check it again (harness.check) and pass that result")
+        rebuilt = _rebuilt_since(mark)
+        if rebuilt and not isinstance(fn, types.BuiltinFunctionType):
+            raise ValueError(f"provider {name!r}: since {mark} of checked= ran, {rebuilt}; the same "
+                             "callable may now call the new build (a lambda over the module's variable), unchecked: "
+                             "check it again (harness.check) and pass that result")
+
+
+def _rebuilt_since(mark: _CheckId) -> str:
+    """Which extensions (by the name given to the loader) were loaded from another build since the check ``mark``
+    ran, in words, else "". A module's own function (``mod.scale2``) is the build it was made by, and its
+    identity says which (_check_checked exempts it); any other callable can reach a module through a variable."""
+    changed = [f"{name!r} was loaded from {loader.LAST_LOADED[name]} (checked with {ext})"
+               for name, ext in sorted(mark.loaded.items()) if loader.LAST_LOADED.get(name, ext) != ext]
+    return "; ".join(f"extension {c}" for c in changed)
 
 
 def _verdict(row) -> tuple[bool, float, str]:
@@ -828,7 +844,8 @@ def bench(providers: Mapping[str, Callable | None], cases: Sequence[Case], *,
 
     Each provider is timed on its own copies of the case's tensors (made once, before its warm-up), so one
     that writes into its inputs changes no other's. ``checked=``: a ``check`` frame of these same callables
-    (a name that now names another callable is refused: check it again).
+    (a name that now names another callable is refused: check it again; so is a callable other than a module's
+    own function once an extension was loaded from another build since the check: ``loader.LAST_LOADED``).
 
     status: "ok" (timed), "wrong" (failed its check on the numbers: not timed), "wrong: ..." (failed its
     check otherwise, e.g. raised: the check's error), "not installed" (given as None), or "error: ..."

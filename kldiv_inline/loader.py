@@ -89,6 +89,10 @@ _KIT_CUDA_CFLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 
 # One module object per (name) for the life of the process.
 _MODULES: dict[str, object] = {}
+# The build each extension name was last loaded from (name given -> name with its hash): harness.check records it,
+# and bench(checked=) refuses a check made before a name was loaded from another build, since a provider that
+# reaches a module through a variable (a lambda over a notebook's `mod`) calls the new build, unchecked.
+LAST_LOADED: dict[str, str] = {}
 
 
 class KernelBuildError(RuntimeError):
@@ -1004,6 +1008,7 @@ def _load_sources(paths, functions, name, cuda, extra_cflags, extra_cuda_cflags,
     ext_name = f"{base}_{digest}"
 
     if ext_name in _MODULES:
+        LAST_LOADED[base] = ext_name
         return _MODULES[ext_name]
     if ext_name in _MIXED:
         raise RuntimeError(f"{ext_name}: this process imported a build of these sources made while one of them was "
@@ -1024,6 +1029,7 @@ def _load_sources(paths, functions, name, cuda, extra_cflags, extra_cuda_cflags,
                                     with_cuda, verbose, _expected_build_s(base, with_cuda, texts),
                                     unchanged=lambda: read_texts() == texts)
     _MODULES[ext_name] = module
+    LAST_LOADED[base] = ext_name
     return module
 
 

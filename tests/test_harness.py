@@ -869,6 +869,24 @@ def test_bench_refuses_a_checked_verdict_for_a_case_rebuilt_otherwise():
             harness.bench({"mine": mine}, [harness.Case("n", (other,))], checked=checked, reps=2)
 
 
+def test_bench_refuses_a_check_made_before_its_extension_was_rebuilt(scale2_dir, tmp_path):
+    # bench(checked=) knew a provider by the callable: a lambda over a notebook's `mod` is the same lambda after the
+    # build cell ran again on an edited (wrong) source, and was timed "ok" on the old check's verdict.
+    mod = kldiv_inline.load_sources([scale2_dir / "scale2.cpp"], name="scale2")
+    providers = {"mine": lambda x: mod.scale2(x), "direct": mod.scale2}
+    cases = _cases("cpu")
+    checked = harness.check(providers, lambda x: 2 * x, cases)
+    assert checked.ok.all(), checked.error
+    (tmp_path / "scale2.cpp").write_text(SCALE2_CPP.replace("2.0f * in[i]", "3.0f * in[i]"))
+    first, mod = mod, kldiv_inline.load_sources([tmp_path / "scale2.cpp"], name="scale2")
+    with pytest.raises(ValueError, match="provider 'mine': since check .* extension 'scale2' was loaded from"):
+        harness.bench(providers, cases, checked=checked, reps=2)
+    # a module's own function is the build it came from; the edit undone, the lambda calls the build checked
+    assert (harness.bench({"direct": first.scale2}, cases, checked=checked, reps=2).status == "ok").all()
+    mod = kldiv_inline.load_sources([scale2_dir / "scale2.cpp"], name="scale2")
+    assert (harness.bench(providers, cases, checked=checked, reps=2).status == "ok").all()
+
+
 def test_a_time_below_the_floor_is_warned_about():
     # A provider that caches its result across calls ran at 1e-4 x the floor, reported "ok" without a word.
     cache = {}
