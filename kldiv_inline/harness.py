@@ -26,9 +26,10 @@ data (far into a large buffer, modulo 512 bytes).
 or else the reference the cases were last checked with (``check`` records it on each case, with its tolerance and
 per_element, which that check is held to again), unless ``checked=`` hands it the result of a check (of these very
 callables and the kinds of the cases' inputs: ``check`` records them on each row, ``check_id``) or
-``reference=None`` says to time unchecked. A time below ``BELOW_FLOOR`` x the floor is warned about. Timing
-follows ``kldiv_inline.timing`` (CUDA events, L2 flush, input rotation, median and 20/80% quantiles; a wall clock on
-the CPU); the floor is the bytes moved over the read bandwidth of ``kldiv_inline.floors``.
+``reference=None`` says to time unchecked. A time below ``BELOW_FLOOR`` x the floor is warned about (on the CPU,
+whose inputs stay in its cache, most often for that). Timing follows ``kldiv_inline.timing`` (CUDA events, L2 flush,
+input rotation, median and 20/80% quantiles; a wall clock on the CPU); the floor is the bytes moved over the read
+bandwidth of ``kldiv_inline.floors``.
 
 The kit's own suites (``kldiv_inline.bench``) go through the same functions.
 """
@@ -736,6 +737,21 @@ def _n_input_sets(case: Case, device: str, timer: str) -> tuple[int, bool]:
     return min(8, max(2, (3 * l2) // max(1, in_bytes) + 1)), True
 
 
+def _below_floor_why(device: str, timer: str) -> str:
+    """The likely causes of a time below the floor, for bench's warning. The wall clock times one set of inputs
+    with no flush (_n_input_sets), so inputs that fit in the cache (on the CPU, its last level) are read from it at
+    every call but the first, while the floor was read from a buffer far beyond it: on the CPU that is the usual
+    cause, and blaming bytes_moved alone sent the researcher hunting for a fault that was not there."""
+    causes = ("bytes_moved may count bytes it need not move (padding, masked rows), or it does not do its work each "
+              "call (a result cached across calls, work left running on another stream)")
+    if timer != "wall":
+        return causes[0].upper() + causes[1:]
+    cache = "the CPU's last-level cache" if device == "cpu" else "the L2"
+    return (f"Likely its inputs stay in {cache} between calls (the wall clock times one set of them, unflushed), "
+            "while the floor is read from memory: a case much larger than that cache measures memory. Else "
+            f"{causes}")
+
+
 def _check_bench_args(timer: str, reps: int, warmup: int) -> None:
     if timer not in TIMERS:
         raise ValueError(f"timer must be one of {', '.join(map(repr, TIMERS))}, not {timer!r}")
@@ -814,9 +830,7 @@ def _bench_case(case: Case, device: str, providers, verdicts, prepare, flushes, 
                        x_floor=med / row["floor_ms"] if row["floor_ms"] > 0 else math.nan)
             if row["x_floor"] < BELOW_FLOOR:
                 warnings.warn(f"{name!r} on case {case.name!r} ran at {row['x_floor']:.3g} x the floor: faster than "
-                              "the bytes it must move allow. bytes_moved may count bytes it need not move (padding, "
-                              "masked rows), or it does not do its work each call (a result cached across calls, "
-                              "work left running on another stream)", stacklevel=3)
+                              f"the bytes it must move allow. {_below_floor_why(device, case_timer)}", stacklevel=3)
             if peak:
                 row["pct_of_peak"] = 100.0 * row["gbps"] / peak
         rows.append(row)

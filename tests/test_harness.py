@@ -909,6 +909,16 @@ def test_a_time_below_the_floor_is_warned_about():
                           reps=2, bytes_moved=lambda x, bad=bad: bad)
 
 
+def test_below_the_floor_on_the_cpu_blames_its_cache_first():
+    # The README's snippet on a CPU warned that bytes_moved or a cached result was at fault, while the cause was
+    # its inputs staying in the last-level cache (one set, no flush) against a floor read from 1 GiB in memory.
+    floor = floors.Floor("cpu", 1e-3, "given", {"given": 1e-3})  # (any time is below it)
+    with pytest.warns(UserWarning, match="x the floor: .* Likely its inputs stay in the CPU's last-level cache") as got:
+        harness.bench({"torch": lambda x: 2 * x}, [harness.Case("c", (torch.rand(1 << 10),))],
+                      reference=lambda x: 2 * x, reps=2, floor=floor, bytes_moved=lambda x: 8 * x.numel())
+    assert "Else bytes_moved may count bytes" in str(got[0].message)
+
+
 def test_a_numpy_float_from_a_provider_is_held_to_float32s_tolerance():
     # numpy's float64 is a float: held to float64's 1e-12, a float32 result (as a Python float is) failed.
     x = torch.rand(100)
