@@ -27,9 +27,9 @@ or else the reference the cases were last checked with (``check`` records it on 
 per_element, which that check is held to again), unless ``checked=`` hands it the result of a check (of these very
 callables and the kinds of the cases' inputs: ``check`` records them on each row, ``check_id``) or
 ``reference=None`` says to time unchecked. A time below ``BELOW_FLOOR`` x the floor is warned about (on the CPU,
-whose inputs stay in its cache, most often for that). Timing follows ``kldiv_inline.timing`` (CUDA events, L2 flush,
-input rotation, median and 20/80% quantiles; a wall clock on the CPU); the floor is the bytes moved over the read
-bandwidth of ``kldiv_inline.floors``.
+whose small inputs stay in its caches, most often for that). Timing follows ``kldiv_inline.timing`` (CUDA events, L2
+flush, input rotation, median and 20/80% quantiles; a wall clock on the CPU, its inputs rotated through its
+last-level cache); the floor is the bytes moved over the read bandwidth of ``kldiv_inline.floors``.
 
 The kit's own suites (``kldiv_inline.bench``) go through the same functions.
 """
@@ -724,17 +724,23 @@ def _wrong(rel_err: float, error: str) -> str:
 
 
 def _n_input_sets(case: Case, device: str, timer: str) -> tuple[int, bool]:
-    """How many input sets to rotate among, and whether to flush the L2 before each call: inputs that fit in
-    (twice) the L2 are flushed and rotated among copies that together overflow it."""
-    if timer != "cuda":
-        return 1, False
+    """How many input sets to rotate among, and whether to flush the L2 before each call: on the GPU, inputs that
+    fit in (twice) the L2 are flushed and rotated among copies that together overflow it. On the CPU they are
+    rotated alike through its last-level cache (not flushed: the wall clock would time the flush): one set of a
+    case that fits there was read from the cache at every call but the first, against a floor read from memory,
+    so a correct kernel ran "below the floor". A wall clock on the GPU times one set, as the host sees a step."""
     # (a sparse tensor has no nbytes: its dense size stands in, an upper bound of what it holds)
     in_bytes = sum(t.nbytes if t.layout == torch.strided else t.numel() * t.element_size()
                    for t in _tensors(case.args))
-    l2 = timing.l2_bytes(device)
-    if in_bytes > 2 * l2:
+    if timer == "cuda":
+        cache = timing.l2_bytes(device)
+    elif device == "cpu":
+        cache = timing.llc_bytes()
+    else:
         return 1, False
-    return min(8, max(2, (3 * l2) // max(1, in_bytes) + 1)), True
+    if in_bytes > 2 * cache:
+        return 1, False
+    return min(8, max(2, (3 * cache) // max(1, in_bytes) + 1)), timer == "cuda"
 
 
 def _below_floor_why(device: str, timer: str) -> str:
@@ -746,10 +752,13 @@ def _below_floor_why(device: str, timer: str) -> str:
               "call (a result cached across calls, work left running on another stream)")
     if timer != "wall":
         return causes[0].upper() + causes[1:]
-    cache = "the CPU's last-level cache" if device == "cpu" else "the L2"
-    return (f"Likely its inputs stay in {cache} between calls (the wall clock times one set of them, unflushed), "
-            "while the floor is read from memory: a case much larger than that cache measures memory. Else "
-            f"{causes}")
+    if device == "cpu":
+        what = ("its inputs stay in the CPU's caches between calls (at most 8 sets of them rotate, unflushed: a small "
+                "case's all fit)")
+    else:
+        what = "its inputs stay in the L2 between calls (the wall clock times one set of them, unflushed)"
+    return (f"Likely {what}, while the floor is read from memory: a case much larger than the cache measures "
+            f"memory. Else {causes}")
 
 
 def _check_bench_args(timer: str, reps: int, warmup: int) -> None:

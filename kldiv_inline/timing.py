@@ -14,9 +14,12 @@ read-bandwidth floor through it.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -36,6 +39,18 @@ def l2_bytes(device: str) -> int:
         return 0
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return getattr(props, "L2_cache_size", 50 << 20)
+
+
+@functools.cache
+def llc_bytes() -> int:
+    """The CPU's last-level cache: the largest cache Linux lists for cpu0 (32 MiB where none is listed)."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        with contextlib.suppress(OSError, ValueError):
+            text = entry.read_text().strip()
+            unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes, default=32 << 20)
 
 
 class L2Flush:

@@ -220,7 +220,10 @@ def test_check_gives_each_provider_and_the_reference_their_own_inputs():
     assert torch.equal(x, x0) and torch.equal(i, i0)
 
 
-def test_bench_times_each_provider_on_its_own_inputs():
+def test_bench_times_each_provider_on_its_own_inputs(monkeypatch):
+    # (a case beyond the CPU's last-level cache: one set of inputs; smaller ones rotate through a few sets, made
+    # alike before the warm-up: test_the_cpu_rotates_input_sets_through_its_last_level_cache)
+    monkeypatch.setattr(harness.timing, "llc_bytes", lambda: 1000)
     x = torch.rand(1000)
     x0, seen = x.clone(), []
     timed = harness.bench({"in_place": lambda x: x.mul_(2), "records": lambda x: seen.append(x)},
@@ -909,11 +912,29 @@ def test_a_time_below_the_floor_is_warned_about():
                           reps=2, bytes_moved=lambda x, bad=bad: bad)
 
 
+def test_the_cpu_rotates_input_sets_through_its_last_level_cache(monkeypatch):
+    # One set of a case that fits in the CPU's last-level cache was read from it at every call but the first,
+    # against a floor read from memory: the README's snippet ran "below the floor" on a CPU. Now sets rotate
+    # through 3 x that cache, as the GPU's do through its L2; a case beyond twice the cache takes one set.
+    monkeypatch.setattr(harness.timing, "llc_bytes", lambda: 1 << 20)
+    seen = []
+
+    def spy(x):
+        seen.append(x.data_ptr())
+        return 2 * x
+
+    harness.bench({"spy": spy}, [harness.Case("small", (torch.rand(1 << 14),))], reference=lambda x: 2 * x, reps=16)
+    assert len(set(seen[-16:])) == 8, seen  # (64 KiB a set: 8 sets, the most, in the 16 timed calls)
+    seen.clear()
+    harness.bench({"spy": spy}, [harness.Case("large", (torch.rand(1 << 20),))], reference=lambda x: 2 * x, reps=4)
+    assert len(set(seen[-4:])) == 1  # 4 MiB: read from memory whatever
+
+
 def test_below_the_floor_on_the_cpu_blames_its_cache_first():
     # The README's snippet on a CPU warned that bytes_moved or a cached result was at fault, while the cause was
     # its inputs staying in the last-level cache (one set, no flush) against a floor read from 1 GiB in memory.
     floor = floors.Floor("cpu", 1e-3, "given", {"given": 1e-3})  # (any time is below it)
-    with pytest.warns(UserWarning, match="x the floor: .* Likely its inputs stay in the CPU's last-level cache") as got:
+    with pytest.warns(UserWarning, match="x the floor: .* Likely its inputs stay in the CPU's caches") as got:
         harness.bench({"torch": lambda x: 2 * x}, [harness.Case("c", (torch.rand(1 << 10),))],
                       reference=lambda x: 2 * x, reps=2, floor=floor, bytes_moved=lambda x: 8 * x.numel())
     assert "Else bytes_moved may count bytes" in str(got[0].message)
