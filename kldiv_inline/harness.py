@@ -744,14 +744,14 @@ def _n_input_sets(case: Case, device: str, timer: str) -> tuple[int, bool]:
 
 
 def _below_floor_why(device: str, timer: str) -> str:
-    """The likely causes of a time below the floor, for bench's warning. The wall clock times one set of inputs
-    with no flush (_n_input_sets), so inputs that fit in the cache (on the CPU, its last level) are read from it at
-    every call but the first, while the floor was read from a buffer far beyond it: on the CPU that is the usual
-    cause, and blaming bytes_moved alone sent the researcher hunting for a fault that was not there."""
+    """The likely causes of a time below the floor, for bench's warning. A wall clock flushes no cache
+    (_n_input_sets): inputs that fit in one (on the CPU, a small case's sets all fit in its last level) are read
+    from it, while the floor was read from a buffer far beyond it; on the CPU that is the usual cause, and blaming
+    bytes_moved alone sent the researcher hunting for a fault that was not there."""
     causes = ("bytes_moved may count bytes it need not move (padding, masked rows), or it does not do its work each "
               "call (a result cached across calls, work left running on another stream)")
     if timer != "wall":
-        return causes[0].upper() + causes[1:]
+        return f"Perhaps {causes}"
     if device == "cpu":
         what = ("its inputs stay in the CPU's caches between calls (at most 8 sets of them rotate, unflushed: a small "
                 "case's all fit)")

@@ -454,8 +454,8 @@ def _module_base(name: str) -> str:
 def _check_utf8(path: Path, text: str) -> None:
     """load_inline writes the given sources out again as UTF-8, where a byte that is not UTF-8 (read as a lone
     surrogate) cannot be written: say which file and line hold one (headers are read by the compiler itself)."""
-    # (lines as the compiler counts them: split on "\n" alone, where splitlines also breaks at \f, \v, \x1c-\x1e)
-    for n, line in enumerate(text.split("\n"), 1):
+    # (lines as the compiler counts them: at \r\n, \r or \n, where splitlines also breaks at \f, \v, \x1c-\x1e)
+    for n, line in enumerate(re.split(r"\r\n|\r|\n", text), 1):
         bad = next((c for c in line if "\udc80" <= c <= "\udcff"), None)
         if bad is not None:
             raise ValueError(f"{path}:{n}: byte 0x{ord(bad) - 0xdc00:02x} is not UTF-8: load_inline writes the "
@@ -660,15 +660,16 @@ def _gcc_required_here(lines: Sequence[str], i: int) -> list[str]:
 
 
 def _nvcc_instantiated_at(lines: Sequence[str], i: int) -> list[str]:
-    """The lines of nvcc's instantiation chain below the error at lines[i] (past its source line and caret) that
-    say where: the first ("detected during ...") and the last, the outermost instantiation."""
-    j = i + 1
-    while j < len(lines) and j <= i + 3 and not _NVCC_CHAIN_RE.match(lines[j]):
-        j += 1
+    """The lines of nvcc's instantiation chain below the error at lines[i] that say where: the first ("detected
+    during ...") and the last, the outermost instantiation. The chain ends the error's block, after its source
+    line, caret and notes (an operator's candidates: "note #3328-D" with their own source lines), which the block
+    runs until a blank line, another error or the build's next step."""
     chain = []
-    while j < len(lines) and _NVCC_CHAIN_RE.match(lines[j]):
-        chain.append(lines[j])
-        j += 1
+    for ln in lines[i + 1:]:
+        if not ln.strip() or re.search(r"\b(error|fatal)\b", ln, re.IGNORECASE) or ln.startswith(("FAILED:", "[")):
+            break
+        if _NVCC_CHAIN_RE.match(ln):
+            chain.append(ln)
     where = [ln for ln in chain if re.search(r"\bat line \d+\b", ln)]
     return list(dict.fromkeys(where[:1] + where[-1:]))
 
@@ -899,6 +900,12 @@ def load_sources(
     """
     # One path, flag or folder given alone (a str) is a list of one: a str was iterated letter by letter.
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    # (lists once: an iterator of flags used up by a first try would leave a retry without them)
+    extra_cflags, extra_cuda_cflags, extra_ldflags, include_dirs = (
+        [v] if isinstance(v, (str, os.PathLike)) else list(v)
+        for v in (extra_cflags, extra_cuda_cflags, extra_ldflags, include_dirs))
+    if functions is not None and not isinstance(functions, (str, Mapping)):
+        functions = list(functions)
     for _ in range(_BUILD_TRIES):
         try:
             return _load_sources(paths, functions, name, cuda, extra_cflags, extra_cuda_cflags, extra_ldflags,
@@ -919,15 +926,22 @@ _BUILD_TRIES = 3
 _MIXED: set[str] = set()
 
 
+def _still(read_texts: Callable[[], dict[Path, str]], texts: dict[Path, str]) -> bool:
+    """Whether the sources and headers read now are ``texts``; a file missing for a moment (an editor's save by
+    rename) is a change."""
+    try:
+        return read_texts() == texts
+    except OSError:
+        return False
+
+
 class _SourcesChanged(Exception):
     """Raised by _build where the texts hashed for the key are not the texts on disk after the build."""
 
 
 def _load_sources(paths, functions, name, cuda, extra_cflags, extra_cuda_cflags, extra_ldflags, include_dirs,
                   verbose):
-    extra_cflags, extra_cuda_cflags, extra_ldflags, include_dirs = (
-        [v] if isinstance(v, (str, os.PathLike)) else list(v)
-        for v in (extra_cflags, extra_cuda_cflags, extra_ldflags, include_dirs))
+    """load_sources' one try, its arguments as lists (a change to a source during the build: _SourcesChanged)."""
     extra_cflags = _absolute_flags(extra_cflags, _SEARCH_DIR_FLAGS + _FORCED_INCLUDE_FLAGS)
     extra_cuda_cflags = _absolute_flags(extra_cuda_cflags,
                                         _SEARCH_DIR_FLAGS + _FORCED_INCLUDE_FLAGS + tuple(_NVCC_LONG_FLAGS), nvcc=True)
@@ -1027,7 +1041,7 @@ def _load_sources(paths, functions, name, cuda, extra_cflags, extra_cuda_cflags,
                     module = _build(ext_name, build_dir, cpp_srcs, cuda_srcs, texts, functions,
                                     cflags + include_flags, cuda_cflags + include_flags, list(extra_ldflags),
                                     with_cuda, verbose, _expected_build_s(base, with_cuda, texts),
-                                    unchanged=lambda: read_texts() == texts)
+                                    unchanged=lambda: _still(read_texts, texts))
     _MODULES[ext_name] = module
     LAST_LOADED[base] = ext_name
     return module

@@ -821,7 +821,8 @@ def test_an_unwritten_boolean_element_is_caught(device):
 
 def test_an_unwritten_boolean_element_is_caught_against_a_reference_of_floats():
     # The second look ran only where the reference's output was integral: a boolean mask checked against floats
-    # (1.0 / 0.0) read its poison, True, as 1.0 and passed with its last element unwritten; an int one likewise.
+    # (1.0 / 0.0) read its poison, True, as 1.0 and passed with its last element unwritten (an int32 one's poison, its
+    # maximum, failed before too: kept beside it as the control).
     x = torch.rand(1000)
     x[-1] = 0.9
 

@@ -273,7 +273,7 @@ def test_a_header_saved_during_the_build_is_not_filed_under_the_old_key(tmp_path
     header = tmp_path / "val.h"
     header.write_text("#define VAL 1\n")
     src = tmp_path / "op.cpp"
-    src.write_text(capi_module("VAL", prelude='#include "val.h"'))
+    src.write_text(capi_module("VAL + PLUS", prelude='#include "val.h"'))
     real, saves = cpp_extension.load_inline, []
 
     def saved_while_building(*args, **kwargs):
@@ -282,13 +282,15 @@ def test_a_header_saved_during_the_build_is_not_filed_under_the_old_key(tmp_path
         return real(*args, **kwargs)
 
     monkeypatch.setattr(cpp_extension, "load_inline", saved_while_building)
-    assert kldiv_inline.load_sources([src]).value() == 2  # built again from what is on disk
+    # (a flag given as an iterator reaches the second try too: -DPLUS=0 from a generator, used up by the first)
+    flags = (f for f in ["-DPLUS=0"])
+    assert kldiv_inline.load_sources([src], extra_cflags=flags).value() == 2  # built again from what is on disk
     header.write_text("#define VAL 1\n")
     # This process imported the mixed build under the old text's name, and Python imports a name once: it says so.
     with pytest.raises(RuntimeError, match="restart"):
-        kldiv_inline.load_sources([src])
+        kldiv_inline.load_sources([src], extra_cflags=["-DPLUS=0"])
     # Another process builds the old text (no build was filed under its key).
-    code = f"import kldiv_inline; print(kldiv_inline.load_sources([{str(src)!r}]).value())"
+    code = f"import kldiv_inline; print(kldiv_inline.load_sources([{str(src)!r}], extra_cflags=['-DPLUS=0']).value())"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.split()[-1] == "1", run.stderr[-2000:]
 
@@ -314,6 +316,13 @@ def test_a_templates_error_names_the_line_that_instantiated_it_nvcc(tmp_path, ca
     with pytest.raises(kldiv_inline.KernelBuildError) as info:
         kldiv_inline.load_sources([src])
     assert "at line 7" in str(info.value) and f"{src}(3)" in str(info.value), str(info.value)
+    # An operator's error lists its candidates in notes (each with a source line and caret) before the chain.
+    src.write_text("struct Pair { int a; };\n"
+                   "template <typename T> __device__ bool less(T a, T b) {\n  return a < b;\n}\n// 5\n"
+                   "__global__ void k(int* o) { Pair p{1}; o[0] = less(p, p); }\n")
+    with pytest.raises(kldiv_inline.KernelBuildError) as info:
+        kldiv_inline.load_sources([src])
+    assert "at line 6" in str(info.value) and f"{src}(3)" in str(info.value), str(info.value)
 
 
 @pytest.mark.parametrize("suffix", [".cpp", ".cu"])
@@ -1019,6 +1028,11 @@ def test_a_source_that_is_not_utf8_names_its_file_and_line(tmp_path, cache, no_c
     src.write_bytes(capi_module("1").encode().replace(b"\n", b"\n\f", 1) + b"// 90\xb0 in Latin-1\n")
     with pytest.raises(ValueError, match=re.escape(f"{src}:11: byte 0xb0 is not UTF-8")):
         kldiv_inline.load_sources([src])
+    # A lone \r (an old Mac file) is a line break to the compiler, and \r\n is one.
+    for end in (b"\r", b"\r\n"):
+        src.write_bytes(capi_module("1").encode().replace(b"\n", end) + b"// 90\xb0 in Latin-1" + end)
+        with pytest.raises(ValueError, match=re.escape(f"{src}:11: byte 0xb0 is not UTF-8")):
+            kldiv_inline.load_sources([src])
 
 
 def test_sources_without_a_python_module_say_so(tmp_path, cache):
