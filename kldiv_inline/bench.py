@@ -383,14 +383,17 @@ def main(args) -> int:
         """bench.csv and env.json of the rows so far. Called after each case too, so a run cut short (a device's
         time limit) keeps what it finished; env.json says `partial` until the run ends, and `earlier_parts` what
         it records of the runs whose rows a resumed run kept."""
-        path = write_csv(rows, folder / "bench.csv")
-        if not done:  # an earlier run's goals would sit beside rows they were not computed from
-            (folder / "goals.md").unlink(missing_ok=True)
-        extra = {**floor_env(floor), "options": options, **({} if done else {"partial": PARTIAL_NOTE}),
-                 **({"earlier_parts": parts} if parts else {})}
+        extra = {**floor_env(floor), "options": options, **({"earlier_parts": parts} if parts else {})}
         # read_gbps and copy_gbps: what older runs recorded in place of the floor's keys.
-        write_env(folder, device, extra,
-                  drop=("read_gbps", "copy_gbps", "earlier_parts") + (("partial",) if done else ()))
+        drop = ("read_gbps", "copy_gbps", "earlier_parts")
+        # env.json says partial, with this run's record, before bench.csv is replaced: a cut (Ctrl-C) between the
+        # two writes left this run's rows beside the previous run's finished record (its commit, command and
+        # date), which plot took for a finished run and --resume refused to continue.
+        write_env(folder, device, {**extra, "partial": PARTIAL_NOTE}, drop=drop)
+        (folder / "goals.md").unlink(missing_ok=True)  # an earlier run's goals beside rows not theirs
+        path = write_csv(rows, folder / "bench.csv")
+        if done:
+            write_env(folder, device, extra, drop=drop + ("partial",))
         return path
 
     def keep(case_rows: list[dict]) -> None:

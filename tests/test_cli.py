@@ -482,6 +482,38 @@ def test_kl_suite_resumed_runs_only_the_cases_it_lacks(tmp_path, monkeypatch):
     assert len(pd.read_csv(tmp_path / "cpu-run" / "bench.csv")) == sum(len(c.passes) for c in cases)
 
 
+def test_a_cut_as_bench_csv_is_replaced_leaves_a_partial_run(tmp_path, monkeypatch):
+    # Ctrl-C after bench.csv was replaced and before env.json was rewritten left the new run's rows beside the
+    # previous run's finished record (no partial, its commit, command and date): plot wrote goals.md as if the run
+    # had finished, and --resume refused it ("finished").
+    import argparse
+
+    ran, cut = [], {"after": None}
+    monkeypatch.setattr(bench, "run_case", _fake_kl_case(ran, cut))
+    monkeypatch.setattr("kldiv_inline.envinfo.device_slug", lambda device: "cpu-run")
+    folder = tmp_path / "cpu-run"
+    args = argparse.Namespace(device="cpu", results=str(tmp_path), suites=["kl"], reps=2)
+    monkeypatch.setenv("KLDIV_INLINE_COMMIT", "0123abc")
+    assert bench.main(args) == 0 and "partial" not in json.loads((folder / "env.json").read_text())
+    real = bench.write_csv
+
+    def cut_after_the_csv(rows, path):
+        real(rows, path)
+        raise KeyboardInterrupt("Ctrl-C")
+
+    monkeypatch.setattr(bench, "write_csv", cut_after_the_csv)
+    monkeypatch.setenv("KLDIV_INLINE_COMMIT", "4567def")
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(args)
+    env = json.loads((folder / "env.json").read_text())
+    assert env.get("partial") == bench.PARTIAL_NOTE and env["commit"] == "4567def"
+    assert len(pd.read_csv(folder / "bench.csv")) == 2  # the new run's first case's rows
+    monkeypatch.setattr(bench, "write_csv", real)
+    args.resume = True
+    assert bench.main(args) == 0  # resumed, not refused as finished
+    assert "partial" not in json.loads((folder / "env.json").read_text())
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_no_case_is_timed_twice(device):
     # The CPU sweep's 2048 x 4096 forward was P5's headline case again: two rows of one case in bench.csv, the goal
