@@ -228,6 +228,19 @@ PARTIAL_NOTE = "the run did not finish: bench.csv holds the cases it did"
 SUITE_OF_FORM = {"probs": "kl", "logprobs": "kl", "logits": "distill", "topk": "distill", "linear": "linear"}
 
 
+# What plot derives from a bench.csv (plots.plot_folder): goals.md and the figures. correctness.png is check's.
+DERIVED = ("goals.md", "time_*.png", "speedups.png", "linear_time_memory.png")
+
+
+def drop_derived(folder: Path) -> None:
+    """Removes what was derived from ``folder``'s bench.csv before a run replaces it: an earlier run's goals and
+    figures beside rows that are not theirs (plot redraws only what a cut-short run's rows support, and left the
+    rest of the previous run's figures standing, captioned as a finished run)."""
+    for pattern in DERIVED:
+        for path in folder.glob(pattern):
+            path.unlink(missing_ok=True)
+
+
 def check_suites(args, folder: Path) -> None:
     """Refuses a run of some suites that would replace a bench.csv holding others' rows (they would be lost:
     give that run a folder of its own), or of fewer cases than the run there (--headline-only over a sweep,
@@ -390,7 +403,7 @@ def main(args) -> int:
         # two writes left this run's rows beside the previous run's finished record (its commit, command and
         # date), which plot took for a finished run and --resume refused to continue.
         write_env(folder, device, {**extra, "partial": PARTIAL_NOTE}, drop=drop)
-        (folder / "goals.md").unlink(missing_ok=True)  # an earlier run's goals beside rows not theirs
+        drop_derived(folder)
         path = write_csv(rows, folder / "bench.csv")
         if done:
             write_env(folder, device, extra, drop=drop + ("partial",))

@@ -514,6 +514,32 @@ def test_a_cut_as_bench_csv_is_replaced_leaves_a_partial_run(tmp_path, monkeypat
     assert "partial" not in json.loads((folder / "env.json").read_text())
 
 
+def test_a_new_run_takes_the_previous_runs_figures_away(tmp_path, monkeypatch):
+    # A run cut short after its first case left the previous finished run's figures beside its one case's rows; plot
+    # redraws only what those rows support, so the rest stood, captioned as the finished run's. What plot derives
+    # from bench.csv goes when a run replaces it (with goals.md); the check's figure stays.
+    import argparse
+
+    ran, cut = [], {"after": None}
+    monkeypatch.setattr(bench, "run_case", _fake_kl_case(ran, cut))
+    monkeypatch.setattr("kldiv_inline.envinfo.device_slug", lambda device: "cpu-run")
+    monkeypatch.setenv("KLDIV_INLINE_COMMIT", "0123abc")
+    folder = tmp_path / "cpu-run"
+    args = argparse.Namespace(device="cpu", results=str(tmp_path), suites=["kl"], reps=2)
+    assert bench.main(args) == 0
+    drawn = plots.plot_folder(folder, ours=bench.OURS, peers=bench.PEERS)
+    (folder / "correctness.png").write_text("the check's figure")
+    assert len(drawn) >= 3
+    for name in ("linear_time_memory.png", "speedups.png"):  # every figure plot derives from bench.csv
+        (folder / name).write_text("a figure")
+    ran.clear()
+    cut["after"] = 1
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(args)
+    assert sorted(p.name for p in folder.iterdir()) == ["bench.csv", "correctness.png", "env.json"]
+    assert all(any(p.match(d) for d in bench.DERIVED) for p in drawn)  # what plot draws, bench knows of
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_no_case_is_timed_twice(device):
     # The CPU sweep's 2048 x 4096 forward was P5's headline case again: two rows of one case in bench.csv, the goal
