@@ -188,8 +188,8 @@ def main(argv=None) -> int:
     timed(p)
     p.add_argument("--resume", action="store_true",
                    help="finish a run that a time limit cut short, with its options (other suites, sizes or "
-                        "--reps are refused): keeps the cases its bench.csv holds (same clean commit, same card) "
-                        "and runs the rest")
+                        "--reps are refused): keeps the cases its bench.csv holds (same clean commit, same card, "
+                        "same torch, threads and timing variables) and runs the rest")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("plot", help="PNGs from the results CSVs")
     p.add_argument("--results", default=results_default)

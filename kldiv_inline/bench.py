@@ -327,12 +327,35 @@ def _as_flag(key: str, value) -> str:
     return f"{flag} {value}"
 
 
+def _settings_differ(env: dict) -> str:
+    """What of the settings a run's times depend on, beside its code, card and options, differs between the run
+    ``env`` records and this process (torch's version, its threads, envinfo.TIMING_VARIABLES: OMP_NUM_THREADS, the
+    kernels' KLDIV_DISTILL_ switches, NCCL's, ...), as "what there, what here"; "" if none."""
+    import torch
+
+    from .envinfo import timing_variables
+
+    said = [f"{label} {env.get(key)} there, {value} here"
+            for key, label, value in (("torch", "torch", torch.__version__),
+                                      ("cpu_threads", "torch threads", torch.get_num_threads()))
+            if env.get(key) != value]
+    there, here = env.get("variables") or {}, timing_variables()
+
+    def value(name, variables):
+        return f"{name}={variables[name]}" if name in variables else f"{name} unset"
+
+    said += [f"{value(name, there)} there, {value(name, here)} here"
+             for name in sorted(set(there) | set(here)) if there.get(name) != here.get(name)]
+    return "; ".join(said)
+
+
 def resumed(folder: Path, device: str, options: dict) -> tuple[list[dict], list[dict]]:
     """--resume: the rows of the run in ``folder`` that a time limit cut short, for this run to finish (every suite
     saves each case as it ends), and the earlier parts' records for env.json. Refused unless that run is partial,
-    at this commit (a clean one) and on a device of this name: a finished folder holds the numbers of one code on one
-    kind of card, and with the same ``options`` (run_options): a resumed run of fewer cases would mark the run
-    finished with cases missing. (check_suites has refused a run whose suites would drop some of the rows.)"""
+    at this commit (a clean one), on a device of this name and under the same settings (_settings_differ): a
+    finished folder holds the numbers of one code on one kind of card, and with the same ``options`` (run_options):
+    a resumed run of fewer cases would mark the run finished with cases missing. (check_suites has refused a run
+    whose suites would drop some of the rows.)"""
     from .envinfo import commit, device_name
 
     path, env_path = folder / "bench.csv", folder / "env.json"
@@ -348,6 +371,10 @@ def resumed(folder: Path, device: str, options: dict) -> tuple[list[dict], list[
     if env.get("device_name") != device_name(device):
         raise SystemExit(f"--resume: the run in {folder} ran on {env.get('device_name')}, this device is "
                          f"{device_name(device)}")
+    differ = _settings_differ(env)
+    if differ:
+        raise SystemExit(f"--resume: the run in {folder} was timed under other settings ({differ}): rows timed under "
+                         "both would be one run's; resume it under its own, or give this run another folder")
     recorded = env.get("options")
     if not isinstance(recorded, dict):
         raise SystemExit(f"--resume: the run in {folder} recorded no options (env.json has no 'options'), so this "

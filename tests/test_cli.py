@@ -837,6 +837,42 @@ def test_resume_refuses_other_options(tmp_path, monkeypatch):
     assert "partial" not in json.loads((folder / "env.json").read_text())
 
 
+def test_resume_refuses_other_settings(tmp_path, monkeypatch):
+    # A run cut short under another torch, thread count or timing variable (OMP_NUM_THREADS, the kernels'
+    # KLDIV_DISTILL_ switches) was resumed silently: one run's rows timed under two settings. Refused, naming
+    # what differs; the same settings resume.
+    import argparse
+
+    ran, cut = [], {"after": 1}
+    monkeypatch.setattr(bench, "run_case", _fake_kl_case(ran, cut))
+    monkeypatch.setenv("KLDIV_INLINE_COMMIT", "0123abc")
+    monkeypatch.setattr("kldiv_inline.envinfo.device_slug", lambda device: "cpu-run")
+    for name in list(envinfo.timing_variables()):
+        monkeypatch.delenv(name)
+    folder = tmp_path / "cpu-run"
+    args = argparse.Namespace(device="cpu", results=str(tmp_path), suites=["kl"], reps=2, resume=False)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(args)
+    cut["after"], args.resume = None, True
+    cut_env = json.loads((folder / "env.json").read_text())
+    threads = torch.get_num_threads()
+    for change, message in (({"torch": "2.3.0+cu121"}, f"torch 2.3.0+cu121 there, {torch.__version__} here"),
+                            ({"cpu_threads": threads + 1}, f"torch threads {threads + 1} there, {threads} here"),
+                            ({"variables": {"KLDIV_DISTILL_FAST": "0"}},
+                             "KLDIV_DISTILL_FAST=0 there, KLDIV_DISTILL_FAST unset here")):
+        (folder / "env.json").write_text(json.dumps({**cut_env, **change}))
+        with pytest.raises(SystemExit, match="other settings") as refused:
+            bench.main(args)
+        assert message in str(refused.value), str(refused.value)
+    (folder / "env.json").write_text(json.dumps(cut_env))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with pytest.raises(SystemExit, match="OMP_NUM_THREADS unset there, OMP_NUM_THREADS=1 here"):
+        bench.main(args)
+    assert len(ran) == 1  # no refused resume ran a case
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert bench.main(args) == 0
+
+
 def test_plot_refuses_a_missing_folder_and_draws_a_run_folder_given_itself(tmp_path, capsys):
     from kldiv_inline.__main__ import main
 
