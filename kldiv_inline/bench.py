@@ -479,4 +479,18 @@ def main(args) -> int:
     for g in goals:
         print(f"{g['goal']} {g['case']}: {g['target']}: {g['value']:.4g} {'met' if g['met'] else 'NOT MET'}")
     print(f"-> {path}")
+    failed = ours_failed(rows)
+    if failed:  # after every file is written: a run whose kernel broke keeps its rows and goals (NO, not timed)
+        first = failed[0]
+        print(f"bench: {OURS} failed in {len(failed)} row(s) (first: {first.get('pass')} {first.get('form')} "
+              f"{first.get('dtype')} {first.get('batch')}x{first.get('features')}: {first.get('status')})",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def ours_failed(rows: list[dict]) -> list[dict]:
+    """The kit's own rows (OURS) that failed their check or raised: the run's exit status says so (it said 0 with
+    the kit's kernel wrong, so a script or `make results` went on as if it were right). A peer that failed or is not
+    installed is its own row's business, not the kit's fault."""
+    return [r for r in rows if r.get("impl") == OURS and str(r.get("status")).startswith(("wrong", "error"))]

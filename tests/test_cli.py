@@ -540,6 +540,36 @@ def test_a_new_run_takes_the_previous_runs_figures_away(tmp_path, monkeypatch):
     assert all(any(p.match(d) for d in bench.DERIVED) for p in drawn)  # what plot draws, bench knows of
 
 
+def test_bench_exits_nonzero_when_ours_is_wrong(tmp_path, monkeypatch, capsys):
+    # bench (and results) exited 0 while the kit's own rows were wrong: a script or `make results` went on as if the
+    # kernel were right. Ours wrong or raising gives 1 once every file is written; a peer's failure does not.
+    import argparse
+
+    ran, real = [], _fake_kl_case([], {"after": None})
+    failing = {}
+
+    def fake_case(case, *rest, **kw):
+        ran.append(case)
+        rows = real(case, *rest, **kw)
+        return [dict(r, status=failing[r["impl"]], median_ms=None) if r["impl"] in failing and len(ran) == 2 else r
+                for r in rows]
+
+    monkeypatch.setattr(bench, "run_case", fake_case)
+    monkeypatch.setattr("kldiv_inline.envinfo.device_slug", lambda device: "cpu-run")
+    args = argparse.Namespace(device="cpu", results=str(tmp_path), suites=["kl"], reps=2)
+    for who, status, code in ((None, None, 0), ("torch_eager", "wrong", 0), ("torch_eager", "error: boom", 0),
+                              (bench.OURS, "wrong", 1), (bench.OURS, "error: out of memory", 1)):
+        ran.clear()
+        failing.clear()
+        if who:
+            failing[who] = status
+        capsys.readouterr()
+        assert bench.main(args) == code, (who, status)
+        assert (tmp_path / "cpu-run" / "goals.md").exists()  # every file written first
+        said = capsys.readouterr().err
+        assert (f"bench: {bench.OURS} failed in 2 row(s)" in said and status in said) == bool(code), said[-500:]
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_no_case_is_timed_twice(device):
     # The CPU sweep's 2048 x 4096 forward was P5's headline case again: two rows of one case in bench.csv, the goal
