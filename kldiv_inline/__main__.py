@@ -164,7 +164,9 @@ def main(argv=None) -> int:
         from .bench import SUITES
 
         p.add_argument("--headline-only", action="store_true", help="only the P1-P5 cases, no size sweep")
-        p.add_argument("--reps", type=_reps, default=30, help="timed calls per provider and case")
+        p.add_argument("--reps", type=_reps, default=30,
+                       help="timed calls per provider and case (the distill and linear suites: at most 10; env.json's "
+                            "suite_reps records the calls each suite ran)")
         p.add_argument("--suites", default=",".join(SUITES), type=_suites,
                        help=f"comma-separated suites to run, of {', '.join(SUITES)} (default: all)")
         p.add_argument("--kl-only", dest="suites", action="store_const", const=["kl"], help="--suites kl")

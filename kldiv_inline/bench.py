@@ -303,6 +303,17 @@ def _cases_dropped(recorded: dict, options: dict, device: str) -> str:
     return " and ".join(held)
 
 
+# The most timed calls a case of these suites takes, whatever --reps asks: each of their calls is a whole step over a
+# 128256-word vocabulary (the fused head's with its matrix products), and 10 keep them short. env.json's suite_reps
+# records the calls each suite ran (its options' reps is the flag as given).
+SUITE_MAX_REPS = {"distill": 10, "linear": 10}
+
+
+def suite_reps(reps: int, suites) -> dict[str, int]:
+    """The timed calls per case each of ``suites`` runs under --reps ``reps``."""
+    return {s: min(reps, SUITE_MAX_REPS.get(s, reps)) for s in SUITES if s in suites}
+
+
 # What env.json keeps of each earlier part of a resumed run (the part that a time limit cut short).
 PART_KEYS = ("date_utc", "command", "platform", "driver", "cpu", "floor_gbps")
 
@@ -418,12 +429,14 @@ def main(args) -> int:
     variants = variant_names() if device == "cuda" else []
     cases = headline_cases(device) + ([] if getattr(args, "headline_only", False) else sweep_cases(device))
     reps = getattr(args, "reps", 30)
+    calls = suite_reps(reps, getattr(args, "suites", None) or SUITES)
 
     def save(done: bool) -> Path:
         """bench.csv and env.json of the rows so far. Called after each case too, so a run cut short (a device's
         time limit) keeps what it finished; env.json says `partial` until the run ends, and `earlier_parts` what
         it records of the runs whose rows a resumed run kept."""
-        extra = {**floor_env(floor), "options": options, **({"earlier_parts": parts} if parts else {})}
+        extra = {**floor_env(floor), "options": options, "suite_reps": calls,
+                 **({"earlier_parts": parts} if parts else {})}
         # read_gbps and copy_gbps: what older runs recorded in place of the floor's keys.
         drop = ("read_gbps", "copy_gbps", "earlier_parts")
         # env.json says partial, with this run's record, before bench.csv is replaced: a cut (Ctrl-C) between the
@@ -454,7 +467,7 @@ def main(args) -> int:
         from . import bench_distill
 
         print("bench: the distillation suite", file=sys.stderr)
-        bench_distill.run(device, floor, reps=min(reps, 10), on_case=keep, done=held)
+        bench_distill.run(device, floor, reps=calls["distill"], on_case=keep, done=held)
     if "linear" in suites:
         from . import bench_linear
 
@@ -469,7 +482,7 @@ def main(args) -> int:
         else:
             sizes = [bench_linear.HEADLINE]
 
-        bench_linear.run(device, reps=min(reps, 10), sizes=sizes, sweep_betas=sweep_betas, done=held,
+        bench_linear.run(device, reps=calls["linear"], sizes=sizes, sweep_betas=sweep_betas, done=held,
                          on_case=keep)
     path = save(done=True)
     env_path = folder / "env.json"

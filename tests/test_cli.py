@@ -570,6 +570,30 @@ def test_bench_exits_nonzero_when_ours_is_wrong(tmp_path, monkeypatch, capsys):
         assert (f"bench: {bench.OURS} failed in 2 row(s)" in said and status in said) == bool(code), said[-500:]
 
 
+def test_env_records_the_calls_each_suite_ran(tmp_path, monkeypatch, capsys):
+    # --reps 25 timed the distill and linear suites with 10 calls a case, and env.json said only reps 25; the cap is
+    # recorded per suite, and --help says so.
+    import argparse
+
+    from kldiv_inline import bench_distill
+    from kldiv_inline.__main__ import main
+
+    seen = {}
+    monkeypatch.setattr(bench, "run_case", lambda case, *a, reps, **kw: seen.setdefault("kl", reps) and [])
+    monkeypatch.setattr(bench_distill, "run", lambda *a, reps, **kw: seen.setdefault("distill", reps))
+    monkeypatch.setattr(bench_linear, "run", lambda *a, reps, **kw: seen.setdefault("linear", reps))
+    monkeypatch.setattr("kldiv_inline.envinfo.device_slug", lambda device: "cpu-run")
+    for reps, calls in ((25, {"kl": 25, "distill": 10, "linear": 10}), (4, {"kl": 4, "distill": 4, "linear": 4})):
+        seen.clear()
+        bench.main(argparse.Namespace(device="cpu", results=str(tmp_path / str(reps)), suites=list(bench.SUITES),
+                                      reps=reps))
+        env = json.loads((tmp_path / str(reps) / "cpu-run" / "env.json").read_text())
+        assert seen == calls and env["suite_reps"] == calls and env["options"]["reps"] == reps
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert "suite_reps" in " ".join(capsys.readouterr().out.split())
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_no_case_is_timed_twice(device):
     # The CPU sweep's 2048 x 4096 forward was P5's headline case again: two rows of one case in bench.csv, the goal
