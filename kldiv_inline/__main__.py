@@ -201,11 +201,15 @@ def main(argv=None) -> int:
     common(p)
     timed(p)
     p.set_defaults(func=cmd_results)
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parser.parse_args(argv)
     if hasattr(args, "device"):
         args.device = _device(args.device)  # every command sees the resolved device, "cuda" or "cpu"
     _check_folders(parser, args)
-    return args.func(args)
+    from .envinfo import command_argv
+
+    with command_argv(argv):  # env.json's command: these arguments, also when main([...]) is called from Python
+        return args.func(args)
 
 
 if __name__ == "__main__":

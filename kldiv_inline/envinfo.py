@@ -1,6 +1,7 @@
 """What ran where: device names, versions, commit and command, written beside every result file."""
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -120,6 +121,29 @@ def timing_variables() -> dict:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(TIMING_VARIABLES)}
 
 
+# The arguments the command line's main() runs with, while it runs (None: this process's sys.argv): main([...])
+# called from Python (a notebook) recorded the interpreter's own arguments as the run's command.
+_COMMAND_ARGV: list[str] | None = None
+
+
+@contextlib.contextmanager
+def command_argv(argv: list[str]):
+    """environment() records ``argv`` as the command (after ``python -m kldiv_inline``) inside the block."""
+    global _COMMAND_ARGV
+    saved, _COMMAND_ARGV = _COMMAND_ARGV, list(argv)
+    try:
+        yield
+    finally:
+        _COMMAND_ARGV = saved
+
+
+def _command() -> str:
+    """The command that replays this run."""
+    if _COMMAND_ARGV is not None:
+        return shlex.join(["python", "-m", "kldiv_inline", *_COMMAND_ARGV])
+    return shlex.join(["python", "-m", "kldiv_inline", *sys.argv[1:]]) if sys.argv else ""
+
+
 def environment(device: str) -> dict:
     kernels_dir = other_kernels()
     env = {
@@ -136,7 +160,7 @@ def environment(device: str) -> dict:
         "platform": platform.platform(),
         "commit": commit(),
         **({"kernels_dir": kernels_dir} if kernels_dir else {}),
-        "command": shlex.join(["python", "-m", "kldiv_inline", *sys.argv[1:]]) if sys.argv else "",  # replayable
+        "command": _command(),  # replayable
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "variables": timing_variables(),
     }

@@ -215,6 +215,24 @@ def test_env_record_is_this_runs(tmp_path, monkeypatch):
         assert "KLDIV_DISTILL_FAST" not in env["variables"], folder
 
 
+def test_the_recorded_command_is_the_one_main_ran(tmp_path, monkeypatch):
+    # main([...]) called from Python (a notebook) recorded the interpreter's arguments (sys.argv) as the command.
+    from kldiv_inline import check
+    from kldiv_inline.__main__ import main
+
+    real_checks = check.run_checks
+    monkeypatch.setattr(check, "run_checks", lambda device: real_checks(device, dtypes=(torch.float32,),
+                                                                         cases=check.CASES[:1]))
+    monkeypatch.setattr("kldiv_inline.envinfo.device_slug", lambda device: "cpu-run")
+    monkeypatch.setattr(sys, "argv", ["ipykernel_launcher.py", "-f", "/tmp/kernel-1.json"])
+    results = tmp_path / "my results"
+    assert main(["check", "--device", "cpu", "--results", str(results)]) == 0
+    env = json.loads((results / "cpu-run" / "env.json").read_text())
+    assert shlex.split(env["command"]) == ["python", "-m", "kldiv_inline", "check", "--device", "cpu", "--results",
+                                           str(results)]
+    assert "kernel-1.json" in envinfo.environment("cpu")["command"]  # outside main: the process's own
+
+
 def test_vocab_goals_are_evaluated_from_rows():
     # The split's goals from the two-GPU bench's rows: eager and captured steps each over their own one-GPU time,
     # the peer over ours; a form or beta without its rows gives no goal row rather than a made-up one.
