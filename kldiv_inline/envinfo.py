@@ -77,17 +77,34 @@ def commit() -> str:
     lent GPUs one answered the session's first commit), else HEAD's hash, with ``+dirty`` when files under
     kernels/ or kldiv_inline/ differ from it (new files too: an untracked variant is timed as well), and
     ``+other-kernels`` when ``KLDIV_INLINE_KERNELS`` builds another kernels/ tree. An installed copy of the
-    package, not a checkout, says ``unknown (installed <version>)``."""
+    package, not a checkout, says ``unknown (installed <version>)``. The variable gets ``+dirty`` too where the
+    checkout's HEAD is the commit it names (its hash or a prefix) and those files differ: a run of edited kernels
+    was recorded as the clean commit (and resumed as one)."""
     mark = "+other-kernels" if other_kernels() else ""
-    if os.environ.get("KLDIV_INLINE_COMMIT"):
-        return os.environ["KLDIV_INLINE_COMMIT"] + mark
+    named = os.environ.get("KLDIV_INLINE_COMMIT")
+    if named:
+        return named + ("+dirty" if _dirty_at(named) else "") + mark
     if not is_source_tree():
         return f"unknown (installed {_version()})" + mark
     if not _is_checkout():  # a copy of the tree without its .git
         return "unknown" + mark
     head = _git("rev-parse", "HEAD") or "unknown"
-    dirty = _git("status", "--porcelain", "--untracked-files=normal", "--", "kernels", "kldiv_inline")
-    return head + ("+dirty" if dirty else "") + mark
+    return head + ("+dirty" if _dirty() else "") + mark
+
+
+def _dirty() -> bool:
+    """Whether files under kernels/ or kldiv_inline/ differ from the checkout's HEAD (new files too)."""
+    return bool(_git("status", "--porcelain", "--untracked-files=normal", "--", "kernels", "kldiv_inline"))
+
+
+def _dirty_at(named: str) -> bool:
+    """Whether this checkout's HEAD is the commit ``named`` (KLDIV_INLINE_COMMIT: a hash or a prefix of one) and
+    its files differ from it. Where HEAD is another commit (a stale .git in a copy), the name is trusted as it is."""
+    prefix = named.partition("+")[0].lower()
+    if "+dirty" in named or len(prefix) < 4 or not (is_source_tree() and _is_checkout()):
+        return False
+    head = _git("rev-parse", "HEAD") or ""
+    return head.startswith(prefix) and _dirty()
 
 
 def _version() -> str:

@@ -180,7 +180,18 @@ def test_the_recorded_commit_says_when_the_code_is_not_that_commits(tmp_path, mo
     assert envinfo.commit() == head
     (repo / "kernels" / "v4_new.cu").write_text("")
     assert envinfo.commit() == head + "+dirty"
+    # KLDIV_INLINE_COMMIT (a copy whose .git may be stale) naming HEAD, whole or by a prefix, hid +dirty; naming
+    # another commit it is trusted as it is.
+    for named in (head, head[:7]):
+        monkeypatch.setenv("KLDIV_INLINE_COMMIT", named)
+        assert envinfo.commit() == named + "+dirty"
+    monkeypatch.setenv("KLDIV_INLINE_COMMIT", "0123abc")
+    assert envinfo.commit() == "0123abc"
+    monkeypatch.delenv("KLDIV_INLINE_COMMIT")
     (repo / "kernels" / "v4_new.cu").unlink()
+    monkeypatch.setenv("KLDIV_INLINE_COMMIT", head[:7])
+    assert envinfo.commit() == head[:7]  # clean
+    monkeypatch.delenv("KLDIV_INLINE_COMMIT")
     (tmp_path / "other").mkdir()
     monkeypatch.setenv("KLDIV_INLINE_KERNELS", str(tmp_path / "other"))
     assert envinfo.commit() == head + "+other-kernels"
