@@ -94,10 +94,11 @@ def _device(arg: str | None) -> str:
 
 def cmd_check(args) -> int:
     from . import check
-    from .envinfo import device_slug, write_check_env
+    from .envinfo import device_slug, read_env, write_check_env
 
     device = args.device
     folder = Path(args.results) / device_slug(device)
+    read_env(folder / "env.json")  # one that cannot be read is refused before the checks' minutes, not after
     rows = list(check.run_checks(device))
     path = check.write_csv(rows, folder / "correctness.csv")
     write_check_env(folder, device)

@@ -256,16 +256,18 @@ def check_suites(args, folder: Path) -> None:
     if getattr(args, "linear_sweep", False) and device != "cuda":
         raise SystemExit("--linear-sweep times the fused LM head from 1k to 16k tokens on a GPU; on the CPU it would "
                          "time the one small shape the CPU runs: give --linear-tokens for more sizes there")
+    from .envinfo import read_csv, read_env
+
     path = folder / "bench.csv"
     if not path.exists():
         return
-    held = {SUITE_OF_FORM.get(f, f) for f in pd.read_csv(path, usecols=["form"])["form"].dropna().unique()}
+    held = {SUITE_OF_FORM.get(f, f) for f in read_csv(path, usecols=["form"])["form"].dropna().unique()}
     lost = sorted(held - set(suites))
     if lost:
         raise SystemExit(f"{path} holds rows of the {', '.join(lost)} suite(s), which --suites {','.join(suites)} "
                          f"would drop: give this run another folder (--results), or run those suites too")
     env_path = folder / "env.json"
-    recorded = json.loads(env_path.read_text()).get("options") if env_path.exists() else None
+    recorded = read_env(env_path).get("options")
     if isinstance(recorded, dict) and not getattr(args, "resume", False):  # (--resume: the same options, or refused)
         dropped = _cases_dropped(recorded, run_options(args), device)
         if dropped:
@@ -367,12 +369,12 @@ def resumed(folder: Path, device: str, options: dict) -> tuple[list[dict], list[
     finished folder holds the numbers of one code on one kind of card, and with the same ``options`` (run_options):
     a resumed run of fewer cases would mark the run finished with cases missing. (check_suites has refused a run
     whose suites would drop some of the rows.)"""
-    from .envinfo import commit, device_name
+    from .envinfo import commit, device_name, read_csv, read_env
 
     path, env_path = folder / "bench.csv", folder / "env.json"
     if not (path.exists() and env_path.exists()):
         raise SystemExit(f"--resume: {folder} holds no run to continue (no bench.csv and env.json)")
-    env = json.loads(env_path.read_text())
+    env = read_env(env_path)
     if not env.get("partial"):
         raise SystemExit(f"--resume: the run in {folder} finished (env.json has no 'partial'): nothing to resume")
     here = commit()
@@ -396,7 +398,7 @@ def resumed(folder: Path, device: str, options: dict) -> tuple[list[dict], list[
         raise SystemExit(f"--resume: the run in {folder} was made with other options ({said}): resume it with its "
                          "own options, or give this run another folder")
     parts = env.get("earlier_parts", []) + [{k: env[k] for k in PART_KEYS if k in env}]
-    return pd.read_csv(path).to_dict("records"), parts
+    return read_csv(path).to_dict("records"), parts
 
 
 def held_by(rows: list[dict]) -> Callable[[dict], bool]:

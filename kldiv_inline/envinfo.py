@@ -192,6 +192,34 @@ def environment(device: str) -> dict:
     return env
 
 
+def read_env(path: Path) -> dict:
+    """A results folder's env.json ({} where there is none), or a clear error naming it where it is no JSON record
+    (cut mid-write by hand, a merge's conflict): check wrote its CSV and then died on json's error, minutes in."""
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SystemExit(f"{path} is not a JSON record ({e}): mend it, or remove it with its run's files") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"{path} is not a JSON record of a run (an object): mend it, or remove it with its run's "
+                         "files")
+    return data
+
+
+def read_csv(path: Path, **kw):
+    """A results CSV as a pandas frame (``kw``: pandas.read_csv's), or a clear error naming it where it is empty or
+    not a CSV of those columns (pandas' EmptyDataError was all bench and plot said of an empty bench.csv)."""
+    import pandas as pd
+
+    try:
+        return pd.read_csv(path, **kw)
+    except pd.errors.EmptyDataError:
+        raise SystemExit(f"{path} is empty (not even its header): remove it, or give the run another folder") from None
+    except (pd.errors.ParserError, ValueError) as e:
+        raise SystemExit(f"{path} cannot be read as a results CSV ({e}): mend it, or remove it") from None
+
+
 def write_atomic(path: Path, text: str) -> Path:
     """``path`` holds ``text`` whole or keeps what it held: written beside it, then renamed over it, so a run killed
     mid-write (a device's time limit) never leaves a truncated results file."""
@@ -217,7 +245,7 @@ def write_env(folder: Path, device: str, extra: dict | None = None, drop: tuple[
     """Merge this run's environment (and ``extra``) into ``folder/env.json``, less the keys in ``drop``."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "env.json"
-    data = json.loads(path.read_text()) if path.exists() else {}
+    data = read_env(path)
     for key in drop:
         data.pop(key, None)
     _merge_environment(data, environment(device))
@@ -237,7 +265,7 @@ def write_check_env(folder: Path, device: str) -> Path:
     replace them."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "env.json"
-    data = json.loads(path.read_text()) if path.exists() else {}
+    data = read_env(path)
     record = environment(device)
     if not ((folder / "bench.csv").exists() or any(k in data for k in BENCH_KEYS)):
         _merge_environment(data, record)

@@ -6,12 +6,12 @@ functions, so a plot in a notebook and the PNG in results/ are one drawing.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib.pyplot as plt  # without a display matplotlib picks the Agg backend by itself
 import pandas as pd
 
+from .envinfo import read_csv, read_env
 from .goals import short_commit
 
 # Fixed colours for the kit's providers, so a provider looks the same in every figure; others take the
@@ -156,7 +156,7 @@ def plot_timings(timed: pd.DataFrame, ours: str | None = None, title: str | None
 
 # ------------------------------------------------------------------------------- the KL suite's results
 def load_bench(path: Path) -> pd.DataFrame:
-    df = pd.read_csv(path)
+    df = read_csv(path)
     # A column written twice (an earlier writer of the two-GPU run repeated beta and hidden) is read once.
     twice = [c for c in df.columns if c.endswith(".1") and c[:-2] in df.columns]
     df = df.drop(columns=twice)
@@ -176,7 +176,7 @@ def _device_title(folder: Path, record: str | None = None) -> str:
     key (``check``: the correctness run, whose commit may not be the bench run's)."""
     env = folder / "env.json"
     if env.exists():
-        e = json.loads(env.read_text())
+        e = read_env(env)
         if record and isinstance(e.get(record), dict):
             e = e[record]
         return (f"{e.get('device_name', folder.name)} · torch {e.get('torch', '?')} · "
@@ -332,7 +332,7 @@ def plot_linear_sweep(df: pd.DataFrame, ours: str, memory_bound_mib: float | Non
 
 def plot_correctness(path: Path, ax=None, title: str = ""):
     """Worst relative error against float64 per dtype and case, with each dtype's tolerance."""
-    df = pd.read_csv(path)
+    df = read_csv(path)
     ax = ax or plt.subplots(figsize=(7.5, 4.2))[1]
     rel = df["rel_err"].where(df["rel_err"].abs() != float("inf"))  # inf (NaN misplaced, a shape): drawn below
     worst = df.assign(rel_err=rel).groupby(["dtype", "case"])["rel_err"].max().unstack(0)
@@ -364,9 +364,9 @@ def _folder_goals(folder: Path, ours: str) -> tuple[list[dict], dict]:
     """The goals measured by the run in folder/bench.csv, and its env.json ({} if none)."""
     from .goals import goal_rows
 
-    df = pd.read_csv(folder / "bench.csv")
+    df = read_csv(folder / "bench.csv")
     rows = df.astype(object).where(df.notna(), None).to_dict("records")
-    env = json.loads((folder / "env.json").read_text()) if (folder / "env.json").exists() else {}
+    env = read_env(folder / "env.json")
     device = env.get("device") or ("cuda" if (df["device"] == "cuda").any() else "cpu")
     return goal_rows(rows, device, ours), env
 
@@ -420,7 +420,7 @@ def plot_folder(folder: Path, out: Path | None = None, *, ours: str, peers: list
         df = load_bench(bench)
         write_goals(folder, ours, out)  # with --out, the source folder is left as it is
         env = folder / "env.json"
-        e = json.loads(env.read_text()) if env.exists() else {}
+        e = read_env(env)
         read_gbps = e.get("floor_gbps") or e.get("read_gbps")  # older runs recorded only read_gbps
         for pass_, form, dtype in df.groupby(["pass", "form", "dtype"]).groups:
             if form == "linear" or sweep_frame(df, pass_, form, dtype)["numel"].nunique() < 2:

@@ -999,6 +999,39 @@ def test_bad_reps_and_results_paths_are_refused_before_any_work(tmp_path, monkey
         assert refused.value.code == 2 and message in capsys.readouterr().err, argv
 
 
+def test_broken_results_files_get_errors_that_name_them(tmp_path, monkeypatch):
+    # An empty bench.csv stopped bench and plot with pandas' EmptyDataError; an env.json cut mid-write stopped check
+    # with json's JSONDecodeError after its CSV was written (minutes in), and --resume too. Each names the file.
+    from kldiv_inline import check
+    from kldiv_inline.__main__ import main
+
+    def no_work(*a, **kw):
+        raise AssertionError("work started before the files were read")
+
+    monkeypatch.setattr(check, "run_checks", no_work)
+    monkeypatch.setattr(bench.floors, "measure_floor", no_work)
+    monkeypatch.setattr("kldiv_inline.envinfo.device_slug", lambda device: "cpu-run")
+    monkeypatch.setenv("KLDIV_INLINE_COMMIT", "0123abc")
+    folder = tmp_path / "cpu-run"
+    folder.mkdir()
+    (folder / "bench.csv").write_text("")
+    for argv in (["bench", "--device", "cpu", "--suites", "kl", "--results", str(tmp_path)],
+                 ["plot", "--results", str(tmp_path)]):
+        with pytest.raises(SystemExit) as refused:
+            main(argv)
+        assert f"{folder / 'bench.csv'} is empty" in str(refused.value.code), argv
+    (folder / "bench.csv").unlink()
+    (folder / "env.json").write_text('{"commit": ')
+    for argv in (["check", "--device", "cpu", "--results", str(tmp_path)],
+                 ["bench", "--device", "cpu", "--suites", "kl", "--resume", "--results", str(tmp_path)]):
+        if argv[0] == "bench":
+            (folder / "bench.csv").write_text("impl,pass,form\n")
+        with pytest.raises(SystemExit) as refused:
+            main(argv)
+        assert f"{folder / 'env.json'} is not a JSON record" in str(refused.value.code), argv
+    assert not (folder / "correctness.csv").exists()
+
+
 def test_console_table_and_cpu_goals_say_what_they_hold(monkeypatch):
     # The distillation suite's rows of one case differ by beta only; a long provider name keeps its own column.
     rows = [{"impl": name, "pass": "fwd+bwd", "form": "logits", "dtype": "bfloat16", "batch": 64, "features": 4096,
