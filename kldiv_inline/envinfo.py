@@ -94,7 +94,9 @@ def commit() -> str:
 
 def _dirty() -> bool:
     """Whether files under kernels/ or kldiv_inline/ differ from the checkout's HEAD (new files too)."""
-    return bool(_git("status", "--porcelain", "--untracked-files=normal", "--", "kernels", "kldiv_inline"))
+    # (core.fileMode off: a copy of the tree on another machine may change permission bits, which change no code)
+    return bool(_git("-c", "core.fileMode=false", "status", "--porcelain", "--untracked-files=normal", "--",
+                     "kernels", "kldiv_inline"))
 
 
 def _dirty_at(named: str) -> bool:
