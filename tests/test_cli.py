@@ -192,6 +192,9 @@ def test_the_recorded_commit_says_when_the_code_is_not_that_commits(tmp_path, mo
     monkeypatch.setenv("KLDIV_INLINE_COMMIT", head[:7])
     assert envinfo.commit() == head[:7]  # clean
     monkeypatch.delenv("KLDIV_INLINE_COMMIT")
+    (repo / "kernels" / "a.cu").chmod(0o755)  # a copy that changed permission bits alone changed no code
+    assert envinfo.commit() == head
+    (repo / "kernels" / "a.cu").chmod(0o644)
     (tmp_path / "other").mkdir()
     monkeypatch.setenv("KLDIV_INLINE_KERNELS", str(tmp_path / "other"))
     assert envinfo.commit() == head + "+other-kernels"
