@@ -340,19 +340,30 @@ def _as_flag(key: str, value) -> str:
     return f"{flag} {value}"
 
 
-def _settings_differ(env: dict) -> str:
+# Recorded variables that do not change a one-device suite's times (these suites never communicate): which card of
+# a machine (its model is compared by name), the image's NCCL version, the collectives' settings (a multi-GPU
+# machine sets multicast off).
+_ONE_DEVICE_IGNORED = ("CUDA_VISIBLE_DEVICES", "NCCL_", "TORCH_NCCL_", "TORCH_FR_", "TORCH_SYMM_MEM_")
+
+
+def _settings_differ(env: dict, device: str = "cpu") -> str:
     """What of the settings a run's times depend on, beside its code, card and options, differs between the run
-    ``env`` records and this process (torch's version, its threads, envinfo.TIMING_VARIABLES: OMP_NUM_THREADS, the
-    kernels' KLDIV_DISTILL_ switches, NCCL's, ...), as "what there, what here"; "" if none."""
+    ``env`` records and this process (torch's version; on the CPU, its threads; envinfo.TIMING_VARIABLES but
+    _ONE_DEVICE_IGNORED: OMP_NUM_THREADS, the kernels' KLDIV_DISTILL_ switches, ...), as "what there, what here";
+    "" if none."""
     import torch
 
     from .envinfo import timing_variables
 
-    said = [f"{label} {env.get(key)} there, {value} here"
-            for key, label, value in (("torch", "torch", torch.__version__),
-                                      ("cpu_threads", "torch threads", torch.get_num_threads()))
-            if env.get(key) != value]
-    there, here = env.get("variables") or {}, timing_variables()
+    checks = [("torch", "torch", torch.__version__)]
+    if device == "cpu":  # (a GPU run's times do not follow the host's thread count)
+        checks.append(("cpu_threads", "torch threads", torch.get_num_threads()))
+    said = [f"{label} {env.get(key)} there, {value} here" for key, label, value in checks if env.get(key) != value]
+
+    def kept(variables: dict) -> dict:
+        return {k: v for k, v in variables.items() if not k.startswith(_ONE_DEVICE_IGNORED)}
+
+    there, here = kept(env.get("variables") or {}), kept(timing_variables())
 
     def value(name, variables):
         return f"{name}={variables[name]}" if name in variables else f"{name} unset"
@@ -384,7 +395,7 @@ def resumed(folder: Path, device: str, options: dict) -> tuple[list[dict], list[
     if env.get("device_name") != device_name(device):
         raise SystemExit(f"--resume: the run in {folder} ran on {env.get('device_name')}, this device is "
                          f"{device_name(device)}")
-    differ = _settings_differ(env)
+    differ = _settings_differ(env, device)
     if differ:
         raise SystemExit(f"--resume: the run in {folder} was timed under other settings ({differ}): rows timed under "
                          "both would be one run's; resume it under its own, or give this run another folder")
@@ -433,6 +444,9 @@ def main(args) -> int:
     reps = getattr(args, "reps", 30)
     calls = suite_reps(reps, getattr(args, "suites", None) or SUITES)
 
+    # (whether the previous run's bench.csv is taken away; a resumed run's is its own first part: kept)
+    replaced: list[bool] = [True] if getattr(args, "resume", False) else []
+
     def save(done: bool) -> Path:
         """bench.csv and env.json of the rows so far. Called after each case too, so a run cut short (a device's
         time limit) keeps what it finished; env.json says `partial` until the run ends, and `earlier_parts` what
@@ -444,6 +458,9 @@ def main(args) -> int:
         # env.json says partial, with this run's record, before bench.csv is replaced: a cut (Ctrl-C) between the
         # two writes left this run's rows beside the previous run's finished record (its commit, command and
         # date), which plot took for a finished run and --resume refused to continue.
+        if not replaced:  # a new run's first save: the previous run's rows go first, so that no cut leaves
+            (folder / "bench.csv").unlink(missing_ok=True)  # them beside this run's partial record (which
+            replaced.append(True)  # --resume would finish as this commit's)
         write_env(folder, device, {**extra, "partial": PARTIAL_NOTE}, drop=drop)
         drop_derived(folder)
         path = write_csv(rows, folder / "bench.csv")

@@ -1073,3 +1073,61 @@ def test_a_changed_codes_run_is_marked_in_status_and_captions(tmp_path):
     assert "(db2cfbe+dirty, 2026-12-05" in table
     (tmp_path / "env.json").write_text(json.dumps({"device_name": "Card", "torch": "2", "commit": sha + "+dirty"}))
     assert plots._device_title(tmp_path).endswith("db2cfbef8b+dirty")
+
+
+def _bench_args(tmp_path, **kw):
+    import argparse
+
+    return argparse.Namespace(device="cpu", results=str(tmp_path), suites=["kl"], reps=2, **kw)
+
+
+def test_a_cut_before_the_new_rows_leaves_no_old_rows_under_the_new_record(tmp_path, monkeypatch):
+    # A finished run at one commit, then a run at another cut after its partial env.json and before its first
+    # bench.csv: the old rows stood beside the new partial record, and --resume finished them as the new commit's.
+    ran, cut = [], {"after": None}
+    monkeypatch.setattr(bench, "run_case", _fake_kl_case(ran, cut))
+    monkeypatch.setattr("kldiv_inline.envinfo.device_slug", lambda d: "cpu-run")
+    folder = tmp_path / "cpu-run"
+    monkeypatch.setenv("KLDIV_INLINE_COMMIT", "aaaa111")
+    assert bench.main(_bench_args(tmp_path)) == 0
+    real = bench.write_csv
+
+    def cut_before_csv(rows, path):
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(bench, "write_csv", cut_before_csv)
+    monkeypatch.setenv("KLDIV_INLINE_COMMIT", "bbbb222")
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(_bench_args(tmp_path))
+    assert not (folder / "bench.csv").exists()  # aaaa111's rows are not left under bbbb222's partial record
+    monkeypatch.setattr(bench, "write_csv", real)
+    with pytest.raises(SystemExit, match="no run to continue"):
+        bench.main(_bench_args(tmp_path, resume=True))
+
+
+@pytest.mark.parametrize("there, here", [
+    ({"CUDA_VISIBLE_DEVICES": "1"}, {"CUDA_VISIBLE_DEVICES": "0"}),  # another card of the same model
+    ({"NCCL_VERSION": "2.28.3-1"}, {"NCCL_VERSION": "2.28.9-1"}),  # the image's label
+    ({}, {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}),  # a two-GPU machine's settings
+], ids=["visible-card", "nccl-version", "multicast"])
+def test_resume_takes_variables_a_one_device_suite_does_not_follow(tmp_path, monkeypatch, there, here):
+    ran, cut = [], {"after": 1}
+    monkeypatch.setattr(bench, "run_case", _fake_kl_case(ran, cut))
+    monkeypatch.setattr("kldiv_inline.envinfo.device_slug", lambda d: "cpu-run")
+    monkeypatch.setenv("KLDIV_INLINE_COMMIT", "0123abc")
+    for name in list(envinfo.timing_variables()):
+        monkeypatch.delenv(name)
+    for k, v in there.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(_bench_args(tmp_path, resume=False))
+    for k in there:
+        monkeypatch.delenv(k)
+    for k, v in here.items():
+        monkeypatch.setenv(k, v)
+    cut["after"] = None
+    assert bench.main(_bench_args(tmp_path, resume=True)) == 0
+    # The host's thread count is compared for a CPU run only.
+    record = {"torch": torch.__version__, "cpu_threads": torch.get_num_threads() + 1, "variables": {}}
+    assert bench._settings_differ(record, "cuda") == ""
+    assert "torch threads" in bench._settings_differ(record, "cpu")
