@@ -1007,6 +1007,18 @@ def test_a_check_of_smaller_inputs_of_the_same_kind_vouches_for_a_case():
             harness.bench({"f": f}, [harness.Case("c", args)], checked=checked, reps=2)
 
 
+def test_a_dimension_of_size_one_does_not_change_a_cases_kind():
+    # A transposed [4, 1, 8] has one layout whatever stride its dimension of size 1 carries (views set it
+    # variously), where the stride's rank in the memory order made it two kinds, and a check of one refused the
+    # other. A transposed layout is still not a contiguous one.
+    base = torch.rand(64)
+    checked = harness.check({"f": torch.neg}, torch.neg, [harness.Case("c", (base.as_strided((4, 1, 8), (1, 4, 4)),))])
+    harness.bench({"f": torch.neg}, [harness.Case("c", (base.as_strided((4, 1, 8), (1, 1, 4)),))], checked=checked,
+                  reps=2)
+    with pytest.raises(ValueError, match="is not the case"):
+        harness.bench({"f": torch.neg}, [harness.Case("c", (torch.rand(4, 1, 8),))], checked=checked, reps=2)
+
+
 def test_a_cases_kind_takes_settings_by_value_and_the_rest_by_type():
     # (a numpy array, a slice or a lambda made again when a notebook cell reruns are the same kind of argument;
     # a dtype or a string setting changed is not)
