@@ -181,15 +181,16 @@ def _offset(offset: int, element_size: int) -> int:
 def _copies(obj: Any, dtype_of: Callable[[torch.Tensor], torch.dtype | None]) -> Any:
     """``obj`` with each tensor copied (_leaf, in ``dtype_of(t)``), tensors that share memory copied together so
     that they share the copy alike: a case built to pass one tensor twice, or overlapping views of one buffer
-    (a kernel that must work in place, or whose inputs alias), reaches the provider so, not as separate copies.
-    (Tensors of one storage but different dtypes, or other layouts, are copied apart.)"""
+    (a kernel that must work in place, or whose inputs alias), reaches the provider so, not as separate copies;
+    a tensor and its conjugate or negative view (``x`` and ``x.conj()``) too: the memory is copied as it is, and
+    each view takes its own bits again. (Tensors of one storage but different dtypes, or other layouts, are copied
+    apart.)"""
     groups: dict[tuple, list[torch.Tensor]] = {}
     for t in _tensors(obj):
-        # (plain tensors: a wrapper subclass has no storage of its own to share; the conjugate and negative bits
-        # in the key, since a view cut from another's copy would take that one's)
+        # (plain tensors: a wrapper subclass has no storage of its own to share)
         if (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and t.numel() > 0
                 and t.device.type != "meta" and t.untyped_storage().data_ptr() != 0):
-            key = (t.device, t.untyped_storage().data_ptr(), t.dtype, t.is_conj(), t.is_neg())
+            key = (t.device, t.untyped_storage().data_ptr(), t.dtype)
             groups.setdefault(key, []).append(t)
     shared: dict[int, torch.Tensor] = {}
     for ts in groups.values():
@@ -208,11 +209,19 @@ def _copies(obj: Any, dtype_of: Callable[[torch.Tensor], torch.dtype | None]) ->
         for lo, hi, members in clusters:
             if len(members) < 2:
                 continue
-            flat = _leaf(members[0].detach().as_strided((hi - lo,), (1,), lo), dtype_of(members[0]))
+            flat = _leaf(_as_stored(members[0].detach()).as_strided((hi - lo,), (1,), lo), dtype_of(members[0]))
             for t in members:  # (flat keeps lo's offset, _leaf: each view keeps its own alike)
                 view = flat.as_strided(t.shape, t.stride(), flat.storage_offset() + t.storage_offset() - lo)
+                view = torch._neg_view(view) if t.is_neg() else view
+                view = view.conj() if t.is_conj() else view
                 shared[id(t)] = view.requires_grad_(t.requires_grad) if t.requires_grad else view
     return _map_tensors(obj, lambda t: shared[id(t)] if id(t) in shared else _leaf(t, dtype_of(t)))
+
+
+def _as_stored(t: torch.Tensor) -> torch.Tensor:
+    """A view of ``t`` that reads its memory as stored: its conjugate and negative bits cleared (a view, no copy)."""
+    t = t.conj() if t.is_conj() else t
+    return torch._neg_view(t) if t.is_neg() else t
 
 
 def upcast(obj: Any) -> Any:

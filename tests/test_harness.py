@@ -1007,6 +1007,25 @@ def test_a_check_of_smaller_inputs_of_the_same_kind_vouches_for_a_case():
             harness.bench({"f": f}, [harness.Case("c", args)], checked=checked, reps=2)
 
 
+def test_a_tensor_and_its_conjugate_share_their_copy():
+    # x and x.conj() (or a negative view of y) share memory: copied apart, a kernel that must see one through the
+    # other (writing x in place, reading x.conj()) was checked on inputs that no longer alias.
+    x = torch.randn(64, dtype=torch.complex64)
+
+    def together(a, b):  # a + conj(a) where b is a's conjugate over the same memory, else a wrong number
+        return a + b if b.is_conj() and a.data_ptr() == b.data_ptr() else torch.zeros_like(a)
+
+    checked = harness.check({"together": together}, lambda a, b: a + b, [harness.Case("c", (x, x.conj()))])
+    assert checked.ok.all(), checked.error.tolist()
+    y = torch.randn(64)
+
+    def opposite(a, b):  # 0 where b is a's negative view over the same memory, else a wrong number
+        return a + b if b.is_neg() and a.data_ptr() == b.data_ptr() else torch.ones_like(a)
+
+    checked = harness.check({"opposite": opposite}, lambda a, b: a + b, [harness.Case("n", (y, torch._neg_view(y)))])
+    assert checked.ok.all(), checked.error.tolist()
+
+
 def test_a_dimension_of_size_one_does_not_change_a_cases_kind():
     # A transposed [4, 1, 8] has one layout whatever stride its dimension of size 1 carries (views set it
     # variously), where the stride's rank in the memory order made it two kinds, and a check of one refused the
