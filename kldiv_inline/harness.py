@@ -153,18 +153,26 @@ def _leaf(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         return (t.to(dtype, copy=True) if dtype is not None else
                 t.clone(memory_format=torch.contiguous_format)).requires_grad_(grad)
     span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-    flat = t.as_strided((span,), (1,), t.storage_offset())  # the span of storage the view reaches
     if type(t) not in (torch.Tensor, torch.nn.Parameter):  # (a wrapper subclass: its own clone, at offset 0)
+        flat = t.as_strided((span,), (1,), t.storage_offset())
         flat = flat.to(dtype, copy=True) if dtype is not None else flat.clone()
         return flat.as_strided(t.shape, t.stride()).requires_grad_(grad)
-    # Copied into a storage of its own after the offset, then viewed alike (copy_ converts the dtype and resolves
-    # the conjugate and negative bits, as clone did)
+    # The memory as stored, copied into a storage of its own after the offset (copy_ converts the dtype), then
+    # viewed alike, with t's conjugate and negative bits again: copied resolved, a kernel that reads the memory
+    # of x.conj() or x.conj().imag (a negative view) as if it held their values passed on a case built to test it
+    flat = _as_stored(t).as_strided((span,), (1,), t.storage_offset())  # the span of storage the view reaches
     offset = _offset(t.storage_offset(), (dtype or t.dtype).itemsize)
     storage = torch.empty(offset + span, dtype=dtype or t.dtype, device=t.device)
     # (what lies before the data reads NaN: a kernel that reads from the storage's start gets no plausible values)
     storage[:offset].fill_(math.nan if storage.is_floating_point() or storage.is_complex() else 0)
     storage[offset:].copy_(flat)
-    return storage.as_strided(t.shape, t.stride(), offset).requires_grad_(grad)
+    return _with_bits(storage.as_strided(t.shape, t.stride(), offset), t).requires_grad_(grad)
+
+
+def _with_bits(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``view`` (of memory as stored) with ``like``'s negative and conjugate bits (views, no copy)."""
+    view = torch._neg_view(view) if like.is_neg() else view
+    return view.conj() if like.is_conj() else view
 
 
 _ALIGN_BYTES = 512  # the CUDA caching allocator's block size, a multiple of any vector load (the CPU's: 64)
@@ -211,9 +219,8 @@ def _copies(obj: Any, dtype_of: Callable[[torch.Tensor], torch.dtype | None]) ->
                 continue
             flat = _leaf(_as_stored(members[0].detach()).as_strided((hi - lo,), (1,), lo), dtype_of(members[0]))
             for t in members:  # (flat keeps lo's offset, _leaf: each view keeps its own alike)
-                view = flat.as_strided(t.shape, t.stride(), flat.storage_offset() + t.storage_offset() - lo)
-                view = torch._neg_view(view) if t.is_neg() else view
-                view = view.conj() if t.is_conj() else view
+                view = _with_bits(flat.as_strided(t.shape, t.stride(), flat.storage_offset() + t.storage_offset()
+                                                  - lo), t)
                 shared[id(t)] = view.requires_grad_(t.requires_grad) if t.requires_grad else view
     return _map_tensors(obj, lambda t: shared[id(t)] if id(t) in shared else _leaf(t, dtype_of(t)))
 

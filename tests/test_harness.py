@@ -1026,6 +1026,25 @@ def test_a_tensor_and_its_conjugate_share_their_copy():
     assert checked.ok.all(), checked.error.tolist()
 
 
+def test_a_conjugate_or_negative_view_reaches_the_provider_as_one():
+    # The copies resolved the bits: a kernel that reads the memory of x.conj() or of a negative view as if it held
+    # their values (the kit's own ops once did, for x.conj().imag) passed a case built to test exactly that.
+    z = torch.randn(64, dtype=torch.complex64)
+    y = torch.randn(64)
+
+    def as_stored(a):  # what a kernel reading a's memory, blind to its bits, computes: a times 2
+        a = a.conj() if a.is_conj() else a
+        return 2 * (torch._neg_view(a) if a.is_neg() else a)
+
+    for case in (harness.Case("conj", (z.conj(),)), harness.Case("neg", (torch._neg_view(y),))):
+        checked = harness.check({"blind": as_stored, "right": lambda a: 2 * a}, lambda a: 2 * a, [case])
+        assert checked.set_index("provider").ok.to_dict() == {"blind": False, "right": True}, case.name
+    w = torch._neg_view(torch.randn(8)).requires_grad_()  # still a leaf that takes its gradient
+    checked = harness.check({"g": lambda a: torch.autograd.grad((a * a).sum(), a)[0]},
+                            lambda a: torch.autograd.grad((a * a).sum(), a)[0], [harness.Case("grad", (w,))])
+    assert checked.ok.all(), checked.error.tolist()
+
+
 def test_a_dimension_of_size_one_does_not_change_a_cases_kind():
     # A transposed [4, 1, 8] has one layout whatever stride its dimension of size 1 carries (views set it
     # variously), where the stride's rank in the memory order made it two kinds, and a check of one refused the
