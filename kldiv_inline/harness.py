@@ -575,29 +575,6 @@ class _CheckId(str):
 _CHECK_NUMBERS = itertools.count(1)
 
 
-class _Order(tuple):
-    """A non-contiguous tensor's memory order, (dimensions by falling stride, the dimensions of stride 0), with
-    ``ones``, its dimensions of size 1. Two orders are one where they agree on the dimensions of size > 1 in both:
-    a dimension of size 1 is never stepped along, so its stride is any number (PyTorch's views set it variously),
-    and a check of a case's first row (a [1, V] slice of a transposed case) is of the whole case's kind."""
-
-    def __new__(cls, order: tuple, ones: frozenset):
-        self = super().__new__(cls, order)
-        self.ones = ones
-        return self
-
-    def __eq__(self, other):
-        if not isinstance(other, _Order):
-            return False
-        drop = self.ones | other.ones
-        return all([d for d in a if d not in drop] == [d for d in b if d not in drop] for a, b in zip(self, other))
-
-    def __ne__(self, other):
-        return not self == other
-
-    __hash__ = None  # (the agreement is not transitive: no hash can follow it)
-
-
 def _signature(args: Any) -> tuple:
     """What kind of inputs a case has: each tensor's rank, dtype, device, layout, memory order (contiguous, or the
     order of its strides and which are 0) and requires_grad; the value of a string, bool, None, dtype, device or
@@ -611,11 +588,10 @@ def _signature(args: Any) -> tuple:
     def order(t: torch.Tensor):
         if t.layout != torch.strided or t.is_contiguous():
             return "contiguous"
-        st = t.stride()
-        # (with the dimensions of size 1, whose stride is any number: _same_kind leaves them out of the comparison)
-        return _Order((tuple(sorted(range(t.dim()), key=lambda d: -st[d])),
-                       tuple(d for d in range(t.dim()) if st[d] == 0)), frozenset(d for d in range(t.dim())
-                                                                                  if t.shape[d] == 1))
+        # (a dimension of size 1 is never stepped along: its stride is any number, and PyTorch's views set it
+        # variously, so it is left out, or one layout read as two kinds)
+        st, dims = t.stride(), [d for d in range(t.dim()) if t.shape[d] != 1]
+        return tuple(sorted(dims, key=lambda d: -st[d])), tuple(d for d in dims if st[d] == 0)
 
     def note(t: torch.Tensor) -> torch.Tensor:
         parts.append(("tensor", t.dim(), t.dtype, t.device, t.layout, order(t), t.requires_grad))
