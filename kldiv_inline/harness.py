@@ -588,10 +588,8 @@ def _signature(args: Any) -> tuple:
     def order(t: torch.Tensor):
         if t.layout != torch.strided or t.is_contiguous():
             return "contiguous"
-        # (a dimension of size 1 is never stepped along: its stride is any number, and PyTorch's views set it
-        # variously, so it is left out, or one layout read as two kinds)
-        st, dims = t.stride(), [d for d in range(t.dim()) if t.shape[d] != 1]
-        return tuple(sorted(dims, key=lambda d: -st[d])), tuple(d for d in dims if st[d] == 0)
+        st = t.stride()
+        return tuple(sorted(range(t.dim()), key=lambda d: -st[d])), tuple(d for d in range(t.dim()) if st[d] == 0)
 
     def note(t: torch.Tensor) -> torch.Tensor:
         parts.append(("tensor", t.dim(), t.dtype, t.device, t.layout, order(t), t.requires_grad))
