@@ -444,8 +444,7 @@ def main(args) -> int:
     reps = getattr(args, "reps", 30)
     calls = suite_reps(reps, getattr(args, "suites", None) or SUITES)
 
-    # (whether the previous run's bench.csv is taken away; a resumed run's is its own first part: kept)
-    replaced: list[bool] = [True] if getattr(args, "resume", False) else []
+    first_save = [True]  # (the previous run's files are dealt with once, at the first save)
 
     def save(done: bool) -> Path:
         """bench.csv and env.json of the rows so far. Called after each case too, so a run cut short (a device's
@@ -458,11 +457,15 @@ def main(args) -> int:
         # env.json says partial, with this run's record, before bench.csv is replaced: a cut (Ctrl-C) between the
         # two writes left this run's rows beside the previous run's finished record (its commit, command and
         # date), which plot took for a finished run and --resume refused to continue.
-        if not replaced:  # a new run's first save: the previous run's rows go first, so that no cut leaves
-            (folder / "bench.csv").unlink(missing_ok=True)  # them beside this run's partial record (which
-            replaced.append(True)  # --resume would finish as this commit's)
+        if first_save:
+            # A new run's previous rows go first, so that no cut leaves them beside this run's partial record
+            # (which --resume would finish as this commit's); a resumed run's are its own first part, kept. Then
+            # what was drawn from them.
+            if not getattr(args, "resume", False):
+                (folder / "bench.csv").unlink(missing_ok=True)
+            drop_derived(folder)
+            first_save.clear()
         write_env(folder, device, {**extra, "partial": PARTIAL_NOTE}, drop=drop)
-        drop_derived(folder)
         path = write_csv(rows, folder / "bench.csv")
         if done:
             write_env(folder, device, extra, drop=drop + ("partial",))

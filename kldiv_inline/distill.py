@@ -381,12 +381,11 @@ def _rows(x: Tensor, vocab: int) -> Tensor:
     x2 = x if x.dim() == 2 else x.reshape(-1, vocab)  # (rows already: no reshape call on the step's host path)
     if x2.stride(-1) == 1:
         return x2
-    if vocab == 1 and not torch.compiler.is_compiling():  # one entry per row: the stride along it is never used,
-        # so say 1 (a view; contiguous() would keep it: PyTorch ignores it). Dynamo cannot trace storage_offset():
-        # a compiled call copies the rows (one entry each).
+    if vocab == 1:  # one entry per row: the stride along it is never used, so say 1 (contiguous() would keep it:
+        # PyTorch ignores it), by a view; Dynamo cannot trace storage_offset(), so a compiled call copies the rows
+        if torch.compiler.is_compiling():
+            return x2.clone(memory_format=torch.contiguous_format)
         return x2.as_strided(x2.shape, (x2.stride(0), 1), x2.storage_offset())
-    if vocab == 1:
-        return x2.clone(memory_format=torch.contiguous_format)
     return x2.contiguous()
 
 

@@ -69,7 +69,6 @@ VOCAB_GOALS = [
 ]
 
 
-
 def short_commit(commit, n: int) -> str:
     """env.json's commit with its hash cut to ``n`` characters and its marks kept (``+dirty``, ``+other-kernels``:
     cut whole, a run of changed code read as the clean commit's in status.md and the plots' captions)."""

@@ -152,7 +152,7 @@ def _leaf(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     if t.numel() == 0:
         return (t.to(dtype, copy=True) if dtype is not None else
                 t.clone(memory_format=torch.contiguous_format)).requires_grad_(grad)
-    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    span = _span(t)
     if type(t) not in (torch.Tensor, torch.nn.Parameter):  # (a wrapper subclass: its own clone, at offset 0)
         flat = t.as_strided((span,), (1,), t.storage_offset())
         flat = flat.to(dtype, copy=True) if dtype is not None else flat.clone()
@@ -167,6 +167,11 @@ def _leaf(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     storage[:offset].fill_(math.nan if storage.is_floating_point() or storage.is_complex() else 0)
     storage[offset:].copy_(flat)
     return _with_bits(storage.as_strided(t.shape, t.stride(), offset), t).requires_grad_(grad)
+
+
+def _span(t: torch.Tensor) -> int:
+    """The elements of storage a strided view with elements reaches, from its first (its storage offset) on."""
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
 
 
 def _with_bits(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -204,9 +209,7 @@ def _copies(obj: Any, dtype_of: Callable[[torch.Tensor], torch.dtype | None]) ->
     for ts in groups.values():
         # Tensors whose spans of the storage overlap, copied together (a span of its own each: views of one large
         # buffer far apart copy only what they reach)
-        spans = sorted(((t.storage_offset(), t.storage_offset() + sum((n - 1) * st for n, st in
-                                                                      zip(t.shape, t.stride())) + 1, t) for t in ts),
-                       key=lambda span: span[:2])
+        spans = sorted(((t.storage_offset(), t.storage_offset() + _span(t), t) for t in ts), key=lambda sp: sp[:2])
         clusters: list[list] = []
         for lo, hi, t in spans:
             if clusters and lo < clusters[-1][1]:

@@ -309,20 +309,17 @@ def test_a_templates_error_names_the_line_that_instantiated_it(tmp_path, cache):
 def test_a_templates_error_names_the_line_that_instantiated_it_nvcc(tmp_path, cache):
     # nvcc reports the error at the template and names the instantiating line after it ("detected during
     # instantiation of ... at line 7"), beyond the two lines of context kept before.
+    # (the second: an operator's error lists its candidates in notes, each with a source line and caret, before
+    # the chain)
     src = tmp_path / "twice.cu"
-    src.write_text("struct Pair { int a; };\n"
-                   "template <typename T> __device__ int twice(T x) {\n  return x.missing * 2;\n}\n// 5\n// 6\n"
-                   "__global__ void k(int* o) { Pair p{1}; o[0] = twice(p); }\n")
-    with pytest.raises(kldiv_inline.KernelBuildError) as info:
-        kldiv_inline.load_sources([src])
-    assert "at line 7" in str(info.value) and f"{src}(3)" in str(info.value), str(info.value)
-    # An operator's error lists its candidates in notes (each with a source line and caret) before the chain.
-    src.write_text("struct Pair { int a; };\n"
-                   "template <typename T> __device__ bool less(T a, T b) {\n  return a < b;\n}\n// 5\n"
-                   "__global__ void k(int* o) { Pair p{1}; o[0] = less(p, p); }\n")
-    with pytest.raises(kldiv_inline.KernelBuildError) as info:
-        kldiv_inline.load_sources([src])
-    assert "at line 6" in str(info.value) and f"{src}(3)" in str(info.value), str(info.value)
+    for body, line in (("template <typename T> __device__ int twice(T x) {\n  return x.missing * 2;\n}\n// 5\n// 6\n"
+                        "__global__ void k(int* o) { Pair p{1}; o[0] = twice(p); }\n", 7),
+                       ("template <typename T> __device__ bool less(T a, T b) {\n  return a < b;\n}\n// 5\n"
+                        "__global__ void k(int* o) { Pair p{1}; o[0] = less(p, p); }\n", 6)):
+        src.write_text("struct Pair { int a; };\n" + body)
+        with pytest.raises(kldiv_inline.KernelBuildError) as info:
+            kldiv_inline.load_sources([src])
+        assert f"at line {line}" in str(info.value) and f"{src}(3)" in str(info.value), str(info.value)
 
 
 @pytest.mark.parametrize("suffix", [".cpp", ".cu"])
