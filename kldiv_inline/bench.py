@@ -317,7 +317,7 @@ def suite_reps(reps: int, suites) -> dict[str, int]:
 
 
 # What env.json keeps of each earlier part of a resumed run (the part that a time limit cut short).
-PART_KEYS = ("date_utc", "command", "platform", "driver", "cpu", "floor_gbps")
+PART_KEYS = ("date_utc", "command", "platform", "driver", "cpu", "floor_gbps", "builds")
 
 
 def run_options(args) -> dict:

@@ -133,11 +133,14 @@ TIMING_VARIABLES = ("TORCH_NCCL_", "TORCH_FR_", "NCCL_", "TORCH_SYMM_MEM_", "PYT
                     "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING",
                     "CUDA_LAUNCH_BLOCKING", "OMP_NUM_THREADS",
                     "KLDIV_DISTILL_")  # the distillation kernels' own knobs (KLDIV_DISTILL_FAST=0: the general kernel)
+# Variables named whole (not as prefixes: CC would take CCACHE_DIR in): the compilers a build takes (the CPU twin's
+# speed follows its compiler), and whether a compiler the loader would leave out is kept.
+TIMING_NAMES = ("CC", "CXX", "KLDIV_INLINE_KEEP_COMPILER")
 
 
 def timing_variables() -> dict:
-    """The TIMING_VARIABLES set in this process (name -> value)."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(TIMING_VARIABLES)}
+    """The TIMING_VARIABLES and TIMING_NAMES set in this process (name -> value)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(TIMING_VARIABLES) or k in TIMING_NAMES}
 
 
 # The arguments the command line's main() runs with, while it runs (None: this process's sys.argv): main([...])
@@ -183,6 +186,11 @@ def environment(device: str) -> dict:
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "variables": timing_variables(),
     }
+    from .loader import loaded_builds
+
+    builds = loaded_builds()
+    if builds:  # the kernels' builds loaded by now, and the compilers that made them (their manifests' record)
+        env["builds"] = builds
     if device == "cuda":
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         env.update({
@@ -234,7 +242,7 @@ def write_atomic(path: Path, text: str) -> Path:
 
 # Keys environment() writes only sometimes: an earlier run's must not outlive it in a merged record (a
 # kernels_dir beside a commit that says no other kernels were built).
-SOMETIMES_KEYS = ("kernels_dir", "driver", "sm_count", "capability", "memory_gib")
+SOMETIMES_KEYS = ("kernels_dir", "driver", "sm_count", "capability", "memory_gib", "builds")
 
 
 def _merge_environment(data: dict, record: dict) -> None:

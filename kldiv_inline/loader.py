@@ -93,6 +93,9 @@ _MODULES: dict[str, object] = {}
 # and bench(checked=) refuses a check made before a name was loaded from another build, since a provider that
 # reaches a module through a variable (a lambda over a notebook's `mod`) calls the new build, unchecked.
 LAST_LOADED: dict[str, str] = {}
+# The compilers each build this process loaded was made by (name with its hash -> what its manifest records):
+# env.json's "builds" (loaded_builds), beside the numbers those builds gave.
+_TOOLCHAINS: dict[str, dict] = {}
 
 
 class KernelBuildError(RuntimeError):
@@ -517,11 +520,52 @@ def _verified_so(build_dir: Path) -> Path | None:
     return None
 
 
-def _write_manifest(build_dir: Path, so: Path, build_s: float) -> None:
-    manifest = {"so": so.name, "size": so.stat().st_size, "sha256": _sha256(so), "build_s": round(build_s, 2)}
+def _write_manifest(build_dir: Path, so: Path, build_s: float, tools: dict | None = None) -> None:
+    manifest = {"so": so.name, "size": so.stat().st_size, "sha256": _sha256(so), "build_s": round(build_s, 2),
+                **({"toolchain": tools} if tools is not None else {})}
     tmp = build_dir / f"{_BUILD_MARK}.tmp"
     tmp.write_text(json.dumps(manifest, indent=1) + "\n")
     os.replace(tmp, build_dir / _BUILD_MARK)  # atomic: a reader sees no manifest or a whole one
+
+
+def _manifest_toolchain(build_dir: Path) -> dict | None:
+    """The compilers a cache entry's manifest says built it (None: a manifest written before it said so)."""
+    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+        return json.loads((build_dir / _BUILD_MARK).read_text()).get("toolchain")
+    return None
+
+
+@functools.cache
+def _version_line(command: str, pattern: str = "") -> str | None:
+    """The first line of ``command --version`` that matches ``pattern``, or None where it cannot run."""
+    try:
+        out = subprocess.run([*shlex.split(command), "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+    lines = [line.strip() for line in out.stdout.splitlines() if line.strip() and re.search(pattern, line)]
+    return lines[0] if out.returncode == 0 and lines else None
+
+
+def toolchain(with_cuda: bool) -> dict[str, str | None]:
+    """The compilers a build in this process uses, by their version lines: ``cxx`` (CXX as builds take it, else
+    torch's c++), and for CUDA builds ``nvcc`` (the toolkit's release) and ``cc`` (nvcc's host compiler: CC, else
+    gcc). None where one cannot be run. The CPU twin's speed follows its compiler, so a run's record names it."""
+    env = _compiler_env()
+    tools = {"cxx": _version_line(env["CXX"] or _COMPILER_DEFAULTS["CXX"])}
+    if with_cuda:
+        try:
+            home = _cuda_home()
+        except ToolchainError:
+            home = None
+        tools["nvcc"] = _version_line(shlex.quote(os.path.join(home, "bin", "nvcc")), "release") if home else None
+        tools["cc"] = _version_line(env["CC"] or _COMPILER_DEFAULTS["CC"])
+    return tools
+
+
+def loaded_builds() -> dict[str, dict]:
+    """The build each extension name was last loaded from in this process, and the compilers that made it (as
+    its manifest records them; None for an entry built before manifests did): env.json's ``builds``."""
+    return {base: {"module": ext, "toolchain": _TOOLCHAINS.get(ext)} for base, ext in sorted(LAST_LOADED.items())}
 
 
 def _import_so(name: str, so: Path):
@@ -1043,6 +1087,7 @@ def _load_sources(paths, functions, name, cuda, extra_cflags, extra_cuda_cflags,
                                     with_cuda, verbose, _expected_build_s(base, with_cuda, texts),
                                     unchanged=lambda: _still(read_texts, texts))
     _MODULES[ext_name] = module
+    _TOOLCHAINS[ext_name] = _manifest_toolchain(build_dir)
     LAST_LOADED[base] = ext_name
     return module
 
@@ -1124,7 +1169,7 @@ def _build(ext_name, build_dir: Path, cpp_srcs, cuda_srcs, texts, functions, cfl
             # The .so is whole; only this process cannot load it: the manifest makes it a hit after a restart.
             so = next(iter(sorted(build_dir.glob(f"{ext_name}*.so"))), None)
             if so is not None:
-                _write_manifest(build_dir, so, time.perf_counter() - start)
+                _write_manifest(build_dir, so, time.perf_counter() - start, toolchain(with_cuda))
         if failure is e:
             raise
         raise failure from None
@@ -1134,7 +1179,7 @@ def _build(ext_name, build_dir: Path, cpp_srcs, cuda_srcs, texts, functions, cfl
         _MIXED.add(ext_name)
         raise _SourcesChanged(ext_name)
     seconds = time.perf_counter() - start
-    _write_manifest(build_dir, Path(module.__file__), seconds)
+    _write_manifest(build_dir, Path(module.__file__), seconds, toolchain(with_cuda))
     _log.info("built %s in %.1f s", ext_name, seconds)
     return module
 

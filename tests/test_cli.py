@@ -956,6 +956,13 @@ def test_resume_refuses_other_settings(tmp_path, monkeypatch):
         bench.main(args)
     assert len(ran) == 1  # no refused resume ran a case
     monkeypatch.delenv("OMP_NUM_THREADS")
+    # The CPU twin's compiler (CXX, named whole: CCACHE_DIR is no compiler) picks the code timed.
+    monkeypatch.setenv("CCACHE_DIR", "/tmp/nowhere")
+    monkeypatch.setenv("CXX", "clang++")
+    with pytest.raises(SystemExit, match="CXX unset there, CXX=clang[+][+] here") as refused:
+        bench.main(args)
+    assert "CCACHE_DIR" not in str(refused.value)
+    monkeypatch.delenv("CXX")
     assert bench.main(args) == 0
 
 

@@ -749,6 +749,14 @@ def test_manifest_records_the_so(tmp_path, cache):
     assert manifest["size"] == so.stat().st_size
     assert manifest["sha256"] == hashlib.sha256(so.read_bytes()).hexdigest()
     assert manifest["build_s"] > 0
+    # ...and the compilers that built it, which env.json's "builds" names beside the numbers (the CPU twin's
+    # speed follows its compiler): a C++ compiler's version line, no CUDA tools for a CPU build.
+    assert set(manifest["toolchain"]) == {"cxx"} and manifest["toolchain"]["cxx"]
+    assert manifest["toolchain"] == loader.toolchain(False)
+    base = loader._module_base(src.stem)
+    assert loader.loaded_builds()[base] == {"module": so.parent.name, "toolchain": manifest["toolchain"]}
+    from kldiv_inline.envinfo import environment
+    assert environment("cpu")["builds"][base]["toolchain"] == manifest["toolchain"]
 
 
 def _refuse_writes_under(root: Path, monkeypatch: pytest.MonkeyPatch):
