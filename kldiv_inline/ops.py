@@ -187,7 +187,25 @@ def _save(ctx, inputs, fused_grad):
     ctx.fused = want_grad
     ctx.fused_used = False
     ctx.input_shape, ctx.target_shape = input.shape, target.shape
-    ctx.save_for_backward(input, target)
+    # The input is kept only where a gradient reads it, as F.kl_div's autograd keeps it: the probability form's
+    # (t / p) and the target's (log t - x). The log-probability form's input gradient, -t (or -exp(t)) times
+    # grad_output, reads the target alone, so an input changed in place after the forward (logits updated
+    # before backward) leaves backward valid there, as in PyTorch; keeping it raised autograd's in-place error.
+    # backward reads what was kept only where it computes a gradient from it (not where it rescales the fused one).
+    # Under torch.func's transforms it is kept too: their backward runs with the input's own wrappers, whose
+    # graph carries the refusal of a second derivative.
+    keep_input = from_probs or ctx.needs_input_grad[1] or _transforms_active()
+    ctx.input_like = (input.dtype, input.device)
+    if log_target and (ctx.needs_input_grad[1] or not reduce):
+        # F.kl_div's log_target form keeps exp(t) (and t - x for the target's gradient), tensors of its own: its
+        # operands may change in place after the forward. Copies keep that (their size: what PyTorch keeps) where
+        # backward computes from them: a target that requires grad, and reduction none (no fused gradient). A
+        # reduced loss's fused gradient needs no copy; its second backward (retain_graph) recomputes from the
+        # target as kept, and raises if it changed (a copy on every training call would cost a pass over it).
+        target = target.detach().clone()
+        if not from_probs and ctx.needs_input_grad[1]:
+            input = input.detach().clone()
+    ctx.save_for_backward(input if keep_input else None, target)
     # Kept outside save_for_backward: backward rescales it in place, which would fail the saved-tensor
     # version check of a second backward (retain_graph=True); and handing it over (dropping this reference)
     # lets AccumulateGrad adopt it as .grad instead of cloning it. Detached: no reference cycle via grad_fn.
@@ -210,13 +228,13 @@ def _plain(*tensors: Tensor) -> bool:
 
 def _backward_with(ctx, grad_out):
     """The backward rule of the registered op, ``_EagerKLDiv`` and ``_FuncKLDiv``."""
-    input, target = ctx.saved_tensors
     if grad_out is None:  # the loss took no part in what was differentiated
         return None, None
     reduce, divisor, log_target, from_probs = ctx.flags
     need_x, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     gx = gt = None
-    grad_out = grad_out.to(input.dtype).resolve_neg()  # (a negative view: see _kl)
+    dtype, device = ctx.input_like
+    grad_out = grad_out.to(dtype).resolve_neg()  # (a negative view: see _kl)
     # The fused gradient is rescaled in place, once: a second backward (retain_graph=True) recomputes.
     # Any tracing (Dynamo, or AOTAutograd alone as in opcheck, which passes tensor subclasses) takes the
     # functional path too: an in-place update of a forward output cannot be partitioned. So does
@@ -228,6 +246,14 @@ def _backward_with(ctx, grad_out):
         gx, ctx.fused_grad = ctx.fused_grad, None
         _module(gx.device).kl_div_scale_grad_(gx, grad_out)
     if (need_x and not use_fused) or need_t:
+        # Read only here: rescaling the fused gradient needs neither operand, so one changed in place after the
+        # forward is no error there (the gradient was computed from the values the loss was).
+        input, target = ctx.saved_tensors
+        if input is None:  # (not kept: _save) the kernels take its shape and dtype; its values are not read.
+            # Under create_graph=True it requires grad, so that the gradients carry _KLDivBackward's graph, which
+            # refuses a second derivative (a gradient penalty's term must not silently vanish).
+            stand_in = torch.zeros((), dtype=dtype, device=device).requires_grad_(torch.is_grad_enabled())
+            input = stand_in.expand(ctx.input_shape)
         bx, bt = _input_grads(grad_out, input, target, reduce, divisor, log_target, from_probs,
                               need_x and not use_fused, need_t)
         if need_x and not use_fused:
@@ -388,6 +414,16 @@ torch.library.register_vmap("kldiv_inline::kl_div_backward", _vmap_backward(_bac
 
 
 # ------------------------------------------------------------------------------------------ front end
+class _DtypeError(TypeError, RuntimeError):
+    """A non-floating operand: a TypeError, and a RuntimeError as F.kl_div's ("Integral inputs not supported"), so
+    that code written against PyTorch's op (``except RuntimeError``) catches it too."""
+
+
+class _OperandsError(ValueError, RuntimeError):
+    """Operands that do not go together (shapes that do not broadcast, two devices): a ValueError, and a
+    RuntimeError as F.kl_div's."""
+
+
 def _check_reduction(reduction, where: str = "kl_div") -> None:
     if not isinstance(reduction, str):
         raise TypeError(f"{where}: reduction must be a str, one of {REDUCTIONS}, got {type(reduction).__name__} "
@@ -403,8 +439,8 @@ def _check(input, target, reduction: str, log_target) -> tuple[Tensor, Tensor, t
         if not isinstance(t, Tensor):
             raise TypeError(f"kl_div: {name} must be a torch.Tensor, got {type(t).__name__}")
         if not (t.is_floating_point()):
-            raise TypeError(f"kl_div: {name} must have a floating-point dtype (float16, bfloat16, float32, "
-                            f"float64), got {t.dtype}")
+            raise _DtypeError(f"kl_div: {name} must have a floating-point dtype (float16, bfloat16, float32, "
+                              f"float64), got {t.dtype}")
     _check_reduction(reduction)
     if not isinstance(log_target, bool):
         raise TypeError(f"kl_div: log_target must be a bool, got {type(log_target).__name__}")
@@ -415,16 +451,16 @@ def _check(input, target, reduction: str, log_target) -> tuple[Tensor, Tensor, t
         elif input.dim() == 0 and input.device.type == "cpu":
             input = input.to(target.device)
         else:
-            raise ValueError(f"kl_div: input and target must be on the same device, got {input.device} and "
-                             f"{target.device}")
+            raise _OperandsError(f"kl_div: input and target must be on the same device, got {input.device} "
+                                 f"and {target.device}")
     if input.device.type not in ("cpu", "cuda", "meta"):
         raise NotImplementedError(f"kl_div: no kernels for {input.device.type} tensors (cpu and cuda only)")
     try:
         # torch.broadcast_shapes costs ~10 us of Python: a noticeable share of a small training step.
         shape = input.shape if input.shape == target.shape else torch.broadcast_shapes(input.shape, target.shape)
     except RuntimeError:
-        raise ValueError(f"kl_div: input of shape {tuple(input.shape)} and target of shape "
-                         f"{tuple(target.shape)} are not broadcastable") from None
+        raise _OperandsError(f"kl_div: input of shape {tuple(input.shape)} and target of shape "
+                             f"{tuple(target.shape)} are not broadcastable") from None
     # torch.result_type for two floating tensors, written so that Dynamo can trace it (torch.result_type
     # is a graph break): a 0-d tensor yields to a dimensioned one of the same category.
     if input.dtype == target.dtype:

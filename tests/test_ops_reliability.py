@@ -887,3 +887,72 @@ def test_negative_views_are_read_as_their_values(device, form, reduction, grad, 
         go = random_grad_out(out)
         (g,) = torch.autograd.grad(out, nx, negative_view(go))
         assert_grad_close(g, ref_grads(form, x, t, reduction, False, go, "input")["input"], x)
+
+
+# ------------------------------------------------------- operands changed in place between forward and backward
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("log_target", [False, True], ids=["t", "logt"])
+@pytest.mark.parametrize("wrt", ["input", "both"])
+@pytest.mark.parametrize("changed", ["input", "target"])
+@pytest.mark.parametrize("twice", [False, True], ids=["once", "retain_graph"])
+def test_an_operand_changed_in_place_after_the_forward(device, form, reduction, log_target, wrt, changed, twice):
+    # The op kept its input for backward whatever the form, so logits changed in place before backward (an
+    # optimizer step on them, a reused buffer) raised autograd's in-place error where F.kl_div runs (its
+    # log-probability form's input gradient reads only the target; its log_target form keeps exp(t) and t - x,
+    # tensors of its own). Where F.kl_div runs, the op gives its gradients, those of the values at the forward;
+    # where the op raises autograd's in-place error, F.kl_div does too (the op may compute where PyTorch raises:
+    # its fused gradient was computed in the forward). A second backward (retain_graph) recomputes: of a reduced
+    # loss in log_target form it raises where the target changed (the op keeps the target, not a copy as
+    # PyTorch's exp(t): a copy on every training call would cost a pass over it), the one case allowed to differ.
+    def run(fn, change):
+        torch.manual_seed(123)
+        w = torch.randn(5, 7, dtype=torch.float64, device=device, requires_grad=True)
+        t = torch.rand(5, 7, dtype=torch.float64, device=device) + 0.1
+        t = (t.log() if log_target else t).requires_grad_(wrt == "both")
+        tl = t * 1.0  # a non-leaf target, so that it too can change in place
+        x = w * 2 if form == "logprobs" else torch.sigmoid(w)
+        if fn == "torch":
+            loss = _torch_kl(form, x, tl, reduction, log_target)
+        else:
+            loss = _quiet(call, form, x, tl, reduction, log_target)
+        if change:
+            with torch.no_grad():
+                (x if changed == "input" else tl).add_(0.25)
+        weights = torch.linspace(0.5, 1.5, loss.numel(), dtype=loss.dtype, device=device).reshape(loss.shape)
+        try:
+            for _ in range(2 if twice else 1):  # (a second backward accumulates: twice the gradients)
+                (loss * weights).sum().backward(retain_graph=twice)
+        except RuntimeError as e:
+            assert "modified by an inplace operation" in str(e), str(e)
+            return "error"
+        return w.grad, t.grad
+
+    truth = run("torch", change=False)  # the gradients of the values the loss was computed from
+    theirs, ours = run("torch", change=True), run("ours", change=True)
+    if ours == "error":
+        allowed = twice and log_target and changed == "target" and wrt == "input" and reduction != "none"
+        assert theirs == "error" or allowed, "the op raised where F.kl_div runs"
+        return
+    for a, b in zip(truth, ours):
+        if a is None:
+            assert b is None
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("case", ["int64", "bool", "complex", "shapes"])
+@pytest.mark.parametrize("form", FORMS)
+def test_errors_f_kl_div_raises_as_runtime_error_are_runtime_errors(case, form):
+    # Code written against F.kl_div catches its errors as RuntimeError; the op raised TypeError / ValueError
+    # alone, which such code let through. Both now (the op's own classes, and PyTorch's).
+    x = torch.rand(3, 4) + 0.1
+    other = {"int64": torch.ones(3, 4, dtype=torch.int64), "bool": torch.ones(3, 4, dtype=torch.bool),
+             "complex": torch.ones(3, 4, dtype=torch.complex64), "shapes": torch.rand(5, 4)}[case]
+    own = ValueError if case == "shapes" else TypeError
+    for a, b in ((x, other), (other, x)):
+        with pytest.raises(RuntimeError):
+            _torch_kl("logprobs", a, b, "sum")
+        with pytest.raises(RuntimeError) as caught:
+            _quiet(call, form, a, b, "sum")
+        assert isinstance(caught.value, own) and "kl_div" in str(caught.value)
