@@ -349,10 +349,10 @@ class _EagerForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        mod, fuse = _module(inputs[0].device), _fuses(inputs[0].dtype)
-        inputs = launched(inputs)  # a top-k teacher's preparation, right before the launch below (_PendingTopk)
         *settings, loss_scale, ws, wt = inputs
-        loss, gs, gt = mod.distill_forward(*settings, ws and fuse, wt and fuse, None, None, loss_scale)
+        fuse = _fuses(inputs[0].dtype)
+        loss, gs, gt = _module(inputs[0].device).distill_forward(*settings, ws and fuse, wt and fuse, None, None,
+                                                                 loss_scale)
         _save_context(ctx, inputs, gs, gt)
         return loss
 
@@ -395,8 +395,7 @@ TOPK_MASS_SLACK = 0.02
 
 
 def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, labels: Tensor | None = None,
-                   ignore_index: int = -100, defer: bool = False, who: str = "generalized_jsd",
-                   launch_later: bool = False):
+                   ignore_index: int = -100, defer: bool = False, who: str = "generalized_jsd"):
     """The top-k pair as the kernels take it: [rows, k] int64 indices and the prepared rows [rows, k + 1] (in the
     accumulation dtype: the k log-probabilities normalised, then the teacher's tail mass summed in float64; see
     traced_topk_normalisation), checked (in eager mode): indices in range and distinct, the mass of a distribution
@@ -404,9 +403,7 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, 
     filler).
 
     ``defer``: return ``(indices, logprobs, check)`` where ``check()`` raises the error, if any, once the caller
-    has queued its kernel: the values checked are read back without waiting for that kernel (see _topk_check).
-    ``launch_later`` (with ``defer``, eager on a GPU): ``logprobs`` is a _PendingTopk, which launches the
-    preparation when called; the caller calls it right before its own kernel (see _PendingTopk)."""
+    has queued its kernel: the values checked are read back without waiting for that kernel (see _topk_check)."""
     if not (isinstance(teacher_topk, Sequence) and len(teacher_topk) == 2):
         raise TypeError(f"{who}: teacher_topk must be a pair (indices, logprobs)")
     idx, lp = teacher_topk
@@ -452,55 +449,18 @@ def _validate_topk(teacher_topk, student: Tensor, lead: torch.Size, vocab: int, 
     mod = _module(idx2.device)
     if idx2.is_cuda:
         host, done, read = _lend_read_back(idx2.device, (3,), torch.int32)
-        pending = _PendingTopk(mod, idx2, lp_given, vocab, labels, ignore_index, host, done, acc)
-        if launch_later and defer:
-            return idx2, pending, _topk_check(pending.read_after(read), lp_given, vocab, labels, ignore_index, who)
-        lp2 = pending()
+        lp2, _ = mod.distill_topk_prepare(idx2, lp_given, vocab, labels, ignore_index, math.log1p(TOPK_MASS_SLACK),
+                                          host)
+        done.record(torch.cuda.current_stream(idx2.device))
     else:
         lp2, flags = mod.distill_topk_prepare(idx2, lp_given, vocab, labels, ignore_index, math.log1p(TOPK_MASS_SLACK))
         read = flags.tolist
-        if lp2.dtype != acc:  # (prepared in float64 where given so: a copy, [rows, k + 1]; no call otherwise)
-            lp2 = lp2.to(acc)
     check = _topk_check(read, lp_given, vocab, labels, ignore_index, who)
     if not defer:
         check()
+    if lp2.dtype != acc:  # (prepared in float64 where given so: a copy, [rows, k + 1]; no call otherwise)
+        lp2 = lp2.to(acc)
     return (idx2, lp2, check) if defer else (idx2, lp2)
-
-
-class _PendingTopk:
-    """A top-k teacher's preparation (distill_topk_prepare on a GPU), launched when called: the prepared rows.
-    The eager step's kernels are this preparation (~30 us at 4096 x 128256, k = 100) and the divergence's; the
-    host's path between the two launches (the argument checks after it, the autograd Function, distill_forward's
-    plan) was longer than the preparation, so a step that began on an idle GPU waited for the host there: the
-    top-k step took 0.58 or 0.65-0.72 ms on one H200 by the host's pace. Called right before distill_forward, it
-    leaves that path to distill_forward's own host code."""
-
-    def __init__(self, mod, idx: Tensor, lp: Tensor, vocab: int, labels: Tensor | None, ignore_index: int,
-                 host: Tensor, done, acc: torch.dtype):
-        self.args = (idx, lp, vocab, labels, ignore_index, math.log1p(TOPK_MASS_SLACK), host)
-        self.mod, self.done, self.acc, self.rows = mod, done, acc, None
-
-    def __call__(self) -> Tensor:
-        if self.rows is None:
-            idx = self.args[0]
-            rows, _ = self.mod.distill_topk_prepare(*self.args)
-            self.done.record(torch.cuda.current_stream(idx.device))
-            self.rows = rows if rows.dtype == self.acc else rows.to(self.acc)
-        return self.rows
-
-    def read_after(self, read: Callable[[], Any]) -> Callable[[], Any]:
-        """``read`` of the checks' flags, which the preparation writes: launched first if it has not been (a
-        caller that raised before its kernel still gets the teacher's error, not a wait on an unrecorded event)."""
-        def after() -> Any:
-            self()
-            return read()
-        return after
-
-
-def launched(args: tuple) -> tuple:
-    """The kernel's arguments (_prepare's) with a pending top-k preparation launched: called right before the
-    divergence's launch."""
-    return (*args[:3], args[3](), *args[4:]) if type(args[3]) is _PendingTopk else args
 
 
 def traced_topk_normalisation(lp: Tensor, whole: bool) -> Tensor:
@@ -736,13 +696,11 @@ def _check_labels(labels, lead: torch.Size, device: torch.device, who: str = "ge
 
 
 def _prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, labels, ignore_index, reduction,
-             topk_vocab: int | None = None, defer_check: bool = False, launch_later: bool = False):
+             topk_vocab: int | None = None, defer_check: bool = False):
     """Checks every argument and lays the logits out as rows; returns the kernel's arguments and the shape of
     the per-token loss. Top-k indices must lie in [0, topk_vocab) (default: the logits' vocabulary).
     ``defer_check``: return a third item, ``check()``, to be called once the kernel is queued: it raises the
-    top-k teacher's error, if any (_topk_check), and does nothing otherwise. ``launch_later`` (with
-    ``defer_check``): a top-k teacher's preparation on a GPU is left pending (_PendingTopk): pass the arguments
-    through ``launched`` right before the kernel."""
+    top-k teacher's error, if any (_topk_check), and does nothing otherwise."""
     if not isinstance(student_logits, Tensor):
         raise TypeError(f"generalized_jsd: student_logits must be a tensor, got {type(student_logits).__name__}")
     if student_logits.dtype not in _FLOAT_DTYPES:
@@ -767,8 +725,7 @@ def _prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, la
         teacher = _rows(teacher_logits, vocab)
     else:
         idx, lp, check = _validate_topk(teacher_topk, student_logits, lead,
-                                        vocab if topk_vocab is None else topk_vocab, lab, ignore_index, defer=True,
-                                        launch_later=launch_later and defer_check)
+                                        vocab if topk_vocab is None else topk_vocab, lab, ignore_index, defer=True)
     args = (_rows(student_logits, vocab), teacher, idx, lp, lab, int(ignore_index), beta, temperature,
             _REDUCTION_CODE[reduction])
     if defer_check:
@@ -864,21 +821,19 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
                                               reduction=reduction, group=group, loss_scale=loss_scale)
     loss_scale = check_loss_scale(loss_scale)
     args, lead, check = _prepare(student_logits, teacher_logits, teacher_topk, beta, temperature, labels,
-                                 ignore_index, reduction, defer_check=True, launch_later=True)
+                                 ignore_index, reduction, defer_check=True)
     student, teacher = args[0], args[1]
     grad_on = torch.is_grad_enabled()
     want_s = bool(grad_on and student.requires_grad)
     want_t = bool(grad_on and teacher is not None and teacher.requires_grad)
-    # (a top-k teacher's preparation is pending in eager mode on a GPU only: traced calls get prepared rows, and
-    # `launched` leaves them as they are)
     if torch.compiler.is_compiling():
-        loss = _loss_op(*launched(args), loss_scale, want_s, want_t)
+        loss = _loss_op(*args, loss_scale, want_s, want_t)
     elif _is_tracing(student):  # meta or fake tensors outside torch.compile, CUDA-graph capture
-        loss = _forward_op(*launched(args), loss_scale, want_s, want_t)[0]
+        loss = _forward_op(*args, loss_scale, want_s, want_t)[0]
     elif want_s or want_t:
         loss = _EagerForward.apply(*args, loss_scale, want_s, want_t)
     else:
-        loss = _module(student.device).distill_forward(*launched(args), False, False, None, None, loss_scale)[0]
+        loss = _module(student.device).distill_forward(*args, False, False, None, None, loss_scale)[0]
     # The top-k teacher's checks, read back now that the kernel is queued (it makes a bad row NaN, and never
     # reads out of range: raising after it is safe, and its results are dropped with the error).
     check()
