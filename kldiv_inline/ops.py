@@ -186,25 +186,16 @@ def _save(ctx, inputs, fused_grad):
     ctx.flags = (reduce, divisor, log_target, from_probs)
     ctx.fused = want_grad
     ctx.fused_used = False
-    ctx.input_shape, ctx.target_shape = input.shape, target.shape
-    # The input is kept only where a gradient reads it, as F.kl_div's autograd keeps it: the probability form's
-    # (t / p) and the target's (log t - x). The log-probability form's input gradient, -t (or -exp(t)) times
-    # grad_output, reads the target alone, so an input changed in place after the forward (logits updated
-    # before backward) leaves backward valid there, as in PyTorch; keeping it raised autograd's in-place error.
-    # backward reads what was kept only where it computes a gradient from it (not where it rescales the fused one).
-    # Under torch.func's transforms it is kept too: their backward runs with the input's own wrappers, whose
-    # graph carries the refusal of a second derivative.
-    keep_input = from_probs or ctx.needs_input_grad[1] or _transforms_active()
-    ctx.input_like = (input.dtype, input.device)
-    if log_target and (ctx.needs_input_grad[1] or not reduce):
-        # F.kl_div's log_target form keeps exp(t) (and t - x for the target's gradient), tensors of its own: its
-        # operands may change in place after the forward. Copies keep that (their size: what PyTorch keeps) where
-        # backward computes from them: a target that requires grad, and reduction none (no fused gradient). A
-        # reduced loss's fused gradient needs no copy; its second backward (retain_graph) recomputes from the
-        # target as kept, and raises if it changed (a copy on every training call would cost a pass over it).
-        target = target.detach().clone()
-        if not from_probs and ctx.needs_input_grad[1]:
-            input = input.detach().clone()
+    ctx.input_shape, ctx.target_shape, ctx.input_dtype = input.shape, target.shape, input.dtype
+    # The input is saved only where a gradient reads its values, as F.kl_div's autograd keeps it: the probability
+    # form's (t / p) and the target's (log t - x). The log-probability form's input gradient, -t (or -exp(t)) times
+    # grad_output, reads the target alone: there the input is held (input_ref), not saved, so that one changed in
+    # place after the forward (logits updated before backward) leaves backward valid, as in PyTorch (saving it
+    # raised autograd's in-place error). Held, it gives the kernels their layout and the gradient its graph under
+    # create_graph=True (which refuses a second derivative), as before. Saved as ever under torch.func's transforms
+    # and when traced (AOTAutograd keeps only saved tensors).
+    keep_input = from_probs or ctx.needs_input_grad[1] or _transforms_active() or not _plain(input, target)
+    ctx.input_ref = None if keep_input else input
     ctx.save_for_backward(input if keep_input else None, target)
     # Kept outside save_for_backward: backward rescales it in place, which would fail the saved-tensor
     # version check of a second backward (retain_graph=True); and handing it over (dropping this reference)
@@ -233,8 +224,7 @@ def _backward_with(ctx, grad_out):
     reduce, divisor, log_target, from_probs = ctx.flags
     need_x, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     gx = gt = None
-    dtype, device = ctx.input_like
-    grad_out = grad_out.to(dtype).resolve_neg()  # (a negative view: see _kl)
+    grad_out = grad_out.to(ctx.input_dtype).resolve_neg()  # (a negative view: see _kl)
     # The fused gradient is rescaled in place, once: a second backward (retain_graph=True) recomputes.
     # Any tracing (Dynamo, or AOTAutograd alone as in opcheck, which passes tensor subclasses) takes the
     # functional path too: an in-place update of a forward output cannot be partitioned. So does
@@ -249,11 +239,8 @@ def _backward_with(ctx, grad_out):
         # Read only here: rescaling the fused gradient needs neither operand, so one changed in place after the
         # forward is no error there (the gradient was computed from the values the loss was).
         input, target = ctx.saved_tensors
-        if input is None:  # (not kept: _save) the kernels take its shape and dtype; its values are not read.
-            # Under create_graph=True it requires grad, so that the gradients carry _KLDivBackward's graph, which
-            # refuses a second derivative (a gradient penalty's term must not silently vanish).
-            stand_in = torch.zeros((), dtype=dtype, device=device).requires_grad_(torch.is_grad_enabled())
-            input = stand_in.expand(ctx.input_shape)
+        if input is None:  # (held, not saved: _save) the log form's input gradient does not read its values
+            input = ctx.input_ref
         bx, bt = _input_grads(grad_out, input, target, reduce, divisor, log_target, from_probs,
                               need_x and not use_fused, need_t)
         if need_x and not use_fused:
