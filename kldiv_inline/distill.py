@@ -363,12 +363,13 @@ class _EagerForward(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------------------ front end
-def _check_number(name: str, value, low: float, high: float, low_open: bool, who: str = "generalized_jsd") -> float:
+def _check_number(name: str, value, low: float, high: float, low_open: bool, who: str = "generalized_jsd",
+                  high_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{who}: {name} must be a real number, got {type(value).__name__}")
     v = float(value)
-    if not (v > low if low_open else v >= low) or not v <= high:
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+    if not (v > low if low_open else v >= low) or not (v < high if high_open else v <= high):
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
         raise ValueError(f"{who}: {name} must lie in {interval}, got {value!r}")
     return v
 
@@ -629,9 +630,8 @@ def _check_settings(beta, temperature, ignore_index, reduction, who: str = "gene
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(f"{who}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
     beta = _check_number("beta", beta, 0.0, 1.0, low_open=False, who=who)
-    temperature = _check_number("temperature", temperature, 0.0, float("inf"), low_open=True, who=who)
-    if temperature == float("inf"):
-        raise ValueError(f"{who}: temperature must be finite")
+    temperature = _check_number("temperature", temperature, 0.0, float("inf"), low_open=True, who=who,
+                                high_open=True)  # (NaN and inf get the one message)
     if dtype is not None:
         _check_lanes(beta, temperature, dtype, who)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
