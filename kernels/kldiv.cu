@@ -263,7 +263,7 @@ backward_kernel(const T* __restrict__ x, const T* __restrict__ t, const Geometry
     const A xv = static_cast<A>(x[ox]), tv = static_cast<A>(t[ot]);
     const A go = static_cast<A>(grad_out[i * go_stride]) * scale;
     if (grad_x) grad_x[i] = static_cast<T>(kl_grad_input<A, FORM, LOGT>(xv, tv, go));
-    if (grad_t) grad_t[i] = static_cast<T>(kl_grad_target<A, FORM, LOGT>(xv, tv) * go);
+    if (grad_t) grad_t[i] = static_cast<T>(kl_grad_target<A, FORM, LOGT>(xv, tv, go));
   }
 }
 

@@ -151,14 +151,20 @@ KL_HD T kl_point_grad(T x, T t, T g, T& dx) {
   return kl_point<T, FORM, LOG_TARGET, LOWP>(x, t);
 }
 
-// d kl_point / d t. For log_target = false autograd differentiates xlogy(t, t) = t * log(t) through both
-// arguments: log(t) + t / t, which is NaN at t == 0 and at infinite t (pytorch#89558). We return the same.
+// d kl_point / d t, times g (grad_output over the reduction's divisor). For log_target = false autograd
+// differentiates xlogy(t, t) = t * log(t) through both arguments: log(t) + t / t, which is NaN at t == 0 and at
+// infinite t (pytorch#89558). We return the same. Each term takes g before the terms are added, as autograd's
+// chain does (g (t - logp) e^t + g e^t; g log t + g - g logp): the sum first overflowed where it exceeds the
+// type's range (t - logp near the largest float) while each term times g, smaller by the divisor, does not.
 template <typename T, int FORM, bool LOG_TARGET>
-KL_HD T kl_grad_target(T x, T t) {
+KL_HD T kl_grad_target(T x, T t, T g) {
   const T logp = FORM == FORM_PROBS ? kl_log(x) : x;
-  if (LOG_TARGET) return kl_exp(t) * (t - logp + T(1));
+  if (LOG_TARGET) {
+    const T e = kl_exp(t);
+    return (g * (t - logp)) * e + g * e;
+  }
   if (t == T(0) || !kl_isfinite(t)) return kl_nan<T>();
-  return kl_log(t) + T(1) - logp;
+  return (g * kl_log(t) + g) - g * logp;
 }
 
 }  // namespace kldiv

@@ -156,7 +156,7 @@ void backward(const T* x, const T* t, const Geometry& g, const T* grad_out, int6
     const A xv = static_cast<A>(x[ox]), tv = static_cast<A>(t[ot]);
     const A go = static_cast<A>(grad_out[i * go_stride]) * scale;
     if (gx) gx[i] = static_cast<T>(kl_grad_input<A, FORM, LOGT>(xv, tv, go));
-    if (gt) gt[i] = static_cast<T>(kl_grad_target<A, FORM, LOGT>(xv, tv) * go);
+    if (gt) gt[i] = static_cast<T>(kl_grad_target<A, FORM, LOGT>(xv, tv, go));
   }
 }
 

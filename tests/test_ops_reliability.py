@@ -84,6 +84,30 @@ def test_probs_gradient_through_saturated_softmax(device, log_target, path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("reduction", ["batchmean", "sum", "none"])
+def test_target_gradient_in_log_space_finite_where_pytorchs_is(device, dtype, reduction):
+    # The target's gradient (log_target) was e^t (t - x + 1), then times grad_output over the divisor: where
+    # t - x nears the largest float the product overflowed to inf, while PyTorch's chain (each term times the
+    # gradient first) stays finite, and so does the exact value.
+    big = torch.finfo(dtype).max
+    x = torch.full((4, 2), -0.6 * big, dtype=dtype, device=device)
+    x[:, 1] = -(torch.rand(4, dtype=dtype, device=device) + 0.5)  # ordinary entries beside them
+    t = torch.rand(4, 2, dtype=dtype, device=device) * 0.5 + 0.6  # e^t (t - x) > the largest float for x above
+    grads = []
+    for fn in (lambda a, b: _torch_kl("logprobs", a, b, reduction, True),
+               lambda a, b: _quiet(call, "logprobs", a, b, reduction, True)):
+        tt = t.clone().requires_grad_()
+        out = fn(x, tt)
+        weights = torch.full(out.shape, 0.25, dtype=dtype, device=device)  # (per-token grad_output for none)
+        (g,) = torch.autograd.grad(out, tt, weights)
+        grads.append(g)
+    theirs, ours = grads
+    assert torch.isfinite(theirs).all()
+    assert torch.isfinite(ours).all(), ours
+    torch.testing.assert_close(ours, theirs, rtol=4 * torch.finfo(dtype).eps, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("log_target", [False, True], ids=["t", "logt"])
 @pytest.mark.parametrize("path", ["fused", "recomputed", "none"])
 def test_probs_gradient_of_a_subnormal_probability(device, dtype, log_target, path):
