@@ -488,6 +488,14 @@ def topk_also(pair) -> tuple:
     return (("teacher_topk", given[0]), ("teacher_topk", given[1]))
 
 
+def lead_also(lead, code: int) -> tuple:
+    """check_same_call's `also` for the logits' leading dimensions where they shape the loss (reduction none, code
+    0): ranks whose rows agreed but whose leading dimensions did not ([6, V] on one, [2, 3, V] on another) returned
+    per-token losses of different shapes; None (not compared) for the reduced losses and a refusing rank."""
+    shape = torch.tensor(list(lead), dtype=torch.int64) if code == 0 and lead is not None else None
+    return (("leading dimensions of the logits (reduction none: the loss's shape)", shape),)
+
+
 def _check_group(group, who: str = "generalized_jsd") -> None:
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{who}: group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
@@ -583,7 +591,7 @@ def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tenso
     except Exception:
         if due:  # the other ranks learn it in the check below instead of waiting for this rank
             check_same_call(group, "generalized_jsd", _call_fields(0.0, 0.0, 0, 0, 0, 0), None, refused=True,
-                            also=topk_also(None), device=on)
+                            also=topk_also(None) + lead_also(None, 0), device=on)
         raise
     student, teacher, idx, lp, lab, ignore_index, beta, temperature, code = args
     grad_on = torch.is_grad_enabled()
@@ -594,7 +602,7 @@ def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tenso
         check_same_call(group, "generalized_jsd",
                         _call_fields(beta, temperature, ignore_index, code, student.shape[0], k,
                                      dtype_code(student.dtype), want_s + 2 * want_t, loss_scale), lab,
-                        also=topk_also((idx, lp)), device=on)
+                        also=topk_also((idx, lp)) + lead_also(lead, code), device=on)
     settings = (ignore_index, beta, temperature, code, group, offset, vocab, loss_scale)
     if want_s or want_t:
         loss = _VocabParallelDivergence.apply(student, teacher, idx, lp, lab, settings, want_s, want_t)

@@ -649,6 +649,15 @@ def _mismatch_body(rank, world, device, seed):
                      (dict(loss_scale=0.25 if rank == 0 else 0.5), "loss_scale")):
         with pytest.raises(ValueError, match=f"different {what}"):
             K.generalized_jsd(s, t, group=group, **kw)
+    # Rows that agree in number but not in their leading dimensions: with reduction none, per-token losses of
+    # different shapes came back, one a rank (the reduced losses do not depend on them, and are not refused)
+    for shape0, shape1 in (((6, 10), (2, 3, 10)), ((1, 10), (10,))):
+        shape = shape0 if rank == 0 else shape1
+        rows = int(torch.tensor(shape[:-1], dtype=torch.int64).prod())
+        ls, lt = s[:rows].reshape(shape), t[:rows].reshape(shape)
+        with pytest.raises(ValueError, match=r"different leading dimensions of the logits"):
+            K.generalized_jsd(ls, lt, reduction="none", group=group)
+        assert torch.isfinite(K.generalized_jsd(ls, lt, reduction="sum", group=group))
     # Logits of different dtypes (their statistics differ in size: gloo aborted the process)
     with pytest.raises(ValueError, match=r"different dtype \(0 float16, 1 bfloat16, 2 float32, 3 float64\): 2 on rank "
                                          r"0, 3 on rank 1"):
