@@ -151,6 +151,20 @@ def test_gradient_penalty_raises_double_backward(device, form, reduction, wrt, l
     ref = ref_grads(form, x, t, reduction, log_target, torch.ones((), device=device) if reduction != "none"
                     else torch.ones(6, 20, device=device), wrt)[wrt]
     assert_grad_close(g.detach(), ref, leaf)
+    if form == "logprobs" and wrt == "input":
+        # The log-probability form's input gradient (-t g or -exp(t) g) does not depend on the input: a penalty on
+        # it adds nothing w.r.t. the input, as in PyTorch (the op keeps no input for it) ...
+        assert not g.requires_grad
+        ((g ** 2).sum() + loss).backward(retain_graph=True)
+        assert_grad_close(x.grad, ref, leaf)
+        # ... and where grad_output does depend on it (a loss of the loss), the term goes through the kernels'
+        # gradient, whose second derivative is refused, not dropped.
+        x.grad = None
+        (g2,) = torch.autograd.grad(loss ** 2, leaf, create_graph=True)
+        assert g2.requires_grad
+        with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
+            ((g2 ** 2).sum() + loss).backward()
+        return
     # ... but a term built from it cannot silently contribute nothing.
     assert g.requires_grad
     with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
@@ -980,3 +994,38 @@ def test_errors_f_kl_div_raises_as_runtime_error_are_runtime_errors(case, form):
         with pytest.raises(RuntimeError) as caught:
             _quiet(call, form, a, b, "sum")
         assert isinstance(caught.value, own) and "kl_div" in str(caught.value)
+
+
+@pytest.mark.parametrize("reduction", ["batchmean", "none"])
+@pytest.mark.parametrize("log_target", [False, True], ids=["t", "logt"])
+def test_the_input_is_freed_as_pytorch_frees_it(device, reduction, log_target):
+    # Not saving the log-probability input (so that it may change in place) must not mean holding it: a reference
+    # kept on the backward node outlived backward for as long as the loss did (a logged loss kept every step's
+    # input), and activation checkpointing, whose hooks see only saved tensors, could not free it.
+    import gc
+    import weakref
+
+    from torch.utils.checkpoint import checkpoint
+
+    logits = torch.randn(4, 50, dtype=torch.float64, device=device, requires_grad=True)
+    t = torch.rand(4, 50, dtype=torch.float64, device=device).softmax(-1)
+    t = t.log() if log_target else t
+    x = logits.log_softmax(-1)
+    alive = weakref.ref(x)
+    loss = _quiet(K.kl_div, x, t, reduction=reduction, log_target=log_target)
+    del x
+    loss.sum().backward()
+    gc.collect()
+    assert alive() is None, "the input outlived backward"
+
+    inside = []
+
+    def body(lg, tt):
+        y = lg.log_softmax(-1)
+        inside.append(weakref.ref(y))
+        return _quiet(K.kl_div, y, tt, reduction=reduction, log_target=log_target)
+
+    kept = checkpoint(body, logits, t, use_reentrant=False)
+    gc.collect()
+    assert inside[0]() is None, "checkpointing could not free the input"
+    kept.sum().backward()
