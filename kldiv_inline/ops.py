@@ -564,6 +564,12 @@ def _dispatch(input: Tensor, target: Tensor, reduce: bool, divisor: float, log_t
         # No fused gradient: a traced backward computes the gradient from the inputs (it cannot update a forward
         # output in place), so a gradient written by the forward was a write nobody read. Reading input and
         # target again in backward moves as many bytes as the fused gradient rescaled out of place would.
+        if reduce and compiling:
+            # Traced, the divisor (batchmean's batch, mean's numel) may be symbolic (dynamic shapes): the op's
+            # float argument fixed it in a guard, so every new size recompiled (and fullgraph=True failed at the
+            # recompile limit). The sum, divided outside the op, keeps it symbolic; a 16-bit sum is rounded
+            # before the division then, as F.kl_div's is.
+            return _forward_op(input, target, True, 1.0, log_target, from_probs, False)[0] / divisor
         return _forward_op(input, target, reduce, divisor, log_target, from_probs, False)[0]
     if _transforms_active():  # torch.func.grad / vmap: tensors that only the Function's rules can take
         return _FuncKLDiv.apply(input, target, reduce, divisor, log_target, from_probs, False)[0]

@@ -1029,3 +1029,26 @@ def test_the_input_is_freed_as_pytorch_frees_it(device, reduction, log_target):
     gc.collect()
     assert inside[0]() is None, "checkpointing could not free the input"
     kept.sum().backward()
+
+
+@pytest.mark.parametrize("reduction", ["batchmean", "mean", "sum"])
+def test_torch_compile_dynamic_shapes_one_graph_for_every_batch(device, reduction):
+    # batchmean's and mean's divisor reached the registered op as a float argument, which Dynamo fixed in a guard:
+    # with dynamic=True every new batch size recompiled, and fullgraph=True failed at the recompile limit (8).
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    fn = torch.compile(lambda x, t: K.kl_div(F.log_softmax(x, -1), t, reduction=reduction), dynamic=True,
+                       fullgraph=True)
+    for n in range(20, 31):
+        x = torch.randn(n, 40, dtype=torch.float64, device=device, requires_grad=True)
+        t = torch.softmax(torch.randn(n, 40, dtype=torch.float64, device=device), -1)
+        out = _quiet(fn, x, t)  # ('mean' warns, as PyTorch's does)
+        out.backward()
+        x2 = x.detach().clone().requires_grad_()
+        ref = _torch_kl("logprobs", F.log_softmax(x2, -1), t, reduction)
+        ref.backward()
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(x.grad, x2.grad, rtol=1e-12, atol=1e-14)
+    assert counters["stats"]["unique_graphs"] == 1, counters["stats"]
