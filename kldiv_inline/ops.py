@@ -240,9 +240,19 @@ def _backward_with(ctx, grad_out):
         input, target = ctx.saved_tensors
         if input is None:  # (not kept: _save)
             input = _stand_in(ctx, target)
+        want_x = need_x and not use_fused
+        spread = from_probs and want_x and ctx.input_shape != torch.broadcast_shapes(ctx.input_shape,
+                                                                                      ctx.target_shape)
         bx, bt = _input_grads(grad_out, input, target, reduce, divisor, log_target, from_probs,
-                              need_x and not use_fused, need_t)
-        if need_x and not use_fused:
+                              want_x and not spread, need_t)
+        if spread:
+            # A probability broadcast over the target: the gradient w.r.t. log p, summed over the broadcast
+            # dimensions, then divided by p, as autograd's chain through torch.log orders it. Each entry divided
+            # by p first gave -0 / 0 = NaN where p = 0 and the targets along the broadcast mix 0 and > 0, whose
+            # sum PyTorch makes -inf.
+            by, _ = _input_grads(grad_out, input, target, reduce, divisor, log_target, False, True, False)
+            bx = by.sum_to_size(ctx.input_shape) / input
+        if want_x:
             gx = bx
         if need_t:
             gt = bt

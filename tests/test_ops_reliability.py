@@ -1052,3 +1052,27 @@ def test_torch_compile_dynamic_shapes_one_graph_for_every_batch(device, reductio
         torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(x.grad, x2.grad, rtol=1e-12, atol=1e-14)
     assert counters["stats"]["unique_graphs"] == 1, counters["stats"]
+
+
+@pytest.mark.parametrize("log_target", [False, True], ids=["t", "logt"])
+@pytest.mark.parametrize("reduction", ["sum", "batchmean", "none"])
+def test_broadcast_probability_gradient_sums_before_it_divides(device, log_target, reduction):
+    # A probability broadcast over the target (one distribution against many targets): each entry's -t g / p was
+    # summed over the broadcast, so where p = 0 and the targets along it mix 0 and > 0 the gradient was
+    # -0 / 0 + -inf = NaN; PyTorch (torch.log's chain) sums -t g first and divides once: -inf. Ordinary entries
+    # as PyTorch's, to rounding.
+    p = torch.rand(7, dtype=torch.float64, device=device) + 0.05
+    p[2] = 0.0
+    t = torch.rand(5, 7, dtype=torch.float64, device=device) + 0.05
+    t[1:, 2] = 0.0  # one target > 0 at p = 0, the others 0
+    t = t.log() if log_target else t
+    grads = []
+    for fn in (lambda a: _torch_kl("probs", a, t, reduction, log_target),
+               lambda a: _quiet(call, "probs", a, t, reduction, log_target)):
+        leaf = p.clone().requires_grad_()
+        out = fn(leaf)
+        (g,) = torch.autograd.grad(out, leaf, torch.ones_like(out))
+        grads.append(g)
+    theirs, ours = grads
+    assert torch.equal(torch.isnan(ours), torch.isnan(theirs)) and torch.equal(torch.isinf(ours), torch.isinf(theirs))
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=0, equal_nan=True)
