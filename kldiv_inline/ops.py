@@ -243,8 +243,10 @@ def _backward_with(ctx, grad_out):
         want_x = need_x and not use_fused
         spread = from_probs and want_x and ctx.input_shape != torch.broadcast_shapes(ctx.input_shape,
                                                                                       ctx.target_shape)
-        bx, bt = _input_grads(grad_out, input, target, reduce, divisor, log_target, from_probs,
-                              want_x and not spread, need_t)
+        bx = bt = None
+        if (want_x and not spread) or need_t:  # (a spread input's gradient alone: no call that computes nothing)
+            bx, bt = _input_grads(grad_out, input, target, reduce, divisor, log_target, from_probs,
+                                  want_x and not spread, need_t)
         if spread:
             # A probability broadcast over the target: the gradient w.r.t. log p, summed over the broadcast
             # dimensions, then divided by p, as autograd's chain through torch.log orders it. Each entry divided

@@ -492,7 +492,8 @@ def lead_also(lead, code: int) -> tuple:
     """check_same_call's `also` for the logits' leading dimensions where they shape the loss (reduction none, code
     0): ranks whose rows agreed but whose leading dimensions did not ([6, V] on one, [2, 3, V] on another) returned
     per-token losses of different shapes; None (not compared) for the reduced losses and a refusing rank."""
-    shape = torch.tensor(list(lead), dtype=torch.int64) if code == 0 and lead is not None else None
+    none = code == distill._REDUCTION_CODE["none"]
+    shape = torch.tensor(list(lead), dtype=torch.int64) if none and lead is not None else None
     return (("leading dimensions of the logits (reduction none: the loss's shape)", shape),)
 
 
@@ -591,7 +592,7 @@ def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tenso
     except Exception:
         if due:  # the other ranks learn it in the check below instead of waiting for this rank
             check_same_call(group, "generalized_jsd", _call_fields(0.0, 0.0, 0, 0, 0, 0), None, refused=True,
-                            also=topk_also(None) + lead_also(None, 0), device=on)
+                            also=topk_also(None) + lead_also(None, distill._REDUCTION_CODE["none"]), device=on)
         raise
     student, teacher, idx, lp, lab, ignore_index, beta, temperature, code = args
     grad_on = torch.is_grad_enabled()
