@@ -7,7 +7,8 @@
 #   tools/gpu_session.sh test      # PYTHON=python3 make test: every test, the gpu-marked ones included
 #   tools/gpu_session.sh results   # PYTHON=python3 make results: check, bench, plot into results/ (RESUME=1: the
 #                                  #   bench that a time limit cut short finished by bench --resume, then plot)
-#   tools/gpu_session.sh notebooks # execute every notebook at full size, executed copies to $OUT (or /tmp)
+#   tools/gpu_session.sh notebooks # execute every notebook at full size, executed copies to $OUT (or /tmp); without
+#                                  #   Jupyter there, each twin as a script (tools/run_notebook_twin.py), logs to $OUT
 #   tools/gpu_session.sh sweep     # the fused LM head at 1k-16k tokens -> ${RESULTS:-results}/linear-sweep/<card>/
 #                                  #   (RESUME=1: finish that folder's run, which a time limit cut short)
 #   tools/gpu_session.sh errors    # the kit's modules raise their errors (each call in a process of its own)
@@ -123,6 +124,15 @@ case $mode in
     torchrun --standalone --nproc-per-node 2 tools/bench_vocab_parallel.py --reps 10 --warmup 3 --graph \
       --results "${RESULTS:-results}" ;;
   notebooks)
+    if ! python3 -c "import nbclient, nbformat, ipykernel" 2>/dev/null; then
+      # no Jupyter here: each notebook's jupytext twin as a script (every cell, the study's sizes; no outputs kept)
+      cd notebooks
+      for nb in 0*.py; do
+        t0=$(date +%s); rc=0; python3 ../tools/run_notebook_twin.py "$nb" > "${OUT:-/tmp}/${nb%.py}.log" 2>&1 || rc=$?
+        echo "$nb: rc $rc in $(( $(date +%s) - t0 )) s -> ${OUT:-/tmp}/${nb%.py}.log"
+      done
+      exit 0
+    fi
     for nb in notebooks/0*.ipynb; do
       python3 - "$nb" <<'PY'
 import sys, time, nbformat
