@@ -255,7 +255,7 @@ def _save_context(ctx, inputs, gs: Tensor | None, gt: Tensor | None) -> None:
 
 def _scaled(grad: Tensor, grad_out: Tensor, in_place: bool) -> Tensor:
     """grad (the reduced loss's gradient, [rows, vocab]) times grad_out (one value or one per row)."""
-    if in_place:
+    if in_place and grad.device.type != "meta":  # (meta tensors hold shapes only: PyTorch's product gives them)
         _module(grad.device).distill_scale_grad_(grad, grad_out)
         return grad
     factor = grad_out.reshape(-1, 1) if grad_out.dim() == 1 else grad_out
@@ -278,8 +278,10 @@ def _backward(ctx, grad_out, _g_student, _g_teacher):
     need_s = ctx.needs_input_grad[0] and ctx.wanted[0]
     need_t = ctx.needs_input_grad[1] and ctx.wanted[1]
     gs, gt = ctx.fused
-    # (a batched backward's grad_out, is_grads_batched=True: the registered op takes it slice by slice)
-    tracing = torch.compiler.is_compiling() or type(grad_out) is not Tensor or batched_grad(grad_out)
+    # (a batched backward's grad_out, is_grads_batched=True: the registered op takes it slice by slice; meta
+    # tensors, shapes only: the registered op's fake implementation, as the forward took)
+    tracing = (torch.compiler.is_compiling() or type(grad_out) is not Tensor or batched_grad(grad_out)
+               or grad_out.device.type == "meta")
     if not _fuses(ctx.student_dtype) or tracing:
         student, teacher, topk_idx, topk_lp, labels = saved_inputs(ctx)
         # The gradients with grad_out folded in: float16's every time (see _fuses), and a traced backward's, which

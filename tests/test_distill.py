@@ -2261,6 +2261,29 @@ def test_meta_tensors_give_shapes():
     assert K.generalized_jsd(s.detach().half(), t.half()).shape == ()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("teacher", ["logits", "topk"])
+def test_meta_tensors_give_gradients(dtype, teacher):
+    # Shape-only tracing through autograd: the gradients' shapes and dtypes are the CPU twin's (backward once
+    # asked the kernels' module for meta tensors and raised; the float16 route computes its gradient in backward).
+    def grads(device):
+        s = torch.randn(3, 4, 50, dtype=dtype).to(device).requires_grad_()
+        t = torch.randn(3, 4, 50, dtype=dtype).to(device).requires_grad_()
+        lp, idx = torch.log_softmax(torch.randn(3, 4, 50), -1).topk(5)
+        labels = torch.tensor([[0, -100, 1, 2]] * 3).to(device)
+        if teacher == "topk":
+            loss = K.generalized_jsd(s, teacher_topk=(idx.to(device), lp.to(device)), beta=0.5, labels=labels)
+        else:
+            loss = K.generalized_jsd(s, t, beta=0.5, labels=labels, reduction="none").sum()
+        (loss * 2).backward()
+        return [g for g in (s.grad, t.grad) if g is not None]
+
+    meta, cpu = grads("meta"), grads("cpu")
+    assert len(meta) == len(cpu) == (1 if teacher == "topk" else 2)
+    for m, c in zip(meta, cpu):
+        assert m.device.type == "meta" and (m.shape, m.dtype) == (c.shape, c.dtype)
+
+
 # ------------------------------------------------------------------------------------ 6. torch.library
 def test_opcheck(device):
     s = logits((4, 37), torch.float32, device).requires_grad_()

@@ -561,6 +561,11 @@ def test_meta_tensors_give_shapes():
     t = torch.empty(3, 4, 50, device="meta")
     loss = K.fused_linear_generalized_jsd(h, w, teacher_logits=t)
     assert loss.device.type == "meta" and loss.shape == () and loss.dtype == torch.float32
+    # and through autograd (backward once asked the kernels' module to scale the gradients of meta tensors)
+    b = torch.empty(50, device="meta", requires_grad=True)
+    (K.fused_linear_generalized_jsd(h, w, teacher_logits=t, student_bias=b, chunk_size=5) * 2).backward()
+    for g, x in ((h.grad, h), (w.grad, w), (b.grad, b)):
+        assert g.device.type == "meta" and g.shape == x.shape and g.dtype == x.dtype
 
 
 def test_kernel_refusing_in_place_falls_back_to_a_buffer(device, monkeypatch):
