@@ -1590,6 +1590,33 @@ def _rows_just_below_one(n, k):
     return torch.stack(rows)
 
 
+def test_topk_rows_without_a_tail_and_the_documented_remedy(device):
+    # A served top-k whose rounded mass lies above 1 is divided out and keeps no tail (the README says so): reverse
+    # KL is inf where the student holds mass outside the k tokens. The README's remedy leaves each row a tail of at
+    # least eps: then finite, with a finite gradient, the float64 loss of the remedied teacher, and rows whose
+    # tail is already above eps untouched.
+    teacher = torch.log_softmax(torch.randn(32, 1000, dtype=torch.float64) * 4, -1)
+    lp64, idx = teacher.topk(999, -1)  # tails of ~1e-12: the float32 rounding puts about half the rows above 1
+    lp = lp64.float()
+    above = lp.double().logsumexp(-1) > 0
+    assert above.any(), "no row's rounded mass is above 1: the draw tests nothing"
+    s = torch.randn(32, 1000, device=device, requires_grad=True)
+    args = dict(beta=1.0, reduction="none")
+    plain = K.generalized_jsd(s, teacher_topk=(idx.to(device), lp.to(device)), **args).cpu()
+    assert torch.isinf(plain[above]).all() and torch.isfinite(plain[~above]).all()
+    eps = 1e-6
+    fixed = lp - (lp.logsumexp(-1, keepdim=True) + eps).clamp_min(0)
+    loss = K.generalized_jsd(s, teacher_topk=(idx.to(device), fixed.to(device)), **args)
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(s.grad).all()
+    # the loss of the teacher so remedied (its tail ~eps), as float64 lanes give it
+    exact = K.generalized_jsd(s.detach().double(), teacher_topk=(idx.to(device), fixed.double().to(device)), **args)
+    assert torch.allclose(loss.detach().double(), exact, rtol=1e-5, atol=0)
+    lp100, idx100 = teacher.topk(100, -1)  # tails far above eps
+    kept = lp100.float()
+    assert torch.equal(kept - (kept.logsumexp(-1, keepdim=True) + eps).clamp_min(0), kept)
+
+
 # Whether a top-k row's mass is above 1 (then divided out, and its tail set to 0) is decided on the values as given,
 # from a logsumexp in double. From a float32 one, rounded by ~6e-8, rows holding all but 1e-8 of the mass came out
 # above 1: shifted, their tail 0, reverse KL's loss inf and the gradient NaN, where both are finite.
