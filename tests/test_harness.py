@@ -132,6 +132,27 @@ def test_check_catches_wrong_providers(device):
     assert df.set_index("provider").loc["plus_1e-3", "max_abs_err"] == pytest.approx(1e-3, rel=1e-3)
 
 
+def test_infinities_must_sit_where_the_reference_has_them(device):
+    # relative_error skips the reference's non-finite entries in its norm, so it must refuse an output that is
+    # finite there, or infinite with the other sign, or infinite where the reference is finite: else a kernel that
+    # turns a right inf loss into a number would pass every comparison of the kit's tests.
+    from kldiv_inline.reference import relative_error
+    inf = math.inf
+
+    def t(*v):
+        return torch.tensor(v, dtype=torch.float64, device=device)
+
+    assert relative_error(t(1.0, inf), t(1.0, inf)) == 0.0
+    assert relative_error(t(1.0, -inf), t(1.0, -inf)) == 0.0
+    for out, ref in [((1.0, 2.0), (1.0, inf)), ((1.0, -inf), (1.0, inf)), ((1.0, inf), (1.0, 2.0)),
+                     ((1.0, 2.0), (1.0, -inf))]:
+        assert relative_error(t(*out), t(*ref)) == inf, (out, ref)
+    assert not harness.compare(t(1.0, 2.0), t(1.0, inf))["ok"]
+    df = harness.check({"nan_to_num": lambda x: torch.nan_to_num(x.log()), "right": lambda x: x.log()},
+                       reference=lambda x: x.log(), cases=[harness.Case("zeros", (t(0.0, 1.0, 2.0),), {})])
+    assert dict(zip(df["provider"], df["ok"])) == {"nan_to_num": False, "right": True}
+
+
 def test_bench_refuses_to_time_a_wrong_provider(device):
     cases = _cases(device)
     harness.check({"wrong": lambda x: 2 * x + 1e-3}, reference=lambda x: 2 * x, cases=cases)
