@@ -759,9 +759,9 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     probability outside the k tokens). The student's gradient covers its whole vocabulary; none flows to the
     top-k teacher. Rounding of the log-probabilities (a served bfloat16 top-k can hold a little more than 1 of
     mass) is normalised away: mass above 1 is divided out (the tail is then 0, so reverse KL is inf for a token
-    whose student has mass outside the k; ``logprobs - (logprobs.logsumexp(-1, keepdim=True) + eps).clamp_min(0)``
-    leaves every row a tail of at least eps), and with k = V the k buckets are normalised; mass off by more than 2%
-    (``TOPK_MASS_SLACK``) is an error. Indices must be distinct and in range.
+    whose student has mass outside the k; with k < V, ``lp = logprobs.float(); lp - (lp.logsumexp(-1,
+    keepdim=True) + eps).clamp_min(0)``, passed in float32, leaves every row a tail of at least eps), and with
+    k = V the k buckets are normalised; mass off by more than 2% (``TOPK_MASS_SLACK``) is an error. Indices must be distinct and in range.
     Both are checked in eager mode by one small kernel whose verdict is read back once the divergence kernel is
     queued (the host waits for the small kernel, not for the divergence); under torch.compile or CUDA-graph
     capture the check is skipped and a row with a bad index has a NaN loss and gradient. The teacher's tail is

@@ -125,13 +125,15 @@ case $mode in
       --results "${RESULTS:-results}" ;;
   notebooks)
     if ! python3 -c "import nbclient, nbformat, ipykernel" 2>/dev/null; then
-      # no Jupyter here: each notebook's jupytext twin as a script (every cell, the study's sizes; no outputs kept)
+      # no Jupyter here: each notebook's jupytext twin as a script (every cell, the study's sizes; no outputs kept);
+      # every notebook runs, and the exit status says whether one failed
+      out=$(realpath -m "${OUT:-/tmp}"); mkdir -p "$out"; fails=0
       cd notebooks
       for nb in 0*.py; do
-        t0=$(date +%s); rc=0; python3 ../tools/run_notebook_twin.py "$nb" > "${OUT:-/tmp}/${nb%.py}.log" 2>&1 || rc=$?
-        echo "$nb: rc $rc in $(( $(date +%s) - t0 )) s -> ${OUT:-/tmp}/${nb%.py}.log"
+        t0=$(date +%s); rc=0; python3 ../tools/run_notebook_twin.py "$nb" > "$out/${nb%.py}.log" 2>&1 || rc=$?
+        echo "$nb: rc $rc in $(( $(date +%s) - t0 )) s -> $out/${nb%.py}.log"; [ "$rc" -eq 0 ] || fails=1
       done
-      exit 0
+      exit $fails
     fi
     for nb in notebooks/0*.ipynb; do
       python3 - "$nb" <<'PY'
