@@ -761,8 +761,8 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     mass) is normalised away: mass above 1 is divided out (the tail is then 0, so reverse KL is inf for a token
     whose student has mass outside the k; with k < V, ``lp = logprobs.float(); lp - (lp.logsumexp(-1,
     keepdim=True) + eps).clamp_min(0)``, passed in float32, leaves every row a tail of at least eps), and with
-    k = V the k buckets are normalised; mass off by more than 2% (``TOPK_MASS_SLACK``) is an error. Indices must be distinct and in range.
-    Both are checked in eager mode by one small kernel whose verdict is read back once the divergence kernel is
+    k = V the k buckets are normalised; mass off by more than 2% (``TOPK_MASS_SLACK``) is an error. Indices must
+    be distinct and in range. Both are checked in eager mode by one small kernel whose verdict is read back once the divergence kernel is
     queued (the host waits for the small kernel, not for the divergence); under torch.compile or CUDA-graph
     capture the check is skipped and a row with a bad index has a NaN loss and gradient. The teacher's tail is
     summed in float64 from the given float32 (float64) log-probabilities, so a teacher whose k tokens hold all but
