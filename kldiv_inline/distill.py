@@ -754,16 +754,16 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     ``"sum"``, or ``"none"`` (per token, the leading shape). The loss is float32 (float64 for float64 logits).
 
     ``teacher_topk = (indices, logprobs)``, each ``[..., k]``: a served teacher's top-k log-probabilities, used as
-    given (the temperature applies to the student only). The divergence then runs over k + 1 buckets: the k
-    tokens and one tail holding the rest of each distribution's mass (teacher: 1 - sum exp(logprobs); student: its
-    probability outside the k tokens). The student's gradient covers its whole vocabulary; none flows to the
-    top-k teacher. Rounding of the log-probabilities (a served bfloat16 top-k can hold a little more than 1 of
-    mass) is normalised away: mass above 1 is divided out (the tail is then 0, so reverse KL is inf for a token
-    whose student has mass outside the k; with k < V, ``lp = logprobs.float(); lp - (lp.logsumexp(-1,
-    keepdim=True) + eps).clamp_min(0)``, passed in float32, leaves every row a tail of at least eps), and with
-    k = V the k buckets are normalised; mass off by more than 2% (``TOPK_MASS_SLACK``) is an error. Indices must
-    be distinct and in range. Both are checked in eager mode by one small kernel whose verdict is read back once the divergence kernel is
-    queued (the host waits for the small kernel, not for the divergence); under torch.compile or CUDA-graph
+    given (the temperature applies to the student only). The divergence then runs over k + 1 buckets: the k tokens
+    and one tail holding the rest of each distribution's mass (teacher: 1 - sum exp(logprobs); student: its
+    probability outside the k tokens). The student's gradient covers its whole vocabulary; none flows to the top-k
+    teacher. Rounding of the log-probabilities (a served bfloat16 top-k can hold a little more than 1 of mass) is
+    normalised away: mass above 1 is divided out (the tail is then 0, so reverse KL is inf for a token whose student
+    has mass outside the k; with k < V, ``lp = logprobs.float(); lp - (lp.logsumexp(-1, keepdim=True) +
+    eps).clamp_min(0)``, passed in float32, leaves every row a tail of at least eps), and with k = V the k buckets
+    are normalised; mass off by more than 2% (``TOPK_MASS_SLACK``) is an error. Indices must be distinct and in
+    range. Both are checked in eager mode by one small kernel whose verdict is read back once the divergence kernel
+    is queued (the host waits for the small kernel, not for the divergence); under torch.compile or CUDA-graph
     capture the check is skipped and a row with a bad index has a NaN loss and gradient. The teacher's tail is
     summed in float64 from the given float32 (float64) log-probabilities, so a teacher whose k tokens hold all but
     ~1e-5 of its mass still has its tail to float32 precision.
