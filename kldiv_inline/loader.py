@@ -416,6 +416,34 @@ def _resolve_includes(path: Path, include_dirs: Sequence[Path], seen: dict[Path,
                 _resolve_includes(cand, include_dirs, seen, quote_dirs)
 
 
+def _check_quoted_includes(srcs: Sequence[Path], texts: Mapping[Path, str], order: Sequence[Path]) -> None:
+    """Refuse a source whose ``#include "x.h"`` would compile another file than the x.h beside it. load_inline joins
+    a language's sources into one file in its build folder, so a quoted include in a source is not looked for beside
+    that source first, as a compiler given the source itself does: the include folders come first (``order``:
+    -iquote, the flags' -I, ``include_dirs``, then the sources' folders in the order given). Where one of them holds
+    a different x.h ahead of the source's own folder, the build would silently use that one (two folders' sources
+    each including their own config.h got the first folder's). Headers that headers include are found beside their
+    includer, as usual: only sources matter."""
+    for src in srcs:
+        here = src.parent
+        ahead = list(dict.fromkeys(order))
+        ahead = ahead[:ahead.index(here)] if here in ahead else ahead
+        for delim, inc in _INCLUDE_RE.findall(texts[src]):
+            beside = here / inc
+            if delim != '"' or not beside.is_file():
+                continue
+            for d in ahead:
+                other = d / inc
+                if other.is_file() and other.read_bytes() != beside.read_bytes():
+                    raise ValueError(
+                        f'{src}: #include "{inc}" means {beside}, but load_inline compiles the sources of one '
+                        f"language as one file in its build folder, where the compiler looks in the include folders "
+                        f"first and would take {other}, a different file: give the two headers distinct names, "
+                        "or include the header by a path no other folder holds")
+                if other.is_file():
+                    break  # (the same text: whichever the compiler takes, it compiles the same)
+
+
 def _include_flag(d: Path) -> str:
     # torch writes the flags into build.ninja, whose commands run in the shell: quote for the shell (spaces),
     # then escape ninja's own '$'.
@@ -859,14 +887,18 @@ def _absolute_flags(flags: Sequence[str], options: Sequence[str], nvcc: bool = F
     return out
 
 
-def _flag_search(flags: Sequence[str], nvcc: bool = False) -> tuple[list[Path], list[Path], list[str]]:
+def _flag_search(flags: Sequence[str], nvcc: bool = False,
+                 only: str | None = None) -> tuple[list[Path], list[Path], list[str]]:
     """What the extra flags add to the compiler's header search: the folders for ``#include "..."`` only
     (-iquote), the folders for both kinds (-I, -isystem, -idirafter), and the files forced in before the source
-    (-include, -imacros; as given). ``nvcc``: the flags are nvcc's (its long names and comma lists too)."""
+    (-include, -imacros; as given). ``nvcc``: the flags are nvcc's (its long names and comma lists too). ``only``:
+    the flags of that one option (e.g. "-I"), the others left out."""
     quote, both, forced = [], [], []
     options = _SEARCH_DIR_FLAGS + _FORCED_INCLUDE_FLAGS + (tuple(_NVCC_LONG_FLAGS) if nvcc else ())
     for opt, value in _flag_values(_shell_words(flags), options):
         opt = _NVCC_LONG_FLAGS.get(opt, opt)
+        if only is not None and opt != only:
+            continue
         for v in value.split(",") if nvcc else [value]:
             v = v.strip()  # (a value that held words of its own, inside -Xcompiler '...')
             if nvcc and v.startswith("="):
@@ -935,7 +967,9 @@ def load_sources(
     ``static`` helper (or a name in an anonymous namespace) of the same name fail with a redefinition error,
     which the loader follows with a hint naming both files; a macro one file defines is defined in the files
     after it too. Give such helpers distinct names, or define them once in a header that both files include
-    (with an include guard).
+    (with an include guard). The joined file lives in the build folder, so a source's ``#include "cfg.h"`` is
+    looked for in the include folders before the source's own: where one ahead of it holds a different cfg.h,
+    the loader refuses the sources (naming both files) rather than compile the other one.
 
     ``functions`` lists the functions to bind (their declarations must be visible in a ``.cpp`` source, which
     must include ``<torch/extension.h>``); leave it out when a ``.cpp`` source holds its own
@@ -1034,6 +1068,11 @@ def _load_sources(paths, functions, name, cuda, extra_cflags, extra_cuda_cflags,
     texts = read_texts()
     for p in srcs:
         _check_utf8(p, texts[p])
+    # (a quoted include's search in the joined file: -iquote, then -I in command-line order, the extra flags' before
+    # the loader's; -isystem, -idirafter and the search variables come after every -I, so after the sources' own)
+    for lang_srcs, flags, nvcc in ((cpp_srcs, extra_cflags, False), (cuda_srcs, extra_cuda_cflags, True)):
+        lang_quote, lang_i = _flag_search(flags, nvcc)[0], _flag_search(flags, nvcc, only="-I")[1]
+        _check_quoted_includes(lang_srcs, texts, [*lang_quote, *lang_i, *incs])
     if functions is not None:
         host_forced = [c for f in host[2] for c in _forced_candidates(f, [*host[0], *search])]
         _check_bindings_header(cpp_srcs, search, functions, host[0], host_forced)

@@ -992,6 +992,47 @@ def test_editing_header_found_through_the_compilers_search_variables_changes_the
     _assert_an_edit_of_flagged_h_changes_the_key(tmp_path, monkeypatch, "flagged.cpp", _QUOTE)
 
 
+@pytest.mark.parametrize("suffix", [".cpp", ".cu"])
+@pytest.mark.parametrize("shadow", ["another source's folder", "include_dirs", "-I"])
+def test_a_quoted_include_that_another_folder_shadows_is_refused(tmp_path, cache, monkeypatch, suffix, shadow):
+    # load_inline joins a language's sources into one file in its build folder, so a source's #include "cfg.h"
+    # is looked for in the include folders (the flags', include_dirs, the sources' folders in order) before its
+    # own: two folders' sources each including their own cfg.h both compiled the first folder's, silently.
+    monkeypatch.setattr(cpp_extension, "load_inline", lambda *a, **k: pytest.fail("compiled a shadowed include"))
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / f"first{suffix}").write_text('#include "cfg.h"\nint first() { return CFG; }\n')
+    (a / "cfg.h").write_text("#define CFG 1\n")
+    (b / f"second{suffix}").write_text('#include "cfg.h"\nint second() { return CFG; }\n')
+    (b / "cfg.h").write_text("#define CFG 2\n")
+    flag = "extra_cuda_cflags" if suffix == ".cu" else "extra_cflags"
+    if shadow == "another source's folder":
+        sources, kwargs, shadowed, taken = [a / f"first{suffix}", b / f"second{suffix}"], {}, b, a
+    elif shadow == "include_dirs":
+        sources, kwargs, shadowed, taken = [b / f"second{suffix}"], {"include_dirs": [a]}, b, a
+    else:
+        sources, kwargs, shadowed, taken = [b / f"second{suffix}"], {flag: [f"-I{a}"]}, b, a
+    with pytest.raises(ValueError, match="distinct names") as info:
+        kldiv_inline.load_sources(sources, **kwargs)
+    assert str(shadowed / "cfg.h") in str(info.value) and str(taken / "cfg.h") in str(info.value)
+    # The same text in both folders compiles the same whichever is taken: no refusal (stopped before compiling)
+    (b / "cfg.h").write_text("#define CFG 1\n")
+    assert _key_of(monkeypatch, sources, **kwargs)
+
+
+def test_a_quoted_include_behind_the_sources_folder_is_not_refused(tmp_path, cache, monkeypatch):
+    # -isystem folders (and -idirafter, CPATH's) are searched after every -I, the sources' folders among them:
+    # the header beside the source is the one compiled, so a same-named one there is no reason to refuse.
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (b / "second.cpp").write_text('#include "cfg.h"\nint second() { return CFG; }\n')
+    (b / "cfg.h").write_text("#define CFG 2\n")
+    (a / "cfg.h").write_text("#define CFG 1\n")
+    assert _key_of(monkeypatch, [b / "second.cpp"], extra_cflags=[f"-isystem{a}", f"-idirafter{a}"])
+
+
 def test_the_sources_order_is_part_of_the_key(tmp_path, cache):
     # One translation unit in the order given: a macro the first file defines reaches the second. The other
     # order was served the first order's build.
