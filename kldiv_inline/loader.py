@@ -768,10 +768,23 @@ def _redefinitions(log: str) -> list[tuple[str, str]]:
     return pairs
 
 
+# g++'s note on a bracket still open at the end of input: "op.cpp:3:14: note: to match this '{'".
+# (quoted as the locale has it: ASCII quotes or typographic ones)
+_UNCLOSED_RE = re.compile(r"^(.*?):(\d+):(\d+): note: to match this ['\u2018]([{(\[])['\u2019]", re.MULTILINE)
+
+
 def _shared_unit_hint(log: str, srcs: Sequence[Path]) -> str | None:
-    """A line for a build that failed because two of the given sources define the same file-local name: valid
-    as separate files, but load_inline compiles all of one language's sources as one translation unit."""
+    """A line for a build that failed because of how load_inline joins one language's sources into one
+    translation unit: two of the given sources define the same file-local name (valid as separate files), or a
+    bracket one source leaves open runs into the files after it (whose lines, or torch's headers they include,
+    then get the errors: none named the source where the '}' is missing)."""
     given = {str(p) for p in srcs}
+    for m in _UNCLOSED_RE.finditer(log):
+        # (where an error names that file itself, the compiler said where: no hint)
+        if m[1] in given and not re.search(rf"^{re.escape(m[1])}:\d+:\d+: (?:fatal )?error", log, re.MULTILINE):
+            return (f"hint: {m[1]}:{m[2]}: this '{m[4]}' is still open where the file ends: load_inline joins the "
+                    "sources (and its generated bindings) into one file, so the compiler reports the missing "
+                    "closing bracket in what comes after it, not in this file.")
     for here, before in _redefinitions(log):
         if here != before and here in given and before in given:
             kind = Path(here).suffix

@@ -240,6 +240,21 @@ def test_cpp_compile_error_names_real_file_and_line(tmp_path, cache):
     _assert_maps_to(info.value, f"{bad}:7:")  # gcc style
 
 
+def test_a_bracket_left_open_names_the_file_that_opened_it(tmp_path, cache):
+    # Joined into one file, a '{' the first source never closes runs into the second (or torch's headers that
+    # one includes: the notebook's scale2.cpp gave 31758 error lines, none naming it); g++'s note naming the open
+    # bracket's file and line is now the hint. A single source's own error already names it: no hint there.
+    first, second = tmp_path / "first.cpp", tmp_path / "second.cpp"
+    first.write_text("int f() {\n  return 1;\n")
+    second.write_text("int g() { return 2; }\n")
+    with pytest.raises(kldiv_inline.KernelBuildError) as info:
+        kldiv_inline.load_sources([first, second])
+    assert info.value.hint is not None and f"{first}:1:" in info.value.hint and "still open" in info.value.hint
+    with pytest.raises(kldiv_inline.KernelBuildError) as info:
+        kldiv_inline.load_sources([first])
+    assert info.value.hint is None and f"{first}:2:" in str(info.value)
+
+
 def test_compile_error_in_header_names_the_header(tmp_path, cache):
     (tmp_path / "bad.h").write_text("// 1\ninline int g() {\n  return 2 *;\n}\n")
     src = tmp_path / "uses.cpp"
