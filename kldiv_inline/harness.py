@@ -376,6 +376,8 @@ def compare(out: Any, ref: Any, tolerance: float | Mapping | None = None, per_el
             abs_err = math.inf if rel == math.inf else float(diff.max()) if diff.numel() else 0.0
             if per_element and abs_err != math.inf:
                 errors += _element_error(i, diff, abs_err, r, finite, tol)
+            if rel == math.inf:
+                errors += _nonfinite_error(i, o, r, finite)
         max_abs = max(max_abs, abs_err)
         ratio = rel / tol if tol > 0 else (0.0 if rel == 0 else math.inf)
         ratio = math.inf if math.isnan(ratio) else ratio
@@ -400,6 +402,22 @@ def _element_error(i: int, diff: torch.Tensor, abs_err: float, r: torch.Tensor, 
     at = tuple(int(x) for x in torch.unravel_index(torch.tensor(worst), diff.shape)) if diff.dim() else ()
     return [f"output {i}: {_REL_ERR} {rel:.3g} > {tol:.3g} at element {at} (of the largest |reference|, "
             f"{scale:.3g})"]
+
+
+def _nonfinite_error(i: int, o: torch.Tensor, r: torch.Tensor, finite: torch.Tensor) -> list[str]:
+    """Where output i is NaN or infinite and the reference is not (or is, with another value), as compare says
+    it: how many such elements and the first, with both values. A NaN there is often an element the kernel never
+    wrote: check runs each provider with new tensors starting as NaN."""
+    wrong = (o.isfinite() != finite) | ((o.nan_to_num() != r.nan_to_num()) & ~finite)
+    n = int(wrong.sum())
+    if not n:
+        return []
+    first = int(wrong.flatten().nonzero()[0])
+    at = tuple(int(x) for x in torch.unravel_index(torch.tensor(first), o.shape)) if o.dim() else ()
+    got, want = float(o.flatten()[first]), float(r.flatten()[first])
+    unwritten = " (NaN: unwritten? new tensors start as NaN in check)" if math.isnan(got) else ""
+    return [f"output {i}: {n} element{'s' if n > 1 else ''} NaN or infinite where the reference is not, or not as "
+            f"it is, first at {at}: {got:g} against {want:g}{unwritten}"]
 
 
 def _integral(t: torch.Tensor) -> bool:

@@ -128,6 +128,8 @@ def test_check_catches_wrong_providers(device):
     err = dict(zip(df["provider"], df["error"]))
     assert "relative error" in err["plus_1e-3"] and "shape" in err["wrong_shape"]
     assert "2 outputs" in err["two_outputs"] and "kernel launch failed" in err["raises"]
+    # where: the element left unwritten, the poison it holds, and the likely cause
+    assert "first at (65535,): nan against" in err["skips_last"] and "unwritten" in err["skips_last"]
     assert err["missing"] == "not installed"
     assert df.set_index("provider").loc["plus_1e-3", "max_abs_err"] == pytest.approx(1e-3, rel=1e-3)
 
