@@ -125,6 +125,8 @@ def plot_timings(timed: pd.DataFrame, ours: str | None = None, title: str | None
     """A ``harness.bench`` frame as a Figure: time and GB/s against MiB moved, one line per provider; against
     the cases, in their order, where no bytes were given or two cases move the same bytes."""
     df = timed.copy()
+    if ours is not None and ours not in set(df["provider"]):
+        raise ValueError(f"ours={ours!r} is no provider of this frame: {', '.join(dict.fromkeys(df['provider']))}")
     names = list(dict.fromkeys(df["case"]))
     df["case_index"] = df["case"].map({c: i for i, c in enumerate(names)})
     with_bytes = "bytes" in df and df["bytes"].notna().any()
@@ -151,6 +153,14 @@ def plot_timings(timed: pd.DataFrame, ours: str | None = None, title: str | None
     fig.suptitle(title or f"{', '.join(dict.fromkeys(df['device']))}: time and bandwidth per provider",
                  fontsize=9)
     legend_outside(fig, axes)
+    # Rows not timed (a provider that failed its check, raised or is not installed) draw nothing: say which,
+    # so a provider missing from the lines is not taken for one that was never asked.
+    if "status" in df:
+        left_out = df[df["status"] != "ok"]
+        notes = [f"{str(p).replace('$', chr(92) + '$')} ({', '.join(dict.fromkeys(g['status']))}: {len(g)} of "
+                 f"{int((df['provider'] == p).sum())} cases)" for p, g in left_out.groupby("provider", sort=False)]
+        if notes:
+            fig.text(0.01, 0.005, "not drawn: " + "; ".join(notes), fontsize=7, va="bottom")
     return fig
 
 

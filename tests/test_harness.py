@@ -519,6 +519,22 @@ def test_plot_draws_every_name_and_every_case():
     plt.close(fig)
 
 
+def test_plot_says_which_providers_it_does_not_draw():
+    # A provider refused by its check (or that raised) drew nothing and was named nowhere: it read as one never
+    # asked. An ``ours`` that is no provider of the frame was ignored.
+    x = torch.rand(1 << 12)
+    timed = harness.bench({"right": lambda t: 2 * t, "off $1$": lambda t: 2 * t + 1}, cases=[harness.Case("n", (x,))],
+                          reference=lambda t: 2 * t, reps=3, warmup=1, floor=floors.Floor("cpu", 10.0, "fake",
+                                                                                         {"fake": 10.0}))
+    fig = harness.plot(timed, ours="right")
+    fig.savefig(io.BytesIO(), format="png")  # ("$" in the note's name: no mathtext error)
+    notes = [t.get_text() for t in fig.texts if t.get_text().startswith("not drawn")]
+    assert len(notes) == 1 and "off" in notes[0] and "right" not in notes[0] and "1 of 1" in notes[0], notes
+    plt.close(fig)
+    with pytest.raises(ValueError, match="no provider"):
+        harness.plot(timed, ours="mine")
+
+
 def test_complex_outputs_are_compared_whole():
     # .double() of a complex tensor keeps its real part: the conjugate of the right answer passed.
     x = torch.rand(64, 256)
