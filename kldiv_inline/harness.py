@@ -405,19 +405,19 @@ def _element_error(i: int, diff: torch.Tensor, abs_err: float, r: torch.Tensor, 
 
 
 def _nonfinite_error(i: int, o: torch.Tensor, r: torch.Tensor, finite: torch.Tensor) -> list[str]:
-    """Where output i is NaN or infinite and the reference is not (or is, with another value), as compare says
-    it: how many such elements and the first, with both values. A NaN there is often an element the kernel never
-    wrote: check runs each provider with new tensors starting as NaN."""
+    """Where output i's NaN or inf does not match the reference's, as compare says it: how many such elements and
+    the first, with both values. A NaN there is often an element the kernel never wrote: check runs each provider
+    with new tensors starting as NaN."""
     wrong = (o.isfinite() != finite) | ((o.nan_to_num() != r.nan_to_num()) & ~finite)
     n = int(wrong.sum())
     if not n:
         return []
-    first = int(wrong.flatten().nonzero()[0])
+    first = int(wrong.reshape(-1).to(torch.uint8).argmax())  # (the first True, without a list of every index)
     at = tuple(int(x) for x in torch.unravel_index(torch.tensor(first), o.shape)) if o.dim() else ()
-    got, want = float(o.flatten()[first]), float(r.flatten()[first])
-    unwritten = " (NaN: unwritten? new tensors start as NaN in check)" if math.isnan(got) else ""
-    return [f"output {i}: {n} element{'s' if n > 1 else ''} NaN or infinite where the reference is not, or not as "
-            f"it is, first at {at}: {got:g} against {want:g}{unwritten}"]
+    got, want = o.reshape(-1)[first].item(), r.reshape(-1)[first].item()
+    unwritten = " (NaN: unwritten? new tensors start as NaN in check)" if got != got else ""
+    return [f"output {i}: {n} element{'s' if n > 1 else ''} whose NaN or inf does not match the reference's, "
+            f"first at {at}: {got} against {want}{unwritten}"]
 
 
 def _integral(t: torch.Tensor) -> bool:

@@ -420,10 +420,11 @@ def _check_quoted_includes(srcs: Sequence[Path], texts: Mapping[Path, str], orde
     """Refuse a source whose ``#include "x.h"`` would compile another file than the x.h beside it. load_inline joins
     a language's sources into one file in its build folder, so a quoted include in a source is not looked for beside
     that source first, as a compiler given the source itself does: the include folders come first (``order``:
-    -iquote, the flags' -I, ``include_dirs``, then the sources' folders in the order given). Where one of them holds
-    a different x.h ahead of the source's own folder, the build would silently use that one (two folders' sources
-    each including their own config.h got the first folder's). Headers that headers include are found beside their
-    includer, as usual: only sources matter."""
+    -iquote, the flags' -I, ``include_dirs``, then the sources' folders in the order given; a folder also named as a
+    system folder is searched after all of them). Where one of them holds another x.h ahead of the source's own
+    folder, the build would silently use that one (two folders' sources each including their own config.h got the
+    first folder's; a copy of the same text is refused too, since its own quoted includes are found beside it).
+    Headers that headers include are found beside their includer, as usual: only sources matter."""
     for src in srcs:
         here = src.parent
         ahead = list(dict.fromkeys(order))
@@ -434,14 +435,13 @@ def _check_quoted_includes(srcs: Sequence[Path], texts: Mapping[Path, str], orde
                 continue
             for d in ahead:
                 other = d / inc
-                if other.is_file() and other.read_bytes() != beside.read_bytes():
+                # (any other file, even one of the same text: its own quoted includes are found beside it)
+                if other.is_file() and other.resolve() != beside.resolve():
                     raise ValueError(
                         f'{src}: #include "{inc}" means {beside}, but load_inline compiles the sources of one '
                         f"language as one file in its build folder, where the compiler looks in the include folders "
-                        f"first and would take {other}, a different file: give the two headers distinct names, "
-                        "or include the header by a path no other folder holds")
-                if other.is_file():
-                    break  # (the same text: whichever the compiler takes, it compiles the same)
+                        f"first and would take {other} (conditions such as #if are not evaluated here): give the "
+                        "two headers distinct names, or include the header by a path no other folder holds")
 
 
 def _include_flag(d: Path) -> str:
@@ -769,8 +769,12 @@ def _redefinitions(log: str) -> list[tuple[str, str]]:
 
 
 # g++'s note on a bracket still open at the end of input: "op.cpp:3:14: note: to match this '{'".
-# (quoted as the locale has it: ASCII quotes or typographic ones)
-_UNCLOSED_RE = re.compile(r"^(.*?):(\d+):(\d+): note: to match this ['\u2018]([{(\[])['\u2019]", re.MULTILINE)
+# (quoted as the locale has it: ASCII quotes or typographic ones); nvcc's: 'k.cu(3): note #3196-D: to match this "{"'.
+# Only after an error at the end of the input ("expected '}' at end of input", nvcc's "At end of source: error"):
+# a macro's unbalanced expansion leaves the same note on a line that closes its bracket.
+_UNCLOSED_RE = re.compile(r"^(.*?)(?::(\d+):\d+: note:|\((\d+)\): note #\d+-D:) to match this "
+                          r"['\u2018\"]([{(\[])['\u2019\"]", re.MULTILINE)
+_END_OF_INPUT_RE = re.compile(r"at end of input|At end of source: error")
 
 
 def _shared_unit_hint(log: str, srcs: Sequence[Path]) -> str | None:
@@ -779,11 +783,13 @@ def _shared_unit_hint(log: str, srcs: Sequence[Path]) -> str | None:
     bracket one source leaves open runs into the files after it (whose lines, or torch's headers they include,
     then get the errors: none named the source where the '}' is missing)."""
     given = {str(p) for p in srcs}
-    for m in _UNCLOSED_RE.finditer(log):
+    for m in _UNCLOSED_RE.finditer(log) if _END_OF_INPUT_RE.search(log) else ():
         # (where an error names that file itself, the compiler said where: no hint)
-        if m[1] in given and not re.search(rf"^{re.escape(m[1])}:\d+:\d+: (?:fatal )?error", log, re.MULTILINE):
-            return (f"hint: {m[1]}:{m[2]}: this '{m[4]}' is still open where the file ends: load_inline joins the "
-                    "sources (and its generated bindings) into one file, so the compiler reports the missing "
+        named = re.search(rf"^{re.escape(m[1])}(?::\d+:\d+: (?:fatal )?error|\(\d+\): error)", log,
+                          re.MULTILINE)
+        if m[1] in given and not named:
+            return (f"hint: {m[1]}:{m[2] or m[3]}: this '{m[4]}' is still open where the file ends: load_inline joins "
+                    "the sources (and its generated bindings) into one file, so the compiler reports the missing "
                     "closing bracket in what comes after it, not in this file.")
     for here, before in _redefinitions(log):
         if here != before and here in given and before in given:
@@ -1085,7 +1091,12 @@ def _load_sources(paths, functions, name, cuda, extra_cflags, extra_cuda_cflags,
     # the loader's; -isystem, -idirafter and the search variables come after every -I, so after the sources' own)
     for lang_srcs, flags, nvcc in ((cpp_srcs, extra_cflags, False), (cuda_srcs, extra_cuda_cflags, True)):
         lang_quote, lang_i = _flag_search(flags, nvcc)[0], _flag_search(flags, nvcc, only="-I")[1]
-        _check_quoted_includes(lang_srcs, texts, [*lang_quote, *lang_i, *incs])
+        # A folder also named as a system folder (-isystem, -idirafter, C_INCLUDE_PATH, CPLUS_INCLUDE_PATH) loses
+        # its -I place: the compiler searches it after every -I (so a source there looks in all of them first).
+        system = {*_flag_search(flags, nvcc, only="-isystem")[1], *_flag_search(flags, nvcc, only="-idirafter")[1],
+                  *(Path(d).resolve() for v in ("C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH")
+                    for d in env_search[v].split(os.pathsep) if d)}
+        _check_quoted_includes(lang_srcs, texts, [d for d in [*lang_quote, *lang_i, *incs] if d not in system])
     if functions is not None:
         host_forced = [c for f in host[2] for c in _forced_candidates(f, [*host[0], *search])]
         _check_bindings_header(cpp_srcs, search, functions, host[0], host_forced)

@@ -6,6 +6,7 @@ functions, so a plot in a notebook and the PNG in results/ are one drawing.
 """
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib.pyplot as plt  # without a display matplotlib picks the Agg backend by itself
@@ -154,13 +155,15 @@ def plot_timings(timed: pd.DataFrame, ours: str | None = None, title: str | None
                  fontsize=9)
     legend_outside(fig, axes)
     # Rows not timed (a provider that failed its check, raised or is not installed) draw nothing: say which,
-    # so a provider missing from the lines is not taken for one that was never asked.
+    # so a provider missing from the lines is not taken for one that was never asked. (Below the axes as the
+    # figure's x label, which the constrained layout makes room for; the status word alone, wrapped.)
     if "status" in df:
         left_out = df[df["status"] != "ok"]
-        notes = [f"{str(p).replace('$', chr(92) + '$')} ({', '.join(dict.fromkeys(g['status']))}: {len(g)} of "
-                 f"{int((df['provider'] == p).sum())} cases)" for p, g in left_out.groupby("provider", sort=False)]
+        notes = [f"{_label(p).lstrip(chr(0x200b))} ({', '.join(dict.fromkeys(g['status'].str.split(':').str[0]))}: "
+                 f"{len(g)} of {int((df['provider'] == p).sum())} cases)"
+                 for p, g in left_out.groupby("provider", sort=False)]
         if notes:
-            fig.text(0.01, 0.005, "not drawn: " + "; ".join(notes), fontsize=7, va="bottom")
+            fig.supxlabel("\n".join(textwrap.wrap("not drawn: " + "; ".join(notes), 140)), fontsize=7)
     return fig
 
 

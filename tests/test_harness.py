@@ -130,6 +130,9 @@ def test_check_catches_wrong_providers(device):
     assert "2 outputs" in err["two_outputs"] and "kernel launch failed" in err["raises"]
     # where: the element left unwritten, the poison it holds, and the likely cause
     assert "first at (65535,): nan against" in err["skips_last"] and "unwritten" in err["skips_last"]
+    # (complex outputs too: their NaN formatted, not converted to a float)
+    c = torch.tensor([1 + 1j, 2 + 0j], dtype=torch.complex64)
+    assert "first at (1,): (nan" in harness.compare(torch.tensor([1 + 1j, complex("nan")]), c)["error"]
     assert err["missing"] == "not installed"
     assert df.set_index("provider").loc["plus_1e-3", "max_abs_err"] == pytest.approx(1e-3, rel=1e-3)
 
@@ -528,8 +531,13 @@ def test_plot_says_which_providers_it_does_not_draw():
                                                                                          {"fake": 10.0}))
     fig = harness.plot(timed, ours="right")
     fig.savefig(io.BytesIO(), format="png")  # ("$" in the note's name: no mathtext error)
-    notes = [t.get_text() for t in fig.texts if t.get_text().startswith("not drawn")]
-    assert len(notes) == 1 and "off" in notes[0] and "right" not in notes[0] and "1 of 1" in notes[0], notes
+    note = fig.get_supxlabel()
+    assert note.startswith("not drawn") and "off" in note and "right" not in note and "(wrong: 1 of 1" in note, note
+    # inside the figure, below the axes (the constrained layout makes room for it)
+    fig.canvas.draw()
+    box = fig._supxlabel.get_window_extent()
+    assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and box.y0 >= fig.bbox.y0
+    assert not any(box.overlaps(ax.get_tightbbox()) for ax in fig.axes)
     plt.close(fig)
     with pytest.raises(ValueError, match="no provider"):
         harness.plot(timed, ours="mine")

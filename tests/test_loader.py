@@ -253,6 +253,23 @@ def test_a_bracket_left_open_names_the_file_that_opened_it(tmp_path, cache):
     with pytest.raises(kldiv_inline.KernelBuildError) as info:
         kldiv_inline.load_sources([first])
     assert info.value.hint is None and f"{first}:2:" in str(info.value)
+    # A macro whose expansion breaks a call leaves g++'s same note on a line that closes its bracket: no hint
+    (tmp_path / "m.h").write_text("#define M 1 2\n")
+    macro = tmp_path / "macro.cpp"
+    macro.write_text('#include "m.h"\nint foo(int, int);\nint y = foo(M, 3);\n')
+    with pytest.raises(kldiv_inline.KernelBuildError) as info:
+        kldiv_inline.load_sources([macro, second])
+    assert info.value.hint is None, info.value.hint
+
+
+def test_a_bracket_left_open_in_a_cu_source_names_it(tmp_path, cache):
+    # nvcc's note: 'first.cu(1): note #3196-D: to match this "{"', after "At end of source: error".
+    first, second = tmp_path / "first.cu", tmp_path / "second.cu"
+    first.write_text("int f() {\n  return 1;\n")
+    second.write_text("int g() { return 2; }\n")
+    with pytest.raises(kldiv_inline.KernelBuildError) as info:
+        kldiv_inline.load_sources([first, second])
+    assert info.value.hint is not None and f"{first}:1:" in info.value.hint, (info.value.hint, str(info.value))
 
 
 def test_compile_error_in_header_names_the_header(tmp_path, cache):
@@ -1031,9 +1048,29 @@ def test_a_quoted_include_that_another_folder_shadows_is_refused(tmp_path, cache
     with pytest.raises(ValueError, match="distinct names") as info:
         kldiv_inline.load_sources(sources, **kwargs)
     assert str(shadowed / "cfg.h") in str(info.value) and str(taken / "cfg.h") in str(info.value)
-    # The same text in both folders compiles the same whichever is taken: no refusal (stopped before compiling)
+    # A copy of the same text is refused too: its own quoted includes are found beside it (a cfg.h that includes
+    # "inner.h", different in each folder, compiled the first folder's inner.h)
     (b / "cfg.h").write_text("#define CFG 1\n")
-    assert _key_of(monkeypatch, sources, **kwargs)
+    with pytest.raises(ValueError, match="distinct names"):
+        kldiv_inline.load_sources(sources, **kwargs)
+
+
+def test_a_sources_folder_also_named_a_system_folder_is_searched_after_every_other(tmp_path, cache, monkeypatch):
+    # -isystem (or -idirafter, CPLUS_INCLUDE_PATH) naming a folder the loader passes as -I makes the compiler drop
+    # that -I: the folder is searched after all the others, so its source's "cfg.h" was the next folder's.
+    monkeypatch.setattr(cpp_extension, "load_inline", lambda *a, **k: pytest.fail("compiled a shadowed include"))
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "first.cpp").write_text('#include "cfg.h"\nint first() { return CFG; }\n')
+    (a / "cfg.h").write_text("#define CFG 1\n")
+    (b / "second.cpp").write_text("int second() { return 2; }\n")
+    (b / "cfg.h").write_text("#define CFG 2\n")
+    with pytest.raises(ValueError, match="distinct names"):
+        kldiv_inline.load_sources([a / "first.cpp", b / "second.cpp"], extra_cflags=[f"-isystem{a}"])
+    monkeypatch.setenv("CPLUS_INCLUDE_PATH", str(a))
+    with pytest.raises(ValueError, match="distinct names"):
+        kldiv_inline.load_sources([a / "first.cpp", b / "second.cpp"])
 
 
 def test_a_quoted_include_behind_the_sources_folder_is_not_refused(tmp_path, cache, monkeypatch):
