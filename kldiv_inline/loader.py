@@ -987,8 +987,8 @@ def load_sources(
     which the loader follows with a hint naming both files; a macro one file defines is defined in the files
     after it too. Give such helpers distinct names, or define them once in a header that both files include
     (with an include guard). The joined file lives in the build folder, so a source's ``#include "cfg.h"`` is
-    looked for in the include folders before the source's own: where one ahead of it holds a different cfg.h,
-    the loader refuses the sources (naming both files) rather than compile the other one.
+    looked for in the include folders before the source's own: where one ahead of it holds another cfg.h (even
+    a copy), the loader refuses the sources (naming both files) rather than compile the other one.
 
     ``functions`` lists the functions to bind (their declarations must be visible in a ``.cpp`` source, which
     must include ``<torch/extension.h>``); leave it out when a ``.cpp`` source holds its own
