@@ -354,6 +354,7 @@ def compare(out: Any, ref: Any, tolerance: float | Mapping | None = None, per_el
         return {"max_abs_err": math.inf, "rel_err": math.inf, "tol": math.nan, "ok": False, "error": mismatch}
     max_abs, worst, errors = 0.0, (0.0, 0.0, -1.0), []
     for i, (o, r) in enumerate(zip(outs, refs)):
+        nonfinite: list[str] = []  # (where the relative error is inf for NaN or inf out of place: which elements)
         if o is None or r is None:
             if (o is None) != (r is None):
                 errors.append(f"output {i} is {'None' if o is None else 'a tensor'}, the reference's is not")
@@ -377,14 +378,14 @@ def compare(out: Any, ref: Any, tolerance: float | Mapping | None = None, per_el
             if per_element and abs_err != math.inf:
                 errors += _element_error(i, diff, abs_err, r, finite, tol)
             if rel == math.inf:
-                errors += _nonfinite_error(i, o, r, finite)
+                nonfinite = _nonfinite_error(i, o, r, finite, tol)
         max_abs = max(max_abs, abs_err)
         ratio = rel / tol if tol > 0 else (0.0 if rel == 0 else math.inf)
         ratio = math.inf if math.isnan(ratio) else ratio
         if (ratio, rel) > (worst[2], worst[0]):
             worst = (rel, tol, ratio)
         if not rel <= tol:  # NaN never passes
-            errors.append(f"output {i}: {_REL_ERR} {rel:.3g} > {tol:.3g}")
+            errors += nonfinite or [f"output {i}: {_REL_ERR} {rel:.3g} > {tol:.3g}"]
     return {"max_abs_err": max_abs, "rel_err": worst[0], "tol": worst[1], "ok": not errors,
             "error": "; ".join(errors)}
 
@@ -404,7 +405,7 @@ def _element_error(i: int, diff: torch.Tensor, abs_err: float, r: torch.Tensor, 
             f"{scale:.3g})"]
 
 
-def _nonfinite_error(i: int, o: torch.Tensor, r: torch.Tensor, finite: torch.Tensor) -> list[str]:
+def _nonfinite_error(i: int, o: torch.Tensor, r: torch.Tensor, finite: torch.Tensor, tol: float) -> list[str]:
     """Where output i's NaN or inf does not match the reference's, as compare says it: how many such elements and
     the first, with both values. A NaN there is often an element the kernel never wrote: check runs each provider
     with new tensors starting as NaN."""
@@ -416,8 +417,9 @@ def _nonfinite_error(i: int, o: torch.Tensor, r: torch.Tensor, finite: torch.Ten
     at = tuple(int(x) for x in torch.unravel_index(torch.tensor(first), o.shape)) if o.dim() else ()
     got, want = o.reshape(-1)[first].item(), r.reshape(-1)[first].item()
     unwritten = " (NaN: unwritten? new tensors start as NaN in check)" if got != got else ""
-    return [f"output {i}: {n} element{'s' if n > 1 else ''} whose NaN or inf does not match the reference's, "
-            f"first at {at}: {got} against {want}{unwritten}"]
+    # (worded as a relative error first: a failure in the numbers alone, bench's status "wrong")
+    return [f"output {i}: {_REL_ERR} inf > {tol:.3g}: {n} element{'s' if n > 1 else ''} whose NaN or inf does not "
+            f"match the reference's, first at {at}: {got} against {want}{unwritten}"]
 
 
 def _integral(t: torch.Tensor) -> bool:
