@@ -425,10 +425,10 @@ def _check_quoted_includes(srcs: Sequence[Path], texts: Mapping[Path, str], orde
     folder, the build would silently use that one (two folders' sources each including their own config.h got the
     first folder's; a copy of the same text is refused too, since its own quoted includes are found beside it).
     Headers that headers include are found beside their includer, as usual: only sources matter."""
+    order = list(dict.fromkeys(order))
     for src in srcs:
         here = src.parent
-        ahead = list(dict.fromkeys(order))
-        ahead = ahead[:ahead.index(here)] if here in ahead else ahead
+        ahead = order[:order.index(here)] if here in order else order
         for delim, inc in _INCLUDE_RE.findall(texts[src]):
             beside = here / inc
             if delim != '"' or not beside.is_file():
@@ -1089,8 +1089,9 @@ def _load_sources(paths, functions, name, cuda, extra_cflags, extra_cuda_cflags,
         _check_utf8(p, texts[p])
     # (a quoted include's search in the joined file: -iquote, then -I in command-line order, the extra flags' before
     # the loader's; -isystem, -idirafter and the search variables come after every -I, so after the sources' own)
-    for lang_srcs, flags, nvcc in ((cpp_srcs, extra_cflags, False), (cuda_srcs, extra_cuda_cflags, True)):
-        lang_quote, lang_i = _flag_search(flags, nvcc)[0], _flag_search(flags, nvcc, only="-I")[1]
+    for lang_srcs, flags, nvcc, (lang_quote, _, _) in ((cpp_srcs, extra_cflags, False, host),
+                                                       (cuda_srcs, extra_cuda_cflags, True, device)):
+        lang_i = _flag_search(flags, nvcc, only="-I")[1]
         # A folder also named as a system folder (-isystem, -idirafter, C_INCLUDE_PATH, CPLUS_INCLUDE_PATH) loses
         # its -I place: the compiler searches it after every -I (so a source there looks in all of them first).
         system = {*_flag_search(flags, nvcc, only="-isystem")[1], *_flag_search(flags, nvcc, only="-idirafter")[1],

@@ -240,36 +240,31 @@ def test_cpp_compile_error_names_real_file_and_line(tmp_path, cache):
     _assert_maps_to(info.value, f"{bad}:7:")  # gcc style
 
 
-def test_a_bracket_left_open_names_the_file_that_opened_it(tmp_path, cache):
+@pytest.mark.parametrize("suffix", [".cpp", ".cu"])
+def test_a_bracket_left_open_names_the_file_that_opened_it(tmp_path, cache, suffix):
     # Joined into one file, a '{' the first source never closes runs into the second (or torch's headers that
-    # one includes: the notebook's scale2.cpp gave 31758 error lines, none naming it); g++'s note naming the open
-    # bracket's file and line is now the hint. A single source's own error already names it: no hint there.
-    first, second = tmp_path / "first.cpp", tmp_path / "second.cpp"
+    # one includes: the notebook's scale2.cpp gave 31758 error lines, none naming it); the compiler's note naming
+    # the open bracket's file and line is now the hint (g++: "first.cpp:1:9: note: to match this '{'"; nvcc:
+    # 'first.cu(1): note #3196-D: to match this "{"', after "At end of source: error"). A single .cpp source's own
+    # error already names it: no hint there (nvcc's "At end of source" names no file, so a lone .cu gets the hint).
+    first, second = tmp_path / f"first{suffix}", tmp_path / f"second{suffix}"
     first.write_text("int f() {\n  return 1;\n")
     second.write_text("int g() { return 2; }\n")
     with pytest.raises(kldiv_inline.KernelBuildError) as info:
         kldiv_inline.load_sources([first, second])
-    assert info.value.hint is not None and f"{first}:1:" in info.value.hint and "still open" in info.value.hint
-    with pytest.raises(kldiv_inline.KernelBuildError) as info:
-        kldiv_inline.load_sources([first])
-    assert info.value.hint is None and f"{first}:2:" in str(info.value)
-    # A macro whose expansion breaks a call leaves g++'s same note on a line that closes its bracket: no hint
+    assert info.value.hint is not None and f"{first}:1:" in info.value.hint and "still open" in info.value.hint, (
+        info.value.hint, str(info.value))
+    if suffix == ".cpp":
+        with pytest.raises(kldiv_inline.KernelBuildError) as info:
+            kldiv_inline.load_sources([first])
+        assert info.value.hint is None and f"{first}:2:" in str(info.value)
+    # A macro whose expansion breaks a call leaves the same note on a line that closes its bracket: no hint
     (tmp_path / "m.h").write_text("#define M 1 2\n")
-    macro = tmp_path / "macro.cpp"
+    macro = tmp_path / f"macro{suffix}"
     macro.write_text('#include "m.h"\nint foo(int, int);\nint y = foo(M, 3);\n')
     with pytest.raises(kldiv_inline.KernelBuildError) as info:
         kldiv_inline.load_sources([macro, second])
     assert info.value.hint is None, info.value.hint
-
-
-def test_a_bracket_left_open_in_a_cu_source_names_it(tmp_path, cache):
-    # nvcc's note: 'first.cu(1): note #3196-D: to match this "{"', after "At end of source: error".
-    first, second = tmp_path / "first.cu", tmp_path / "second.cu"
-    first.write_text("int f() {\n  return 1;\n")
-    second.write_text("int g() { return 2; }\n")
-    with pytest.raises(kldiv_inline.KernelBuildError) as info:
-        kldiv_inline.load_sources([first, second])
-    assert info.value.hint is not None and f"{first}:1:" in info.value.hint, (info.value.hint, str(info.value))
 
 
 def test_compile_error_in_header_names_the_header(tmp_path, cache):
