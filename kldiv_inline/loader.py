@@ -501,8 +501,9 @@ def _with_line(path: Path, text: str) -> str:
 
 # -------------------------------------------------------------------------------------- build + load
 @contextlib.contextmanager
-def _build_lock(ext_name: str):
-    """Hold the OS lock of one extension's cache entry (only builders take it: a hit needs no lock)."""
+def _build_lock(ext_name: str, failed: ImportError | None = None):
+    """Hold the OS lock of one extension's cache entry (only builders take it: a hit needs no lock). ``failed``:
+    why the entry there does not load, if it is whole (said where the cache is read-only)."""
     root = cache_root()
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -511,20 +512,46 @@ def _build_lock(ext_name: str):
         if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise
         # OSError(EACCES, ...) is a PermissionError; EROFS stays a plain OSError.
+        held = f" (its build there does not load: {failed})" if failed is not None else ""
         raise OSError(e.errno, f"the extension cache {root} is read-only ({e.strerror}) and holds no usable "
-                               f"build of {ext_name}: build it once where the cache is writable, or set "
+                               f"build of {ext_name}{held}: build it once where the cache is writable, or set "
                                "KLDIV_INLINE_CACHE to a writable directory.") from e
     with fh:
+        waited_from = None
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             # Said, as a long build is: a waiting process printed nothing for the whole of another's build.
             _log.info("waiting for another process building %s (lock %s)...", ext_name, fh.name)
+            waited_from = time.time()
             fcntl.flock(fh, fcntl.LOCK_EX)
         try:
-            yield
+            yield waited_from
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+_FAILED_MARK = "kldiv_inline_failed.json"  # a failed build's errors, in its build folder (see _failed_meanwhile)
+
+
+def _record_failure(build_dir: Path, err: KernelBuildError) -> None:
+    """Leave a failed build's errors where the processes that waited for it will look (_failed_meanwhile)."""
+    with contextlib.suppress(OSError, TypeError, ValueError):
+        tmp = build_dir / f"{_FAILED_MARK}.tmp"
+        tmp.write_text(json.dumps({"errors": err.errors, "log": err.log[-200_000:], "hint": err.hint}))
+        os.replace(tmp, build_dir / _FAILED_MARK)
+
+
+def _failed_meanwhile(ext_name: str, build_dir: Path, waited_from: float | None) -> None:
+    """Raise the build error of the same key that another process met while this one waited for the lock: the
+    same sources, flags and compilers fail the same way, and ranks started together (torchrun, srun) each built it
+    again in turn, ~a minute a CUDA build. A process that starts after the failure builds again (the cause may be
+    mended outside the key: a full disk, a missing tool)."""
+    mark = build_dir / _FAILED_MARK
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        if waited_from is not None and mark.stat().st_mtime >= waited_from:
+            failed = json.loads(mark.read_text())
+            raise KernelBuildError(ext_name, list(failed["errors"]), str(failed["log"]), failed["hint"])
 
 
 def _sha256(path: Path) -> str:
@@ -579,15 +606,46 @@ def toolchain(with_cuda: bool) -> dict[str, str | None]:
     torch's c++), and for CUDA builds ``nvcc`` (the toolkit's release) and ``cc`` (nvcc's host compiler: CC, else
     gcc). None where one cannot be run. The CPU twin's speed follows its compiler, so a run's record names it."""
     env = _compiler_env()
-    tools = {"cxx": _version_line(env["CXX"] or _COMPILER_DEFAULTS["CXX"])}
+    # (a default resolved on PATH: _version_line keeps one answer per command, and PATH may name another since)
+    default = {var: shutil.which(cmd) or cmd for var, cmd in _COMPILER_DEFAULTS.items()}
+    tools = {"cxx": _version_line(env["CXX"] or shlex.quote(default["CXX"]))}
     if with_cuda:
         try:
             home = _cuda_home()
         except ToolchainError:
             home = None
         tools["nvcc"] = _version_line(shlex.quote(os.path.join(home, "bin", "nvcc")), "release") if home else None
-        tools["cc"] = _version_line(env["CC"] or _COMPILER_DEFAULTS["CC"])
+        tools["cc"] = _version_line(env["CC"] or shlex.quote(default["CC"]))
     return tools
+
+
+# What else picks the build's compilers or their flags, besides CC / CXX (in the key already): nvcc's own flag
+# variables, torch's nvcc override and the CUDA headers' folder it adds.
+_CUDA_BUILD_VARIABLES = ("NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN", "PYTORCH_NVCC", "CUDA_INC_PATH")
+
+
+def _toolchain_key(compilers: dict[str, str | None], with_cuda: bool) -> tuple:
+    """The compilers a build would run, for the cache key: where each command resolves on PATH now, their version
+    lines (toolchain()), and for CUDA builds the toolkit's folder and _CUDA_BUILD_VARIABLES. CC / CXX alone did
+    not say it: another `c++` first on PATH, or CUDA_HOME set to another toolkit, loaded the module the first one
+    had built."""
+    def where(command: str | None, default: str) -> str:
+        try:
+            words = shlex.split(command) if command else []
+        except ValueError:  # (unbalanced quotes: the build says so)
+            words = [command]
+        program = words[0] if words else default
+        return shutil.which(program) or program
+
+    parts: list = [where(compilers.get("CXX"), _COMPILER_DEFAULTS["CXX"]), sorted(toolchain(with_cuda).items())]
+    if with_cuda:
+        try:
+            home = _cuda_home()
+        except ToolchainError:
+            home = None  # (the build refuses it, with its message, before compiling)
+        parts += [where(compilers.get("CC"), _COMPILER_DEFAULTS["CC"]), home and os.path.realpath(home),
+                  [(v, os.environ.get(v)) for v in _CUDA_BUILD_VARIABLES]]
+    return tuple(parts)
 
 
 def loaded_builds() -> dict[str, dict]:
@@ -605,14 +663,30 @@ def _import_so(name: str, so: Path):
 
 
 def _import_cached(name: str, build_dir: Path):
-    """The module of a complete, intact cache entry, or None (missing, unfinished, damaged, or it no longer
-    loads, e.g. torch was reinstalled under the same version: all of which a rebuild fixes)."""
+    """(the module of a complete, intact cache entry, None); (None, None) where there is none (missing,
+    unfinished, damaged); (None, the ImportError) where a whole entry does not load. Some of those a rebuild
+    fixes (torch reinstalled under the same version: symbols that moved); _keep_unloadable raises the others."""
     so = _verified_so(build_dir)
     if so is None:
-        return None
-    with contextlib.suppress(ImportError):
-        return _import_so(name, so)
-    return None
+        return None, None
+    try:
+        return _import_so(name, so), None
+    except ImportError as e:
+        return None, e
+
+
+# Import errors of a whole build that building it again cannot fix: a library it links that the dynamic loader
+# does not find here, and pybind11's classes, which a process registers once.
+_NOT_FIXED_BY_A_BUILD = ("cannot open shared object file", "is already registered")
+
+
+def _keep_unloadable(name: str, err: ImportError | None) -> None:
+    """Raise, keeping the entry, where a complete build does not load for a reason of this process (the rebuild
+    that followed destroyed the good entry, failed the same way, and left nothing for a process that can load
+    it; every retry built again)."""
+    if err is not None and any(s in str(err) for s in _NOT_FIXED_BY_A_BUILD):
+        failure = _load_failure(name, err)
+        raise failure from (None if failure is err else err)
 
 
 def _demangle(symbol: str) -> str:
@@ -636,6 +710,14 @@ def _load_failure(name: str, err: ImportError) -> Exception:
             "(an edit of these sources, or the same sources under another name) is loaded here already: restart "
             "the Python process (the notebook's kernel), where this build loads from the cache, or declare the "
             "class py::module_local()",
+        ], str(err))
+    m = re.search(r"(\S+): cannot open shared object file", str(err))
+    if m:
+        return KernelBuildError(name, [
+            f"the build of {name} is complete but does not load here: a library it links, {m.group(1)}, is not "
+            "found by the dynamic loader",
+            "  add its folder to LD_LIBRARY_PATH, or link it with -Wl,-rpath,<its folder> in extra_ldflags; the "
+            "build is kept in the cache and loads wherever the library is found",
         ], str(err))
     if "does not define module export function" in str(err):
         return KernelBuildError(name, [
@@ -1122,8 +1204,9 @@ def _load_sources(paths, functions, name, cuda, extra_cflags, extra_cuda_cflags,
                  repr([str(p) for p in cpp_srcs]), repr([str(p) for p in cuda_srcs]),
                  repr(cflags), repr(cuda_cflags), repr(list(extra_ldflags)), repr(include_flags),
                  repr(sorted(env_search.items())),
+                 repr(_toolchain_key(compilers, with_cuda)),
                  torch.__version__, str(torch.version.cuda), sys.version, repr(archs), _CACHE_LAYOUT,
-                 _cpu_fingerprint() if any("native" in f for f in cflags) else ""):
+                 _cpu_fingerprint() if any("native" in f for f in [*cflags, *cuda_cflags]) else ""):
         key.update(part.encode() + b"\0")
     digest = key.hexdigest()[:16]
     base = _module_base(name or srcs[0].stem)
@@ -1137,19 +1220,26 @@ def _load_sources(paths, functions, name, cuda, extra_cflags, extra_cuda_cflags,
                            "being saved, and Python loads a module of one name once per process: restart it (the "
                            "kernel of a notebook) to load them; the cache holds no such build")
     build_dir = cache_root() / ext_name
-    module = _import_cached(ext_name, build_dir)  # a hit: no lock, no writes (the cache may be read-only)
+    module, failed = _import_cached(ext_name, build_dir)  # a hit: no lock, no writes (the cache may be read-only)
     if module is None:
+        _keep_unloadable(ext_name, failed)
         cuda_home = _check_toolchain(with_cuda)
         if with_cuda:
             _check_archs(cuda_home, archs)
-        with _build_lock(ext_name):
-            module = _import_cached(ext_name, build_dir)  # another process may have built it while we waited
+        with _build_lock(ext_name, failed) as waited_from:
+            module, failed = _import_cached(ext_name, build_dir)  # another process may have built it meanwhile
+            _keep_unloadable(ext_name, failed)
             if module is None:
+                _failed_meanwhile(ext_name, build_dir, waited_from)
                 with _build_environment(compilers):
-                    module = _build(ext_name, build_dir, cpp_srcs, cuda_srcs, texts, functions,
-                                    cflags + include_flags, cuda_cflags + include_flags, list(extra_ldflags),
-                                    with_cuda, verbose, _expected_build_s(base, with_cuda, texts),
-                                    unchanged=lambda: _still(read_texts, texts))
+                    try:
+                        module = _build(ext_name, build_dir, cpp_srcs, cuda_srcs, texts, functions,
+                                        cflags + include_flags, cuda_cflags + include_flags, list(extra_ldflags),
+                                        with_cuda, verbose, _expected_build_s(base, with_cuda, texts),
+                                        unchanged=lambda: _still(read_texts, texts))
+                    except KernelBuildError as e:
+                        _record_failure(build_dir, e)
+                        raise
     _MODULES[ext_name] = module
     _TOOLCHAINS[ext_name] = _manifest_toolchain(build_dir)
     LAST_LOADED[base] = ext_name
@@ -1229,8 +1319,9 @@ def _build(ext_name, build_dir: Path, cpp_srcs, cuda_srcs, texts, functions, cfl
                                _shared_unit_hint(log, [*cpp_srcs, *cuda_srcs])) from None
     except ImportError as e:
         failure = _load_failure(ext_name, e)
-        if "is already registered" in str(e):
-            # The .so is whole; only this process cannot load it: the manifest makes it a hit after a restart.
+        if any(s in str(e) for s in _NOT_FIXED_BY_A_BUILD):
+            # The .so is whole; only this process cannot load it: the manifest makes it a hit after a restart (or
+            # where the library it links is found).
             so = next(iter(sorted(build_dir.glob(f"{ext_name}*.so"))), None)
             if so is not None:
                 _write_manifest(build_dir, so, time.perf_counter() - start, toolchain(with_cuda))

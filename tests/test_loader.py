@@ -645,6 +645,56 @@ def test_concurrent_builders_of_one_extension(tmp_path, cache):
     assert len(build_dirs()) == 1
 
 
+# _CHILD, its load's error printed as its result.
+_CHILD_CATCHING = _CHILD.replace(
+    "m = kldiv_inline.load_sources(sys.argv[1:])",
+    "try:\n    m = kldiv_inline.load_sources(sys.argv[1:])\nexcept Exception as e:\n"
+    "    print('RESULT ' + json.dumps({'error': f'{type(e).__name__}: {e}', 'builds': len(calls)}))\n"
+    "    sys.exit(0)")
+
+
+def test_processes_waiting_for_a_build_that_fails_get_its_error(tmp_path, cache):
+    # Ranks started together (torchrun, srun) wait for one another's build of the same key; when it failed, each
+    # built it again in turn, to the same error (about a minute a CUDA build, one rank after another).
+    assert "except Exception" in _CHILD_CATCHING
+    src = tmp_path / "broken.cpp"
+    src.write_text(capi_module("missing_name"))
+    real = shutil.which("c++")
+    slow = tmp_path / "slow_cxx"  # a compile that lasts long enough for every child to be waiting for it
+    slow.write_text(f'#!/bin/sh\ncase " $* " in *" -c "*) sleep 3;; esac\nexec {real} "$@"\n')
+    slow.chmod(0o755)
+    script = tmp_path / "child_catching.py"
+    script.write_text(_CHILD_CATCHING)
+    go = tmp_path / "go"
+    procs, readies = [], []
+    for i in range(3):
+        ready = tmp_path / f"ready{i}"
+        readies.append(ready)
+        procs.append(subprocess.Popen([sys.executable, str(script), str(src)], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True,
+                                      env=child_env(KL_TEST_READY=ready, KL_TEST_GO=go, CXX=slow)))
+    try:
+        deadline = time.monotonic() + 120
+        while not all(r.exists() for r in readies):
+            assert time.monotonic() < deadline, "children did not start"
+            assert all(p.poll() is None for p in procs), "a child exited early"
+            time.sleep(0.01)
+        go.touch()
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = [child_result(out, err) for out, err in outs]
+    assert all("KernelBuildError" in r["error"] and "missing_name" in r["error"] for r in results), results
+    assert sorted(r["builds"] for r in results) == [0, 0, 1], results
+    # A process that starts after the failure builds again (its cause may be mended outside the key).
+    later = subprocess.run([sys.executable, str(script), str(src)], capture_output=True, text=True, timeout=300,
+                           env=child_env(CXX=slow))
+    assert child_result(later.stdout, later.stderr)["builds"] == 1
+
+
 # ------------------------------------------------------------------------------ 8. a killed build
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
@@ -1010,6 +1060,61 @@ def _assert_an_edit_of_flagged_h_changes_the_key(tmp_path, monkeypatch, source: 
     assert _key_of(monkeypatch, [src], **kwargs) != before
 
 
+def test_another_compiler_first_on_path_rebuilds(tmp_path, cache, monkeypatch):
+    # CXX unset: torch builds with the `c++` first on PATH. Another one there (a module load, a conda environment)
+    # was a cache hit for the module the first had built: the key held CC / CXX's text, not the compiler.
+    monkeypatch.delenv("CXX", raising=False)
+    real = shutil.which("c++")
+    assert real, "no c++ on PATH"
+    src = tmp_path / "tagged.cpp"
+    src.write_text(capi_module("COMPILER_TAG", prelude="#ifndef COMPILER_TAG\n#define COMPILER_TAG 1\n#endif"))
+    assert kldiv_inline.load_sources([src]).value() == 1
+    other = tmp_path / "other_bin"
+    other.mkdir()
+    fake = other / "c++"
+    fake.write_text(f'#!/bin/sh\n[ "$1" = --version ] && {{ echo "c++ (Another GCC) 99.1.0"; exit 0; }}\n'
+                    f'exec {real} -DCOMPILER_TAG=2 "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{other}{os.pathsep}{os.environ['PATH']}")
+    assert kldiv_inline.load_sources([src]).value() == 2
+    assert kldiv_inline.load_sources([src]).value() == 2  # and a hit after that
+
+
+@pytest.mark.parametrize("variable, value", [
+    ("NVCC_APPEND_FLAGS", "-DTAG=2"), ("NVCC_PREPEND_FLAGS", "-DTAG=2"), ("PYTORCH_NVCC", "ccache nvcc"),
+    ("CUDA_INC_PATH", "/opt/other/include"), ("CUDA_HOME", "another toolkit")])
+def test_what_picks_the_cuda_compiler_or_its_flags_changes_the_key(tmp_path, cache, monkeypatch, variable, value):
+    # nvcc reads NVCC_APPEND_FLAGS / NVCC_PREPEND_FLAGS itself, torch PYTORCH_NVCC and CUDA_INC_PATH, and CUDA_HOME
+    # picks the toolkit: none of them was in the key, so a build made with others was loaded.
+    for v in loader._CUDA_BUILD_VARIABLES:
+        monkeypatch.delenv(v, raising=False)
+    src = tmp_path / "keyed.cu"
+    src.write_text("__global__ void k() {}\n")
+    before = _key_of(monkeypatch, [src])
+    if variable == "CUDA_HOME":  # a toolkit of the same release elsewhere: its nvcc, the same targets
+        home = loader._cuda_home()
+        other = tmp_path / "cuda_other"
+        (other / "bin").mkdir(parents=True)
+        (other / "include").symlink_to(Path(home) / "include")
+        (other / "bin" / "nvcc").write_text(f'#!/bin/sh\nexec {home}/bin/nvcc "$@"\n')
+        (other / "bin" / "nvcc").chmod(0o755)
+        value = str(other)
+    monkeypatch.setenv(variable, value)
+    assert _key_of(monkeypatch, [src]) != before
+
+
+def test_march_native_for_nvccs_host_compiler_keys_the_cpu(tmp_path, cache, monkeypatch):
+    # -march=native through nvcc (-Xcompiler) builds host code for this CPU as extra_cflags' does, but only the
+    # latter put the CPU in the key: a cache shared by two CPUs could load code the other's cannot run.
+    src = tmp_path / "native.cu"
+    src.write_text("__global__ void k() {}\n")
+    keys = []
+    for cpu in ("cpu A", "cpu B"):
+        monkeypatch.setattr(loader, "_cpu_fingerprint", lambda cpu=cpu: cpu)
+        keys.append(_key_of(monkeypatch, [src], extra_cuda_cflags=["-Xcompiler=-march=native"]))
+    assert keys[0] != keys[1]
+
+
 @pytest.mark.parametrize("variable", ["CPATH", "CPLUS_INCLUDE_PATH", "C_INCLUDE_PATH"])
 def test_editing_header_found_through_the_compilers_search_variables_changes_the_key(tmp_path, cache, monkeypatch,
                                                                                     variable):
@@ -1109,6 +1214,74 @@ def test_rebuilding_a_library_the_link_flags_name_relinks(tmp_path, cache, how):
 
     assert library_returning(1).value() == 1
     assert library_returning(2).value() == 2
+
+
+_CHILD_LINKING = r"""
+import json, sys
+from torch.utils import cpp_extension
+import kldiv_inline
+
+calls = []
+_real = cpp_extension.load_inline
+cpp_extension.load_inline = lambda *a, **k: (calls.append(k.get("name")), _real(*a, **k))[1]
+try:
+    value = kldiv_inline.load_sources([sys.argv[1]], extra_ldflags=[f"-L{sys.argv[2]}", "-lkltestfoo"]).value()
+    print("RESULT " + json.dumps({"value": value, "builds": len(calls)}))
+except Exception as e:
+    print("RESULT " + json.dumps({"error": f"{type(e).__name__}: {e}", "builds": len(calls)}))
+"""
+
+
+def test_a_whole_build_that_does_not_load_here_is_kept(tmp_path, cache):
+    # A library the module links, found by the dynamic loader only through LD_LIBRARY_PATH: a process without it
+    # took the complete entry for a stale one, deleted it, built it again, failed the same way (a bare ImportError)
+    # and left no manifest, so the next process, with the variable, built it a third time.
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "foo.c").write_text("int foo_value(void) { return 7; }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib / "libkltestfoo.so"), str(lib / "foo.c")], check=True)
+    src = tmp_path / "uselib.cpp"
+    src.write_text(capi_module("foo_value()", prelude='extern "C" int foo_value(void);'))
+    script = tmp_path / "child_linking.py"
+    script.write_text(_CHILD_LINKING)
+
+    def run(**env):
+        base = child_env(**env)
+        if "LD_LIBRARY_PATH" not in env:
+            base.pop("LD_LIBRARY_PATH", None)
+        proc = subprocess.run([sys.executable, str(script), str(src), str(lib)], env=base, capture_output=True,
+                              text=True, timeout=180)
+        return child_result(proc.stdout, proc.stderr)
+
+    assert run(LD_LIBRARY_PATH=lib) == {"value": 7, "builds": 1}
+    (entry,) = build_dirs()
+    without = run()
+    assert without["builds"] == 0, without
+    assert "KernelBuildError" in without["error"] and "libkltestfoo.so" in without["error"], without
+    assert "LD_LIBRARY_PATH" in without["error"] and "rpath" in without["error"], without
+    assert (entry / loader._BUILD_MARK).is_file()  # kept whole
+    assert run(LD_LIBRARY_PATH=lib) == {"value": 7, "builds": 0}
+
+
+def test_a_class_bound_again_is_not_built_again(tmp_path, cache, monkeypatch):
+    # pybind11 registers a class once per process: an edited module binding the same class was built, did not load
+    # (restart), and every retry in the same process built it again before saying so (its entry whole since the
+    # first).
+    src = tmp_path / "counter.cpp"
+    body = ("#include <pybind11/pybind11.h>\nstruct Counter {{ int v() {{ return {v}; }} }};\n"
+            "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n"
+            "  pybind11::class_<Counter>(m, \"Counter\").def(pybind11::init<>()).def(\"v\", &Counter::v);\n}}\n")
+    src.write_text(body.format(v=1))
+    assert kldiv_inline.load_sources([src]).Counter().v() == 1
+    src.write_text(body.format(v=2))
+    with pytest.raises(kldiv_inline.KernelBuildError, match="restart"):
+        kldiv_inline.load_sources([src])
+    builds = []
+    real = cpp_extension.load_inline
+    monkeypatch.setattr(cpp_extension, "load_inline", lambda *a, **k: (builds.append(k["name"]), real(*a, **k))[1])
+    with pytest.raises(kldiv_inline.KernelBuildError, match="restart"):
+        kldiv_inline.load_sources([src])
+    assert builds == []
 
 
 def test_a_source_that_is_not_utf8_names_its_file_and_line(tmp_path, cache, no_compiler_runs):
