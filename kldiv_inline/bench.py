@@ -294,7 +294,9 @@ def _cases_dropped(recorded: dict, options: dict, device: str) -> str:
     """What the run of ``recorded`` options made that one of ``options`` would not make (as the flags say it),
     else "". Suites left out are check_suites' to refuse; a run of more cases replaces one of fewer."""
     held = []
-    if options["headline_only"] and not recorded.get("headline_only"):
+    # (--headline-only drops the KL suite's sweep alone: a run without that suite, here or there, drops none of it)
+    kl_both = "kl" in options["suites"] and "kl" in recorded.get("suites", SUITES)
+    if kl_both and options["headline_only"] and not recorded.get("headline_only"):
         held.append("the size sweep (no --headline-only)")
     if "linear" in options["suites"]:
         had = linear_tokens_timed(recorded, device)

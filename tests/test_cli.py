@@ -799,6 +799,26 @@ def test_bench_refuses_to_replace_a_run_of_more_cases(tmp_path):
     assert _tokens("8,8,4") == [4, 8]  # a count given twice is one case
 
 
+def test_headline_only_is_refused_over_the_kl_suites_sweep_alone(tmp_path):
+    # --headline-only picks the KL suite's cases only, yet a run of the distill (or linear) suite with it into a
+    # folder of that suite's run was refused as dropping "the size sweep" that neither run had.
+    import argparse
+
+    folder = tmp_path / "cpu-run"
+    bench.write_csv([{"device": "cpu", "impl": bench.OURS, "form": "logits", "status": "ok"}], folder / "bench.csv")
+
+    def args(**kw):
+        return argparse.Namespace(**{"suites": ["distill"], "reps": 2, "headline_only": False,
+                                     "linear_sweep": False, "linear_tokens": None, **kw})
+
+    (folder / "env.json").write_text(json.dumps({"options": bench.run_options(args())}))
+    bench.check_suites(args(headline_only=True), folder)
+    bench.check_suites(args(suites=["kl", "distill"], headline_only=True), folder)  # no sweep there to drop
+    (folder / "env.json").write_text(json.dumps({"options": bench.run_options(args(suites=["kl", "distill"]))}))
+    with pytest.raises(SystemExit, match="the size sweep"):
+        bench.check_suites(args(suites=["kl", "distill"], headline_only=True), folder)
+
+
 def test_results_files_are_written_whole(tmp_path, monkeypatch):
     # A run killed mid-write (a device's time limit) keeps the file's last whole version: the new text goes to a
     # file beside it and is renamed over it, so a failed write leaves the old one as it was.
