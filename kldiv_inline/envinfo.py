@@ -75,7 +75,7 @@ def other_kernels() -> str | None:
 def commit() -> str:
     """``KLDIV_INLINE_COMMIT`` when set (a copy of the tree on another machine may carry a stale .git: on the
     lent GPUs one answered the session's first commit), else HEAD's hash, with ``+dirty`` when files under
-    kernels/ or kldiv_inline/ differ from it (new files too: an untracked variant is timed as well), and
+    kernels/, kldiv_inline/ or tools/ differ from it (new files too: an untracked variant is timed as well), and
     ``+other-kernels`` when ``KLDIV_INLINE_KERNELS`` builds another kernels/ tree. An installed copy of the
     package, not a checkout, says ``unknown (installed <version>)``. The variable gets ``+dirty`` too where the
     checkout's HEAD is the commit it names (its hash or a prefix) and those files differ: a run of edited kernels
@@ -93,10 +93,13 @@ def commit() -> str:
 
 
 def _dirty() -> bool:
-    """Whether files under kernels/ or kldiv_inline/ differ from the checkout's HEAD (new files too)."""
-    # (core.fileMode off: a copy of the tree on another machine may change permission bits, which change no code)
+    """Whether files under kernels/, kldiv_inline/ or tools/ differ from the checkout's HEAD (new files too)."""
+    # tools/: its scripts write committed results too (bench_vocab_parallel's through write_env). Not the Makefile
+    # or pyproject.toml: they run and install this code, and what a run was run with its env.json records apart
+    # (command, torch, variables, builds). (core.fileMode off: a copy of the tree on another machine may change
+    # permission bits, which change no code)
     return bool(_git("-c", "core.fileMode=false", "status", "--porcelain", "--untracked-files=normal", "--",
-                     "kernels", "kldiv_inline"))
+                     "kernels", "kldiv_inline", "tools"))
 
 
 def _dirty_at(named: str) -> bool:

@@ -195,6 +195,12 @@ def test_the_recorded_commit_says_when_the_code_is_not_that_commits(tmp_path, mo
     (repo / "kernels" / "a.cu").chmod(0o755)  # a copy that changed permission bits alone changed no code
     assert envinfo.commit() == head
     (repo / "kernels" / "a.cu").chmod(0o644)
+    # tools/' scripts write committed results through write_env too (bench_vocab_parallel): an edited one was
+    # recorded as the clean commit
+    (repo / "tools").mkdir()
+    (repo / "tools" / "bench_x.py").write_text("")
+    assert envinfo.commit() == head + "+dirty"
+    (repo / "tools" / "bench_x.py").unlink()
     (tmp_path / "other").mkdir()
     monkeypatch.setenv("KLDIV_INLINE_KERNELS", str(tmp_path / "other"))
     assert envinfo.commit() == head + "+other-kernels"
