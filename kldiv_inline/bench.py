@@ -256,16 +256,12 @@ def check_suites(args, folder: Path) -> None:
     if getattr(args, "linear_sweep", False) and device != "cuda":
         raise SystemExit("--linear-sweep times the fused LM head from 1k to 16k tokens on a GPU; on the CPU it would "
                          "time the one small shape the CPU runs: give --linear-tokens for more sizes there")
-    from .envinfo import read_csv, read_env
+    from .envinfo import read_env
 
     path = folder / "bench.csv"
     if not path.exists():
         return
-    held = {SUITE_OF_FORM.get(f, f) for f in read_csv(path, usecols=["form"])["form"].dropna().unique()}
-    lost = sorted(held - set(suites))
-    if lost:
-        raise SystemExit(f"{path} holds rows of the {', '.join(lost)} suite(s), which --suites {','.join(suites)} "
-                         f"would drop: give this run another folder (--results), or run those suites too")
+    refuse_dropping(path, suites, "suite", "--suites", "--results", SUITE_OF_FORM)
     env_path = folder / "env.json"
     recorded = read_env(env_path).get("options")
     if isinstance(recorded, dict) and not getattr(args, "resume", False):  # (--resume: the same options, or refused)
@@ -273,6 +269,22 @@ def check_suites(args, folder: Path) -> None:
         if dropped:
             raise SystemExit(f"{path} holds a run with {dropped}, whose rows this run would drop: give this run "
                              "another folder (--results), or run it with the same options")
+
+
+def refuse_dropping(path: Path, kept, kind: str, flag: str, elsewhere: str, of_form: dict | None = None) -> None:
+    """Refuses a run of the ``kept`` groups of rows (``kind``: suites, a script's forms; ``of_form`` maps a row's
+    form to its group, else the form is its own) that would replace ``path``, a bench.csv holding rows of others:
+    they would be lost. ``flag`` picks the groups and ``elsewhere`` another folder on the command line."""
+    from .envinfo import read_csv
+
+    if not path.exists():
+        return
+    of_form = of_form or {}
+    held = {of_form.get(f, f) for f in read_csv(path, usecols=["form"])["form"].dropna().unique()}
+    lost = sorted(held - set(kept))
+    if lost:
+        raise SystemExit(f"{path} holds rows of the {', '.join(lost)} {kind}(s), which {flag} {','.join(kept)} "
+                         f"would drop: give this run another folder ({elsewhere}), or run those {kind}s too")
 
 
 def linear_tokens_timed(options: dict, device: str) -> set[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import math
 import os
 import socket
@@ -27,7 +28,7 @@ from test_distill import assert_grad_close, cuda_kernels
 from test_readme import python_block
 
 import kldiv_inline as K
-from kldiv_inline import fused_linear, timing
+from kldiv_inline import bench, fused_linear, timing
 from kldiv_inline.peers import megatron_style_generalized_jsd
 from kldiv_inline.reference import relative_error
 
@@ -1241,6 +1242,63 @@ def test_benchmark_runs_under_torchrun(tmp_path):
     assert (rows.status == "ok").all() and (rows.median_ms > 0).all()
     last = proc.stdout.rstrip().splitlines()[-1].split()  # the table comes last
     assert last[:4] == ["fused_linear", "megatron_style", "2", "0.5"] and last[-1] == "ok"
+
+
+def test_benchmark_cut_short_leaves_a_partial_run_of_its_own(tmp_path):
+    # The script rewrote bench.csv in place after each row and wrote env.json only when the run ended: a run cut
+    # short (Ctrl-C, a time limit) left its rows under the previous run's record (its commit and date, finished),
+    # and --forms logits into a folder of both forms dropped the fused_linear rows without a word. Now it saves as
+    # bench does (env.json partial first, the CSV whole) and refuses to drop another form's rows. One CPU process
+    # (world 1), the tool's main called with its time_it cut after some calls, in a process of its own (gloo's
+    # threads may abort an interpreter at exit).
+    K.load("cpu", extension="distill")
+    out = tmp_path / "cpu-x1" / "bench.csv"
+    script = tmp_path / "cut.py"
+    script.write_text(
+        "import importlib.util, os, sys\n"
+        f"spec = importlib.util.spec_from_file_location('bvp', r'{REPO / 'tools' / 'bench_vocab_parallel.py'}')\n"
+        "mod = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(mod)\n"
+        "real, calls = mod.time_it, []\n"
+        "def time_it(*a, **kw):\n"
+        "    calls.append(1)\n"
+        "    if len(calls) == int(sys.argv[1]):\n"
+        "        raise KeyboardInterrupt\n"
+        "    return real(*a, **kw)\n"
+        "mod.time_it = time_it\n"
+        "try:\n"
+        "    code = mod.main(sys.argv[2:])\n"
+        "except KeyboardInterrupt:\n"
+        "    code = 130\n"
+        "except SystemExit as e:\n"
+        "    print(e, file=sys.stderr)\n"
+        "    code = 2\n"
+        "sys.stdout.flush()\n"
+        "sys.stderr.flush()\n"
+        "os._exit(code)\n")
+
+    def run(commit, cut, *flags):
+        env = {**os.environ, **NCCL_ENV, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO), "RANK": "0",
+               "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+               "KLDIV_INLINE_COMMIT": commit}
+        cmd = [sys.executable, str(script), str(cut), "--device", "cpu", "--tokens", "24", "--vocab", "301",
+               "--hidden", "8", "--reps", "2", "--warmup", "1", "--out", str(out), *flags]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SPAWN_TIMEOUT_S)
+
+    def env_json():
+        return json.loads((out.parent / "env.json").read_text())
+
+    proc = run("aaaa1111", 0)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert env_json()["commit"] == "aaaa1111" and "partial" not in env_json() and len(pd.read_csv(out)) == 8
+    proc = run("bbbb2222", 0, "--forms", "logits")
+    assert proc.returncode == 2 and "holds rows of the fused_linear form(s)" in proc.stderr, proc.stderr[-3000:]
+    assert len(pd.read_csv(out)) == 8 and env_json()["commit"] == "aaaa1111"
+    (out.parent / "goals.md").write_text("the finished run's goals")
+    proc = run("bbbb2222", 2)  # Ctrl-C in the second provider's timing: one row done
+    assert proc.returncode == 130, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert env_json()["commit"] == "bbbb2222" and env_json().get("partial") == bench.PARTIAL_NOTE
+    assert len(pd.read_csv(out)) == 1 and not (out.parent / "goals.md").exists()
 
 
 def test_readme_torchrun_example_on_cpu_ranks(tmp_path, _fresh_seed):

@@ -23,8 +23,9 @@ rank's slice) against the one-device op's. Times follow kldiv_inline.timing: CUD
 warm-up, the L2 flushed before each, the ranks aligned outside the timed region (--align); a world-N call's
 time is its slowest rank's. Rows as bench.csv's plus `world`, `beta`, `temperature`, `hidden`; for the logits
 form `bytes` and `gbps` are per GPU (both logits read, the gradient written once). Rank 0 writes the CSV and
-env.json (`align`: how the ranks were aligned) and prints a table last: each time over the one-device op's
-(`/ world 1`) and the peer's over it.
+env.json (`align`: how the ranks were aligned) after each row, as `python -m kldiv_inline bench` does (env.json says
+`partial` until the run ends), and prints a table last: each time over the one-device op's (`/ world 1`) and the
+peer's over it. A run of some forms into a folder holding rows of others is refused (they would be lost).
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kldiv_inline as K  # noqa: E402
 from kldiv_inline import envinfo, floors, timing  # noqa: E402
-from kldiv_inline.bench import COLUMNS  # noqa: E402
+from kldiv_inline.bench import COLUMNS, PARTIAL_NOTE, drop_derived, refuse_dropping  # noqa: E402
 from kldiv_inline.peers import megatron_style_fused_linear_generalized_jsd, megatron_style_generalized_jsd  # noqa: E402
 from kldiv_inline.reference import generalized_jsd_reference, relative_error  # noqa: E402
 
@@ -308,18 +309,34 @@ def main(argv=None) -> int:
         rows = []
         out = Path(args.out) if args.out else (Path(args.results) / f"{envinfo.device_slug(device)}-x{world}"
                                                / "bench.csv")
+        # (every rank reads the same file and decides alike, before any collective)
+        refuse_dropping(out, args.forms, "form", "--forms", "--out or --results")
+        extra = {"world": world, "align": args.align if device == "cuda" else "host",
+                 "command": f"torchrun --nproc-per-node {world} tools/bench_vocab_parallel.py "
+                 + " ".join(sys.argv[1:])}
         start, done = time.monotonic(), []
 
+        def save(finished: bool) -> None:
+            """The CSV of the rows so far and env.json, as bench's main saves them: env.json says partial, with this
+            run's record, before the CSV is replaced (whole), and the previous run's rows and figures go at the first
+            row, so a run cut short (Ctrl-C, a time limit) leaves its rows under its own record, marked partial,
+            never under the previous run's."""
+            if len(done) == 1 and not finished:
+                out.unlink(missing_ok=True)
+                drop_derived(out.parent)
+            envinfo.write_env(out.parent, device, {**extra, "partial": PARTIAL_NOTE})
+            envinfo.write_atomic(out, pd.DataFrame(done).reindex(columns=COLUMNS + EXTRA_COLUMNS).to_csv(index=False))
+            if finished:
+                envinfo.write_env(out.parent, device, extra, drop=("partial",))
+
         def progress(row):
-            """Rank 0: a line a row as it is done, and the CSV so far (a run cut short keeps what it measured;
-            env.json comes with the whole run only)."""
+            """Rank 0: a line a row as it is done, and the files so far (a run cut short keeps what it measured)."""
             if rank != 0:
                 return
             print(f"[{time.monotonic() - start:6.0f} s] {row['form']} beta={row['beta']} {row['impl']} world "
                   f"{row['world']}: {row.get('median_ms', float('nan')):.4f} ms, {row['status'][:60]}", flush=True)
             done.append(row)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            pd.DataFrame(done).reindex(columns=COLUMNS + EXTRA_COLUMNS).to_csv(out, index=False)
+            save(finished=False)
 
         for form in args.forms:
             prob = Problem(form, args, device, rank, world)
@@ -327,11 +344,7 @@ def main(argv=None) -> int:
                 rows += run_beta(args, prob, beta, device, rank, world, progress)
             del prob
         if rank == 0:
-            pd.DataFrame(rows).reindex(columns=COLUMNS + EXTRA_COLUMNS).to_csv(out, index=False)
-            envinfo.write_env(out.parent, device, {
-                "world": world, "align": args.align if device == "cuda" else "host",
-                "command": f"torchrun --nproc-per-node {world} tools/bench_vocab_parallel.py "
-                + " ".join(sys.argv[1:])})
+            save(finished=True)
             print(f"-> {out}")
             print(table(rows))
     finally:
