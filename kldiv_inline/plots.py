@@ -154,17 +154,24 @@ def plot_timings(timed: pd.DataFrame, ours: str | None = None, title: str | None
     fig.suptitle(title or f"{', '.join(dict.fromkeys(df['device']))}: time and bandwidth per provider",
                  fontsize=9)
     legend_outside(fig, axes)
-    # Rows not timed (a provider that failed its check, raised or is not installed) draw nothing: say which,
-    # so a provider missing from the lines is not taken for one that was never asked. (Below the axes as the
-    # figure's x label, which the constrained layout makes room for; the status word alone, wrapped.)
-    if "status" in df:
-        left_out = df[df["status"] != "ok"]
-        notes = [f"{_label(p).lstrip(chr(0x200b))} ({', '.join(dict.fromkeys(g['status'].str.split(':').str[0]))}: "
-                 f"{len(g)} of {int((df['provider'] == p).sum())} cases)"
-                 for p, g in left_out.groupby("provider", sort=False)]
-        if notes:
-            fig.supxlabel("\n".join(textwrap.wrap("not drawn: " + "; ".join(notes), 140)), fontsize=7)
+    note_not_drawn(fig, df, "provider")
     return fig
+
+
+def note_not_drawn(fig, df: pd.DataFrame, by: str) -> None:
+    """Rows of ``df`` not timed (a provider, named in column ``by``, that failed its check, raised or is not
+    installed) draw nothing: ``fig`` says which, so a provider missing from the lines or bars is not taken for one
+    that was never asked. (Below the axes as the figure's x label, which the constrained layout makes room for; the
+    status word alone, wrapped.)"""
+    if "status" not in df:
+        return
+    left_out = df[df["status"] != "ok"]
+    notes = [f"{_label(p).lstrip(chr(0x200b))} "
+             f"({', '.join(dict.fromkeys(g['status'].astype(str).str.split(':').str[0]))}: "
+             f"{len(g)} of {int((df[by] == p).sum())} cases)"
+             for p, g in left_out.groupby(by, sort=False)]
+    if notes:
+        fig.supxlabel("\n".join(textwrap.wrap("not drawn: " + "; ".join(notes), 140)), fontsize=7)
 
 
 # ------------------------------------------------------------------------------- the KL suite's results
@@ -296,6 +303,8 @@ def plot_speedups(df: pd.DataFrame, ours: str, peers: list[str] | None = None, c
     axes[-1, 0].set_xlabel(f"speed-up of {ours} (log scale; right of 1: {ours} is faster)")
     fig.suptitle(title or f"speed-up of {ours} over each peer", fontsize=10, x=0.02, ha="left")
     legend_outside(fig, axes[:, 0])
+    # (ours' failed cases too: a case ours was not timed in has no bars at all)
+    note_not_drawn(fig, df if peers is None else df[df["impl"].isin([ours, *peers])], "impl")
     return fig
 
 
@@ -340,6 +349,7 @@ def plot_linear_sweep(df: pd.DataFrame, ours: str, memory_bound_mib: float | Non
             ax.xaxis.set_minor_formatter(plt.NullFormatter())
     fig.suptitle(title or "the LM head fused with the divergence: time and memory against tokens", fontsize=10)
     legend_outside(fig, axes.ravel())
+    note_not_drawn(fig, df[df["form"] == "linear"] if "form" in df else df.iloc[0:0], "impl")
     return fig
 
 
@@ -442,6 +452,7 @@ def plot_folder(folder: Path, out: Path | None = None, *, ours: str, peers: list
             plot_time_vs_size(df, pass_, form, dtype, ax=axes[0], ours=ours, legend=False)
             plot_bandwidth(df, pass_, form, dtype, read_gbps, ax=axes[1], ours=ours, legend=False)
             legend_outside(fig, axes)
+            note_not_drawn(fig, df[(df["pass"] == pass_) & (df["form"] == form) & (df["dtype"] == dtype)], "impl")
             save(fig, f"time_{pass_.replace('+', '_')}_{form}_{dtype}.png")
         if linear_sweep_frame(df)["batch"].nunique() >= 2:
             from .bench_linear import LINEAR_GOALS

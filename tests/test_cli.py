@@ -381,6 +381,35 @@ def test_speedups_one_panel_per_pass(tmp_path):
     assert fig.legends  # outside the panels, not over the bars
 
 
+def test_plot_folder_says_which_providers_it_does_not_draw(tmp_path, monkeypatch):
+    # The folder's figures drew timed rows only: a peer that raised or is not installed, or ours where its check
+    # failed, vanished from time_*.png and speedups.png unnamed (harness.plot's figure names them).
+    import matplotlib.figure
+
+    rows = [dict(r, status="error: ModuleNotFoundError: torch_compile", median_ms=None)
+            if r["impl"] == "torch_compile" else
+            dict(r, status="wrong: loss rel err 1e-01", median_ms=None) if r["impl"] == bench.OURS
+            and r["batch"] == 16384 else r for r in _fake_rows()]
+    rows += [dict(r, status="error: not installed", median_ms=None) if r["impl"] == "liger" else r
+             for r in _fake_linear_rows()]
+    folder = tmp_path / "gpu"
+    bench.write_csv(rows, folder / "bench.csv")
+    notes, real = {}, matplotlib.figure.Figure.savefig
+
+    def savefig(fig, path, *a, **kw):
+        notes[Path(path).name] = fig.get_supxlabel()
+        return real(fig, path, *a, **kw)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    plots.plot_folder(folder, ours=bench.OURS, peers=bench.PEERS)
+    for name in ("time_fwd_probs_float32.png", "time_fwd_bwd_probs_float32.png"):  # each of one pass
+        assert notes[name] == ("not drawn: kldiv_inline (wrong: 1 of 3 cases); torch_compile (error: 3 of 3 "
+                               "cases)"), (name, notes)
+    assert notes["speedups.png"] == ("not drawn: kldiv_inline (wrong: 2 of 12 cases); torch_compile (error: 6 of 6 "
+                                     "cases); liger (error: 6 of 6 cases)")  # both passes, the fused head's too
+    assert notes["linear_time_memory.png"] == "not drawn: liger (error: 6 of 6 cases)"
+
+
 def _fake_linear_rows():
     rows = []
     for impl, scale, extra in (("kldiv_inline", 1.1, 500.0), ("torch_eager", 1.8, 6000.0), ("liger", 4.0, 1600.0)):
