@@ -175,8 +175,34 @@ def note_not_drawn(fig, df: pd.DataFrame, by: str) -> None:
 
 
 # ------------------------------------------------------------------------------- the KL suite's results
-def load_bench(path: Path) -> pd.DataFrame:
+# The columns of a bench.csv that the figures and the goals read in every row (every bench.csv bench has written holds
+# them), and those of them whose cell places a row (its provider, case and timer): an empty one there is no row.
+BENCH_REQUIRED = ("device", "impl", "pass", "form", "dtype", "batch", "features", "median_ms", "q20_ms", "q80_ms",
+                  "gbps", "x_floor", "status", "timer")
+BENCH_KEYS = ("impl", "pass", "form", "dtype", "batch", "features", "status", "timer")
+
+
+def read_bench(path: Path) -> pd.DataFrame:
+    """A bench.csv as a frame, or a clear error naming it and the column or row it lacks (a bare KeyError or
+    TypeError deep in the goals or the figures was all plot said of a column left out or an empty batch cell)."""
     df = read_csv(path)
+    missing = [c for c in BENCH_REQUIRED if c not in df.columns]
+    if missing:
+        raise SystemExit(f"{path} has no {', '.join(missing)} column(s), which plot and the goals read: mend it, "
+                         "or remove it")
+    for col in BENCH_KEYS:
+        cells = pd.to_numeric(df[col], errors="coerce") if col in ("batch", "features") else df[col]
+        empty = cells.isna().to_numpy()
+        if empty.any():
+            row = int(empty.argmax()) + 1
+            raise SystemExit(f"{path}: row {row} (after the header) has no {col}"
+                             + (" number" if col in ("batch", "features") else "") + f" ({int(empty.sum())} such "
+                             "row(s)): mend it, or remove the row")
+    return df
+
+
+def load_bench(path: Path) -> pd.DataFrame:
+    df = read_bench(path)
     # A column written twice (an earlier writer of the two-GPU run repeated beta and hidden) is read once.
     twice = [c for c in df.columns if c.endswith(".1") and c[:-2] in df.columns]
     df = df.drop(columns=twice)
@@ -387,7 +413,7 @@ def _folder_goals(folder: Path, ours: str) -> tuple[list[dict], dict]:
     """The goals measured by the run in folder/bench.csv, and its env.json ({} if none)."""
     from .goals import goal_rows
 
-    df = read_csv(folder / "bench.csv")
+    df = read_bench(folder / "bench.csv")
     rows = df.astype(object).where(df.notna(), None).to_dict("records")
     env = read_env(folder / "env.json")
     device = env.get("device") or ("cuda" if (df["device"] == "cuda").any() else "cpu")

@@ -1097,6 +1097,28 @@ def test_broken_results_files_get_errors_that_name_them(tmp_path, monkeypatch):
     assert not (folder / "correctness.csv").exists()
 
 
+def test_plot_names_the_column_or_row_a_bench_csv_lacks(tmp_path):
+    # A bench.csv without a column the goals or the figures read (timer, status), or with an empty key cell (batch),
+    # stopped plot with a bare KeyError or TypeError from deep inside them.
+    from kldiv_inline.__main__ import main
+
+    folder = tmp_path / "some-gpu"
+    rows = _fake_rows()
+    for drop, message in (("timer", "has no timer column"), ("status", "has no status column")):
+        bench.write_csv(rows, folder / "bench.csv")
+        pd.read_csv(folder / "bench.csv").drop(columns=[drop]).to_csv(folder / "bench.csv", index=False)
+        for results in (tmp_path, folder):
+            with pytest.raises(SystemExit) as refused:
+                main(["plot", "--results", str(results)])
+            assert str(refused.value.code).startswith(f"{folder / 'bench.csv'} {message}"), refused.value.code
+    bench.write_csv([dict(r, batch=None) if i == 4 else r for i, r in enumerate(rows)], folder / "bench.csv")
+    with pytest.raises(SystemExit, match=r"bench.csv: row 5 \(after the header\) has no batch number"):
+        main(["plot", "--results", str(tmp_path)])
+    bench.write_csv([dict(r, impl=None) if i == 2 else r for i, r in enumerate(rows)], folder / "bench.csv")
+    with pytest.raises(SystemExit, match=r"row 3 \(after the header\) has no impl \(1 such row"):
+        main(["plot", "--results", str(folder)])
+
+
 def test_console_table_and_cpu_goals_say_what_they_hold(monkeypatch):
     # The distillation suite's rows of one case differ by beta only; a long provider name keeps its own column.
     rows = [{"impl": name, "pass": "fwd+bwd", "form": "logits", "dtype": "bfloat16", "batch": 64, "features": 4096,
