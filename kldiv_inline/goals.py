@@ -105,6 +105,14 @@ def untimed(goal: str, case: str, target: str, mine: dict) -> dict:
             "status": str(mine.get("status"))}
 
 
+def peer_untimed(goal: str, case: str, target: str, mine: dict, peer: str, other: dict) -> dict:
+    """The verdict on a goal against a peer that ran and was not timed (failed its check, raised, not installed):
+    NO, with the peer and its status. Left out, the goal vanished from goals.md and status.md kept an older run's
+    row for it as the latest."""
+    return {"goal": goal, "case": case, "target": target, "value": math.nan,
+            "ours_ms": _number(mine.get("median_ms")), "met": False, "status": str(other.get("status")), "peer": peer}
+
+
 def floor_goal(rows: list[dict]) -> dict | None:
     """The lowest time / floor over every row timed with CUDA events (any provider): below 1.0 the floor is
     no floor. Those rows read their inputs from memory (the L2 is flushed before each call); wall-clock rows
@@ -151,7 +159,10 @@ def goal_rows(rows: list[dict], device: str, ours: str) -> list[dict]:
             continue
         if what == "speedup":
             other = find(peer, g)
-            if other is None or other.get("status") != "ok":
+            if other is None:
+                continue
+            if other.get("status") != "ok":
+                out.append(peer_untimed(name, case, text, mine, peer, other))
                 continue
             value = _number(other["median_ms"]) / _number(mine["median_ms"])
             ok = value >= bound
@@ -199,7 +210,10 @@ def vocab_goal_rows(rows: list[dict], ours: str, peer: str = "megatron_style") -
                 ok = value <= bound
             else:
                 other = find(peer, form, beta, world)
-                if other is None or other.get("status") != "ok":
+                if other is None:
+                    continue
+                if other.get("status") != "ok":
+                    out.append(peer_untimed(name, case, text, mine, peer, other))
                     continue
                 value = _number(other["median_ms"]) / _number(mine["median_ms"])
                 ok = value >= bound
@@ -228,7 +242,10 @@ def distill_goal_rows(rows: list[dict], ours: str) -> list[dict]:
             continue
         if what == "speedup":
             other = find(peer, pass_, form, beta)
-            if other is None or other.get("status") != "ok":
+            if other is None:
+                continue
+            if other.get("status") != "ok":
+                out.append(peer_untimed(name, case, text, mine, peer, other))
                 continue
             value = _number(other["median_ms"]) / _number(mine["median_ms"])
             ok = value >= bound
@@ -250,8 +267,9 @@ def distill_goal_rows(rows: list[dict], ours: str) -> list[dict]:
 
 def format_value(goal: dict) -> str:
     """A goal's measured value as goals.md, status.md and the README's tables print it."""
-    if goal.get("status", "ok") != "ok":  # ours failed its check or raised: no value to show
-        return "not timed: " + goal["status"].split(":")[0]
+    if goal.get("status", "ok") != "ok":  # ours (or the peer named) failed its check or raised: no value to show
+        word = goal["status"].split(":")[0]
+        return f'peer "{goal["peer"]}" not timed: {word}' if goal.get("peer") else "not timed: " + word
     if goal["target"].startswith("relative") or "rel_err" in goal["target"]:  # 0.000 would hide a 2e-5
         return f"{goal['value']:.2e}"
     if goal["target"].startswith("%"):
