@@ -132,11 +132,16 @@ def cmd_plot(args) -> int:
     else:
         written = plots.plot_all(results, out, ours=OURS, peers=PEERS)
         status = plots.write_status(results, OURS, out)  # each goal's latest run, over every folder
-    if not written and not status:
+    if not written and not status:  # (goals.md is written wherever a bench.csv is)
         sys.exit(f"plot: no bench.csv or correctness.csv under {results}: nothing to draw (give the folder that "
                  "`check`, `bench` or `results` wrote, as its --results)")
     for p in written + ([status] if status else []):
         print(p)
+    if not any(p.suffix == ".png" for p in written):
+        # The goals are written and are this command's output too (exit 0): a run cut short after one case, say,
+        # has goals and no figure. It said "no bench.csv ...: nothing to draw" and exited 1 beside its bench.csv.
+        print(f"plot: no rows to draw under {results} (no size swept, no case with ours and a peer both timed): "
+              "goals written, no figure", file=sys.stderr)
     return 0
 
 

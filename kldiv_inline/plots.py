@@ -450,7 +450,7 @@ def write_status(results: Path, ours: str, out: Path | None = None) -> Path | No
 
 
 def plot_folder(folder: Path, out: Path | None = None, *, ours: str, peers: list[str] | None = None) -> list[Path]:
-    """Every PNG for one results/<device>/ folder of the KL suite (and its goals.md)."""
+    """Every PNG for one results/<device>/ folder of the KL suite, and its goals.md (first), as written."""
     out = out or folder
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -467,7 +467,7 @@ def plot_folder(folder: Path, out: Path | None = None, *, ours: str, peers: list
     bench = folder / "bench.csv"
     if bench.exists():
         df = load_bench(bench)
-        write_goals(folder, ours, out)  # with --out, the source folder is left as it is
+        written.append(write_goals(folder, ours, out))  # with --out, the source folder is left as it is
         env = folder / "env.json"
         e = read_env(env)
         read_gbps = e.get("floor_gbps") or e.get("read_gbps")  # older runs recorded only read_gbps
