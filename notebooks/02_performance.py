@@ -13,8 +13,9 @@
 # The figures are drawn by `kldiv_inline.plots`, the functions that draw `results/<device>/*.png`, so the
 # last section can lay this run beside the committed results of the same device.
 #
-# Without a GPU the harness times the CPU twin against eager PyTorch on the CPU with a wall clock, at small
-# sizes: a run of the same code path, not a performance claim. torch.compile and Liger are GPU peers here.
+# Without a GPU the harness times the CPU twin against eager PyTorch on the CPU with a wall clock, at the CPU
+# cases of `python -m kldiv_inline bench` (those of the committed `results/cpu-*` runs; well under a minute on
+# two cores): a run of the same code path, not a performance claim. torch.compile and Liger are GPU peers here.
 
 # %% tags=["parameters"]
 # Parameters: the only cell to edit. FULL: the sizes of a GPU study; without a GPU a quick CPU run.
@@ -26,12 +27,14 @@ import torch
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FULL = os.environ.get("KLDIV_NB_FULL", "1" if DEVICE == "cuda" else "0") == "1"
 
-# FULL: the cases of `python -m kldiv_inline bench` (bench.headline_cases and bench.sweep_cases), so the
-# plots match the committed ones. Otherwise: float32 probability rows of QUICK_FEATURES, QUICK_BATCHES rows.
+# The cases of `python -m kldiv_inline bench` (bench.headline_cases and bench.sweep_cases), so the plots match
+# the committed ones: on a GPU when FULL, on the CPU always (its cases are small). A quick GPU run (not FULL)
+# times float32 probability rows of QUICK_FEATURES, QUICK_BATCHES rows instead.
+CLI_CASES = FULL or DEVICE == "cpu"
 QUICK_FEATURES = 1024
 QUICK_BATCHES = (16, 64, 256, 1024)
-REPS = 30 if FULL else 5  # timed calls per provider and case
-BANDWIDTH_BYTES = 1 << 30 if DEVICE == "cuda" else 64 << 20  # buffer of the floor's read-bandwidth measurement
+REPS = 30 if CLI_CASES else 5  # timed calls per provider and case (30: the CLI's default)
+BANDWIDTH_BYTES = 1 << 30  # buffer of the floor's read-bandwidth measurement (the CLI's size)
 
 # %%
 import sys
@@ -48,7 +51,7 @@ from kldiv_inline import plots
 
 # %matplotlib inline
 
-print(f"device {DEVICE}, FULL={FULL}, torch {torch.__version__}")
+print(f"device {DEVICE}, FULL={FULL}, the CLI's cases: {CLI_CASES}, torch {torch.__version__}")
 
 # %% [markdown]
 # ## The cases and the floor
@@ -63,7 +66,7 @@ print(f"device {DEVICE}, FULL={FULL}, torch {torch.__version__}")
 from kldiv_inline import bench, floors
 
 TIMER = "cuda" if DEVICE == "cuda" else "wall"
-if FULL:
+if CLI_CASES:
     headline, sweep = bench.headline_cases(DEVICE), bench.sweep_cases(DEVICE)
 else:
     sweep = [bench.Case("probs", torch.float32, b, QUICK_FEATURES, ("fwd", "fwd+bwd"), TIMER)
@@ -163,8 +166,11 @@ assert not headline_table.duplicated(["case", "pass", "impl"]).any(), "two rows 
 #
 # `make results` on a machine writes `results/<device>/bench.csv` and `env.json` (card, commit, command,
 # the floor's bandwidth). If this device has a folder there, the cell draws it with the same function as this
-# run, so the two can be compared figure by figure. Expect differences where a size is launch-bound (host
-# speed) and on a different card.
+# run. When this run timed the CLI's cases (on the CPU, or FULL on a GPU) the two can be compared figure by
+# figure; a quick GPU run's sizes are not the committed ones. The committed file also holds the other suites'
+# rows (distillation, the fused LM head), drawn as figures of their own. Expect differences where a size is
+# launch-bound (host speed), on a different card or CPU of the same name, and from run to run on a shared
+# machine.
 
 # %%
 from kldiv_inline.envinfo import device_slug
