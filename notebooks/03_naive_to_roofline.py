@@ -60,8 +60,8 @@ print(f"device {DEVICE}, FULL={FULL}, torch {torch.__version__}")
 #
 # Reading both inputs once at the best read bandwidth measured on this device (`kldiv_inline.floors`: a
 # `sum` over `BANDWIDTH_BYTES` and, on a GPU, the kit's own read kernel, `kernels/read_floor.cu`): that is
-# the time of a kernel that does nothing but read. On an H200, measured in one run with `x.sum()`: 4279 GB/s,
-# so 0.50 ms for the two 1 GiB inputs.
+# the time of a kernel that does nothing but read. The floors of the committed GPU runs are in the next
+# section's table.
 
 # %%
 from kldiv_inline import bench, floors, harness
@@ -74,6 +74,80 @@ floor_ms = floor.ms(case.bytes_moved("fwd"))
 print(f"{DEVICE}: read {floor.gbps:.0f} GB/s ({floor.source}); {BATCH} x {FEATURES} float32, "
       f"{case.bytes_moved('fwd') / 2**30:.3f} GiB to read: floor {floor_ms:.4f} ms")
 print("variants:", ", ".join(variant_names()))
+
+# %% [markdown]
+# ## What the committed runs measured
+#
+# `make results` on an H200 and on an H100 timed every step of this notebook, with the same harness, at the
+# seed's size (16384 x 16384 float32 probabilities, forward, CUDA events) and at the launch-bound size of the
+# last section (128 x 4096, end to end from Python). Their files are committed: `results/nvidia-h200/` and
+# `results/nvidia-h100-80gb-hbm3/`, each a `bench.csv` and an `env.json` (the card, the commit the run was
+# made at, its date, the floor's bandwidth and where it came from). The cell reads them and prints, per card,
+# each step's median time, its ratio to the floor (`x floor`) and its time over the step before it
+# (`x prev step`; below 1: faster). Every figure quoted for a GPU below is one of these rows: one run per
+# card, at the commit printed; a rerun, a later commit or another card gives other numbers, and the two cards
+# do not always agree on the order of neighbouring steps. `show_committed` prints one step's rows beside this
+# run's.
+
+# %%
+import json
+
+import pandas as pd
+from IPython.display import display
+
+COMMITTED = ["nvidia-h200", "nvidia-h100-80gb-hbm3"]  # folders under results/
+STEPS = ["v0_seed", "v1_grid_stride", "v2_vectorized", "v3_ratio_log", "kldiv_inline"]
+PEERS = ["torch_eager", "torch_compile", "liger"]
+SIZES = {"16384x16384": (16384, 16384), "128x4096": (128, 4096)}
+
+
+def committed_run(folder):
+    """env.json, and per size of SIZES this notebook's rows of results/<folder>/bench.csv (float32
+    probabilities, forward, checked ok), one per provider."""
+    env = json.loads((ROOT / "results" / folder / "env.json").read_text())
+    df = plots.load_bench(ROOT / "results" / folder / "bench.csv")
+    df = df[(df["form"] == "probs") & (df["dtype"] == "float32") & (df["pass"] == "fwd") & (df["status"] == "ok")]
+    rows = {}
+    for label, (batch, features) in SIZES.items():
+        at = df[(df["batch"] == batch) & (df["features"] == features)]
+        assert not at["impl"].duplicated().any(), f"{folder}: two rows of one provider at {label}"
+        rows[label] = at.set_index("impl")
+    return env, rows
+
+
+runs = {folder: committed_run(folder) for folder in COMMITTED if (ROOT / "results" / folder / "bench.csv").exists()}
+
+
+def committed_table(rows):
+    """One run's rows as a table: per size, each provider's median, x floor and time over the step before."""
+    table = pd.DataFrame(index=[i for i in STEPS + PEERS if any(i in r.index for r in rows.values())])
+    for label, r in rows.items():
+        unit, scale = ("ms", 1.0) if label == "16384x16384" else ("us", 1e3)
+        table[f"{label} {unit}"] = r["median_ms"].reindex(table.index) * scale
+        table[f"{label} x floor"] = r["x_floor"].reindex(table.index)
+        steps = r["median_ms"].reindex(STEPS)
+        table[f"{label} x prev step"] = (steps / steps.shift(1)).reindex(table.index)
+    return table.round(3)
+
+
+for folder, (run_env, run_rows) in runs.items():  # (names of their own: `rows` is the harness's, below)
+    floors_us = ", ".join(f"{label} {r['floor_ms'].iloc[0] * 1e3:.1f} us" for label, r in run_rows.items() if len(r))
+    print(f"results/{folder}: {run_env.get('device_name')}, commit {str(run_env.get('commit'))[:7]}, "
+          f"{run_env.get('date_utc')}, floor {run_env.get('floor_gbps')} GB/s ({run_env.get('floor_source')}); "
+          f"floor per call: {floors_us}")
+    display(committed_table(run_rows))
+if not runs:
+    print("no committed GPU runs under results/:", ", ".join(COMMITTED))
+
+
+def show_committed(impl, size="16384x16384"):
+    """impl's rows at `size` in the committed runs, one line per card."""
+    for env, rows in runs.values():
+        if impl in rows[size].index:
+            r = rows[size].loc[impl]
+            print(f"{'':<16} committed at {size}, {env.get('device_name')} ({str(env.get('commit'))[:7]}): "
+                  f"{r.median_ms:.4f} ms, {r.x_floor:.2f} x floor")
+
 
 # %% [markdown]
 # Each step goes through `step`, which hands the kernel to the kit's harness, as `python -m kldiv_inline
@@ -125,11 +199,12 @@ def run_variant(name, case=case, inputs=(x, t)):
 # CPU and copies a one-element tensor back. Notebook 1 shows its wrong answers; here its speed.
 #
 # At this size one block per row is fine (16384 blocks keep the GPU busy), and the copy and the wait cost
-# little next to reading 2 GiB: measured on an H200 in one run, 0.67 ms, 1.34x the floor. The flaws that
-# matter are elsewhere: correctness, and the small sizes below.
+# little next to reading 2 GiB; in the committed runs v0 is off the floor by more on the H200 than on the
+# H100 (its rows, below). The flaws that matter most are elsewhere: correctness, and the small sizes below.
 
 # %%
 run_variant("v0_seed")
+show_committed("v0_seed")
 
 # %% [markdown]
 # ## v1: the seed's design fixed, not yet tuned
@@ -139,14 +214,16 @@ run_variant("v0_seed")
 # written as double partials; a one-block kernel adds them in a fixed order and writes the 0-d result on the
 # device. Deterministic, no atomics, no host synchronisation, any number of dimensions.
 #
-# It is *slower* than v0 at this size (measured on an H200 in one run: 0.73 ms against 0.67 ms). Each
-# element still costs two scalar loads and two accurate `logf` of about twenty instructions each: at this
-# size that work is already close to what the SMs can issue while the memory streams, so the few
-# instructions v1 adds per element (64-bit index arithmetic, the zero-target test) show up as time. Fixing
-# correctness first and speed after keeps the two apart; v2 and v3 take the instructions back out.
+# In the committed runs it is no faster than v0 at this size: slower on the H200, about level on the H100
+# (the `x prev step` column). Each element still costs two scalar loads and two accurate `logf` of about
+# twenty instructions each: at this size that work is likely already close to what the SMs can issue while
+# the memory streams, so the few instructions v1 adds per element (64-bit index arithmetic, the zero-target
+# test) can show up as time. Fixing correctness first and speed after keeps the two apart; v2 and v3 take
+# instructions back out.
 
 # %%
 run_variant("v1_grid_stride")
+show_committed("v1_grid_stride")
 
 # %% [markdown]
 # ## v2: wider loads, more bytes in flight
@@ -155,7 +232,8 @@ run_variant("v1_grid_stride")
 # four independent accumulators per thread. One load instruction now brings four elements, and the loop's
 # index arithmetic is shared by eight: fewer instructions per element. And a streaming kernel is limited by
 # the bytes it keeps in flight: four times the bytes per load, two loads issued before the first is used.
-# Same arithmetic as v1. Measured on an H200 in one run: 0.61 ms, 1.21x the floor. The changes:
+# Same arithmetic as v1. In the committed runs it is faster than v1 on both cards, by more on the H200, where
+# v1 was further from the floor. The changes:
 
 # %%
 import difflib
@@ -171,20 +249,24 @@ def show_diff(a, b):
 
 show_diff("v1_grid_stride", "v2_vectorized")
 run_variant("v2_vectorized")
+show_committed("v2_vectorized")
 
 # %% [markdown]
 # ## v3: one log per element
 #
 # $t(\log t - \log p) = t \log(t/p)$: one IEEE division and one accurate `logf` instead of two `logf`. With
-# the loads now wide, the two logs per element were what kept v2 from the floor; the ratio form halves that
-# work and, as a bonus, avoids cancelling two logs of similar size. The literal formula stays for the cases
-# where the ratio is not a normal number (t = 0, p <= 0, infinities, NaN, over- and underflow), so the
-# semantics are PyTorch's. The float accumulators are emptied into a double every 8 iterations, which keeps
-# the relative error near 1e-8 at 2^28 terms. Measured on an H200 in one run: 0.52 ms, 1.03x the floor.
+# the loads now wide, the two logs per element are the largest per-element cost left in v2; the ratio form
+# halves that work and, as a bonus, avoids cancelling two logs of similar size. The literal formula stays for
+# the cases where the ratio is not a normal number (t = 0, p <= 0, infinities, NaN, over- and underflow), so
+# the semantics are PyTorch's. The float accumulators are emptied into a double every 8 iterations, which
+# keeps the relative error of the float32 sum small over 2^28 terms (notebook 1 measures the error against
+# size). In the committed runs v3 is faster than v2 on both cards, but on the H200 it is still clearly off the
+# floor (its `x floor`); the production kernel, next, comes closer there.
 
 # %%
 show_diff("v2_vectorized", "v3_ratio_log")
 run_variant("v3_ratio_log")
+show_committed("v3_ratio_log")
 
 # %% [markdown]
 # ## Production: `kldiv_inline.kl_div_from_probs`
@@ -192,13 +274,15 @@ run_variant("v3_ratio_log")
 # v3's arithmetic in `kernels/kldiv.cu`, for every floating dtype (the hardware log for 16-bit inputs,
 # whose error is far below their resolution), strided and broadcast operands, the four reductions and both
 # input forms, plus the fused gradient of the training pass, behind PyTorch's checks and autograd
-# (`kldiv_inline/ops.py`). Measured on an H200 in one run: 0.518 ms, 1.03x the floor. Without a GPU this
-# is the CPU twin.
+# (`kldiv_inline/ops.py`). In the committed runs it is the fastest of the steps on both cards and the
+# closest to the floor; on the H100, v2, v3 and production are close together. Without a GPU this is the CPU
+# twin.
 #
 # For context, the peers on the same inputs (`bench.providers`): PyTorch eager (a `log` pass, then
 # `kl_div`), and on a GPU torch.compile and Liger (which takes log-probabilities, so `torch.log` first) when
-# installed. Measured on an H200 in one run: eager 2.74 ms, torch.compile 0.64 ms, Liger with its
-# `torch.log` 0.99 ms.
+# installed. In the committed runs eager is several times the floor on both cards and Liger with its
+# `torch.log` is between eager and torch.compile; torch.compile is about level with production on the H100
+# and further from the floor than production on the H200.
 
 # %%
 for impl, fn in bench.providers(case, DEVICE, [], "fwd").items():
@@ -206,6 +290,7 @@ for impl, fn in bench.providers(case, DEVICE, [], "fwd").items():
         print(f"{impl:<16} not installed")
     else:
         step(impl, fn)
+    show_committed(impl)
 
 # %% [markdown]
 # Every step against the floor (the dashed line), from this run:
@@ -227,18 +312,23 @@ plt.show()
 # %% [markdown]
 # ## The launch-bound end: 128 x 4096
 #
-# At 2 MiB per input the GPU reads the data in about a microsecond; what a call costs is the host's work
-# to launch it. Timed end to end from Python (50 back-to-back calls, one synchronisation), the seed's
-# `.item()` stands out: every call waits for the GPU and copies twice. Measured on an H200 in one run: v0
-# 46 us, v1 16 us (no synchronisation), production 13.8 us (a fast path in `ops.py` skips the checks that
-# the C++ side repeats anyway).
+# At 2 MiB per input the floor is a small part of what a call costs (the committed `x floor` at 128x4096 is
+# far above 1): the cost is the host's work to launch it. Timed end to end from Python (50 back-to-back calls,
+# one synchronisation), the seed's `.item()` stands out: every call waits for the GPU and copies twice, and in
+# the committed runs v0 is the slowest of the steps here on both cards, well behind v1-v3, which never
+# synchronise. The production op does more host work per call than the variants' bare bindings (PyTorch's
+# custom-op dispatch, autograd, the checks; a fast path in `ops.py` skips the Python-side checks that the C++
+# side repeats anyway): in the committed runs it is no faster than v1-v3 at this size, slower than each of them
+# on both cards. At this end host time, not the kernel, separates them.
 
 # %%
 small = bench.Case("probs", torch.float32, SMALL_BATCH, SMALL_FEATURES, ("fwd",), "wall")
 small_inputs = bench.make_inputs(small, DEVICE)
 for name in ("v0_seed", "v1_grid_stride"):
     run_variant(name, small, small_inputs)
+    show_committed(name, "128x4096")
 step("kldiv_inline", K.kl_div_from_probs, small, small_inputs)
+show_committed("kldiv_inline", "128x4096")
 
 # %% [markdown]
 # ## The edit loop
