@@ -340,9 +340,16 @@ show_committed("kldiv_inline", "128x4096")
 #
 # Below, a copy of a kernel in a temporary folder: on a GPU, `v3_ratio_log.cu` with the header and bindings
 # it shares with the other variants (we change its block size); without one, a tiny C++ module in plain
-# CPython API (no torch headers: it compiles in about a second) whose only function returns a constant. The
-# builds of this section go to a temporary cache, removed at the end. (For the kit's own kernels the loop is
-# the same: edit `kernels/kldiv.cu`, then `kldiv_inline.ops.reload()`.)
+# CPython API (no torch headers: it compiles quickly) whose only function returns a constant. The builds of
+# this section go to a temporary cache, removed at the end.
+#
+# For the kit's own kernels the loop is the same, with the files the module of your backend compiles
+# (`kldiv_inline.loader.KIT_EXTENSIONS`, printed below, and the headers they include): for the KL op
+# `kernels/kldiv.cu` on a GPU and `kernels/kldiv_cpu.cpp` on the CPU, each with `kernels/kldiv_bindings.cpp`
+# and the headers both share (`kldiv_common.h`, `kldiv_plan.h`); an edit of `kldiv.cu` changes nothing on a
+# CPU-only machine. Then `kldiv_inline.ops.reload()` (for `kl_div`: `kldiv*` files) or
+# `kldiv_inline.distill.reload()` (for `generalized_jsd` and the fused head: `distill*` files), or a restart
+# of the kernel, makes the ops use the new build.
 
 # %%
 import shutil
@@ -352,8 +359,13 @@ WORK = Path(tempfile.mkdtemp(prefix="kldiv_edit_loop_")).resolve()
 USER_CACHE = os.environ.get("KLDIV_INLINE_CACHE")  # yours, given back at the end
 os.environ["KLDIV_INLINE_CACHE"] = str(WORK / "cache")  # this section's builds stay in WORK
 
+from kldiv_inline.loader import KIT_EXTENSIONS
+
+for extension, files in KIT_EXTENSIONS.items():
+    print(f"the kit's {extension} module compiles, on {DEVICE}: {', '.join(files[DEVICE])}")
+
 TINY_CPP = """\
-// A module with one function, value(), in plain CPython API: no torch headers, a one-second build.
+// A module with one function, value(), in plain CPython API: no torch headers, a quick build.
 #include <Python.h>
 static const long kValue = 7;
 static PyObject* value(PyObject*, PyObject*) { return PyLong_FromLong(kValue); }
