@@ -341,7 +341,8 @@ show_committed("kldiv_inline", "128x4096")
 # Below, a copy of a kernel in a temporary folder: on a GPU, `v3_ratio_log.cu` with the header and bindings
 # it shares with the other variants (we change its block size); without one, a tiny C++ module in plain
 # CPython API (no torch headers: it compiles quickly) whose only function returns a constant. The builds of
-# this section go to a temporary cache, removed at the end.
+# this section go to a temporary cache, removed at the end; the cell saves your `KLDIV_INLINE_CACHE` (or that
+# it was unset) once, so running it again does not take the scratch cache for yours.
 #
 # For the kit's own kernels the loop is the same, with the files the module of your backend compiles
 # (`kldiv_inline.loader.KIT_EXTENSIONS`, printed below, and the headers they include): for the KL op
@@ -352,13 +353,19 @@ show_committed("kldiv_inline", "128x4096")
 # of the kernel, makes the ops use the new build.
 
 # %%
+import os
 import shutil
 import tempfile
+from pathlib import Path
 
+if "USER_CACHE" not in globals():  # saved once: a second run of this cell must not save its own scratch cache
+    USER_CACHE = os.environ.get("KLDIV_INLINE_CACHE")  # yours (None: unset), given back at the end
+SCRATCH_FOLDERS = globals().get("SCRATCH_FOLDERS", [])  # every scratch folder of this section, removed at the end
 WORK = Path(tempfile.mkdtemp(prefix="kldiv_edit_loop_")).resolve()
-USER_CACHE = os.environ.get("KLDIV_INLINE_CACHE")  # yours, given back at the end
+SCRATCH_FOLDERS.append(WORK)
 os.environ["KLDIV_INLINE_CACHE"] = str(WORK / "cache")  # this section's builds stay in WORK
 
+# %%
 from kldiv_inline.loader import KIT_EXTENSIONS
 
 for extension, files in KIT_EXTENSIONS.items():
@@ -447,8 +454,16 @@ edit(EDITED.replace(";", " +;"), EDITED)
 again = build()
 assert again is second
 
-if USER_CACHE is None:
-    del os.environ["KLDIV_INLINE_CACHE"]
-else:
-    os.environ["KLDIV_INLINE_CACHE"] = USER_CACHE
-shutil.rmtree(WORK, ignore_errors=True)
+# %% [markdown]
+# Your `KLDIV_INLINE_CACHE` back (unset again if it was unset), and every scratch folder of this section gone.
+
+# %%
+if "USER_CACHE" in globals():  # once; a second run of this cell has nothing left to give back
+    if USER_CACHE is None:
+        os.environ.pop("KLDIV_INLINE_CACHE", None)
+    else:
+        os.environ["KLDIV_INLINE_CACHE"] = USER_CACHE
+    del USER_CACHE  # the next run of the section's first cell saves yours again
+for folder in globals().get("SCRATCH_FOLDERS", []):
+    shutil.rmtree(folder, ignore_errors=True)
+SCRATCH_FOLDERS = []

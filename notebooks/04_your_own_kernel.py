@@ -57,16 +57,23 @@ print(f"device {DEVICE}, FULL={FULL}, torch {torch.__version__}")
 # input and says what it expects: a bad input gets a clear error, never a wrong number. Every CUDA launch is
 # followed by `C10_CUDA_KERNEL_LAUNCH_CHECK()`. The builds of this notebook go to a cache inside the scratch
 # folder, removed at the end, so each run shows real builds; without `KLDIV_INLINE_CACHE`, builds stay in
-# `~/.cache/kldiv_inline` across sessions.
+# `~/.cache/kldiv_inline` across sessions. The first cell saves your `KLDIV_INLINE_CACHE` (or that it was
+# unset) once, so running it again does not take the scratch cache for yours; the last cell gives it back.
 
 # %%
+import os
 import shutil
 import tempfile
+from pathlib import Path
 
+if "USER_CACHE" not in globals():  # saved once: a second run of this cell must not save its own scratch cache
+    USER_CACHE = os.environ.get("KLDIV_INLINE_CACHE")  # yours (None: unset), given back at the end
+SCRATCH_FOLDERS = globals().get("SCRATCH_FOLDERS", [])  # every scratch folder of this notebook, removed at the end
 WORK = Path(tempfile.mkdtemp(prefix="kldiv_your_kernel_")).resolve()
-USER_CACHE = os.environ.get("KLDIV_INLINE_CACHE")  # yours, given back at the end
+SCRATCH_FOLDERS.append(WORK)
 os.environ["KLDIV_INLINE_CACHE"] = str(WORK / "cache")
 
+# %%
 (WORK / "scale2_bindings.cpp").write_text("""\
 // Python bindings of scale2, for both implementations (scale2.cu and scale2.cpp).
 #include <torch/extension.h>
@@ -308,12 +315,16 @@ fig = harness.plot(timed, ours="mine, edited", title=f"scale2 on {DEVICE}, befor
 plt.show()
 
 # %% [markdown]
-# The scratch folder and its build cache go; the files of your own kernel would live in your project, and
-# its builds in the default cache.
+# Your `KLDIV_INLINE_CACHE` back (unset again if it was unset), and the scratch folders and their build caches
+# gone; the files of your own kernel would live in your project, and its builds in the default cache.
 
 # %%
-if USER_CACHE is None:
-    del os.environ["KLDIV_INLINE_CACHE"]
-else:
-    os.environ["KLDIV_INLINE_CACHE"] = USER_CACHE
-shutil.rmtree(WORK, ignore_errors=True)
+if "USER_CACHE" in globals():  # once; a second run of this cell has nothing left to give back
+    if USER_CACHE is None:
+        os.environ.pop("KLDIV_INLINE_CACHE", None)
+    else:
+        os.environ["KLDIV_INLINE_CACHE"] = USER_CACHE
+    del USER_CACHE  # the next run of the notebook's scratch cell saves yours again
+for folder in globals().get("SCRATCH_FOLDERS", []):
+    shutil.rmtree(folder, ignore_errors=True)
+SCRATCH_FOLDERS = []

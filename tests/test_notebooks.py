@@ -141,6 +141,50 @@ def test_twin_edited_as_text_reaches_the_ipynb(copies):
     assert_stripped(copies)
 
 
+SCRATCH_CACHE_NOTEBOOKS = ["03_naive_to_roofline.ipynb", "04_your_own_kernel.ipynb"]
+
+
+def scratch_cache_cells(name: str) -> tuple[str, str]:
+    """The code cell of `name` that saves the user's KLDIV_INLINE_CACHE and points it at a scratch folder, and
+    the one that gives it back and removes the scratch folders."""
+    sources = [c.source for c in read(NB_DIR / name).cells if c.cell_type == "code"]
+    setup = [src for src in sources if "SCRATCH_FOLDERS.append" in src]
+    cleanup = [src for src in sources if "del USER_CACHE" in src]
+    assert len(setup) == 1 and len(cleanup) == 1, f"{name}: expected one scratch cell and one cleanup cell"
+    return setup[0], cleanup[0]
+
+
+@pytest.mark.parametrize("user_cache", [None, "my_cache"])
+@pytest.mark.parametrize("name", SCRATCH_CACHE_NOTEBOOKS)
+def test_scratch_cache_cells_run_twice(name, user_cache, tmp_path, monkeypatch):
+    """In Jupyter a cell is easily run twice. The scratch cell run twice still saves the user's
+    KLDIV_INLINE_CACHE (not its own scratch path), and the cleanup cell gives it back, or unsets it when it was
+    unset, and removes every scratch folder, also when it runs twice itself and when the notebook runs again in
+    the same kernel. (The two cells run in one namespace, as a kernel's; nothing else of the notebook is
+    needed, so no kernel is started.)"""
+    import tempfile
+
+    setup, cleanup = (compile(src, f"{name}:{i}", "exec") for i, src in enumerate(scratch_cache_cells(name)))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the scratch folders go under tmp_path
+    mine = None if user_cache is None else str(tmp_path / user_cache)
+    if mine is None:
+        monkeypatch.delenv("KLDIV_INLINE_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("KLDIV_INLINE_CACHE", mine)
+    namespace: dict = {}
+    for _ in range(2):  # the notebook run twice in one kernel
+        exec(setup, namespace)
+        exec(setup, namespace)
+        scratch = sorted(p for p in tmp_path.iterdir() if p.name != user_cache)
+        assert len(scratch) == 2, scratch
+        assert Path(os.environ["KLDIV_INLINE_CACHE"]).parent in scratch
+        exec(cleanup, namespace)
+        assert os.environ.get("KLDIV_INLINE_CACHE") == mine
+        assert not [p for p in tmp_path.iterdir() if p.name != user_cache], "scratch folders left behind"
+        exec(cleanup, namespace)
+        assert os.environ.get("KLDIV_INLINE_CACHE") == mine
+
+
 @pytest.fixture(scope="module")
 def kernel_specs(tmp_path_factory):
     """A kernel spec that starts ipykernel with this very interpreter (whatever `python3` a system's
