@@ -517,13 +517,13 @@ def _build_lock(ext_name: str, failed: ImportError | None = None):
                                f"build of {ext_name}{held}: build it once where the cache is writable, or set "
                                "KLDIV_INLINE_CACHE to a writable directory.") from e
     with fh:
-        waited_from = None
+        waited_from = time.time()  # (before trying: a build that fails as we try counts as one we waited for)
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            waited_from = None
         except BlockingIOError:
             # Said, as a long build is: a waiting process printed nothing for the whole of another's build.
             _log.info("waiting for another process building %s (lock %s)...", ext_name, fh.name)
-            waited_from = time.time()
             fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield waited_from
@@ -534,8 +534,18 @@ def _build_lock(ext_name: str, failed: ImportError | None = None):
 _FAILED_MARK = "kldiv_inline_failed.json"  # a failed build's errors, in its build folder (see _failed_meanwhile)
 
 
+# A compiler's diagnostic at a file and line (a linker's "file.o: ... undefined reference" too): what the same sources
+# and flags give again. A build killed (out of memory), a full disk or a missing tool says none.
+_DIAGNOSTIC_RE = re.compile(r"^\S.*?(?::\d+(?::\d+)?:|\(\d+\):) (?:fatal |catastrophic )?error\b"
+                            r"|undefined reference to|undefined symbol")
+
+
 def _record_failure(build_dir: Path, err: KernelBuildError) -> None:
-    """Leave a failed build's errors where the processes that waited for it will look (_failed_meanwhile)."""
+    """Leave a failed build's errors where the processes that waited for it will look (_failed_meanwhile), where
+    they are the sources' own (a compiler's diagnostic at a file and line): a failure of the moment (a compiler
+    killed, a full disk) is built again by each, as before."""
+    if not any(_DIAGNOSTIC_RE.search(e) for e in err.errors):
+        return
     with contextlib.suppress(OSError, TypeError, ValueError):
         tmp = build_dir / f"{_FAILED_MARK}.tmp"
         tmp.write_text(json.dumps({"errors": err.errors, "log": err.log[-200_000:], "hint": err.hint}))
@@ -619,33 +629,10 @@ def toolchain(with_cuda: bool) -> dict[str, str | None]:
     return tools
 
 
-# What else picks the build's compilers or their flags, besides CC / CXX (in the key already): nvcc's own flag
-# variables, torch's nvcc override and the CUDA headers' folder it adds.
+# What else sets a CUDA build's flags or headers, besides the flags given and CC / CXX (in the key already): nvcc's
+# own flag variables, torch's nvcc override and the CUDA headers' folder it adds. Variables, not the compilers
+# themselves: a hit runs no compiler, so that a cache built once serves a machine that has none.
 _CUDA_BUILD_VARIABLES = ("NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN", "PYTORCH_NVCC", "CUDA_INC_PATH")
-
-
-def _toolchain_key(compilers: dict[str, str | None], with_cuda: bool) -> tuple:
-    """The compilers a build would run, for the cache key: where each command resolves on PATH now, their version
-    lines (toolchain()), and for CUDA builds the toolkit's folder and _CUDA_BUILD_VARIABLES. CC / CXX alone did
-    not say it: another `c++` first on PATH, or CUDA_HOME set to another toolkit, loaded the module the first one
-    had built."""
-    def where(command: str | None, default: str) -> str:
-        try:
-            words = shlex.split(command) if command else []
-        except ValueError:  # (unbalanced quotes: the build says so)
-            words = [command]
-        program = words[0] if words else default
-        return shutil.which(program) or program
-
-    parts: list = [where(compilers.get("CXX"), _COMPILER_DEFAULTS["CXX"]), sorted(toolchain(with_cuda).items())]
-    if with_cuda:
-        try:
-            home = _cuda_home()
-        except ToolchainError:
-            home = None  # (the build refuses it, with its message, before compiling)
-        parts += [where(compilers.get("CC"), _COMPILER_DEFAULTS["CC"]), home and os.path.realpath(home),
-                  [(v, os.environ.get(v)) for v in _CUDA_BUILD_VARIABLES]]
-    return tuple(parts)
 
 
 def loaded_builds() -> dict[str, dict]:
@@ -1204,7 +1191,7 @@ def _load_sources(paths, functions, name, cuda, extra_cflags, extra_cuda_cflags,
                  repr([str(p) for p in cpp_srcs]), repr([str(p) for p in cuda_srcs]),
                  repr(cflags), repr(cuda_cflags), repr(list(extra_ldflags)), repr(include_flags),
                  repr(sorted(env_search.items())),
-                 repr(_toolchain_key(compilers, with_cuda)),
+                 repr([(v, os.environ.get(v)) for v in _CUDA_BUILD_VARIABLES] if with_cuda else []),
                  torch.__version__, str(torch.version.cuda), sys.version, repr(archs), _CACHE_LAYOUT,
                  _cpu_fingerprint() if any("native" in f for f in [*cflags, *cuda_cflags]) else ""):
         key.update(part.encode() + b"\0")

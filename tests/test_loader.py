@@ -695,6 +695,19 @@ def test_processes_waiting_for_a_build_that_fails_get_its_error(tmp_path, cache)
     assert child_result(later.stdout, later.stderr)["builds"] == 1
 
 
+def test_a_failure_of_the_moment_is_not_passed_to_waiting_processes(tmp_path):
+    # A compiler killed (out of memory) or a full disk says nothing of the sources: the processes that waited for
+    # that build build again rather than raise its error.
+    killed = kldiv_inline.KernelBuildError("x_0123456789abcdef", ["c++: fatal error: Killed signal terminated "
+                                                                  "program cc1plus"], "log")
+    loader._record_failure(tmp_path, killed)
+    assert not (tmp_path / loader._FAILED_MARK).exists()
+    for line in ("/src/a.cpp:3:7: error: 'x' was not declared in this scope", "/src/a.cu(12): error: identifier"):
+        loader._record_failure(tmp_path, kldiv_inline.KernelBuildError("x_0123456789abcdef", [line], "log"))
+        assert (tmp_path / loader._FAILED_MARK).exists()
+        (tmp_path / loader._FAILED_MARK).unlink()
+
+
 # ------------------------------------------------------------------------------ 8. a killed build
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
@@ -1060,45 +1073,29 @@ def _assert_an_edit_of_flagged_h_changes_the_key(tmp_path, monkeypatch, source: 
     assert _key_of(monkeypatch, [src], **kwargs) != before
 
 
-def test_another_compiler_first_on_path_rebuilds(tmp_path, cache, monkeypatch):
-    # CXX unset: torch builds with the `c++` first on PATH. Another one there (a module load, a conda environment)
-    # was a cache hit for the module the first had built: the key held CC / CXX's text, not the compiler.
-    monkeypatch.delenv("CXX", raising=False)
-    real = shutil.which("c++")
-    assert real, "no c++ on PATH"
-    src = tmp_path / "tagged.cpp"
-    src.write_text(capi_module("COMPILER_TAG", prelude="#ifndef COMPILER_TAG\n#define COMPILER_TAG 1\n#endif"))
-    assert kldiv_inline.load_sources([src]).value() == 1
-    other = tmp_path / "other_bin"
-    other.mkdir()
-    fake = other / "c++"
-    fake.write_text(f'#!/bin/sh\n[ "$1" = --version ] && {{ echo "c++ (Another GCC) 99.1.0"; exit 0; }}\n'
-                    f'exec {real} -DCOMPILER_TAG=2 "$@"\n')
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{other}{os.pathsep}{os.environ['PATH']}")
-    assert kldiv_inline.load_sources([src]).value() == 2
-    assert kldiv_inline.load_sources([src]).value() == 2  # and a hit after that
+def test_a_hit_needs_no_compiler(tmp_path, cache, monkeypatch):
+    # A cache built once serves a machine without compilers (a runtime image, a read-only mount): nothing about the
+    # compilers but CC / CXX's values is in the key, so none is run or looked for on a hit.
+    src = tmp_path / "hit.cpp"
+    src.write_text(capi_module("5"))
+    built = kldiv_inline.load_sources([src])
+    empty = tmp_path / "empty_bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    assert kldiv_inline.load_sources([src]) is built
 
 
 @pytest.mark.parametrize("variable, value", [
-    ("NVCC_APPEND_FLAGS", "-DTAG=2"), ("NVCC_PREPEND_FLAGS", "-DTAG=2"), ("PYTORCH_NVCC", "ccache nvcc"),
-    ("CUDA_INC_PATH", "/opt/other/include"), ("CUDA_HOME", "another toolkit")])
-def test_what_picks_the_cuda_compiler_or_its_flags_changes_the_key(tmp_path, cache, monkeypatch, variable, value):
-    # nvcc reads NVCC_APPEND_FLAGS / NVCC_PREPEND_FLAGS itself, torch PYTORCH_NVCC and CUDA_INC_PATH, and CUDA_HOME
-    # picks the toolkit: none of them was in the key, so a build made with others was loaded.
+    ("NVCC_APPEND_FLAGS", "-DTAG=2"), ("NVCC_PREPEND_FLAGS", "-DTAG=2"), ("NVCC_CCBIN", "/opt/other/g++"),
+    ("PYTORCH_NVCC", "ccache nvcc"), ("CUDA_INC_PATH", "/opt/other/include")])
+def test_variables_that_set_nvccs_flags_change_the_key(tmp_path, cache, monkeypatch, variable, value):
+    # nvcc reads NVCC_APPEND_FLAGS / NVCC_PREPEND_FLAGS / NVCC_CCBIN itself, torch PYTORCH_NVCC and CUDA_INC_PATH:
+    # none of them was in the key, so a build made with other flags was loaded.
     for v in loader._CUDA_BUILD_VARIABLES:
         monkeypatch.delenv(v, raising=False)
     src = tmp_path / "keyed.cu"
     src.write_text("__global__ void k() {}\n")
     before = _key_of(monkeypatch, [src])
-    if variable == "CUDA_HOME":  # a toolkit of the same release elsewhere: its nvcc, the same targets
-        home = loader._cuda_home()
-        other = tmp_path / "cuda_other"
-        (other / "bin").mkdir(parents=True)
-        (other / "include").symlink_to(Path(home) / "include")
-        (other / "bin" / "nvcc").write_text(f'#!/bin/sh\nexec {home}/bin/nvcc "$@"\n')
-        (other / "bin" / "nvcc").chmod(0o755)
-        value = str(other)
     monkeypatch.setenv(variable, value)
     assert _key_of(monkeypatch, [src]) != before
 
