@@ -75,7 +75,8 @@ def other_kernels() -> str | None:
 def commit() -> str:
     """``KLDIV_INLINE_COMMIT`` when set (a copy of the tree on another machine may carry a stale .git: on the
     lent GPUs one answered the session's first commit), else HEAD's hash, with ``+dirty`` when files under
-    kernels/, kldiv_inline/ or tools/ differ from it (new files too: an untracked variant is timed as well), and
+    kernels/ or kldiv_inline/ (or a script count_as_code named) differ from it (new files too: an untracked variant
+    is timed as well), and
     ``+other-kernels`` when ``KLDIV_INLINE_KERNELS`` builds another kernels/ tree. An installed copy of the
     package, not a checkout, says ``unknown (installed <version>)``. The variable gets ``+dirty`` too where the
     checkout's HEAD is the commit it names (its hash or a prefix) and those files differ: a run of edited kernels
@@ -92,14 +93,29 @@ def commit() -> str:
     return head + ("+dirty" if _dirty() else "") + mark
 
 
+# Files outside kernels/ and kldiv_inline/ that this process's runs execute and record through write_env (a script
+# of tools/ that writes results: count_as_code), counted in +dirty with them.
+_SCRIPTS: list[str] = []
+
+
+def count_as_code(path: str | os.PathLike) -> None:
+    """Count ``path``, a script of the checkout that writes results through write_env (tools/bench_vocab_parallel.py),
+    in this process's +dirty: an edited one was recorded as the clean commit. Only the script that runs: a scratch
+    probe beside it in tools/ makes no run dirty (nor blocks --resume)."""
+    with contextlib.suppress(ValueError, OSError):
+        rel = Path(path).resolve().relative_to(REPO_ROOT.resolve()).as_posix()
+        if rel not in _SCRIPTS:
+            _SCRIPTS.append(rel)
+
+
 def _dirty() -> bool:
-    """Whether files under kernels/, kldiv_inline/ or tools/ differ from the checkout's HEAD (new files too)."""
-    # tools/: its scripts write committed results too (bench_vocab_parallel's through write_env). Not the Makefile
-    # or pyproject.toml: they run and install this code, and what a run was run with its env.json records apart
-    # (command, torch, variables, builds). (core.fileMode off: a copy of the tree on another machine may change
-    # permission bits, which change no code)
+    """Whether files under kernels/ or kldiv_inline/ (and the scripts count_as_code named) differ from the
+    checkout's HEAD (new files too)."""
+    # Not the Makefile or pyproject.toml: they run and install this code, and what a run was run with its env.json
+    # records apart (command, torch, variables, builds). (core.fileMode off: a copy of the tree on another machine
+    # may change permission bits, which change no code)
     return bool(_git("-c", "core.fileMode=false", "status", "--porcelain", "--untracked-files=normal", "--",
-                     "kernels", "kldiv_inline", "tools"))
+                     "kernels", "kldiv_inline", *_SCRIPTS))
 
 
 def _dirty_at(named: str) -> bool:

@@ -49,6 +49,8 @@ from kldiv_inline.bench import COLUMNS, PARTIAL_NOTE, drop_derived, refuse_dropp
 from kldiv_inline.peers import megatron_style_fused_linear_generalized_jsd, megatron_style_generalized_jsd  # noqa: E402
 from kldiv_inline.reference import generalized_jsd_reference, relative_error  # noqa: E402
 
+envinfo.count_as_code(__file__)  # this script writes the results: an edited copy makes them +dirty
+
 # bench.csv's columns, then this run's own (each once: bench.COLUMNS already has beta and hidden)
 EXTRA_COLUMNS = [c for c in ("world", "beta", "temperature", "hidden") if c not in COLUMNS]
 FORMS = ("logits", "fused_linear")
