@@ -526,7 +526,8 @@ def main(args) -> int:
     (folder / "goals.md").write_text(goals_markdown(goals, json.loads(env_path.read_text())))
     print(table(rows))
     for g in goals:
-        print(f"{g['goal']} {g['case']}: {g['target']}: {g['value']:.4g} {'met' if g['met'] else 'NOT MET'}")
+        verdict = "not measured" if g["met"] is None else ("met" if g["met"] else "NOT MET")
+        print(f"{g['goal']} {g['case']}: {g['target']}: {g['value']:.4g} {verdict}")
     print(f"-> {path}")
     failed = ours_failed(rows)
     if failed:  # after every file is written: a run whose kernel broke keeps its rows and goals (NO, not timed)

@@ -106,11 +106,17 @@ def untimed(goal: str, case: str, target: str, mine: dict) -> dict:
 
 
 def peer_untimed(goal: str, case: str, target: str, mine: dict, peer: str, other: dict) -> dict:
-    """The verdict on a goal against a peer that ran and was not timed (failed its check, raised, not installed):
-    NO, with the peer and its status. Left out, the goal vanished from goals.md and status.md kept an older run's
-    row for it as the latest."""
+    """The row of a goal against a peer that ran and was not timed (failed its check, raised, not installed):
+    not measured (``met`` None), with the peer and its status. Left out, the goal vanished from goals.md without a
+    word; judged NO, a run on a machine without the peer would replace a measured verdict in status.md, which
+    keeps a run's measured row over a later run's unmeasured one (status_markdown)."""
     return {"goal": goal, "case": case, "target": target, "value": math.nan,
-            "ours_ms": _number(mine.get("median_ms")), "met": False, "status": str(other.get("status")), "peer": peer}
+            "ours_ms": _number(mine.get("median_ms")), "met": None, "status": str(other.get("status")), "peer": peer}
+
+
+def met_word(goal: dict) -> str:
+    """A goal's verdict as the tables print it: yes, NO, or not measured (a peer not timed: peer_untimed)."""
+    return "not measured" if goal["met"] is None else ("yes" if goal["met"] else "NO")
 
 
 def floor_goal(rows: list[dict]) -> dict | None:
@@ -296,8 +302,7 @@ def goals_markdown(goals: list[dict], env: dict) -> str:
              "| goal | case | target | measured | median (ms) | met |", "| --- | --- | --- | --- | --- | --- |"]
     for g in goals:
         ms = "-" if g["ours_ms"] != g["ours_ms"] else f"{g['ours_ms']:.4f}"  # (NaN: not timed)
-        lines.append(f"| {g['goal']} | {g['case']} | {g['target']} | {format_value(g)} | {ms} | "
-                     f"{'yes' if g['met'] else 'NO'} |")
+        lines.append(f"| {g['goal']} | {g['case']} | {g['target']} | {format_value(g)} | {ms} | {met_word(g)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -324,7 +329,10 @@ def status_markdown(runs: list[tuple[str, list[dict], dict]]) -> str:
                     latest[key] = (date, folder, env, g)
                 continue
             key = (g["goal"], g["case"], g["target"], card)
-            if key not in latest or date >= latest[key][0]:
+            # (a measured row over an unmeasured one whatever their dates: a later run without the peer says
+            # nothing of the goal; the row shown names its run, commit and date)
+            held = latest.get(key)
+            if held is None or ((g["met"] is not None, date) >= (held[3]["met"] is not None, held[0])):
                 latest[key] = (date, folder, env, g)
     lines = ["Each goal on each card as the latest committed run measured it (its folder, commit and date; a partial "
              "run's rows are marked). Written by `python -m kldiv_inline plot` (and `make results`) from every "
@@ -337,6 +345,6 @@ def status_markdown(runs: list[tuple[str, list[dict], dict]]) -> str:
         card = key[3]
         run = f"{folder} ({short_commit(env.get('commit'), 7)}, {date[:10] or '?'}" + (
             ", partial)" if env.get("partial") else ")")
-        lines.append(f"| {g['goal']} | {g['case']} | {g['target']} | {card} | {format_value(g)} | "
-                     f"{'yes' if g['met'] else 'NO'} | {run} |")
+        lines.append(f"| {g['goal']} | {g['case']} | {g['target']} | {card} | {format_value(g)} | {met_word(g)} | "
+                     f"{run} |")
     return "\n".join(lines) + "\n"

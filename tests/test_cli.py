@@ -134,41 +134,47 @@ def test_a_goal_whose_case_ours_failed_is_not_met(tmp_path):
     assert [g["met"] for g in goals_mod.vocab_goal_rows(split, "kldiv_inline")] == [False, False]
 
 
-def test_a_goal_whose_peer_was_not_timed_is_not_met_and_says_why():
-    # A peer that failed its check, raised or is not installed at a goal's case: the goal vanished from goals.md,
-    # and status.md kept an older run's row for it as the latest.
+def test_a_goal_whose_peer_was_not_timed_is_not_measured_and_says_why():
+    # A peer that failed its check, raised or is not installed at a goal's case: the goal vanished from goals.md
+    # without a word. It is now listed, not measured; status.md keeps an earlier run's measured row over it (a run
+    # on a machine without the peer says nothing of the goal), and shows it where no run measured the goal.
     broken = [dict(r, status="error: RuntimeError: boom", median_ms=None)
               if r["impl"] == "torch_compile" and r["batch"] == 16384 and r["pass"] == "fwd" else r
               for r in _fake_rows()]
     (p1,) = [g for g in bench.goal_rows(broken, "cuda", "kldiv_inline") if g["target"].startswith("torch_compile")
              and g["goal"] == "P1"]
-    assert not p1["met"] and goals_mod.format_value(p1) == 'peer "torch_compile" not timed: error'
+    assert p1["met"] is None and goals_mod.format_value(p1) == 'peer "torch_compile" not timed: error'
     assert p1["ours_ms"] == pytest.approx(min(r["median_ms"] for r in _fake_rows() if r["impl"] == "kldiv_inline"
                                               and r["batch"] == 16384 and r["pass"] == "fwd"))
     runs = [("old", bench.goal_rows(_fake_rows(), "cuda", "kldiv_inline"), {"device_name": "A", "date_utc": "1"}),
             ("new", bench.goal_rows(broken, "cuda", "kldiv_inline"), {"device_name": "A", "date_utc": "2"})]
-    (line,) = [line for line in goals_mod.status_markdown(runs).splitlines()
+    for order in (runs, runs[::-1]):  # (whichever folder comes first)
+        (line,) = [line for line in goals_mod.status_markdown(order).splitlines()
+                   if line.startswith("| P1 ") and "torch_compile" in line]
+        assert "| old (" in line and "not measured" not in line, line
+    (line,) = [line for line in goals_mod.status_markdown(runs[1:]).splitlines()
                if line.startswith("| P1 ") and "torch_compile" in line]
-    assert '| peer "torch_compile" not timed: error | NO | new (' in line, line
-    assert '| peer "torch_compile" not timed: error | ' in goals_mod.goals_markdown([p1], {})
+    assert '| peer "torch_compile" not timed: error | not measured | new (' in line, line
+    assert (f'| peer "torch_compile" not timed: error | {p1["ours_ms"]:.4f} | not measured |'
+            in goals_mod.goals_markdown([p1], {}))
     # The same in the distillation, fused-head and split goals; a peer with no row at all (not run) stays unmeasured.
     d = {"pass": "fwd+bwd", "form": "logits", "beta": 0.0, "dtype": "bfloat16", "batch": 4096, "features": 128256,
          "median_ms": 1.0, "x_floor": 1.2}
     rows = [dict(d, impl="kldiv_inline", status="ok"), dict(d, impl="liger", status="not installed")]
     (d1,) = [g for g in goals_mod.distill_goal_rows(rows, "kldiv_inline") if "liger" in g["target"]]
-    assert not d1["met"] and goals_mod.format_value(d1) == 'peer "liger" not timed: not installed'
+    assert d1["met"] is None and goals_mod.format_value(d1) == 'peer "liger" not timed: not installed'
     assert not [g for g in goals_mod.distill_goal_rows(rows, "kldiv_inline") if "torch_compile" in g["target"]]
     lin = {"form": "linear", "beta": 0.0, "batch": 4096, "hidden": 4096, "features": 128256, "median_ms": 1.0,
            "extra_mib": 1.0}
     lin_rows = [dict(lin, impl=p, status="ok" if p == "kldiv_inline" else "wrong")
                 for p in ("kldiv_inline", "liger", "torch_compile")]
     linear = [(g["goal"], g["peer"], g["met"]) for g in bench_linear.goal_rows(lin_rows) if g.get("peer")]
-    assert linear == [("L1", "torch_compile", False), ("L1", "liger", False)]
+    assert linear == [("L1", "torch_compile", None), ("L1", "liger", None)]
     split = [{"impl": impl, "world": w, "median_ms": 1.0, "beta": 0.0, "form": "logits", "dtype": "bfloat16",
               "batch": 4096, "features": 128256, "status": "wrong" if impl == "megatron_style" else "ok"}
              for impl, w in (("kldiv_inline", 1), ("kldiv_inline", 2), ("megatron_style", 2))]
     (v1,) = [g for g in goals_mod.vocab_goal_rows(split, "kldiv_inline") if "megatron_style" in g["target"]]
-    assert not v1["met"] and goals_mod.format_value(v1) == 'peer "megatron_style" not timed: wrong'
+    assert v1["met"] is None and goals_mod.format_value(v1) == 'peer "megatron_style" not timed: wrong'
 
 
 def test_distillation_goals_take_their_own_dtype_and_one_gpu():
@@ -232,12 +238,23 @@ def test_the_recorded_commit_says_when_the_code_is_not_that_commits(tmp_path, mo
     (repo / "kernels" / "a.cu").chmod(0o755)  # a copy that changed permission bits alone changed no code
     assert envinfo.commit() == head
     (repo / "kernels" / "a.cu").chmod(0o644)
-    # tools/' scripts write committed results through write_env too (bench_vocab_parallel): an edited one was
-    # recorded as the clean commit
+    # A script of tools/ that writes committed results through write_env (bench_vocab_parallel) counts as code once
+    # it says so: an edited one was recorded as the clean commit. A scratch probe beside it makes no run dirty.
     (repo / "tools").mkdir()
-    (repo / "tools" / "bench_x.py").write_text("")
+    (repo / "tools" / "bench_x.py").write_text("print(1)\n")
+    (repo / "tools" / "probe.py").write_text("")
+    git("add", "tools/bench_x.py")
+    git("commit", "-qm", "tool")
+    head = git("rev-parse", "HEAD")
+    monkeypatch.setattr(envinfo, "_SCRIPTS", [])
+    assert envinfo.commit() == head  # (probe.py: untracked, no script of this run)
+    (repo / "tools" / "bench_x.py").write_text("print(2)\n")
+    assert envinfo.commit() == head
+    envinfo.count_as_code(repo / "tools" / "bench_x.py")
     assert envinfo.commit() == head + "+dirty"
-    (repo / "tools" / "bench_x.py").unlink()
+    git("checkout", "-q", "tools/bench_x.py")
+    assert envinfo.commit() == head
+    (repo / "tools" / "probe.py").unlink()
     (tmp_path / "other").mkdir()
     monkeypatch.setenv("KLDIV_INLINE_KERNELS", str(tmp_path / "other"))
     assert envinfo.commit() == head + "+other-kernels"
