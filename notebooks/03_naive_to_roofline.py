@@ -349,8 +349,8 @@ show_committed("kldiv_inline", "128x4096")
 # `kernels/kldiv.cu` on a GPU and `kernels/kldiv_cpu.cpp` on the CPU, each with `kernels/kldiv_bindings.cpp`
 # and the headers both share (`kldiv_common.h`, `kldiv_plan.h`); an edit of `kldiv.cu` changes nothing on a
 # CPU-only machine. Then `kldiv_inline.ops.reload()` (for `kl_div`: `kldiv*` files) or
-# `kldiv_inline.distill.reload()` (for `generalized_jsd` and the fused head: `distill*` files), or a restart
-# of the kernel, makes the ops use the new build.
+# `kldiv_inline.distill.reload()` (for `generalized_jsd` and the fused head: `distill*` files; both for a header
+# both include, `scale_span.cuh`), or a restart of the kernel, makes the ops use the new build.
 
 # %%
 import os

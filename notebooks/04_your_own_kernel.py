@@ -225,17 +225,21 @@ def bytes_moved(x):
 def floor_warnings_once():
     """The harness's warnings of times under the floor, one per provider and case, shown once with their count;
     other warnings unchanged."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield
-    below = [w for w in caught if "x the floor: faster than" in str(w.message)]
-    for w in caught:
-        if w not in below:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    if below:
-        others = "; ".join(str(w.message).split(": faster than")[0] for w in below[1:])
-        more = f" [{len(below) - 1} more in this cell: {others}]" if others else ""
-        warnings.warn_explicit(f"{below[0].message}{more}", below[0].category, below[0].filename, below[0].lineno)
+    caught = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:  # (shown where the cell raises too: they may say why)
+        below = [w for w in caught if "x the floor: faster than" in str(w.message)]
+        for w in caught:
+            if w not in below:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        if below:
+            others = "; ".join(str(w.message).split(": faster than")[0] for w in below[1:])
+            more = f" [{len(below) - 1} more in this cell: {others}]" if others else ""
+            warnings.warn_explicit(f"{below[0].message}{more}", below[0].category, below[0].filename,
+                                   below[0].lineno)
 
 
 with floor_warnings_once():
