@@ -540,11 +540,17 @@ _DIAGNOSTIC_RE = re.compile(r"^\S.*?(?::\d+(?::\d+)?:|\(\d+\):) (?:fatal |catast
                             r"|undefined reference to|undefined symbol")
 
 
+# The system's failures that a compiler reports at a source's line too ("a.cpp:20:40: fatal error: error writing to
+# /tmp/ccX.s: No space left on device"): of the moment, not of the sources.
+_SYSTEM_RE = re.compile(r"No space left|Disk quota|Input/output error|Too many open files|Cannot allocate memory"
+                        r"|Stale file handle|Read-only file system|error (?:writing|closing) ")
+
+
 def _record_failure(build_dir: Path, err: KernelBuildError) -> None:
     """Leave a failed build's errors where the processes that waited for it will look (_failed_meanwhile), where
     they are the sources' own (a compiler's diagnostic at a file and line): a failure of the moment (a compiler
     killed, a full disk) is built again by each, as before."""
-    if not any(_DIAGNOSTIC_RE.search(e) for e in err.errors):
+    if not any(_DIAGNOSTIC_RE.search(e) for e in err.errors) or any(_SYSTEM_RE.search(e) for e in err.errors):
         return
     with contextlib.suppress(OSError, TypeError, ValueError):
         tmp = build_dir / f"{_FAILED_MARK}.tmp"

@@ -212,6 +212,7 @@ assert checked["ok"].all()
 
 # %%
 import contextlib
+import sys
 import warnings
 
 COLUMNS = ["provider", "case", "status", "median_ms", "q20_ms", "q80_ms", "gbps", "x_floor", "pct_of_peak"]
@@ -231,15 +232,20 @@ def floor_warnings_once():
             warnings.simplefilter("always")
             yield
     finally:  # (shown where the cell raises too: they may say why)
+        raising = sys.exc_info()[1] is not None
         below = [w for w in caught if "x the floor: faster than" in str(w.message)]
-        for w in caught:
-            if w not in below:
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        if below:
-            others = "; ".join(str(w.message).split(": faster than")[0] for w in below[1:])
-            more = f" [{len(below) - 1} more in this cell: {others}]" if others else ""
-            warnings.warn_explicit(f"{below[0].message}{more}", below[0].category, below[0].filename,
-                                   below[0].lineno)
+        try:
+            for w in caught:
+                if w not in below:
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            if below:
+                others = "; ".join(str(w.message).split(": faster than")[0] for w in below[1:])
+                more = f" [{len(below) - 1} more in this cell: {others}]" if others else ""
+                warnings.warn_explicit(f"{below[0].message}{more}", below[0].category, below[0].filename,
+                                       below[0].lineno)
+        except Warning:  # (warnings made errors: the cell's own error, not a warning's, is the one to see)
+            if not raising:
+                raise
 
 
 with floor_warnings_once():

@@ -702,6 +702,10 @@ def test_a_failure_of_the_moment_is_not_passed_to_waiting_processes(tmp_path):
                                                                   "program cc1plus"], "log")
     loader._record_failure(tmp_path, killed)
     assert not (tmp_path / loader._FAILED_MARK).exists()
+    for line in ("/src/big.cpp:20000:40: fatal error: error writing to /tmp/ccX.s: No space left on device",
+                 "/src/a.cpp:2:18: fatal error: error closing /tmp/ccX.s: No space left on device"):
+        loader._record_failure(tmp_path, kldiv_inline.KernelBuildError("x_0123456789abcdef", [line], "log"))
+        assert not (tmp_path / loader._FAILED_MARK).exists(), line
     for line in ("/src/a.cpp:3:7: error: 'x' was not declared in this scope", "/src/a.cu(12): error: identifier"):
         loader._record_failure(tmp_path, kldiv_inline.KernelBuildError("x_0123456789abcdef", [line], "log"))
         assert (tmp_path / loader._FAILED_MARK).exists()
