@@ -1294,6 +1294,17 @@ def test_benchmark_cut_short_leaves_a_partial_run_of_its_own(tmp_path):
     proc = run("bbbb2222", 0, "--forms", "logits")
     assert proc.returncode == 2 and "holds rows of the fused_linear form(s)" in proc.stderr, proc.stderr[-3000:]
     assert len(pd.read_csv(out)) == 8 and env_json()["commit"] == "aaaa1111"
+    # Fewer betas, or no --graph over captured steps, dropped those rows without a word too.
+    proc = run("bbbb2222", 0, "--betas", "0")
+    assert proc.returncode == 2 and "holds rows of beta 0.5" in proc.stderr, proc.stderr[-3000:]
+    held = pd.read_csv(out)
+    held.loc[held.index[0], "impl"] = "kldiv_inline_graph"
+    held.to_csv(out, index=False)
+    proc = run("bbbb2222", 0)
+    assert proc.returncode == 2 and "kldiv_inline_graph" in proc.stderr, proc.stderr[-3000:]
+    held.loc[held.index[0], "impl"] = "kldiv_inline"
+    held.to_csv(out, index=False)
+    assert len(pd.read_csv(out)) == 8 and env_json()["commit"] == "aaaa1111"
     (out.parent / "goals.md").write_text("the finished run's goals")
     proc = run("bbbb2222", 2)  # Ctrl-C in the second provider's timing: one row done
     assert proc.returncode == 130, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -25,7 +25,8 @@ time is its slowest rank's. Rows as bench.csv's plus `world`, `beta`, `temperatu
 form `bytes` and `gbps` are per GPU (both logits read, the gradient written once). Rank 0 writes the CSV and
 env.json (`align`: how the ranks were aligned) after each row, as `python -m kldiv_inline bench` does (env.json says
 `partial` until the run ends), and prints a table last: each time over the one-device op's (`/ world 1`) and the
-peer's over it. A run of some forms into a folder holding rows of others is refused (they would be lost).
+peer's over it. A run of some forms (or betas, or without --graph) into a folder holding rows of others is
+refused (they would be lost).
 """
 from __future__ import annotations
 
@@ -297,6 +298,23 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def refuse_dropping_cases(out: Path, args) -> None:
+    """Refuses a run that would replace ``out``'s rows of betas it does not time, or its captured steps
+    (kldiv_inline_graph) without --graph: they would be lost (refuse_dropping says it of forms)."""
+    if not out.exists():
+        return
+    held = envinfo.read_csv(out, usecols=["form", "beta", "impl"])
+    held = held[held["form"].isin(args.forms)]
+    betas = {float(b) for b in args.betas.split(",")}
+    lost = sorted({float(b) for b in held["beta"].dropna()} - betas)
+    if lost:
+        raise SystemExit(f"{out} holds rows of beta {', '.join(f'{b:g}' for b in lost)}, which --betas {args.betas} "
+                         "would drop: give this run another folder (--out or --results), or time those betas too")
+    if not args.graph and (held["impl"] == "kldiv_inline_graph").any():
+        raise SystemExit(f"{out} holds steps captured in a CUDA graph (kldiv_inline_graph), which a run without "
+                         "--graph would drop: give this run another folder (--out or --results), or pass --graph")
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     device = args.device
@@ -313,6 +331,7 @@ def main(argv=None) -> int:
                                                / "bench.csv")
         # (every rank reads the same file and decides alike, before any collective)
         refuse_dropping(out, args.forms, "form", "--forms", "--out or --results")
+        refuse_dropping_cases(out, args)
         extra = {"world": world, "align": args.align if device == "cuda" else "host",
                  "command": f"torchrun --nproc-per-node {world} tools/bench_vocab_parallel.py "
                  + " ".join(sys.argv[1:])}
