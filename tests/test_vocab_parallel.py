@@ -1291,6 +1291,7 @@ def test_benchmark_cut_short_leaves_a_partial_run_of_its_own(tmp_path):
     proc = run("aaaa1111", 0)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert env_json()["commit"] == "aaaa1111" and "partial" not in env_json() and len(pd.read_csv(out)) == 8
+    assert env_json()["command"].endswith(f"--warmup 1 --out {out}")  # main's arguments, not the script's argv
     proc = run("bbbb2222", 0, "--forms", "logits")
     assert proc.returncode == 2 and "holds rows of the fused_linear form(s)" in proc.stderr, proc.stderr[-3000:]
     assert len(pd.read_csv(out)) == 8 and env_json()["commit"] == "aaaa1111"

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -334,7 +335,7 @@ def main(argv=None) -> int:
         refuse_dropping_cases(out, args)
         extra = {"world": world, "align": args.align if device == "cuda" else "host",
                  "command": f"torchrun --nproc-per-node {world} tools/bench_vocab_parallel.py "
-                 + " ".join(sys.argv[1:])}
+                 + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))}  # (main's own arguments)
         start, done = time.monotonic(), []
 
         def save(finished: bool) -> None:
