@@ -222,8 +222,11 @@ def _fused_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden:
     # carry it and no pass over grad weight rescales it: that pass took 8% of a step on an H100), except for
     # float16, whose range would flush the scaled d logits to zero: there it is applied to each chunk's product
     # for grad weight in float32 (grad weight sums every token's contribution, so its unscaled sum can pass
-    # float16's 65504 where the gradient itself does not), and at the end to the loss, grad hidden and grad bias.
-    # loss_scale is folded into that scale (for sum it is the scale): nothing rescales the gradients in backward.
+    # float16's 65504 where the gradient itself does not), and at the end to the loss and grad bias; grad hidden
+    # (one token's row each: no sum over tokens to overflow) is left unscaled, and backward applies the scale
+    # with grad_output folded in, each entry rounded once (_hidden_scale): scaled here, its entries fell among
+    # float16's subnormals (1 / tokens of a batch), which a GradScaler's factor in backward could not bring back.
+    # loss_scale is folded into that scale (for sum it is the scale).
     code = _REDUCTION_CODE["batchmean" if batchmean else "sum"]
     scale = mod.distill_reduction_scale(hidden, labels, ignore_index, code, loss_scale) \
         if batchmean or loss_scale != 1.0 else None
@@ -282,8 +285,8 @@ def _fused_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden:
             b_acc += dlogits.sum(0, dtype=acc_t)
     if want_hidden and group is not None:
         dist.all_reduce(g_hidden, group=group)  # the hidden states are replicated: their gradient sums the slices'
-    if want_hidden and late is not None:
-        g_hidden.mul_(late)
+    if want_hidden and late is not None and hidden.dtype != torch.float16:
+        g_hidden.mul_(late)  # (float16's: backward, _hidden_scale)
     if want_weight:
         if m == 0:
             g_weight.zero_()
@@ -340,6 +343,20 @@ def _(grad, factor, anchors):
     return grad.new_empty(grad.shape)
 
 
+def _hidden_scale(hidden: Tensor, labels: Tensor | None, ignore_index: int, batchmean: bool,
+                  loss_scale: float) -> Tensor | None:
+    """The scale float16's grad hidden leaves to backward (_fused_chunks: batchmean's 1 / unmasked tokens times
+    loss_scale, or loss_scale), as a float32 0-d tensor on the hidden states' device, or None where there is none
+    (1). The value of distill_reduction_scale, in torch's operations: torch.compile traces it too."""
+    if not batchmean:
+        return None if loss_scale == 1.0 else torch.full((), loss_scale, dtype=torch.float32, device=hidden.device)
+    if labels is None:
+        n = hidden.shape[0]
+        return torch.full((), loss_scale / n if n else 0.0, dtype=torch.float32, device=hidden.device)
+    count = (labels != ignore_index).sum().to(torch.float64)
+    return torch.where(count > 0, loss_scale / count.clamp_min(1), 0.0).to(torch.float32)
+
+
 def _setup_context(ctx, inputs, output):
     save_inputs(ctx, *inputs[:10])
     ctx.hidden_dtype = inputs[0].dtype  # (backward reads the inputs only to compute again or to trace: saved_inputs)
@@ -353,6 +370,9 @@ def _setup_context(ctx, inputs, output):
                                  and not t.is_inference() else None for t in inputs[:2])
     ctx.args = inputs[10:21]  # (ignore_index ... whole)
     ctx.wanted = inputs[21:24]
+    # float16's grad hidden comes unscaled (see _fused_chunks); taken now, from the labels of this forward
+    ctx.hidden_scale = _hidden_scale(inputs[0], inputs[9], inputs[10], inputs[13], inputs[14]) \
+        if inputs[0].dtype == torch.float16 and inputs[21] else None
     _, g_hidden, g_weight, g_bias = output
     # Held outside save_for_backward: backward rescales them in place and hands them over as the gradients.
     ctx.fused = tuple(g.detach() for g in (g_hidden, g_weight, g_bias))
@@ -397,11 +417,13 @@ def _backward(ctx, grad_loss, *_grads_of_gradients):
     traced = tracing and not batched_grad(grad_loss)
     anchors = [t for t, ok in zip(saved_inputs(ctx)[:3], need) if ok] if traced else []
 
-    def scaled(g: Tensor) -> Tensor:
+    def scaled(g: Tensor, factor: Tensor) -> Tensor:
         rows = g.view(g.shape[0] if g.dim() > 1 else 1, g.shape[-1])
         return (_traced_scale(rows, factor, anchors) if traced else _scaled(rows, factor, in_place)).view(g.shape)
 
-    out = [scaled(g) if ok else None for g, ok in zip(fused, need)]
+    # (float16's grad hidden: its scale and grad_output at once, each entry rounded once)
+    factors = [factor if i or ctx.hidden_scale is None else factor * ctx.hidden_scale for i in range(3)]
+    out = [scaled(g, f) if ok else None for g, f, ok in zip(fused, factors, need)]
     return (*out,) + (None,) * (_N_INPUTS - 3)
 
 

@@ -490,6 +490,29 @@ def test_float16_weight_gradient_does_not_overflow(device, accum_dtype):
     assert_close(grads[0], ref[0], 2e-3, "grad hidden")
 
 
+@pytest.mark.parametrize("reduction", ["batchmean", "sum"])
+def test_float16_hidden_gradient_under_a_loss_scaler(device, reduction):
+    # float16's grad hidden was scaled in the forward (batchmean's 1 / tokens, loss_scale): over a batch of 4096
+    # tokens its entries fell among float16's subnormals, and a GradScaler's factor in backward (65536) could not
+    # bring the lost digits back (1.3e-2 relative, and entries of kept tokens 0). Backward now applies the scale with
+    # grad_output folded in, each entry rounded once, as the materialised float16 path rounds it.
+    n, hidden, vocab = 4096, 32, 256
+    h16, w16 = leaves(torch.randn(n, hidden, device=device).half(), (torch.randn(vocab, hidden, device=device) * 0.3)
+                      .half())
+    t16 = (torch.randn(n, hidden, device=device) @ torch.randn(hidden, vocab, device=device) * 0.3).half()
+    kw = dict(labels=labels_for((n,), device, 0.1), beta=0.5, temperature=2.0, reduction=reduction,
+              loss_scale=1.0 if reduction == "batchmean" else 1 / n)
+    _, grads = run(h16, w16, None, dict(teacher_logits=t16), grad_out=65536.0, **kw)
+    ref_kw = {k: v for k, v in kw.items() if k != "loss_scale"}
+    _, ref = reference(h16, w16, None, dict(teacher_logits=t16.double()), grad_out=65536.0 * kw["loss_scale"],
+                       **ref_kw)
+    kept = kw["labels"] != -100
+    zeros = float((grads[0][kept] == 0).double().mean())  # (a few entries are 0 in float16's rounding anyway)
+    assert zeros < 5e-3, f"{zeros:.2%} of the kept tokens' grad hidden entries flushed to 0"
+    assert_close(grads[0], ref[0], 2e-3, "grad hidden")
+    assert_close(grads[1], ref[1], 2e-3, "grad weight")
+
+
 def test_hidden_size_zero(device):
     # No features: the logits are the bias alone; grad hidden and grad weight are empty, grad bias is the usual.
     lead, vocab = (5,), 7
