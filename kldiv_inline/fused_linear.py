@@ -449,8 +449,10 @@ def _check_linear(who: str, hidden, weight, bias, dtype: torch.dtype | None, dev
         raise TypeError(_err(f"{who}_hidden must be float16, bfloat16, float32 or float64, got {hidden.dtype}"))
     for name, t in ((f"{who}_hidden", hidden), (f"{who}_weight", weight), (f"{who}_bias", bias)):
         if t is not None and t.dtype != dtype:
-            raise TypeError(_err(f"{name} is {t.dtype}, the student's hidden states are {dtype}: the logits of "
-                                 "student and teacher are made in one dtype; convert it"))
+            why = ("the student's hidden states, weight and bias make its logits in one dtype" if who == "student"
+                   else "the logits of student and teacher are made in one dtype")
+            raise TypeError(_err(f"{name} is {t.dtype}, the student's hidden states are {dtype}: {why}; convert "
+                                 "it"))
     device = device or hidden.device
     if device.type not in ("cpu", "cuda", "meta"):
         raise NotImplementedError(_err(f"no kernels for {device.type} tensors (cpu and cuda only)"))

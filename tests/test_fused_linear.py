@@ -716,7 +716,7 @@ def test_bad_input_raises_clearly(device):
     cases = [
         (dict(student_weight=w[:, :7], **good), ValueError, r"\[V, H\]"),
         (dict(student_weight=w[0], **good), ValueError, r"\[V, H\]"),
-        (dict(student_weight=w.double(), **good), TypeError, "float64"),
+        (dict(student_weight=w.double(), **good), TypeError, "float64.*student's hidden states, weight and bias"),
         (dict(student_bias=b[:9], **good), ValueError, r"\[V\]"),
         (dict(student_bias=b.double(), **good), TypeError, "student_bias"),
         (dict(student_bias=[1.0], **good), TypeError, "student_bias"),
