@@ -18,9 +18,9 @@ read of the logits by the kernel, and the memory beyond the inputs and the param
 The gradients are computed in the forward pass (when the student's tensors require grad). batchmean's divisor
 (the unmasked tokens of the whole batch, counted on the device: no host synchronisation) goes to the kernel,
 which scales d logits as it writes them, so the products carry it (float16 excepted: its range would flush the
-scaled d logits to zero, so there each chunk's grad-weight product is scaled in float32 as it is added and
-the rest once at the end). Backward only rescales them in
-place by grad_output, skipped on the device when it is 1.
+scaled d logits to zero, so there each chunk's grad-weight product is scaled in float32 as it is added, grad bias
+and the loss once at the end, and grad hidden in backward with grad_output: _hidden_scale). Backward only
+rescales them in place by grad_output, skipped on the device when it is 1.
 The teacher is a constant: no gradient flows to it, whether or not its tensors require grad.
 """
 from __future__ import annotations
@@ -165,7 +165,8 @@ def _fused_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden:
                   accum_dtype: torch.dtype | None, group_name: str | None, skip_masked: bool, offset: int,
                   whole: int, want_hidden: bool, want_weight: bool, want_bias: bool):
     """The loss (batchmean or sum, times loss_scale) and its gradients w.r.t. hidden [n, H], weight and bias (each only
-    if wanted, else an empty tensor). With ``group_name``, the vocabulary (weight's rows, bias, teacher logits) is this
+    if wanted, else an empty tensor); for float16, grad hidden without that scale (backward applies it with
+    grad_output: _hidden_scale), the others with it. With ``group_name``, the vocabulary (weight's rows, bias, teacher logits) is this
     rank's slice: each chunk's divergence runs in kldiv_inline.vocab_parallel's phases, and grad hidden is summed over
     the group at the end; with a top-k teacher too, ``offset`` is where this rank's rows start in the vocabulary of
     ``whole`` entries (the front end gathered every rank's width to check the global indices: no second gather here),
