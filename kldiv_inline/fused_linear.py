@@ -166,13 +166,14 @@ def _fused_chunks(hidden: Tensor, weight: Tensor, bias: Tensor | None, t_hidden:
                   whole: int, want_hidden: bool, want_weight: bool, want_bias: bool):
     """The loss (batchmean or sum, times loss_scale) and its gradients w.r.t. hidden [n, H], weight and bias (each only
     if wanted, else an empty tensor); for float16, grad hidden without that scale (backward applies it with
-    grad_output: _hidden_scale), the others with it. With ``group_name``, the vocabulary (weight's rows, bias, teacher logits) is this
-    rank's slice: each chunk's divergence runs in kldiv_inline.vocab_parallel's phases, and grad hidden is summed over
-    the group at the end; with a top-k teacher too, ``offset`` is where this rank's rows start in the vocabulary of
-    ``whole`` entries (the front end gathered every rank's width to check the global indices: no second gather here),
-    else both are -1. ``skip_masked`` (with labels): the chunks run over the tokens in _unmasked_first's order and stop
-    after the unmasked ones; the first chunk's products are queued before their count is known, so where fewer tokens
-    than a chunk are unmasked, that chunk holds masked ones too (their labels mask them)."""
+    grad_output: _hidden_scale), the others with it.
+    With ``group_name``, the vocabulary (weight's rows, bias, teacher logits) is this rank's slice: each chunk's
+    divergence runs in kldiv_inline.vocab_parallel's phases, and grad hidden is summed over the group at the end;
+    with a top-k teacher too, ``offset`` is where this rank's rows start in the vocabulary of ``whole`` entries (the
+    front end gathered every rank's width to check the global indices: no second gather here), else both are -1.
+    ``skip_masked`` (with labels): the chunks run over the tokens in _unmasked_first's order and stop after the
+    unmasked ones; the first chunk's products are queued before their count is known, so where fewer tokens than a
+    chunk are unmasked, that chunk holds masked ones too (their labels mask them)."""
     n, vocab = hidden.shape[0], weight.shape[0]
     acc_t = _acc_dtype(hidden.dtype)
     mod = _module(hidden.device)
