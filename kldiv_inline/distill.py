@@ -549,10 +549,13 @@ def _topk_check(read: Callable[[], Any], lp: Tensor, vocab: int, labels: Tensor 
 
     def check() -> None:
         bad_range, dup, bad_mass = read()
+        # (masked tokens' indices too, unlike their mass: the kernels index the student's row with them)
         if bad_range:
-            raise ValueError(f"{who}: top-k indices must lie in [0, {vocab})")
+            raise ValueError(f"{who}: top-k indices must lie in [0, {vocab}), a masked token's too (pad one with "
+                             "indices in range, e.g. 0 .. k-1)")
         if dup:
-            raise ValueError(f"{who}: top-k indices of a token must be distinct")
+            raise ValueError(f"{who}: top-k indices of a token must be distinct, a masked token's too (pad one with "
+                             "distinct indices, e.g. 0 .. k-1)")
         if bad_mass:  # the worst row for the message (an error path: PyTorch operations, synchronised)
             lse = torch.logsumexp(lp, dim=-1)
             excess = lse.abs() if k == vocab else lse

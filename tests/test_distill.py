@@ -1793,6 +1793,13 @@ def test_topk_mass_is_checked_and_rounding_normalised(device):
     assert torch.isfinite(K.generalized_jsd(s, teacher_topk=(idx, filler), labels=labels))
     with pytest.raises(ValueError, match="sum to 4, "):
         K.generalized_jsd(s, teacher_topk=(idx, filler))
+    # Its indices are read (the kernels index the student's row with them): -1 or repeated filler is refused,
+    # and the message says a masked token's count too.
+    for bad, what in ((-1, "must lie in"), (0, "must be distinct")):
+        pad = idx.clone()
+        pad[2] = bad
+        with pytest.raises(ValueError, match=f"{what}.*a masked token.s too"):
+            K.generalized_jsd(s, teacher_topk=(pad, filler), labels=labels)
     nan_row = filler.clone()
     nan_row[0] = math.nan
     with pytest.raises(ValueError, match="sum to 4, "):
