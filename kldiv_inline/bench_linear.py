@@ -301,8 +301,9 @@ def _measured(row: dict, key: str) -> float:
 
 def goal_rows(rows: list[dict], ours: str = OURS) -> list[dict]:
     """LINEAR_GOALS measured in the rows (HEADLINE's shape only): goal, case, target, value, ours_ms, met. Where
-    ours failed its check or raised, the goal is NO (goals.untimed); where the peer did, too (goals.peer_untimed)."""
-    from .goals import peer_untimed, pick_row, untimed
+    ours failed its check or raised, the goal is NO (goals.untimed); where the peer did, not measured
+    (goals.no_peer_time)."""
+    from .goals import no_peer_time, pick_row, untimed
 
     def find(impl, beta):
         return pick_row(rows, lambda r: (r.get("impl") == impl and r.get("form") == "linear"
@@ -322,10 +323,7 @@ def goal_rows(rows: list[dict], ours: str = OURS) -> list[dict]:
             out.append(untimed(name, case, text, mine))
             continue
         other = find(peer, beta) if peer else None
-        if peer and other is None:
-            continue
-        if peer and other.get("status") != "ok":
-            out.append(peer_untimed(name, case, text, mine, peer, other))
+        if peer and no_peer_time(out, name, case, text, mine, peer, other):
             continue
         if what == "speedup":
             value = other["median_ms"] / mine["median_ms"]

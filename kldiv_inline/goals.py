@@ -105,17 +105,25 @@ def untimed(goal: str, case: str, target: str, mine: dict) -> dict:
             "status": str(mine.get("status"))}
 
 
-def peer_untimed(goal: str, case: str, target: str, mine: dict, peer: str, other: dict) -> dict:
-    """The row of a goal against a peer that ran and was not timed (failed its check, raised, not installed):
-    not measured (``met`` None), with the peer and its status. Left out, the goal vanished from goals.md without a
-    word; judged NO, a run on a machine without the peer would replace a measured verdict in status.md, which
+def no_peer_time(out: list[dict], goal: str, case: str, target: str, mine: dict, peer: str,
+                 other: dict | None) -> bool:
+    """Whether the peer's row ``other`` gives no time to judge a goal against: it is missing (no verdict), or the
+    peer ran and was not timed (failed its check, raised, not installed), where the goal's row goes to ``out``
+    not measured (``met`` None), with the peer and its status. Left out, that goal vanished from goals.md without
+    a word; judged NO, a run on a machine without the peer would replace a measured verdict in status.md, which
     keeps a run's measured row over a later run's unmeasured one (status_markdown)."""
-    return {"goal": goal, "case": case, "target": target, "value": math.nan,
-            "ours_ms": _number(mine.get("median_ms")), "met": None, "status": str(other.get("status")), "peer": peer}
+    if other is None:
+        return True
+    if other.get("status") == "ok":
+        return False
+    out.append({"goal": goal, "case": case, "target": target, "value": math.nan,
+                "ours_ms": _number(mine.get("median_ms")), "met": None, "status": str(other.get("status")),
+                "peer": peer})
+    return True
 
 
 def met_word(goal: dict) -> str:
-    """A goal's verdict as the tables print it: yes, NO, or not measured (a peer not timed: peer_untimed)."""
+    """A goal's verdict as the tables print it: yes, NO, or not measured (a peer not timed: no_peer_time)."""
     return "not measured" if goal["met"] is None else ("yes" if goal["met"] else "NO")
 
 
@@ -165,10 +173,7 @@ def goal_rows(rows: list[dict], device: str, ours: str) -> list[dict]:
             continue
         if what == "speedup":
             other = find(peer, g)
-            if other is None:
-                continue
-            if other.get("status") != "ok":
-                out.append(peer_untimed(name, case, text, mine, peer, other))
+            if no_peer_time(out, name, case, text, mine, peer, other):
                 continue
             value = _number(other["median_ms"]) / _number(mine["median_ms"])
             ok = value >= bound
@@ -216,10 +221,7 @@ def vocab_goal_rows(rows: list[dict], ours: str, peer: str = "megatron_style") -
                 ok = value <= bound
             else:
                 other = find(peer, form, beta, world)
-                if other is None:
-                    continue
-                if other.get("status") != "ok":
-                    out.append(peer_untimed(name, case, text, mine, peer, other))
+                if no_peer_time(out, name, case, text, mine, peer, other):
                     continue
                 value = _number(other["median_ms"]) / _number(mine["median_ms"])
                 ok = value >= bound
@@ -248,10 +250,7 @@ def distill_goal_rows(rows: list[dict], ours: str) -> list[dict]:
             continue
         if what == "speedup":
             other = find(peer, pass_, form, beta)
-            if other is None:
-                continue
-            if other.get("status") != "ok":
-                out.append(peer_untimed(name, case, text, mine, peer, other))
+            if no_peer_time(out, name, case, text, mine, peer, other):
                 continue
             value = _number(other["median_ms"]) / _number(mine["median_ms"])
             ok = value >= bound
