@@ -534,15 +534,19 @@ def _build_lock(ext_name: str, failed: ImportError | None = None):
 _FAILED_MARK = "kldiv_inline_failed.json"  # a failed build's errors, in its build folder (see _failed_meanwhile)
 
 
-# A compiler's diagnostic at a file and line (a linker's "file.o: ... undefined reference" too): what the same sources
+# A compiler's diagnostic at a file and line (a linker's "file.o: ... undefined reference" too; nvcc's front end at
+# the end of a file, "At end of source: error: expected a "}"", and ptxas' on a kernel, "ptxas error   : Entry
+# function '...' uses too much shared data", "ptxas fatal   : Unresolved extern function"): what the same sources
 # and flags give again. A build killed (out of memory), a full disk or a missing tool says none.
 _DIAGNOSTIC_RE = re.compile(r"^\S.*?(?::\d+(?::\d+)?:|\(\d+\):) (?:fatal |catastrophic )?error\b"
+                            r"|^At end of source: error\b|^ptxas (?:error|fatal)\s*:"
                             r"|undefined reference to|undefined symbol")
 
 
 # The system's failures that a compiler reports at a source's line too ("a.cpp:20:40: fatal error: error writing to
 # /tmp/ccX.s: No space left on device"): of the moment, not of the sources.
 _SYSTEM_RE = re.compile(r"No space left|Disk quota|Input/output error|Too many open files|Cannot allocate memory"
+                        r"|Memory allocation failure|[Oo]ut of memory"
                         r"|Stale file handle|Read-only file system|error (?:writing|closing) ")
 
 

@@ -706,7 +706,15 @@ def test_a_failure_of_the_moment_is_not_passed_to_waiting_processes(tmp_path):
                  "/src/a.cpp:2:18: fatal error: error closing /tmp/ccX.s: No space left on device"):
         loader._record_failure(tmp_path, kldiv_inline.KernelBuildError("x_0123456789abcdef", [line], "log"))
         assert not (tmp_path / loader._FAILED_MARK).exists(), line
-    for line in ("/src/a.cpp:3:7: error: 'x' was not declared in this scope", "/src/a.cu(12): error: identifier"):
+    for line in ("ptxas fatal   : Memory allocation failure", "ptxas error   : out of memory"):
+        loader._record_failure(tmp_path, kldiv_inline.KernelBuildError("x_0123456789abcdef", [line], "log"))
+        assert not (tmp_path / loader._FAILED_MARK).exists(), line
+    # The sources' own, at a line or not (nvcc's front end at a file's end; ptxas on a kernel's resources or a
+    # device function declared and never defined): the same sources fail the same way.
+    for line in ("/src/a.cpp:3:7: error: 'x' was not declared in this scope", "/src/a.cu(12): error: identifier",
+                 'At end of source: error: expected a "}"',
+                 "ptxas error   : Entry function '_Z1kPf' uses too much shared data (0x3a980 bytes, 0xc000 max)",
+                 "ptxas fatal   : Unresolved extern function '_Z1ff'"):
         loader._record_failure(tmp_path, kldiv_inline.KernelBuildError("x_0123456789abcdef", [line], "log"))
         assert (tmp_path / loader._FAILED_MARK).exists()
         (tmp_path / loader._FAILED_MARK).unlink()
