@@ -294,7 +294,7 @@ const char* kl_backend() { return "cuda"; }
 
 // See kldiv_bindings.cpp for the contract of each entry point.
 std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor& target, bool reduce, double divisor,
-                                       bool log_target, bool from_probs, bool want_grad) {
+                                       bool log_target, bool from_probs, bool want_grad, bool wide) {
   check_device(input);
   Prepared p = prepare(input, target);
   const c10::cuda::CUDAGuard guard(input.device());
@@ -327,7 +327,8 @@ std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor
   // The fused gradient is laid out like the broadcast shape: only possible when the input has that shape.
   TORCH_CHECK(!want_grad || input.sizes().vec() == p.shape,
               "kldiv: the fused gradient needs the input to have the broadcast shape");
-  at::Tensor out = at::empty({}, opts);
+  const bool wide_out = wide && input.scalar_type() != at::kDouble;  // (float64's own dtype is its wide one)
+  at::Tensor out = at::empty({}, wide_out ? opts.dtype(at::kFloat) : opts);
   if (want_grad) grad = at::empty(p.shape, opts);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "kl_div_reduce", [&] {
     using T = scalar_t;
@@ -352,7 +353,13 @@ std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor
       else if (p.g.contiguous) launch(reduce_kernel<T, FORM, LOGT, true, false>, vec_work);
       else launch(reduce_kernel<T, FORM, LOGT, false, false>, p.g.n);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      final_kernel<T><<<1, kFinalThreads, 0, stream>>>(partials.data_ptr<double>(), blocks, divisor, out.data_ptr<T>());
+      if (wide_out) {
+        final_kernel<float>
+            <<<1, kFinalThreads, 0, stream>>>(partials.data_ptr<double>(), blocks, divisor, out.data_ptr<float>());
+      } else {
+        final_kernel<T>
+            <<<1, kFinalThreads, 0, stream>>>(partials.data_ptr<double>(), blocks, divisor, out.data_ptr<T>());
+      }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

@@ -12,9 +12,11 @@ const char* kl_backend();
 // log-probabilities when log_target), both of one floating dtype and device, broadcastable.
 // reduce=false: returns {loss per element over the broadcast shape, undefined}.
 // reduce=true:  returns {0-d sum / divisor, d(sum / divisor)/d input if want_grad else undefined}; the fused
-//               gradient needs the input to have the broadcast shape.
+//               gradient needs the input to have the broadcast shape. The 0-d result has the inputs' dtype, or
+//               with wide=true float32 for 16-bit inputs (float64 for float64): a float16 sum beyond 65504 that
+//               the caller divides itself (torch.compile's traced loss, whose divisor may be symbolic) stays finite.
 std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor& target, bool reduce, double divisor,
-                                       bool log_target, bool from_probs, bool want_grad);
+                                       bool log_target, bool from_probs, bool want_grad, bool wide);
 
 // Gradients of the loss w.r.t. input and/or target over the broadcast shape (undefined where not wanted).
 // grad_out: one value (reduce=true, the loss was sum / divisor) or the broadcast shape (reduce=false).
@@ -30,7 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backend", &kl_backend, "which backend this module holds: 'cuda' or 'cpu'");
   m.def("kl_div_forward", &kl_div_forward, "KL-divergence loss (see kernels/kldiv_bindings.cpp)", py::arg("input"),
         py::arg("target"), py::arg("reduce"), py::arg("divisor"), py::arg("log_target"), py::arg("from_probs"),
-        py::arg("want_grad"));
+        py::arg("want_grad"), py::arg("wide") = false);
   m.def("kl_div_backward", &kl_div_backward, "gradients of the KL-divergence loss", py::arg("grad_out"),
         py::arg("input"), py::arg("target"), py::arg("reduce"), py::arg("divisor"), py::arg("log_target"),
         py::arg("from_probs"), py::arg("want_input"), py::arg("want_target"));

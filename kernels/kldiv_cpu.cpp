@@ -182,7 +182,7 @@ using namespace kldiv;
 const char* kl_backend() { return "cpu"; }
 
 std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor& target, bool reduce, double divisor,
-                                       bool log_target, bool from_probs, bool want_grad) {
+                                       bool log_target, bool from_probs, bool want_grad, bool wide) {
   check_device(input);
   Prepared p = prepare(input, target);
   const auto opts = input.options();
@@ -201,7 +201,8 @@ std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor
 
   TORCH_CHECK(!want_grad || input.sizes().vec() == p.shape,
               "kldiv: the fused gradient needs the input to have the broadcast shape");
-  at::Tensor out = at::empty({}, opts);
+  const bool wide_out = wide && input.scalar_type() != at::kDouble;  // (float64's own dtype is its wide one)
+  at::Tensor out = at::empty({}, wide_out ? opts.dtype(at::kFloat) : opts);
   if (want_grad) grad = at::empty(p.shape, opts);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "kl_div_reduce", [&] {
     using T = scalar_t;
@@ -210,7 +211,11 @@ std::vector<at::Tensor> kl_div_forward(const at::Tensor& input, const at::Tensor
       constexpr bool LOGT = decltype(logt_c)::value;
       const double s = reduce_sum<T, FORM, LOGT>(p.x.data_ptr<T>(), p.t.data_ptr<T>(), p.g,
                                                  want_grad ? grad.data_ptr<T>() : nullptr, 1.0 / divisor);
-      *out.data_ptr<T>() = static_cast<T>(s / divisor);
+      if (wide_out) {
+        *out.data_ptr<float>() = static_cast<float>(s / divisor);
+      } else {
+        *out.data_ptr<T>() = static_cast<T>(s / divisor);
+      }
     });
   });
   return {out, grad};

@@ -30,6 +30,7 @@ deprecated reduction='elementwise_mean' means 'mean', and the legacy size_averag
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 from torch import Tensor
@@ -141,16 +142,23 @@ def _undefined_to_empty(t: Tensor | None, like: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("kldiv_inline::kl_div_forward", mutates_args=())
 def _forward_op(input: Tensor, target: Tensor, reduce: bool, divisor: float, log_target: bool,
-                from_probs: bool, want_grad: bool) -> tuple[Tensor, Tensor]:
+                from_probs: bool, want_grad: bool, wide: bool = False) -> tuple[Tensor, Tensor]:
+    """``wide``: a reduced loss in float32 for 16-bit operands (float64 for float64), for a caller that divides
+    the sum itself (the traced loss: _dispatch)."""
     out, grad = _module(input.device).kl_div_forward(input, target, reduce, divisor, log_target, from_probs,
-                                                     want_grad)
+                                                     want_grad, wide)
     return out, _undefined_to_empty(grad, input)
 
 
+def _wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
 @_forward_op.register_fake
-def _(input, target, reduce, divisor, log_target, from_probs, want_grad):
+def _(input, target, reduce, divisor, log_target, from_probs, want_grad, wide=False):
     shape = torch.broadcast_shapes(input.shape, target.shape)
-    out = input.new_empty(()) if reduce else input.new_empty(shape)
+    out = (input.new_empty((), dtype=_wide_dtype(input.dtype) if wide else input.dtype) if reduce
+           else input.new_empty(shape))
     grad = input.new_empty(shape) if (reduce and want_grad) else input.new_empty((0,))
     return out, grad
 
@@ -182,7 +190,7 @@ def _(grad, grad_out):
 
 
 def _save(ctx, inputs, fused_grad):
-    input, target, reduce, divisor, log_target, from_probs, want_grad = inputs
+    input, target, reduce, divisor, log_target, from_probs, want_grad = inputs[:7]  # (the op's wide: its dtype)
     ctx.flags = (reduce, divisor, log_target, from_probs)
     ctx.fused = want_grad
     ctx.fused_used = False
@@ -200,6 +208,14 @@ def _save(ctx, inputs, fused_grad):
     # version check of a second backward (retain_graph=True); and handing it over (dropping this reference)
     # lets AccumulateGrad adopt it as .grad instead of cloning it. Detached: no reference cycle via grad_fn.
     ctx.fused_grad = fused_grad.detach() if want_grad else None
+    # The operands F.kl_div's autograd would have saved for the input's gradient, with their versions now: a
+    # backward that only rescales the fused gradient reads neither, yet refuses one changed in place since, as
+    # PyTorch's does (the target, which x * t keeps; and the probability, which torch.log keeps; with log_target
+    # PyTorch keeps exp(t) and t - log p, new tensors, so a change to t passes there).
+    ctx.fused_versions = tuple((weakref.ref(t), t._version, what) for t, what in
+                               (((input, "input (probabilities)") if from_probs else (None, "")),
+                                ((target, "target") if not log_target else (None, "")))
+                               if t is not None and not t.is_inference()) if want_grad else ()
     ctx.set_materialize_grads(False)
 
 
@@ -231,6 +247,13 @@ def _backward_with(ctx, grad_out):
     use_fused = (need_x and ctx.fused and not ctx.fused_used and type(grad_out) is Tensor
                  and not torch.compiler.is_compiling() and not torch.is_grad_enabled() and not batched_grad(grad_out))
     if use_fused:
+        for ref, version, what in ctx.fused_versions:
+            t = ref()
+            if t is not None and t._version != version:
+                raise RuntimeError(f"{'kl_div_from_probs' if from_probs else 'kl_div'}: one of the variables needed "
+                                   f"for gradient computation has been modified by an inplace operation: the "
+                                   f"{what} is at version {t._version}, at {version} in the forward (as "
+                                   "torch.nn.functional.kl_div's autograd refuses it)")
         ctx.fused_used = True
         gx, ctx.fused_grad = ctx.fused_grad, None
         _module(gx.device).kl_div_scale_grad_(gx, grad_out)
@@ -296,7 +319,7 @@ def _input_grads(grad_out, input, target, reduce, divisor, log_target, from_prob
 
 
 def _backward(ctx, grad_out, _grad_of_fused_grad):
-    return (*_backward_with(ctx, grad_out), None, None, None, None, None)
+    return (*_backward_with(ctx, grad_out), None, None, None, None, None, None)
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -315,7 +338,7 @@ def _vmap_forward(forward):
     """A vmap rule for a forward with the registered op's signature (``forward``: ``_FuncKLDiv.apply`` or
     the op): every sample's loss from one elementwise call over the batch, then per-sample sums (in float32
     for 16-bit inputs, as the kernels accumulate). No fused gradient: the backward recomputes."""
-    def rule(info, in_dims, input, target, reduce, divisor, log_target, from_probs, want_grad):
+    def rule(info, in_dims, input, target, reduce, divisor, log_target, from_probs, want_grad, wide=False):
         x, t = _batch_first(info.batch_size, in_dims[:2], input, target)
         if not reduce:
             out = forward(x, t, False, 1.0, log_target, from_probs, False)[0]
@@ -324,7 +347,7 @@ def _vmap_forward(forward):
             per_element = forward(x.to(acc), t.to(acc), False, 1.0, log_target, from_probs, False)[0]
             if per_element.dim() > 1:
                 per_element = per_element.sum(tuple(range(1, per_element.dim())))
-            out = (per_element / divisor).to(x.dtype)
+            out = (per_element / divisor).to(_wide_dtype(x.dtype) if wide else x.dtype)
         return (out, x.new_empty((0,))), (0, None)
     return rule
 
@@ -579,9 +602,11 @@ def _dispatch(input: Tensor, target: Tensor, reduce: bool, divisor: float, log_t
         if reduce and compiling:
             # Traced, the divisor (batchmean's batch, mean's numel) may be symbolic (dynamic shapes): the op's
             # float argument fixed it in a guard, so every new size recompiled (and fullgraph=True failed at the
-            # recompile limit). The sum, divided outside the op, keeps it symbolic; a 16-bit sum is rounded
-            # before the division then, as F.kl_div's is.
-            return _forward_op(input, target, True, 1.0, log_target, from_probs, False)[0] / divisor
+            # recompile limit). The sum, divided outside the op, keeps it symbolic. It comes wide (float32 for
+            # 16-bit operands) and is rounded once, after the division, as in eager mode: a float16 sum beyond
+            # 65504 rounded first made 'mean' inf, where F.kl_div's mean accumulates in float32.
+            wide_sum = _forward_op(input, target, True, 1.0, log_target, from_probs, False, True)[0]
+            return (wide_sum / divisor).to(input.dtype)
         return _forward_op(input, target, reduce, divisor, log_target, from_probs, False)[0]
     if _transforms_active():  # torch.func.grad / vmap: tensors that only the Function's rules can take
         return _FuncKLDiv.apply(input, target, reduce, divisor, log_target, from_probs, False)[0]

@@ -578,7 +578,8 @@ def test_the_compiled_forward_writes_no_gradient_its_backward_would_not_read(mon
     class Recording:
         def __getattr__(self, name):
             fn = getattr(mod, name)
-            return lambda *args: seen.append((name, args[-1] if name == "kl_div_forward" else None)) or fn(*args)
+            # (kl_div_forward's want_grad: its 7th argument)
+            return lambda *args: seen.append((name, args[6] if name == "kl_div_forward" else None)) or fn(*args)
 
     monkeypatch.setitem(ops._MODULES, "cpu", Recording())
     x, t = make_pair((16, 50), (16, 50), torch.float32, "cpu", "logprobs", False)
@@ -940,8 +941,9 @@ def test_an_operand_changed_in_place_after_the_forward(device, form, reduction, 
     # optimizer step on them, a reused buffer) raised autograd's in-place error where F.kl_div runs (its
     # log-probability form's input gradient reads only the target; its log_target form keeps exp(t) and t - x,
     # tensors of its own). Where F.kl_div runs, the op gives its gradients, those of the values at the forward;
-    # where the op raises autograd's in-place error, F.kl_div does too (the op may compute where PyTorch raises:
-    # its fused gradient was computed in the forward). With log_target the op keeps the operands where PyTorch
+    # where either raises autograd's in-place error, so does the other (the fused gradient, computed in the
+    # forward, was rescaled where F.kl_div refuses a target or probability changed since: a gradient of values the
+    # caller no longer holds, given silently). With log_target the op keeps the operands where PyTorch
     # keeps exp(t) and t - x (a copy on every training call would cost a pass over them), so a backward that
     # computes from them (the target's gradient, reduction none, a second backward with retain_graph) raises where
     # F.kl_div runs: the only cases allowed to differ, as the README says.
@@ -970,6 +972,8 @@ def test_an_operand_changed_in_place_after_the_forward(device, form, reduction, 
 
     truth = run("torch", change=False)  # the gradients of the values the loss was computed from
     theirs, ours = run("torch", change=True), run("ours", change=True)
+    if theirs == "error":
+        assert ours == "error", "F.kl_div refuses the changed operand and the op gave a gradient"
     if ours == "error":
         # (allowed, as the README says: with log_target PyTorch keeps exp(t) and t - x, the op the operands, and a
         # backward that computes from them raises: the target's gradient, reduction none, a second backward)
@@ -1056,6 +1060,33 @@ def test_torch_compile_dynamic_shapes_one_graph_for_every_batch(device, reductio
         torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(x.grad, x2.grad, rtol=1e-12, atol=1e-14)
     assert counters["stats"]["unique_graphs"] == 1, counters["stats"]
+
+
+@pytest.mark.parametrize("form", ["logprobs", "probs"])
+@pytest.mark.parametrize("reduction", ["mean", "batchmean"])
+def test_torch_compile_float16_loss_whose_sum_passes_65504_stays_finite(device, form, reduction):
+    # Traced, the sum is divided outside the op (its divisor may be symbolic). It came rounded to float16 first:
+    # a sum beyond float16's 65504 made 'mean' inf where F.kl_div's mean (float32 accumulation) and the eager
+    # loss are finite; batchmean's eager loss is finite too (PyTorch's, rounded first, is inf).
+    torch._dynamo.reset()
+    n, v = 64, 750
+    x = -10 - 4 * torch.rand(n, v, device=device)  # (each term ~t * 10: a sum of ~5e5 over 4.8e4 elements)
+    t = torch.rand(n, v, device=device) + 0.5
+    inp = x.exp().clamp_min(1e-4) if form == "probs" else x
+    x16, t16 = inp.half(), t.half()
+    fn = (lambda a, b: K.kl_div_from_probs(a, b, reduction=reduction)) if form == "probs" else \
+        (lambda a, b: K.kl_div(a, b, reduction=reduction))
+    ref = _torch_kl(form, x16.double(), t16.double(), reduction)
+    assert ref.item() * (x16.numel() if reduction == "mean" else n) > 65504  # (the case: the sum passes it)
+    for backend in ("aot_eager", "inductor"):
+        a = x16.clone().requires_grad_()
+        out = _quiet(torch.compile(fn, backend=backend, fullgraph=True), a, t16)
+        eager = _quiet(fn, x16, t16)
+        assert out.dtype == torch.float16 and torch.isfinite(out), (backend, out)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-3, atol=0)
+        torch.testing.assert_close(out, eager, rtol=1e-3, atol=0)  # (a float16 ulp: rounded once vs twice)
+        out.backward()
+        assert torch.isfinite(a.grad).all(), backend
 
 
 @pytest.mark.parametrize("log_target", [False, True], ids=["t", "logt"])
