@@ -683,7 +683,9 @@ def fused_linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     wants = [bool(grad_on and t is not None and t.requires_grad)
              for t in (student_hidden, student_weight, student_bias)]
     if due:
-        check_same_call(group, _WHO, _same_call_fields(c.beta, c.temperature, ignore_index, reduction, c.n,
+        # (ignore_index compared only where labels use it)
+        check_same_call(group, _WHO, _same_call_fields(c.beta, c.temperature, ignore_index if c.lab is not None
+                                                       else 0, reduction, c.n,
                                                        chunk_size, c.form, dtype_code(student_hidden.dtype),
                                                        c.skip_masked, wants[0], loss_scale),
                         c.lab, also=_replicated(student_hidden, c.t_hidden, c.pair), device=on)

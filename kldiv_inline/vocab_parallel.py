@@ -449,7 +449,9 @@ def check_same_call(group, who: str, fields: dict, labels: Tensor | None, refuse
             return  # (the caller raises this rank's own error)
         raise _refused_error(who, refusing)
     names = list(fields) + ["labels"] + [name for name, _ in also]
-    for j, name in enumerate(names, start=1):
+    # (labels first: given on one rank and not on another, they are what differs, not ignore_index, which a call
+    # without labels passes as 0)
+    for j, name in sorted(enumerate(names, start=1), key=lambda jn: jn[1] != "labels"):
         column = every[:, j].tolist()
         if any(v != column[0] for v in column):
             if j > len(fields):
@@ -498,6 +500,9 @@ def lead_also(lead, code: int) -> tuple:
 
 
 def _check_group(group, who: str = "generalized_jsd") -> None:
+    if type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER:  # (new_group's on a rank left out)
+        raise ValueError(f"{who}: this rank is not a member of the group (torch.distributed.new_group returns "
+                         "GroupMember.NON_GROUP_MEMBER on the ranks it leaves out): call it on the group's ranks only")
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{who}: group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
 
@@ -600,9 +605,10 @@ def generalized_jsd_vocab_parallel(student_logits: Tensor, teacher_logits: Tenso
     want_t = bool(grad_on and teacher is not None and teacher.requires_grad)
     if due:
         k = idx.shape[-1] if idx is not None else -1
-        check_same_call(group, "generalized_jsd",
-                        _call_fields(beta, temperature, ignore_index, code, student.shape[0], k,
-                                     dtype_code(student.dtype), want_s + 2 * want_t, loss_scale), lab,
+        check_same_call(group, "generalized_jsd",  # (ignore_index compared only where labels use it)
+                        _call_fields(beta, temperature, ignore_index if lab is not None else 0, code,
+                                     student.shape[0], k, dtype_code(student.dtype), want_s + 2 * want_t,
+                                     loss_scale), lab,
                         also=topk_also((idx, lp)) + lead_also(lead, code), device=on)
     settings = (ignore_index, beta, temperature, code, group, offset, vocab, loss_scale)
     if want_s or want_t:

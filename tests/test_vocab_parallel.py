@@ -711,6 +711,13 @@ def _mismatch_body(rank, world, device, seed):
         K.fused_linear_generalized_jsd(h.clone().requires_grad_(rank == 0), w, teacher_logits=t, group=group)
     with pytest.raises(ValueError, match=r"different gradients \(1 the student's"):
         K.generalized_jsd(s.clone().requires_grad_(rank == 0), t, beta=0.5, group=group)
+    # ignore_index is compared only where labels use it (without labels it was refused as a difference)
+    with pytest.raises(ValueError, match="different ignore_index"):
+        K.generalized_jsd(s, t, labels=lab, ignore_index=-100 - rank, group=group)
+    ref = K.generalized_jsd(s, t, group=group)
+    assert torch.equal(K.generalized_jsd(s, t, ignore_index=-100 - rank, group=group), ref)
+    assert torch.isfinite(K.fused_linear_generalized_jsd(h, w, teacher_logits=t, ignore_index=-1 - rank,
+                                                         group=group))
     loss = K.generalized_jsd(s, t, group=group, labels=lab)  # the group still serves a call made alike
     assert torch.equal(K.GeneralizedJSDLoss()(s, t, lab, group=group), loss)  # (the module passes group on)
     assert torch.isfinite(loss)
@@ -718,6 +725,17 @@ def _mismatch_body(rank, world, device, seed):
 
 def test_ranks_called_differently_raise_on_every_rank(_fresh_seed):
     spawn(_mismatch_body, 2, _fresh_seed)
+
+
+def test_a_rank_left_out_of_the_group_is_told_so():
+    # torch.distributed.new_group returns GroupMember.NON_GROUP_MEMBER (an int) on the ranks it leaves out: the
+    # message said the group must be a ProcessGroup, "got int"
+    s, t = torch.randn(3, 5), torch.randn(3, 5)
+    for call in (lambda g: K.generalized_jsd(s, t, group=g),
+                 lambda g: K.fused_linear_generalized_jsd(torch.randn(3, 2), torch.randn(5, 2), teacher_logits=t,
+                                                          group=g)):
+        with pytest.raises(ValueError, match="this rank is not a member of the group"):
+            call(dist.GroupMember.NON_GROUP_MEMBER)
 
 
 def _cadence_body(rank, world, device, seed):
