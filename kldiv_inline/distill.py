@@ -648,7 +648,13 @@ def _check_settings(beta, temperature, ignore_index, reduction, who: str = "gene
 
 def refuse_transforms(who: str, *tensors) -> None:
     """A clear error for what the kernels cannot do: torch.func transforms (vmap, grad, jvp: their wrapped tensors
-    have no storage a kernel could read) and forward-mode AD (its tangent would be dropped without a word)."""
+    have no storage a kernel could read), forward-mode AD (its tangent would be dropped without a word) and
+    tensors of another layout than strided (sparse, mkldnn: torch's own view and reshape refused them in words
+    that named neither the argument nor the remedy)."""
+    for t in tensors:
+        if isinstance(t, Tensor) and t.layout != torch.strided:
+            raise NotImplementedError(f"{who}: a {t.layout} tensor was given (shape {tuple(t.shape)}); the kernels "
+                                      "take dense (strided) tensors: pass it .to_dense()")
     if torch.compiler.is_compiling():
         return
     # No dual level entered: no tensor can carry a tangent, so unpack_dual (~1 us a tensor of the eager step's host

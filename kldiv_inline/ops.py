@@ -477,7 +477,9 @@ def _check(input, target, reduction: str, log_target) -> tuple[Tensor, Tensor, t
                               f"float64), got {t.dtype}")
     _check_reduction(reduction)
     if not isinstance(log_target, bool):
-        raise TypeError(f"kl_div: log_target must be a bool, got {type(log_target).__name__}")
+        kind = type(log_target)
+        raise TypeError(f"kl_div: log_target must be a bool, got "
+                        f"{kind.__name__ if kind.__module__ == 'builtins' else kind.__module__ + '.' + kind.__name__}")
     if input.device != target.device:
         # As in PyTorch, a 0-d CPU tensor combines with a tensor on any device (it is a scalar).
         if target.dim() == 0 and target.device.type == "cpu":
@@ -489,6 +491,10 @@ def _check(input, target, reduction: str, log_target) -> tuple[Tensor, Tensor, t
                                  f"and {target.device}")
     if input.device.type not in ("cpu", "cuda", "meta"):
         raise NotImplementedError(f"kl_div: no kernels for {input.device.type} tensors (cpu and cuda only)")
+    for name, t in (("input", input), ("target", target)):
+        if t.layout != torch.strided:  # (sparse, mkldnn: the kernels read a dense tensor's memory)
+            raise NotImplementedError(f"kl_div: {name} is a {t.layout} tensor; the kernels take dense (strided) "
+                                      f"tensors: pass {name}.to_dense()")
     try:
         # torch.broadcast_shapes costs ~10 us of Python: a noticeable share of a small training step.
         shape = input.shape if input.shape == target.shape else torch.broadcast_shapes(input.shape, target.shape)

@@ -2573,6 +2573,7 @@ def test_bad_input_raises_clearly(device):
     s = logits((4, 10), torch.float32, device)
     t = logits((4, 10), torch.float32, device)
     cases = [
+        (dict(teacher_logits=t.to_sparse()), NotImplementedError, "sparse_coo tensor.*to_dense"),
         (dict(teacher_logits=t[:, :9]), ValueError, "same shape"),
         (dict(teacher_logits=t.double()), TypeError, "same dtype"),
         (dict(teacher_logits=None), ValueError, "exactly one"),

@@ -714,6 +714,7 @@ def test_bad_input_raises_clearly(device):
     t = torch.randn(4, 10, device=device)
     good = dict(teacher_hidden=th, teacher_weight=tw)
     cases = [
+        (dict(student_weight=w.to_sparse(), **good), NotImplementedError, "sparse_coo tensor.*to_dense"),
         (dict(student_weight=w[:, :7], **good), ValueError, r"\[V, H\]"),
         (dict(student_weight=w[0], **good), ValueError, r"\[V, H\]"),
         (dict(student_weight=w.double(), **good), TypeError, "float64.*student's hidden states, weight and bias"),

@@ -987,6 +987,26 @@ def test_an_operand_changed_in_place_after_the_forward(device, form, reduction, 
             torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_a_sparse_operand_is_refused_in_words(form):
+    # The kernels read a dense tensor's memory: a sparse operand met "Cannot access data pointer of Tensor that
+    # doesn't have storage", naming neither the operand nor the remedy
+    x, t = torch.rand(3, 4) + 0.1, torch.rand(3, 4) + 0.1
+    for which in ("input", "target"):
+        for grad in (False, True):
+            a = (x.to_sparse() if which == "input" else x).requires_grad_(grad and which == "input")
+            b = t.to_sparse() if which == "target" else t
+            with pytest.raises(NotImplementedError, match=f"{which} is a torch.sparse_coo tensor.*to_dense"):
+                _quiet(call, form, a, b, "sum")
+
+
+def test_log_target_of_another_type_is_named_with_its_module():
+    import numpy as np
+
+    with pytest.raises(TypeError, match="log_target must be a bool, got numpy.bool"):
+        K.kl_div(torch.rand(2, 3), torch.rand(2, 3), reduction="sum", log_target=np.bool_(True))
+
+
 @pytest.mark.parametrize("case", ["int64", "bool", "complex", "shapes"])
 @pytest.mark.parametrize("form", FORMS)
 def test_errors_f_kl_div_raises_as_runtime_error_are_runtime_errors(case, form):
