@@ -827,7 +827,12 @@ Launch plan_launch(int64_t v, size_t entry_bytes, bool topk) {
     l.slice = slice;
     l.smem = bytes(slice);
     l.threads = slice >= 8192 ? 512 : slice >= 2048 ? 256 : 128;
-    if (const char* env = std::getenv("KLDIV_DISTILL_THREADS")) l.threads = std::atoi(env);  // research knob
+    if (const char* env = std::getenv("KLDIV_DISTILL_THREADS")) {  // a research knob
+      l.threads = std::atoi(env);
+      // (the block reductions shuffle whole warps: a partial warp would read lanes that do not exist)
+      TORCH_CHECK(l.threads >= 32 && l.threads <= kMaxThreads && l.threads % 32 == 0,
+                  "distill: KLDIV_DISTILL_THREADS must be a multiple of 32 from 32 to 512, got ", env);
+    }
     return true;
   };
   // A research knob: KLDIV_DISTILL_CLUSTER sets the cluster size (1-16, any size, not only the powers of 2 below:
