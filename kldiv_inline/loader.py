@@ -546,15 +546,23 @@ _DIAGNOSTIC_RE = re.compile(r"^\S.*?(?::\d+(?::\d+)?:|\(\d+\):) (?:fatal |catast
 # The system's failures that a compiler reports at a source's line too ("a.cpp:20:40: fatal error: error writing to
 # /tmp/ccX.s: No space left on device"): of the moment, not of the sources.
 _SYSTEM_RE = re.compile(r"No space left|Disk quota|Input/output error|Too many open files|Cannot allocate memory"
-                        r"|Memory allocation failure|[Oo]ut of memory"
+                        r"|Memory allocation failure|[Oo]ut of memory|Could not open|could not be opened"
+                        r"|[Cc]annot open (?:output|input|temporary)|Permission denied"
                         r"|Stale file handle|Read-only file system|error (?:writing|closing) ")
+
+
+# A tool's own error line ("x.cpp:3:7: error: ...", "ptxas fatal   : ...", "c++: fatal error: ..."), not a source
+# line the compiler quotes beneath it.
+_MESSAGE_RE = re.compile(r"\b(?:error|fatal)\b\s*:", re.IGNORECASE)
 
 
 def _record_failure(build_dir: Path, err: KernelBuildError) -> None:
     """Leave a failed build's errors where the processes that waited for it will look (_failed_meanwhile), where
     they are the sources' own (a compiler's diagnostic at a file and line): a failure of the moment (a compiler
     killed, a full disk) is built again by each, as before."""
-    if not any(_DIAGNOSTIC_RE.search(e) for e in err.errors) or any(_SYSTEM_RE.search(e) for e in err.errors):
+    # (the system's words only in a tool's own message: the source lines quoted under an error may hold them too)
+    said = [e for e in err.errors if _MESSAGE_RE.search(e) and not _NOT_AN_ERROR_RE.search(e)]
+    if not any(_DIAGNOSTIC_RE.search(e) for e in err.errors) or any(_SYSTEM_RE.search(e) for e in said):
         return
     with contextlib.suppress(OSError, TypeError, ValueError):
         tmp = build_dir / f"{_FAILED_MARK}.tmp"

@@ -706,7 +706,9 @@ def test_a_failure_of_the_moment_is_not_passed_to_waiting_processes(tmp_path):
                  "/src/a.cpp:2:18: fatal error: error closing /tmp/ccX.s: No space left on device"):
         loader._record_failure(tmp_path, kldiv_inline.KernelBuildError("x_0123456789abcdef", [line], "log"))
         assert not (tmp_path / loader._FAILED_MARK).exists(), line
-    for line in ("ptxas fatal   : Memory allocation failure", "ptxas error   : out of memory"):
+    for line in ("ptxas fatal   : Memory allocation failure", "ptxas error   : out of memory",
+                 "ptxas fatal   : Could not open output file '/scratch/tmpxft_000369b3_0000000a'",
+                 "ptxas fatal   : Input file '/tmp/tmpxft_0001-6.ptx' could not be opened"):
         loader._record_failure(tmp_path, kldiv_inline.KernelBuildError("x_0123456789abcdef", [line], "log"))
         assert not (tmp_path / loader._FAILED_MARK).exists(), line
     # The sources' own, at a line or not (nvcc's front end at a file's end; ptxas on a kernel's resources or a
@@ -717,6 +719,14 @@ def test_a_failure_of_the_moment_is_not_passed_to_waiting_processes(tmp_path):
                  "ptxas fatal   : Unresolved extern function '_Z1ff'"):
         loader._record_failure(tmp_path, kldiv_inline.KernelBuildError("x_0123456789abcdef", [line], "log"))
         assert (tmp_path / loader._FAILED_MARK).exists()
+        (tmp_path / loader._FAILED_MARK).unlink()
+    # A source line quoted under the error may hold the system's words: still the sources' own failure
+    for lines in (['kldiv.cu(42): error: identifier "cudaMallocc" is undefined',
+                   '    TORCH_CHECK(p != nullptr, "kldiv: out of memory");'],
+                  ["/src/a.cpp:9:3: error: 'tile' was not declared in this scope",
+                   "    9 |   tile(); // Out of memory guard"]):
+        loader._record_failure(tmp_path, kldiv_inline.KernelBuildError("x_0123456789abcdef", lines, "log"))
+        assert (tmp_path / loader._FAILED_MARK).exists(), lines
         (tmp_path / loader._FAILED_MARK).unlink()
 
 
