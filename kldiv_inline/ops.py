@@ -189,7 +189,9 @@ def _(grad, grad_out):
     return None
 
 
-def _save(ctx, inputs, fused_grad):
+def _save(ctx, inputs, fused_grad, sources=None):
+    """``sources``: the operands as the caller passed them, where the kernels got converted copies (another dtype,
+    a resolved negative view): their versions are the ones to check."""
     input, target, reduce, divisor, log_target, from_probs, want_grad = inputs[:7]  # (the op's wide: its dtype)
     ctx.flags = (reduce, divisor, log_target, from_probs)
     ctx.fused = want_grad
@@ -211,12 +213,23 @@ def _save(ctx, inputs, fused_grad):
     # The operands F.kl_div's autograd would have saved for the input's gradient, with their versions now: a
     # backward that only rescales the fused gradient reads neither, yet refuses one changed in place since, as
     # PyTorch's does (the target, which x * t keeps; and the probability, which torch.log keeps; with log_target
-    # PyTorch keeps exp(t) and t - log p, new tensors, so a change to t passes there).
+    # PyTorch keeps exp(t) and t - log p, new tensors, so a change to t passes there). Not under saved-tensor
+    # hooks (save_on_cpu, or any that pack copies): PyTorch's packed operands are not checked there.
+    src_input, src_target = sources if sources is not None else (input, target)
+    check = want_grad and _saved_tensors_hooks() is None
     ctx.fused_versions = tuple((weakref.ref(t), t._version, what) for t, what in
-                               (((input, "input (probabilities)") if from_probs else (None, "")),
-                                ((target, "target") if not log_target else (None, "")))
-                               if t is not None and not t.is_inference()) if want_grad else ()
+                               (((src_input, "input (probabilities)") if from_probs else (None, "")),
+                                ((src_target, "target") if not log_target else (None, "")))
+                               if isinstance(t, Tensor) and not t.is_inference()) if check else ()
     ctx.set_materialize_grads(False)
+
+
+# The innermost saved-tensor hooks in force (torch.autograd.graph.saved_tensors_hooks, save_on_cpu), or None.
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda ignore_is_tracing: None)
+
+
+def _saved_tensors_hooks():
+    return _top_hooks(False)
 
 
 def _setup_context(ctx, inputs, output):
@@ -385,13 +398,14 @@ class _EagerKLDiv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        out, fused_grad = _forward_kernels(*inputs)
-        _save(ctx, inputs, fused_grad)
+        # (inputs: the op's seven arguments, then the operands as the caller passed them: _save's sources)
+        out, fused_grad = _forward_kernels(*inputs[:7])
+        _save(ctx, inputs[:7], fused_grad, inputs[7])
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        return (*_backward_with(ctx, grad_out), None, None, None, None, None)
+        return (*_backward_with(ctx, grad_out), None, None, None, None, None, None)
 
     jvp = staticmethod(_jvp)
 
@@ -589,16 +603,17 @@ def _kl(input: Tensor, target: Tensor, reduction: str, log_target: bool, from_pr
         input = input[(None,) * (len(shape) - input.dim())].permute(order)
         target = target[(None,) * (len(shape) - target.dim())].permute(order)
         inverse = sorted(range(len(order)), key=order.__getitem__)
-        out = _dispatch(input, target, False, 1.0, log_target, from_probs).permute(inverse)
+        out = _dispatch(input, target, False, 1.0, log_target, from_probs, operands).permute(inverse)
         return layout.with_strides(out if work == dtype else out.to(dtype), strides)
     divisor = _divisor(reduction, input, shape) if reduce else 1.0
-    out = _dispatch(input, target, reduce, divisor, log_target, from_probs)
+    out = _dispatch(input, target, reduce, divisor, log_target, from_probs, operands)
     return out if work == dtype else out.to(dtype)
 
 
 def _dispatch(input: Tensor, target: Tensor, reduce: bool, divisor: float, log_target: bool,
-              from_probs: bool) -> Tensor:
-    """Checked operands of one dtype -> the path that suits them (see the module docstring)."""
+              from_probs: bool, sources: tuple) -> Tensor:
+    """Checked operands of one dtype -> the path that suits them (see the module docstring). ``sources``: the
+    operands as the caller passed them (before a conversion to one dtype: _save checks their versions)."""
     grad_enabled = torch.is_grad_enabled() and (input.requires_grad or target.requires_grad)
     compiling = torch.compiler.is_compiling()
     if compiling or type(input) not in _PLAIN or type(target) not in _PLAIN or input.device.type == "meta":
@@ -620,7 +635,7 @@ def _dispatch(input: Tensor, target: Tensor, reduce: bool, divisor: float, log_t
         return _module(input.device).kl_div_forward(input, target, reduce, divisor, log_target, from_probs,
                                                     False)[0]
     want_grad = _wants_fused_grad(input, target, reduce, grad_enabled)
-    return _EagerKLDiv.apply(input, target, reduce, divisor, log_target, from_probs, want_grad)
+    return _EagerKLDiv.apply(input, target, reduce, divisor, log_target, from_probs, want_grad, sources)
 
 
 def _wants_fused_grad(input: Tensor, target: Tensor, reduce: bool, grad_enabled: bool) -> bool:

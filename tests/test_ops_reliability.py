@@ -7,6 +7,7 @@ cuda where a GPU is present (marked `gpu`). Fresh random inputs every run (conft
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import warnings
 
@@ -1005,6 +1006,36 @@ def test_log_target_of_another_type_is_named_with_its_module():
 
     with pytest.raises(TypeError, match="log_target must be a bool, got numpy.bool"):
         K.kl_div(torch.rand(2, 3), torch.rand(2, 3), reduction="sum", log_target=np.bool_(True))
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("setting", ["mixed_dtypes", "save_on_cpu"])
+def test_a_changed_operand_beside_a_conversion_or_saved_tensor_hooks(device, form, setting):
+    # The fused gradient's version check follows F.kl_div's autograd: with operands of two dtypes the kernels get a
+    # converted copy, and the check watched that copy (the caller's operand changed unseen: a gradient of values it
+    # no longer held); under saved-tensor hooks that pack copies (save_on_cpu) PyTorch checks nothing, and neither
+    # may the op (it refused where F.kl_div runs).
+    def run(fn, changed):
+        torch.manual_seed(7)
+        w = torch.randn(6, 9, dtype=torch.float32, device=device, requires_grad=True)
+        x = F.log_softmax(w, -1) if form == "logprobs" else torch.softmax(w, -1)
+        t = torch.softmax(torch.randn(6, 9, device=device), -1)
+        if setting == "mixed_dtypes":
+            t = t.to(torch.bfloat16) if form == "logprobs" else t.double()  # (the wider dtype: the probability's)
+        hooks = torch.autograd.graph.save_on_cpu() if setting == "save_on_cpu" else contextlib.nullcontext()
+        with hooks:
+            loss = _torch_kl(form, x, t, "batchmean") if fn == "torch" else _quiet(call, form, x, t, "batchmean")
+        with torch.no_grad():
+            (x if changed == "input" else t).mul_(1.5)
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            assert "modified by an inplace operation" in str(e), str(e)
+            return "error"
+        return "ran"
+
+    for changed in ("input", "target"):
+        assert run("ours", changed) == run("torch", changed), changed
 
 
 @pytest.mark.parametrize("case", ["int64", "bool", "complex", "shapes"])
