@@ -711,6 +711,9 @@ def _mismatch_body(rank, world, device, seed):
         K.fused_linear_generalized_jsd(h.clone().requires_grad_(rank == 0), w, teacher_logits=t, group=group)
     with pytest.raises(ValueError, match=r"different gradients \(1 the student's"):
         K.generalized_jsd(s.clone().requires_grad_(rank == 0), t, beta=0.5, group=group)
+    # Rows that differ, with labels (of the rows' own shapes): the rows are named, not the labels
+    with pytest.raises(ValueError, match="different rows: 6 on rank 0, 4 on rank 1"):
+        K.generalized_jsd(s[: 6 - 2 * rank], t[: 6 - 2 * rank], labels=lab[: 6 - 2 * rank], group=group)
     # ignore_index is compared only where labels use it (without labels it was refused as a difference)
     with pytest.raises(ValueError, match="different ignore_index"):
         K.generalized_jsd(s, t, labels=lab, ignore_index=-100 - rank, group=group)
