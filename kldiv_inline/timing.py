@@ -4,8 +4,9 @@ The only timing loop of the kit: ``harness.bench`` times every provider through 
 read-bandwidth floor through it.
 
 * CUDA events around each call after the warm-up calls, so only device time between the two events counts.
-* The L2 cache is flushed (a 256 MiB write) before every timed call when the inputs fit in it, so each call
-  reads its inputs from memory, as in a real model where other work ran in between.
+* The L2 cache is flushed (a 256 MiB read) before every timed call when the inputs are at most twice its size
+  (larger ones evict themselves), so each call reads its inputs from memory, as in a real model where other work
+  ran in between.
 * Input sets are rotated (``args_sets``), so consecutive calls do not see the same addresses.
 * ``prepare`` (e.g. fresh ``requires_grad`` leaves) runs before each call, outside the timed region.
 * A wall clock (``time.perf_counter``) on the CPU, and for launch-bound cases on a GPU: there ``inner``
@@ -54,14 +55,21 @@ def llc_bytes() -> int:
 
 
 class L2Flush:
-    """Overwrites a buffer larger than the L2 cache, so the next call reads its inputs from memory."""
+    """Reads a buffer larger than the L2 cache, so the next call reads its inputs from memory. A read, not a write:
+    a written buffer left up to an L2 of dirty lines, written back to memory inside the next timed call as its
+    reads evicted them (up to twice a small case's memory traffic, against a floor of reads alone); read lines
+    are clean, and the previous call's own dirty lines are written back here, outside the timed region."""
 
     def __init__(self, device: str):
-        self.buf = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if device == "cuda" else None
+        if device == "cuda":
+            self.buf = torch.zeros(FLUSH_BYTES // 8, dtype=torch.int64, device=device)
+            self.out = torch.zeros((), dtype=torch.int64, device=device)
+        else:
+            self.buf = None
 
     def __call__(self):
         if self.buf is not None:
-            self.buf.fill_(1)
+            torch.sum(self.buf, out=self.out)
 
 
 def _identity(*args):

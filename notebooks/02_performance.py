@@ -4,11 +4,11 @@
 # The same code as `python -m kldiv_inline bench` (`kldiv_inline.bench`, the KL suite on the kit's one
 # harness, `kldiv_inline.harness`): every provider is checked against float64 before it is timed (a wrong
 # one is reported, not timed); CUDA events after warm-up, the L2 cache flushed before each call when the
-# inputs fit in it, inputs rotated among several sets; the median with 20% and 80% quantiles. The **floor**
-# is the bytes that must move (each input read once; for forward + backward the gradient written once too)
-# over the best read bandwidth measured at the start (`kldiv_inline.floors`: PyTorch's `x.sum()` and, on a
-# GPU, the kit's own read kernel); on a card it knows, each row also gives the percentage of the vendor's
-# peak bandwidth.
+# inputs are at most twice its size, inputs rotated among several sets; the median with 20% and 80%
+# quantiles. The **floor** is the bytes that must move (each input read once; for forward + backward the
+# gradient written once too) over the best read bandwidth measured at the start (`kldiv_inline.floors`:
+# PyTorch's `x.sum()` and, on a GPU, the kit's own read kernel); on a card it knows, each row also gives the
+# percentage of the vendor's peak bandwidth.
 #
 # The figures are drawn by `kldiv_inline.plots`, the functions that draw `results/<device>/*.png`, so the
 # last section can lay this run beside the committed results of the same device.

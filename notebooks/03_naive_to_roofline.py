@@ -153,9 +153,9 @@ def show_committed(impl, size="16384x16384"):
 # Each step goes through `step`, which hands the kernel to the kit's harness, as `python -m kldiv_inline
 # bench` does: `harness.bench` checks the loss against PyTorch's in float64 first (a wrong kernel is
 # reported and not timed), then times it with CUDA events (the L2 cache flushed before each call when the
-# inputs fit in it) or, for a `wall` case, back to back from Python (one synchronisation per 50 calls on a
-# GPU). `rows` keeps the harness's rows. (On a CPU, inputs of a few MiB sit in its caches: times under the
-# floor are possible there.)
+# inputs are at most twice its size) or, for a `wall` case, back to back from Python (one synchronisation
+# per 50 calls on a GPU). `rows` keeps the harness's rows. (On a CPU, inputs of a few MiB sit in its caches:
+# times under the floor are possible there.)
 
 # %%
 x, t = bench.make_inputs(case, DEVICE)
