@@ -654,8 +654,8 @@ def test_floor_is_the_best_source():
     floor = floors.measure_floor("cuda")
     assert set(floor.sources) == {"torch_sum", "read_kernel"}
     assert floor.gbps == max(floor.sources.values())
-    # The kit's read kernel should be at least as fast as PyTorch's reduction (else it is no floor).
-    assert floor.sources["read_kernel"] >= 0.98 * floor.sources["torch_sum"], floor.sources
+    # (Which source is faster is a benchmark's finding, recorded with each run as floor_source, not a test's: a
+    # speed target here failed or passed with the card's spread.) Above the data sheet, the measure is wrong.
     peak = floors.device_peak_gbps("cuda")
     if peak:
         assert floor.gbps < peak
