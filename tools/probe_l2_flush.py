@@ -52,7 +52,7 @@ print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; floor {floor.
 flushes = {"write (fill_)": WriteFlush(), "read (now)": L2Flush("cuda")}
 results = {(c[0], f): [] for c in cases for f in flushes}
 for r in range(args.rounds):
-    for name, fn, arg_sets, nbytes in cases:
+    for name, fn, arg_sets, _ in cases:
         for fname, flush in (flushes.items() if r % 2 == 0 else reversed(flushes.items())):
             results[(name, fname)] += time_cuda(fn, arg_sets, args.reps, 5, flush)
 print(f"{'case':30s} {'flush':14s} {'median us':>10s} {'q20':>8s} {'q80':>8s} {'x floor':>8s}")
