@@ -757,9 +757,11 @@ class FusedLinearGeneralizedJSDLoss(torch.nn.Module):
         self.loss_scale = loss_scale
 
     def forward(self, student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor | None = None,
-                teacher_weight: Tensor | None = None, **kwargs) -> Tensor:
+                teacher_weight: Tensor | None = None, labels: Tensor | None = None, **kwargs) -> Tensor:
+        """``labels`` may come fifth, as GeneralizedJSDLoss takes them third after the two logits; every other
+        argument of fused_linear_generalized_jsd by keyword."""
         return fused_linear_generalized_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                                            beta=self.beta, temperature=self.temperature,
+                                            labels=labels, beta=self.beta, temperature=self.temperature,
                                             ignore_index=self.ignore_index, reduction=self.reduction,
                                             chunk_size=self.chunk_size, skip_masked=self.skip_masked,
                                             loss_scale=self.loss_scale, **kwargs)

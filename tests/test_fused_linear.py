@@ -632,6 +632,9 @@ def test_module_form(device):
                                K.fused_linear_generalized_jsd(h, w, th, tw, beta=0.5, temperature=2.0, labels=lab,
                                                               ignore_index=-1, chunk_size=4))
     assert "chunk_size=4" in repr(crit)
+    # labels fifth, as GeneralizedJSDLoss takes them after its two logits (a sixth positional raised a bare
+    # "forward() takes from 3 to 5 positional arguments")
+    assert torch.equal(crit(h, w, th, tw, lab), crit(h, w, th, tw, labels=lab))
     with pytest.raises(ValueError, match="^fused_linear_generalized_jsd: beta"):  # (its check, its name)
         K.FusedLinearGeneralizedJSDLoss(beta=1.5)
     with pytest.raises(ValueError, match="none"):
