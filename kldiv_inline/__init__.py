@@ -11,7 +11,7 @@
     from kldiv_inline import harness                          # check, time and plot any op against
     harness.check(...), harness.bench(...), harness.plot(...) # float64 PyTorch, its peers and the floor
 """
-from . import kernelbench
+from . import kernelbench, vocab_parallel
 from .distill import GeneralizedJSDLoss, generalized_jsd
 from .fused_linear import FusedLinearGeneralizedJSDLoss, fused_linear_generalized_jsd
 from .loader import KernelBuildError, ToolchainError, load, load_sources
@@ -19,4 +19,4 @@ from .ops import KLDivLoss, kl_div, kl_div_from_probs
 
 __all__ = ["kl_div", "kl_div_from_probs", "KLDivLoss", "generalized_jsd", "GeneralizedJSDLoss",
            "fused_linear_generalized_jsd", "FusedLinearGeneralizedJSDLoss", "load", "load_sources", "KernelBuildError",
-           "ToolchainError", "kernelbench"]
+           "ToolchainError", "kernelbench", "vocab_parallel"]

@@ -53,7 +53,7 @@ from torch import Tensor
 
 from . import distill
 
-__all__ = ["generalized_jsd_vocab_parallel", "divergence_rows", "topk_rows", "placed", "slice_widths",
+__all__ = ["replicated", "generalized_jsd_vocab_parallel", "divergence_rows", "topk_rows", "placed", "slice_widths",
            "learnt_widths", "check_same_call", "topk_also", "cpu_ranks", "same_call_due", "dtype_code", "group_name",
            "resolve_group"]
 
@@ -62,6 +62,32 @@ _LN2 = math.log(2)
 
 # One collective into one tensor: all_gather_single where torch has it (it deprecates all_gather_into_tensor).
 _GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Replicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        # (a copy: autograd may hand the same gradient tensor to several places, and all_reduce works in place)
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def replicated(x: Tensor, group) -> Tensor:
+    """``x`` (the same on every rank of ``group``) as the input of a column-parallel computation whose outputs are
+    sliced by rank: the identity forward; backward sums x's gradient over the group (Megatron-LM's
+    copy_to_tensor_model_parallel_region). For the logits route of the split: with ``logits = replicated(hidden,
+    group) @ weight_slice.T``, generalized_jsd(logits, ..., group=group) gives each rank its slice of the logits'
+    gradient, and the hidden states' gradient comes back whole on every rank (each rank's share alone without it:
+    every parameter before the head would train on a wrong gradient). fused_linear_generalized_jsd does this sum
+    itself."""
+    _check_group(group, "replicated")
+    return _Replicated.apply(x, group)
 
 
 def _all_gather(x: Tensor, group) -> Tensor:
