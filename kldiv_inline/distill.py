@@ -389,7 +389,8 @@ def _rows(x: Tensor, vocab: int) -> Tensor:
         if torch.compiler.is_compiling():
             return x2.clone(memory_format=torch.contiguous_format)
         return x2.as_strided(x2.shape, (x2.stride(0), 1), x2.storage_offset())
-    return x2.contiguous()
+    # (an empty one too: contiguous() keeps an empty tensor's strides, which the kernels' check refused)
+    return x2.clone(memory_format=torch.contiguous_format) if x2.numel() == 0 else x2.contiguous()
 
 
 # Top-k probability mass beyond 1 (or, with k = V, away from 1) accepted as rounding and normalised away: a

@@ -2651,6 +2651,15 @@ def test_empty_batch(device):
     assert K.generalized_jsd(s, t, reduction="none").shape == (0,)
     K.generalized_jsd(s, t).backward()
     assert s.grad.shape == (0, 10)
+    # A vocabulary stride other than 1 on an empty [0, V] (contiguous() keeps an empty tensor's strides, and the
+    # kernels refused them: "unit stride along the vocabulary"), with a top-k teacher too
+    wide = logits((0, 20), torch.float32, device)[:, ::2].requires_grad_()
+    for reduction in ("batchmean", "sum", "none"):
+        assert K.generalized_jsd(wide, t[:, :10] + 0, reduction=reduction).numel() in (0, 1)
+    K.generalized_jsd(wide, logits((0, 20), torch.float32, device)[:, ::2]).backward()
+    assert wide.grad.shape == (0, 10)
+    pair = (torch.zeros(0, 2, dtype=torch.int64, device=device), torch.full((0, 2), -1.0, device=device))
+    assert K.generalized_jsd(wide, teacher_topk=pair).item() == 0
 
 
 def test_no_fallback_to_pytorch_softmax(device, monkeypatch):
