@@ -801,8 +801,9 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor | None = None
     a finite one, and its tail tokens get no share of the tail bucket's gradient (a row's gradient then does not sum
     to 0): the tail's probabilities are summed, not log-summed. The generalized JSD loses digits in float32 lanes as
     beta nears 0 or 1: the mixture's log is formed to an absolute ~1e-7 while the loss is ~min(beta, 1 - beta)
-    times a divergence, so its relative error grows as ~0.3 x 1.2e-7 / min(beta, 1 - beta) (measured on the CPU:
-    up to 4e-5 at beta = 1e-3 or 0.999, 5e-4 at 1e-4, 3.5e-3 at 1e-5): use beta = 0 or 1 for the KLs, or float64,
+    times a divergence, so its relative error grows as ~0.3 x 1.2e-7 / min(beta, 1 - beta) (measured on the CPU at
+    logit spreads 0.5-4, T = 2: up to 4e-5 at beta = 1e-3 or 0.999, 5e-4 at 1e-4, 3.5e-3 at 1e-5; wider logits
+    several times more, most near beta = 1): use beta = 0 or 1 for the KLs, or float64,
     whose lanes form the mixture's log from log1p of each side's own small term: the loss within 9.2e-16 of 60-digit
     arithmetic from beta = 1e-30 to 1 - 1e-12 (tools/probe_jsd_beta_ends.py), the gradients within 1e-13 (tests).
 
