@@ -1009,7 +1009,7 @@ def test_log_target_of_another_type_is_named_with_its_module():
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("setting", ["mixed_dtypes", "save_on_cpu"])
+@pytest.mark.parametrize("setting", ["mixed_dtypes", "save_on_cpu", "checkpoint"])
 def test_a_changed_operand_beside_a_conversion_or_saved_tensor_hooks(device, form, setting):
     # The fused gradient's version check follows F.kl_div's autograd: with operands of two dtypes the kernels get a
     # converted copy, and the check watched that copy (the caller's operand changed unseen: a gradient of values it
@@ -1023,8 +1023,14 @@ def test_a_changed_operand_beside_a_conversion_or_saved_tensor_hooks(device, for
         if setting == "mixed_dtypes":
             t = t.to(torch.bfloat16) if form == "logprobs" else t.double()  # (the wider dtype: the probability's)
         hooks = torch.autograd.graph.save_on_cpu() if setting == "save_on_cpu" else contextlib.nullcontext()
-        with hooks:
-            loss = _torch_kl(form, x, t, "batchmean") if fn == "torch" else _quiet(call, form, x, t, "batchmean")
+
+        def loss_of(x, t):
+            return _torch_kl(form, x, t, "batchmean") if fn == "torch" else _quiet(call, form, x, t, "batchmean")
+
+        from torch.utils.checkpoint import checkpoint
+
+        with hooks:  # (checkpointing's hooks, use_reentrant=False: PyTorch refuses the change there)
+            loss = checkpoint(loss_of, x, t, use_reentrant=False) if setting == "checkpoint" else loss_of(x, t)
         with torch.no_grad():
             (x if changed == "input" else t).mul_(1.5)
         try:
