@@ -551,17 +551,15 @@ _SYSTEM_RE = re.compile(r"No space left|Disk quota|Input/output error|Too many o
                         r"|Stale file handle|Read-only file system|error (?:writing|closing) ")
 
 
-# A tool's own error line ("x.cpp:3:7: error: ...", "ptxas fatal   : ...", "c++: fatal error: ..."), not a source
-# line the compiler quotes beneath it.
-_MESSAGE_RE = re.compile(r"\b(?:error|fatal)\b\s*:", re.IGNORECASE)
 
 
 def _record_failure(build_dir: Path, err: KernelBuildError) -> None:
     """Leave a failed build's errors where the processes that waited for it will look (_failed_meanwhile), where
     they are the sources' own (a compiler's diagnostic at a file and line): a failure of the moment (a compiler
     killed, a full disk) is built again by each, as before."""
-    # (the system's words only in a tool's own message: the source lines quoted under an error may hold them too)
-    said = [e for e in err.errors if _MESSAGE_RE.search(e) and not _NOT_AN_ERROR_RE.search(e)]
+    # (the system's words in a tool's own line, "virtual memory exhausted: Cannot allocate memory" among them, not
+    # in the source lines a compiler quotes beneath an error, indented: those may hold the words too)
+    said = [e for e in err.errors if e[:1].strip() and not _NOT_AN_ERROR_RE.search(e)]
     if not any(_DIAGNOSTIC_RE.search(e) for e in err.errors) or any(_SYSTEM_RE.search(e) for e in said):
         return
     with contextlib.suppress(OSError, TypeError, ValueError):

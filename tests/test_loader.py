@@ -706,6 +706,10 @@ def test_a_failure_of_the_moment_is_not_passed_to_waiting_processes(tmp_path):
                  "/src/a.cpp:2:18: fatal error: error closing /tmp/ccX.s: No space left on device"):
         loader._record_failure(tmp_path, kldiv_inline.KernelBuildError("x_0123456789abcdef", [line], "log"))
         assert not (tmp_path / loader._FAILED_MARK).exists(), line
+    for lines in (["/src/a.cpp:3:1: error: expected ';'", "virtual memory exhausted: Cannot allocate memory"],
+                  ["/src/a.cpp:3:1: error: expected ';'", "/usr/bin/ld: final link failed: No space left on device"]):
+        loader._record_failure(tmp_path, kldiv_inline.KernelBuildError("x_0123456789abcdef", lines, "log"))
+        assert not (tmp_path / loader._FAILED_MARK).exists(), lines
     for line in ("ptxas fatal   : Memory allocation failure", "ptxas error   : out of memory",
                  "ptxas fatal   : Could not open output file '/scratch/tmpxft_000369b3_0000000a'",
                  "ptxas fatal   : Input file '/tmp/tmpxft_0001-6.ptx' could not be opened"):
