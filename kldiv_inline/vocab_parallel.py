@@ -72,6 +72,9 @@ class _Replicated(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        if torch.is_grad_enabled():  # create_graph=True: the all_reduce would be left out of the gradient's graph
+            raise RuntimeError("replicated: a second derivative (create_graph=True) is not supported: the sum over "
+                               "the group in backward carries no graph")
         # (a copy: autograd may hand the same gradient tensor to several places, and all_reduce works in place)
         grad = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(grad, group=ctx.group)
@@ -85,7 +88,7 @@ def replicated(x: Tensor, group) -> Tensor:
     group) @ weight_slice.T``, generalized_jsd(logits, ..., group=group) gives each rank its slice of the logits'
     gradient, and the hidden states' gradient comes back whole on every rank (each rank's share alone without it:
     every parameter before the head would train on a wrong gradient). fused_linear_generalized_jsd does this sum
-    itself."""
+    itself. The result is a view of x (not to be changed in place); backward with create_graph=True raises."""
     _check_group(group, "replicated")
     return _Replicated.apply(x, group)
 

@@ -761,6 +761,11 @@ def _replicated_head_body(rank, world, device, seed):
     assert not torch.allclose(body_grad(split=True, summed=False), whole, rtol=1e-3, atol=0)  # (the trap)
     with pytest.raises(TypeError, match="replicated: group must be"):
         K.vocab_parallel.replicated(x, "world")
+    # A second derivative would leave the sum over the group out of the gradient's graph: refused
+    w = body_w.clone().requires_grad_()
+    out = (K.vocab_parallel.replicated(x @ w, group) ** 2).sum()
+    with pytest.raises(RuntimeError, match="second derivative"):
+        torch.autograd.grad(out, w, create_graph=True)
 
 
 def test_replicated_sums_a_column_parallel_inputs_gradient_over_the_group(_fresh_seed):
