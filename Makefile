@@ -1,4 +1,5 @@
-# make results   : set up, then check, benchmark and plot on the best device here (GPU if any, else CPU)
+# make results   : set up, then check, benchmark and plot on the best device here (GPU if any, else CPU); the
+#                  default target (plain `make`)
 # make test      : set up, sync and strip the notebooks (make notebooks), then the whole test suite (GPU tests
 #                  skip without a GPU)
 # make notebooks : each notebooks/NN_name.ipynb and its percent-format twin NN_name.py brought in step (the side

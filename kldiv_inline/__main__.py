@@ -1,8 +1,8 @@
 """Command line: ``python -m kldiv_inline check | bench | plot | results``.
 
 ``check``   correctness against float64 PyTorch -> results/<device>/correctness.csv + env.json (under "check")
-``bench``   timings against the peers          -> results/<device>/bench.csv + env.json
-``plot``    PNGs from the CSVs under results/  (no GPU needed)
+``bench``   timings against the peers          -> results/<device>/bench.csv + goals.md + env.json
+``plot``    PNGs, goals.md and status.md from the CSVs under results/  (no GPU needed)
 ``results`` check, then bench, then plot: what ``make results`` runs.
 
 On a machine without a GPU every step runs on the CPU twin.
@@ -74,6 +74,11 @@ def _check_folders(parser: argparse.ArgumentParser, args) -> None:
         why = _unusable_folder(Path(args.out)) if args.out else None
         if why:
             parser.error(f"--out: {why}")
+        if not args.out:  # (goals.md, status.md and the PNGs are written into the results folders themselves)
+            for folder in [results, *sorted(d for d in results.iterdir() if d.is_dir())]:
+                if not os.access(folder, os.W_OK | os.X_OK):
+                    parser.error(f"--results: {folder} is not writable (plot writes goals.md, status.md and the "
+                                 "PNGs there; --out puts them elsewhere)")
         return
     from .envinfo import device_slug
 
@@ -188,10 +193,11 @@ def main(argv=None) -> int:
         p.add_argument("--results", default=results_default, help="results folder (default: %(default)s)")
         p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
 
-    p = sub.add_parser("check", help="correctness against float64 PyTorch")
+    subparsers = {}
+    p = subparsers["check"] = sub.add_parser("check", help="correctness against float64 PyTorch")
     common(p)
     p.set_defaults(func=cmd_check)
-    p = sub.add_parser("bench", help="timings against the peers")
+    p = subparsers["bench"] = sub.add_parser("bench", help="timings against the peers")
     common(p)
     timed(p)
     p.add_argument("--resume", action="store_true",
@@ -199,11 +205,12 @@ def main(argv=None) -> int:
                         "--reps are refused): keeps the cases its bench.csv holds (same clean commit, same card, "
                         "same torch, threads and timing variables) and runs the rest")
     p.set_defaults(func=cmd_bench)
-    p = sub.add_parser("plot", help="PNGs from the results CSVs")
-    p.add_argument("--results", default=results_default)
+    p = subparsers["plot"] = sub.add_parser("plot", help="PNGs, goals.md and status.md from the results CSVs")
+    p.add_argument("--results", default=results_default,
+                   help="results folder to read (and, without --out, to write into; default: %(default)s)")
     p.add_argument("--out", default=None, help="where PNGs go (default: beside each CSV)")
     p.set_defaults(func=cmd_plot)
-    p = sub.add_parser("results", help="check, bench and plot: what `make results` runs")
+    p = subparsers["results"] = sub.add_parser("results", help="check, bench and plot: what `make results` runs")
     common(p)
     timed(p)
     p.set_defaults(func=cmd_results)
@@ -211,11 +218,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if hasattr(args, "device"):
         args.device = _device(args.device)  # every command sees the resolved device, "cuda" or "cpu"
-    _check_folders(parser, args)
+    _check_folders(subparsers[args.cmd], args)  # (its usage line, not the top level's)
     from .envinfo import command_argv
 
     with command_argv(argv):  # env.json's command: these arguments, also when main([...]) is called from Python
-        return args.func(args)
+        try:
+            return args.func(args)
+        except KeyboardInterrupt:  # (what was written is said by the step that was cut short; no traceback)
+            print(f"python -m kldiv_inline {args.cmd}: interrupted", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ CSVs without a GPU, and the goals of the benchmark are evaluated from its rows."
 import csv
 import json
 import math
+import os
 import shlex
 import subprocess
 import sys
@@ -1133,7 +1134,29 @@ def test_bad_reps_and_results_paths_are_refused_before_any_work(tmp_path, monkey
     for argv, message in cases:
         with pytest.raises(SystemExit) as refused:
             main([argv[0], "--device", "cpu", *argv[1:]] if argv[0] != "plot" else argv)
-        assert refused.value.code == 2 and message in capsys.readouterr().err, argv
+        err = capsys.readouterr().err
+        assert refused.value.code == 2 and message in err, argv
+        assert f"usage: python -m kldiv_inline {argv[0]}" in err, err  # (the command's usage, not the top level's)
+    # plot writes goals.md, status.md and the PNGs into the results folders without --out: one it cannot write
+    # into is refused before any work (PermissionError from write_goals before). (os.access stands in for the
+    # permission bits, which root, as tests may run, passes by.)
+    runs = tmp_path / "runs"
+    (runs / "card").mkdir(parents=True)
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != runs / "card")
+    with pytest.raises(SystemExit) as refused:
+        main(["plot", "--results", str(runs)])
+    assert refused.value.code == 2 and "card is not writable" in capsys.readouterr().err
+
+
+def test_an_interrupted_command_says_so_without_a_traceback(tmp_path, monkeypatch, capsys):
+    import kldiv_inline.__main__ as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_check", interrupted)
+    assert cli.main(["check", "--device", "cpu", "--results", str(tmp_path)]) == 130
+    assert "python -m kldiv_inline check: interrupted" in capsys.readouterr().err
 
 
 def test_broken_results_files_get_errors_that_name_them(tmp_path, monkeypatch):
