@@ -328,7 +328,7 @@ def _topk_case(rank, device, group, gen, *, widths, k, lead=(6,), dtype=torch.fl
     the same loss_scale)."""
     tol = TOL[dtype]
     vocab = sum(widths)
-    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1], _bounds(widths)[rank + 1]
+    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
     s_full = _logits(lead + (vocab,), dtype, device, gen)
     n = math.prod(lead)
     idx = torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(n)]).reshape(lead + (k,)).to(device)
@@ -392,7 +392,7 @@ def _fused_case(rank, device, group, gen, *, widths, n=7, hidden=6, dtype=torch.
     run without ``skip_masked``)."""
     tol = tol or TOL[dtype]
     vocab = sum(widths)
-    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1], _bounds(widths)[rank + 1]
+    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
 
     def rand(*shape, scale=1.0):
         return (torch.randn(shape, dtype=torch.float64, generator=gen) * scale).to(device=device, dtype=dtype)
@@ -517,7 +517,7 @@ def _fused_topk_widths_gathered_once(rank, device, group, gen, widths):
 
 
 def _fused_case_no_grad(rank, device, group, gen, widths):
-    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1], _bounds(widths)[rank + 1]
+    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
     h = torch.randn(5, 4, generator=gen).to(device)
     w, t = torch.randn(sum(widths), 4, generator=gen).to(device), torch.randn(5, sum(widths), generator=gen).to(device)
     ref = K.fused_linear_generalized_jsd(h, w, teacher_logits=t, beta=0.5, chunk_size=2)
@@ -549,7 +549,7 @@ def _float16_scaled_body(rank, world, device, seed, widths):
     every entry within float16's rounding of float64's, for a full teacher (its gradient too) and a top-k one."""
     group = dist.group.WORLD
     gen = torch.Generator().manual_seed(seed)
-    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1], _bounds(widths)[rank + 1]
+    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
     n, vocab = 6, sum(widths)
     from kldiv_inline.reference import generalized_jsd_reference
     for teacher in ("logits", "topk"):
@@ -599,7 +599,7 @@ def _masked_grad_out_body(rank, world, device, seed, widths):
     one process gives it, and PyTorch's ignore_index losses), the kept rows' as float64's."""
     group = dist.group.WORLD
     gen = torch.Generator().manual_seed(seed)
-    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1], _bounds(widths)[rank + 1]
+    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
     n, vocab = 4, sum(widths)
     from kldiv_inline.reference import generalized_jsd_reference
     lab = torch.tensor([3, -100, 7, -100], device=device)
@@ -1043,7 +1043,7 @@ def _off_grid_body(rank, world, device, seed):
     _fused_case(rank, device, group, gen, widths=(64128, 3001), n=300, hidden=64, dtype=torch.bfloat16, beta=0.5,
                 chunk_size=300, mask=0.02, tol=2e-2)  # a given gradient buffer (the fused head's), off the grid
     for widths in ((64128, 3001), (3001, 64127)):  # every rank in the one-read kernel, whatever its rows' grid
-        lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1], _bounds(widths)[rank + 1]
+        lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
         s = _logits((300, sum(widths)), torch.bfloat16, device, gen)[:, lo:hi].contiguous().requires_grad_()
         t = _logits((300, sum(widths)), torch.bfloat16, device, gen)[:, lo:hi].contiguous()
         _assert_one_read(s, t, 0.5, group, (rank, widths))
@@ -1071,7 +1071,7 @@ def test_two_gpus_float32_peaked_rows_draw():
 
 def _peaked_body(rank, world, device):
     widths = (100000, 28256)
-    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1], _bounds(widths)[rank + 1]
+    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
     vocab = sum(widths)
     gen = torch.Generator().manual_seed(7010)
     full = []
@@ -1134,7 +1134,7 @@ def _nearly_agreeing_case(rank, device, group, gen, *, widths, dtype, beta, lead
     """Teacher = student + noise of 1e-2: the rows' divergences are ~1e-5, below kJsdDirectMin, so the JSD's
     16-bit rows are summed again with the series on every rank (stage 2 of the peer exchange); loss per token and
     the student's gradient against the one-process op's."""
-    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1], _bounds(widths)[rank + 1]
+    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
     vocab = sum(widths)
     s = _logits(lead + (vocab,), torch.float64, device, gen)
     t = (s + torch.randn(s.shape, dtype=torch.float64, generator=gen).to(device) * 1e-2).to(dtype)
@@ -1158,7 +1158,7 @@ def _nearly_agreeing_case(rank, device, group, gen, *, widths, dtype, beta, lead
 
 def _forward_alone_case(rank, device, group, gen, *, widths, dtype, lead=(21,)):
     """Forward KL without gradients, per token and batchmean, against the one-process op."""
-    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1], _bounds(widths)[rank + 1]
+    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
     vocab = sum(widths)
     s, t = _logits(lead + (vocab,), dtype, device, gen), _logits(lead + (vocab,), dtype, device, gen)
     lab = torch.randint(0, vocab, lead, generator=gen).to(device).masked_fill_(
@@ -1175,7 +1175,7 @@ def _graph_case(rank, device, group, gen, *, widths, lead=(33,)):
     """The split training step (logits form) captured in a CUDA graph and replayed on new inputs copied into its
     static ones: the loss and this rank's gradient equal eager's on the same inputs, bit for bit; and eager, the
     step makes no host synchronisation."""
-    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1], _bounds(widths)[rank + 1]
+    lo, hi = _bounds(widths)[rank], _bounds(widths)[rank + 1]
     vocab = sum(widths)
     s = torch.empty(lead + (hi - lo,), dtype=torch.bfloat16, device=device).requires_grad_()
     t = torch.empty(lead + (hi - lo,), dtype=torch.bfloat16, device=device)
