@@ -213,10 +213,10 @@ def _save(ctx, inputs, fused_grad, sources=None):
     # The operands F.kl_div's autograd would have saved for the input's gradient, with their versions now: a
     # backward that only rescales the fused gradient reads neither, yet refuses one changed in place since, as
     # PyTorch's does (the target, which x * t keeps; and the probability, which torch.log keeps; with log_target
-    # PyTorch keeps exp(t) and t - log p, new tensors, so a change to t passes there). Not under save_on_cpu,
-    # whose packed copies PyTorch does not check (checkpointing's hooks, use_reentrant=False, do refuse one).
+    # PyTorch keeps exp(t) and t - log p, new tensors, so a change to t passes there). Not under saved-tensor hooks
+    # that pack copies (save_on_cpu), which PyTorch does not check (checkpointing's, use_reentrant=False, refuse).
     src_input, src_target = sources if sources is not None else (input, target)
-    check = want_grad and not _saves_on_cpu()
+    check = want_grad and not _packs_copies()
     ctx.fused_versions = tuple((weakref.ref(t), t._version, what) for t, what in
                                (((src_input, "input (probabilities)") if from_probs else (None, "")),
                                 ((src_target, "target") if not log_target else (None, "")))
@@ -228,11 +228,13 @@ def _save(ctx, inputs, fused_grad, sources=None):
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda ignore_is_tracing: None)
 
 
-def _saves_on_cpu() -> bool:
-    """Whether the innermost saved-tensor hooks are torch.autograd.graph.save_on_cpu's (its pack function's name
-    says so; torch offers no other mark)."""
+def _packs_copies() -> bool:
+    """Whether saved tensors are packed by hooks that PyTorch does not version-check (save_on_cpu, an offloading
+    hook of one's own): any innermost hooks but checkpointing's (use_reentrant=False), under which PyTorch refuses
+    a changed operand (their pack function's name says whose they are; torch offers no other mark). (Checkpointing
+    inside save_on_cpu is checked here where PyTorch runs: the safe side.)"""
     hooks = _top_hooks(False)
-    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("save_on_cpu.")
+    return hooks is not None and not getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook.")
 
 
 def _setup_context(ctx, inputs, output):

@@ -1009,7 +1009,7 @@ def test_log_target_of_another_type_is_named_with_its_module():
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("setting", ["mixed_dtypes", "save_on_cpu", "checkpoint"])
+@pytest.mark.parametrize("setting", ["mixed_dtypes", "save_on_cpu", "checkpoint", "copying_hooks"])
 def test_a_changed_operand_beside_a_conversion_or_saved_tensor_hooks(device, form, setting):
     # The fused gradient's version check follows F.kl_div's autograd: with operands of two dtypes the kernels get a
     # converted copy, and the check watched that copy (the caller's operand changed unseen: a gradient of values it
@@ -1022,7 +1022,9 @@ def test_a_changed_operand_beside_a_conversion_or_saved_tensor_hooks(device, for
         t = torch.softmax(torch.randn(6, 9, device=device), -1)
         if setting == "mixed_dtypes":
             t = t.to(torch.bfloat16) if form == "logprobs" else t.double()  # (the wider dtype: the probability's)
-        hooks = torch.autograd.graph.save_on_cpu() if setting == "save_on_cpu" else contextlib.nullcontext()
+        hooks = (torch.autograd.graph.save_on_cpu() if setting == "save_on_cpu" else
+                 torch.autograd.graph.saved_tensors_hooks(lambda a: a.clone(), lambda a: a)
+                 if setting == "copying_hooks" else contextlib.nullcontext())
 
         def loss_of(x, t):
             return _torch_kl(form, x, t, "batchmean") if fn == "torch" else _quiet(call, form, x, t, "batchmean")
