@@ -553,13 +553,19 @@ _SYSTEM_RE = re.compile(r"No space left|Disk quota|Input/output error|Too many o
 
 
 
+# A line a tool says itself: a diagnostic ("x.cpp:3:7: error: ...", "ptxas fatal   : ...") or a tool's own
+# message ("/usr/bin/ld: final link failed: ...", "cc1plus: out of memory ...", "virtual memory exhausted: ...").
+_TOOL_SAID_RE = re.compile(r"\b(?:error|fatal)\s*:|^(?:\S*/)?(?:ld|collect2|cc1plus|cc1|as|nvcc|ptxas|cicc|c\+\+|g\+\+"
+                           r"|gcc|clang\+\+|clang)(?:\.\w+)?: |^virtual memory exhausted", re.IGNORECASE)
+
+
 def _record_failure(build_dir: Path, err: KernelBuildError) -> None:
     """Leave a failed build's errors where the processes that waited for it will look (_failed_meanwhile), where
     they are the sources' own (a compiler's diagnostic at a file and line): a failure of the moment (a compiler
     killed, a full disk) is built again by each, as before."""
     # (the system's words in a tool's own line, "virtual memory exhausted: Cannot allocate memory" among them, not
-    # in the source lines a compiler quotes beneath an error, indented: those may hold the words too)
-    said = [e for e in err.errors if e[:1].strip() and not _NOT_AN_ERROR_RE.search(e)]
+    # in the source lines a compiler quotes beneath an error, which may hold the words too)
+    said = [e for e in err.errors if e[:1].strip() and not _NOT_AN_ERROR_RE.search(e) and _TOOL_SAID_RE.search(e)]
     if not any(_DIAGNOSTIC_RE.search(e) for e in err.errors) or any(_SYSTEM_RE.search(e) for e in said):
         return
     with contextlib.suppress(OSError, TypeError, ValueError):

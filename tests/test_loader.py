@@ -728,7 +728,9 @@ def test_a_failure_of_the_moment_is_not_passed_to_waiting_processes(tmp_path):
     for lines in (['kldiv.cu(42): error: identifier "cudaMallocc" is undefined',
                    '    TORCH_CHECK(p != nullptr, "kldiv: out of memory");'],
                   ["/src/a.cpp:9:3: error: 'tile' was not declared in this scope",
-                   "    9 |   tile(); // Out of memory guard"]):
+                   "    9 |   tile(); // Out of memory guard"],
+                  ["/src/x.cpp:3:20: error: expected ';' at end of declaration",  # (clang < 19: no gutter)
+                   "int a = 1 // No space left on device"]):
         loader._record_failure(tmp_path, kldiv_inline.KernelBuildError("x_0123456789abcdef", lines, "log"))
         assert (tmp_path / loader._FAILED_MARK).exists(), lines
         (tmp_path / loader._FAILED_MARK).unlink()
