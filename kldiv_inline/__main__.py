@@ -75,7 +75,10 @@ def _check_folders(parser: argparse.ArgumentParser, args) -> None:
         if why:
             parser.error(f"--out: {why}")
         if not args.out:  # (goals.md, status.md and the PNGs are written into the results folders themselves)
-            for folder in [results, *sorted(d for d in results.iterdir() if d.is_dir())]:
+            from . import plots
+
+            runs = [d for d in results.iterdir() if d.is_dir() and plots.holds_run(d)]
+            for folder in [results, *sorted(runs)]:
                 if not os.access(folder, os.W_OK | os.X_OK):
                     parser.error(f"--results: {folder} is not writable (plot writes goals.md, status.md and the "
                                  "PNGs there; --out puts them elsewhere)")

@@ -1141,7 +1141,9 @@ def test_bad_reps_and_results_paths_are_refused_before_any_work(tmp_path, monkey
     # permission bits, which root, as tests may run, passes by.)
     runs = tmp_path / "runs"
     (runs / "card").mkdir(parents=True)
-    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != runs / "card")
+    (runs / "card" / "bench.csv").write_text("case\n")  # (a run's folder: a folder of notes beside it is not asked)
+    (runs / "notes").mkdir()
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) not in (runs / "card", runs / "notes"))
     with pytest.raises(SystemExit) as refused:
         main(["plot", "--results", str(runs)])
     assert refused.value.code == 2 and "card is not writable" in capsys.readouterr().err
