@@ -551,8 +551,6 @@ _SYSTEM_RE = re.compile(r"No space left|Disk quota|Input/output error|Too many o
                         r"|Stale file handle|Read-only file system|error (?:writing|closing) ")
 
 
-
-
 # A line a tool says itself: a diagnostic ("x.cpp:3:7: error: ...", "ptxas fatal   : ...") or a tool's own
 # message ("/usr/bin/ld: final link failed: ...", "cc1plus: out of memory ...", "virtual memory exhausted: ...").
 _TOOL_SAID_RE = re.compile(r"\b(?:error|fatal)\s*:|^(?:\S*/)?(?:ld|collect2|cc1plus|cc1|as|nvcc|ptxas|cicc|c\+\+|g\+\+"

@@ -361,11 +361,11 @@ def _vmap_forward(forward):
         if not reduce:
             out = forward(x, t, False, 1.0, log_target, from_probs, False)[0]
         else:
-            acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+            acc = _wide_dtype(x.dtype)
             per_element = forward(x.to(acc), t.to(acc), False, 1.0, log_target, from_probs, False)[0]
             if per_element.dim() > 1:
                 per_element = per_element.sum(tuple(range(1, per_element.dim())))
-            out = (per_element / divisor).to(_wide_dtype(x.dtype) if wide else x.dtype)
+            out = (per_element / divisor).to(acc if wide else x.dtype)
         return (out, x.new_empty((0,))), (0, None)
     return rule
 

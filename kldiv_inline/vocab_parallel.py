@@ -480,8 +480,8 @@ def check_same_call(group, who: str, fields: dict, labels: Tensor | None, refuse
     names = list(fields) + ["labels"] + [name for name, _ in also]
     # Labels given on some ranks and not on others are reported first: they are what differs, not ignore_index,
     # which a call without labels passes as 0. (Otherwise in order: labels of another shape follow from the rows.)
-    column = every[:, len(fields) + 1].tolist()
-    labels_first = -1 in column and any(v != -1 for v in column)
+    labels_column = every[:, len(fields) + 1].tolist()  # (-1: no labels; a checksum is never -1)
+    labels_first = -1 in labels_column and any(v != -1 for v in labels_column)
     for j, name in sorted(enumerate(names, start=1), key=lambda jn: not (labels_first and jn[1] == "labels")):
         column = every[:, j].tolist()
         if any(v != column[0] for v in column):
