@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
 from .envinfo import REPO_ROOT, is_source_tree
+
+INTERRUPTED = 130  # main's status after Ctrl-C: 128 + SIGINT, as a shell reports a program SIGINT stopped
 
 
 def _suites(text: str) -> list[str]:
@@ -229,8 +232,26 @@ def main(argv=None) -> int:
             return args.func(args)
         except KeyboardInterrupt:  # (what was written is said by the step that was cut short; no traceback)
             print(f"python -m kldiv_inline {args.cmd}: interrupted", file=sys.stderr)
-            return 130
+            return INTERRUPTED
+
+
+def _die_by_sigint() -> None:
+    """End this process by SIGINT itself, after main has said it was interrupted: a shell loop or a script
+    around the command sees death by the signal (as with any program Ctrl-C stops) and stops too, where an
+    exit status of 130 would let a `for` loop go on to its next command."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def run_as_program() -> None:
+    """``python -m kldiv_inline``: main's status as the exit status, or death by SIGINT after Ctrl-C."""
+    status = main()
+    if status == INTERRUPTED and os.name == "posix":
+        _die_by_sigint()
+    sys.exit(status)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_program()

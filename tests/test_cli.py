@@ -1160,6 +1160,24 @@ def test_an_interrupted_command_says_so_without_a_traceback(tmp_path, monkeypatc
     assert "python -m kldiv_inline check: interrupted" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(os.name != "posix", reason="death by a signal is POSIX's")
+def test_an_interrupted_program_dies_by_sigint_so_a_shell_loop_around_it_stops(tmp_path):
+    # A program that exits 130 after Ctrl-C tells bash it handled the signal: `for c in ...; do python -m
+    # kldiv_inline ...; done` went on to the next command. Dying by SIGINT (after saying so) stops the loop: bash,
+    # which got the terminal's SIGINT too, ends the loop when its child died by the signal (a shell's wait-and-
+    # cooperative-exit), so the child's own way of ending is what is checked.
+    import signal
+
+    program = ("import sys, kldiv_inline.__main__ as cli\n"
+               "def interrupted(args):\n    raise KeyboardInterrupt\n"
+               "cli.cmd_check = interrupted\n"
+               f"sys.argv = ['kldiv_inline', 'check', '--device', 'cpu', '--results', {str(tmp_path)!r}]\n"
+               "cli.run_as_program()\n")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGINT, done.stderr
+    assert "python -m kldiv_inline check: interrupted" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_broken_results_files_get_errors_that_name_them(tmp_path, monkeypatch):
     # An empty bench.csv stopped bench and plot with pandas' EmptyDataError; an env.json cut mid-write stopped check
     # with json's JSONDecodeError after its CSV was written (minutes in), and --resume too. Each names the file.
