@@ -303,7 +303,7 @@ def goal_rows(rows: list[dict], ours: str = OURS) -> list[dict]:
     """LINEAR_GOALS measured in the rows (HEADLINE's shape only): goal, case, target, value, ours_ms, met. Where
     ours failed its check or raised, the goal is NO (goals.untimed); where the peer did, not measured
     (goals.no_peer_time)."""
-    from .goals import no_peer_time, pick_row, untimed
+    from .goals import no_peer_time, pick_row, spread, untimed
 
     def find(impl, beta):
         return pick_row(rows, lambda r: (r.get("impl") == impl and r.get("form") == "linear"
@@ -337,5 +337,6 @@ def goal_rows(rows: list[dict], ours: str = OURS) -> list[dict]:
         if value != value:  # not measured (NaN): no verdict
             continue
         out.append({"goal": name, "case": case, "target": text, "value": float(value),
-                    "ours_ms": mine["median_ms"], "met": bool(ok)})
+                    "ours_ms": mine["median_ms"], "met": bool(ok), "bound": bound,
+                    "spread": spread(what, float(value), mine, other)})
     return out

@@ -123,8 +123,49 @@ def no_peer_time(out: list[dict], goal: str, case: str, target: str, mine: dict,
 
 
 def met_word(goal: dict) -> str:
-    """A goal's verdict as the tables print it: yes, NO, or not measured (a peer not timed: no_peer_time)."""
-    return "not measured" if goal["met"] is None else ("yes" if goal["met"] else "NO")
+    """A goal's verdict as the tables print it: yes, NO, or not measured (a peer not timed: no_peer_time); "(bound
+    within 20-80%)" after it where the run's spread straddles the bound, a verdict another run may turn."""
+    if goal["met"] is None:
+        return "not measured"
+    word = "yes" if goal["met"] else "NO"
+    bound, span = goal.get("bound"), goal.get("spread")
+    if bound is not None and span is not None and span[0] <= bound <= span[1]:
+        word += " (bound within 20-80%)"
+    return word
+
+
+def spread_text(goal: dict) -> str:
+    """The spread column: the goal's value at the run's 20% and 80% quantiles, "-" where it has none."""
+    span = goal.get("spread")
+    if span is None or goal.get("status", "ok") != "ok":
+        return "-"
+    if goal["target"].startswith("%"):
+        return f"{span[0]:.1f}-{span[1]:.1f}%"
+    return f"{span[0]:.3f}-{span[1]:.3f}"
+
+
+def spread(what: str, value: float, mine: dict, other: dict | None = None) -> tuple[float, float] | None:
+    """A time goal's value over the run's 20-80% quantiles (lowest, highest), None where the rows lack them or the
+    goal is not a time (memory, error). The verdict is the median's, as the goals define it; where the bound lies
+    inside this range, another run may well give the other verdict (the tables say so).
+    x_floor: our time / a fixed floor; pct_of_peak: inverse in our time; speedup: the peer's over ours, their
+    quantiles crossed (peer's 20% over our 80%, and the reverse); scaling: ours on N GPUs over ours on one, the same."""
+    def q(row, name):
+        return _number(row.get(name)) if row is not None else None
+
+    median, low, high = q(mine, "median_ms"), q(mine, "q20_ms"), q(mine, "q80_ms")
+    if value is None or value != value or not median or not low or not high:
+        return None
+    if what in ("x_floor", "x_floor_moved"):
+        return value * low / median, value * high / median
+    if what == "pct_of_peak":
+        return value * median / high, value * median / low
+    if what in ("speedup", "scaling"):
+        o_low, o_high = q(other, "q20_ms"), q(other, "q80_ms")
+        if not o_low or not o_high:
+            return None
+        return (o_low / high, o_high / low) if what == "speedup" else (low / o_high, high / o_low)
+    return None
 
 
 def floor_goal(rows: list[dict]) -> dict | None:
@@ -145,7 +186,8 @@ def floor_goal(rows: list[dict]) -> dict | None:
     case = f"{low['impl']} {low['pass']} {low['form']} {low['dtype']} {low['batch']}x{low['features']}"
     return {"goal": "floor", "case": f"every row timed by CUDA events (lowest: {case})",
             "target": "time / floor >= 1.0", "value": value,
-            "ours_ms": _number(low["median_ms"]), "met": value >= 1.0}
+            "ours_ms": _number(low["median_ms"]), "met": value >= 1.0, "bound": 1.0,
+            "spread": spread("x_floor", value, low)}
 
 
 def goal_rows(rows: list[dict], device: str, ours: str) -> list[dict]:
@@ -178,12 +220,14 @@ def goal_rows(rows: list[dict], device: str, ours: str) -> list[dict]:
             value = _number(other["median_ms"]) / _number(mine["median_ms"])
             ok = value >= bound
         else:
+            other = None
             value = _number(mine.get(what))
             if value is None:  # e.g. pct_of_peak on a card without a known peak, or an older CSV
                 continue
             ok = value >= bound if what == "pct_of_peak" else value <= bound
-        out.append({"goal": name, "case": case, "target": text,
-                    "value": value, "ours_ms": _number(mine["median_ms"]), "met": bool(ok)})
+        out.append({"goal": name, "case": case, "target": text, "value": value,
+                    "ours_ms": _number(mine["median_ms"]), "met": bool(ok), "bound": bound,
+                    "spread": spread(what, value, mine, other)})
     if device == "cuda":
         from .bench_linear import goal_rows as linear_goal_rows  # the fused LM head's goals (L1-L4)
 
@@ -219,14 +263,16 @@ def vocab_goal_rows(rows: list[dict], ours: str, peer: str = "megatron_style") -
                     continue
                 value = _number(mine["median_ms"]) / _number(one["median_ms"])
                 ok = value <= bound
+                span = spread("scaling", value, mine, one)
             else:
                 other = find(peer, form, beta, world)
                 if no_peer_time(out, name, case, text, mine, peer, other):
                     continue
                 value = _number(other["median_ms"]) / _number(mine["median_ms"])
                 ok = value >= bound
+                span = spread("speedup", value, mine, other)
             out.append({"goal": name, "case": case, "target": text, "value": value,
-                        "ours_ms": _number(mine["median_ms"]), "met": bool(ok)})
+                        "ours_ms": _number(mine["median_ms"]), "met": bool(ok), "bound": bound, "spread": span})
     return out
 
 
@@ -248,6 +294,7 @@ def distill_goal_rows(rows: list[dict], ours: str) -> list[dict]:
         if mine.get("status") != "ok":
             out.append(untimed(name, case, text, mine))
             continue
+        other = None
         if what == "speedup":
             other = find(peer, pass_, form, beta)
             if no_peer_time(out, name, case, text, mine, peer, other):
@@ -265,8 +312,9 @@ def distill_goal_rows(rows: list[dict], ours: str) -> list[dict]:
             if value is None:
                 continue
             ok = value <= bound
-        out.append({"goal": name, "case": case, "target": text,
-                    "value": value, "ours_ms": _number(mine["median_ms"]), "met": bool(ok)})
+        out.append({"goal": name, "case": case, "target": text, "value": value,
+                    "ours_ms": _number(mine["median_ms"]), "met": bool(ok), "bound": bound,
+                    "spread": spread(what, value, mine, other)})
     return out
 
 
@@ -298,10 +346,12 @@ def goals_markdown(goals: list[dict], env: dict) -> str:
     lines = [f"Measured on {env.get('device_name')} ({versions}, "
              f"commit {env.get('commit')}), `{env.get('command')}`, {env.get('date_utc')}.{floor}"
              + (f" Partial run: {env['partial']}." if env.get("partial") else ""), "",
-             "| goal | case | target | measured | median (ms) | met |", "| --- | --- | --- | --- | --- | --- |"]
+             "| goal | case | target | measured | 20-80% | median (ms) | met |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for g in goals:
         ms = "-" if g["ours_ms"] != g["ours_ms"] else f"{g['ours_ms']:.4f}"  # (NaN: not timed)
-        lines.append(f"| {g['goal']} | {g['case']} | {g['target']} | {format_value(g)} | {ms} | {met_word(g)} |")
+        lines.append(f"| {g['goal']} | {g['case']} | {g['target']} | {format_value(g)} | {spread_text(g)} | {ms} "
+                     f"| {met_word(g)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -337,13 +387,17 @@ def status_markdown(runs: list[tuple[str, list[dict], dict]]) -> str:
              "run's rows are marked). Written by `python -m kldiv_inline plot` (and `make results`) from every "
              "bench.csv under results/: runs of some suites only live in folders of their own, so no one folder's "
              "goals.md holds every goal. The latest run is not always at the newest commit: the run column says "
-             "which code was measured. The floor row is the lowest time / floor of all the card's runs.", "",
-             "| goal | case | target | card | measured | met | run |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "which code was measured. The floor row is the lowest time / floor of all the card's runs. A time "
+             "goal's verdict is its median's; 20-80% is the value at the run's 20% and 80% quantiles (a speedup "
+             "crosses the peer's and ours), and a verdict whose bound lies within it says so: another run may turn "
+             "it.", "",
+             "| goal | case | target | card | measured | 20-80% | met | run |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key in sorted(latest, key=lambda k: (_goal_order(k[0]), k[1], k[2], k[3])):
         date, folder, env, g = latest[key]
         card = key[3]
         run = f"{folder} ({short_commit(env.get('commit'), 7)}, {date[:10] or '?'}" + (
             ", partial)" if env.get("partial") else ")")
-        lines.append(f"| {g['goal']} | {g['case']} | {g['target']} | {card} | {format_value(g)} | {met_word(g)} | "
-                     f"{run} |")
+        lines.append(f"| {g['goal']} | {g['case']} | {g['target']} | {card} | {format_value(g)} | {spread_text(g)} "
+                     f"| {met_word(g)} | {run} |")
     return "\n".join(lines) + "\n"

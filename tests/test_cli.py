@@ -104,6 +104,36 @@ def test_goals_are_evaluated_from_rows():
     assert goals_mod.format_value({"target": "time / floor <= 1.3", "value": 1.2594}) == "1.259"
 
 
+def test_a_verdict_whose_bound_lies_within_the_runs_spread_says_so():
+    # The verdict is the median's (as the goals define it); its value at the run's 20% and 80% quantiles is shown
+    # beside it, and a bound inside that range is flagged: a rerun may turn the verdict (D4 on an H200 read 1.24
+    # in one run and 1.48 in another).
+    goals = {(g["goal"], g["target"]): g for g in bench.goal_rows(_fake_rows(), "cuda", "kldiv_inline")}
+    x_floor = goals[("P1", "time / floor <= 1.05")]
+    assert x_floor["spread"] == pytest.approx((1.02 * 0.99, 1.02 * 1.01))
+    eager = goals[("P1", "torch_eager time / ours >= 5.0")]  # the peer's quantiles crossed with ours
+    assert eager["spread"] == pytest.approx((5.5 * 0.99 / 1.01, 5.5 * 1.01 / 0.99))
+    peak = goals[("P1", "% of vendor peak >= 90")]  # a rate: inverse in the time
+    assert peak["spread"] == pytest.approx((peak["value"] / 1.01, peak["value"] / 0.99))
+    assert goals[("P1", "relative error <= 1e-06")]["spread"] is None
+    assert [goals_mod.met_word(goals[k]) for k in [("P1", "time / floor <= 1.05"), ("P1", "% of vendor peak >= 90")]] \
+        == ["yes", "NO"]
+    wide = [dict(r, q80_ms=r["median_ms"] * 1.05) if r["impl"] == "kldiv_inline" else r for r in _fake_rows()]
+    goals = {(g["goal"], g["target"]): g for g in bench.goal_rows(wide, "cuda", "kldiv_inline")}
+    fragile = goals[("P1", "time / floor <= 1.05")]  # 1.02 at the median, 1.071 at ours' 80%
+    assert goals_mod.met_word(fragile) == "yes (bound within 20-80%)"
+    table = goals_mod.goals_markdown(list(goals.values()), {"device_name": "GPU"})
+    assert "| P1 | fwd probs float32 16384x16384 | time / floor <= 1.05 | 1.020 | 1.010-1.071 | " in table
+    assert "| relative error <= 1e-06 | 2.00e-08 | - |" in table
+    status = goals_mod.status_markdown([("run", list(goals.values()), {"device_name": "GPU", "date_utc": "d"})])
+    assert "| GPU | 1.020 | 1.010-1.071 | yes (bound within 20-80%) | run (?, d) |" in status
+    # Rows without quantiles (an older CSV) give no spread and the plain verdict.
+    bare = [{k: v for k, v in r.items() if k not in ("q20_ms", "q80_ms")} for r in _fake_rows()]
+    goal = {(g["goal"], g["target"]): g for g in bench.goal_rows(bare, "cuda", "kldiv_inline")}[
+        ("P1", "time / floor <= 1.05")]
+    assert goal["spread"] is None and goals_mod.met_word(goal) == "yes"
+
+
 def test_a_goal_whose_case_ours_failed_is_not_met(tmp_path):
     # Ours wrong (failed its check, not timed) where the peers were timed: the goals said nothing for that case,
     # and status.md kept an older run's "yes" as the latest.
@@ -155,8 +185,8 @@ def test_a_goal_whose_peer_was_not_timed_is_not_measured_and_says_why():
         assert "| old (" in line and "not measured" not in line, line
     (line,) = [line for line in goals_mod.status_markdown(runs[1:]).splitlines()
                if line.startswith("| P1 ") and "torch_compile" in line]
-    assert '| peer "torch_compile" not timed: error | not measured | new (' in line, line
-    assert (f'| peer "torch_compile" not timed: error | {p1["ours_ms"]:.4f} | not measured |'
+    assert '| peer "torch_compile" not timed: error | - | not measured | new (' in line, line
+    assert (f'| peer "torch_compile" not timed: error | - | {p1["ours_ms"]:.4f} | not measured |'
             in goals_mod.goals_markdown([p1], {}))
     # The same in the distillation, fused-head and split goals; a peer with no row at all (not run) stays unmeasured.
     d = {"pass": "fwd+bwd", "form": "logits", "beta": 0.0, "dtype": "bfloat16", "batch": 4096, "features": 128256,
@@ -378,7 +408,7 @@ def test_status_takes_each_goal_from_the_latest_run_of_its_card(tmp_path, capsys
     assert str(tmp_path / "status.md") in capsys.readouterr().out
     rows = [line.split(" | ") for line in (tmp_path / "status.md").read_text().splitlines()
             if line.startswith("| P") or line.startswith("| floor")]
-    got = {(r[0].strip("| "), r[2], r[3]): (r[4], r[5], r[6].rstrip(" |")) for r in rows}
+    got = {(r[0].strip("| "), r[2], r[3]): (r[4], r[6], r[7].rstrip(" |")) for r in rows}  # (r[5]: 20-80%)
     later = "later/a-day2 (ccccccc, 2026-01-02, partial)"
     assert got[("P1", "time / floor <= 1.05", "Card A")] == ("1.224", "NO", later)
     assert got[("P1", "time / floor <= 1.05", "Card B")] == ("1.020", "yes", "b (ccccccc, 2026-01-01)")
