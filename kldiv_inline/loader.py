@@ -2,7 +2,8 @@
 
 Why not plain load_inline: it writes every source into ``<build>/main.cpp`` / ``cuda.cu`` (so compiler
 errors name those files), keys its cache on a name the caller picks, does not rebuild after a failed build
-in the same process (pytorch#119206), and needs a GPU or ``TORCH_CUDA_ARCH_LIST`` to pick a target.
+in the same process (its JIT versioner skips sources it has seen), and needs a GPU or ``TORCH_CUDA_ARCH_LIST``
+to pick a target.
 This module adds, around it:
 
 * a name that carries a hash of every source and every header they include (``#include "..."`` beside them
@@ -1278,9 +1279,9 @@ def _build(ext_name, build_dir: Path, cpp_srcs, cuda_srcs, texts, functions, cfl
 
     shutil.rmtree(build_dir, ignore_errors=True)
     build_dir.mkdir(parents=True)
-    # torch's JIT versioner remembers every attempt in this process, and for sources it has seen skips the build
-    # (pytorch#119206): after a failed one, and after one cut short (Ctrl-C in a notebook, a full disk), which
-    # left it marked built, so the next call imported the .so just removed above. Here a build is always wanted.
+    # torch's JIT versioner remembers every attempt in this process, and for sources it has seen skips the build:
+    # after a failed one, and after one cut short (Ctrl-C in a notebook, a full disk), which left it marked built,
+    # so the next call imported the .so just removed above. Here a build is always wanted.
     cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(ext_name, None)
 
     cpp_sources = [_with_line(p, texts[p]) for p in cpp_srcs]

@@ -250,8 +250,8 @@ assert checked["ok"].all(), checked[~checked["ok"]]
 
 # %% [markdown]
 # `torch.autograd.gradcheck` compares those gradients with finite differences, in float64, for both
-# operands. (At a target of exactly 0 PyTorch's own gradient with respect to the target is NaN,
-# pytorch#89558; the kit returns the same, so the check uses positive targets.)
+# operands. (At a target of exactly 0 PyTorch's own gradient with respect to the target is NaN; the kit
+# returns the same, so the check uses positive targets.)
 
 # %%
 a = probability_rows(4, 16, dtype=torch.float64, device=DEVICE, scale=1.0).requires_grad_()
