@@ -116,7 +116,7 @@ def cmd_check(args) -> int:
     print(check.summary_table(rows))
     failed = [r for r in rows if not r["ok"]]
     for r in failed[:20]:
-        print("FAILED", {k: r[k] for k in ("case", "dtype", "form", "log_target", "reduction", "rel_err")})
+        print("FAILED", {k: r[k] for k in ("case", "dtype", "form", "log_target", "reduction", "output", "rel_err")})
     print(f"{len(rows) - len(failed)} passed, {len(failed)} failed -> {path}")
     return 1 if failed else 0
 

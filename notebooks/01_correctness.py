@@ -164,8 +164,8 @@ assert all(K.kl_div_from_probs(*case.args).dtype == case.args[0].dtype for case 
 # `kldiv_inline.check.CASES` holds the inputs on which hand-written kernels usually slip: a 0-d scalar, an
 # odd length, 3-D rows, transposed and sliced views (strided, unaligned starts) and broadcast operands. The
 # kernels read each operand through its strides (`kernels/kldiv_plan.h` merges the dimensions it can), so a
-# view costs no copy. `check.check_one` compares with float64 and returns the relative error (infinite for a
-# wrong shape or dtype).
+# view costs no copy. `check.check_one` compares the loss with float64 and returns the relative error (infinite
+# for a wrong shape or dtype); `check.check_grads` does the same for both operands' gradients.
 
 # %%
 from kldiv_inline import check
@@ -265,9 +265,13 @@ for reduction in ("none", "sum", "batchmean"):
 # ## 5. The whole grid
 #
 # `python -m kldiv_inline check` runs every case above in every dtype, both input forms, with and without
-# `log_target`, in every reduction, on fresh random inputs, and writes `results/<device>/correctness.csv`.
-# Here the same function, `check.run_checks`, with its summary; the figure is `plots.plot_correctness`, the
-# drawing of `results/<device>/correctness.png`. The CSV goes to a temporary folder, not into `results/`.
+# `log_target`, in every reduction, on fresh random inputs, and writes `results/<device>/correctness.csv`: a row
+# for the loss (with reduction='none', each element within the tolerance of its own terms' size, so that one
+# wrong element among small ones shows) and one for each operand's gradient (within the tolerance, one unit in
+# the last place allowed each element; a broadcast operand's, which sums rounded ones, also within twice PyTorch's
+# own error in that dtype). Here the same function, `check.run_checks`, with its summary; the figure is
+# `plots.plot_correctness`, the drawing of `results/<device>/correctness.png`. The CSV goes to a temporary
+# folder, not into `results/`.
 
 # %%
 import tempfile

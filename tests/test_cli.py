@@ -50,9 +50,10 @@ def test_every_reduced_check_can_fail(monkeypatch):
     monkeypatch.setattr(check, "kl_div", wrong(check.kl_div))
     rows = list(check.run_checks("cpu", dtypes=(torch.float16, torch.bfloat16)))
     passed = [(r["case"], r["dtype"], r["form"], r["log_target"], r["reduction"]) for r in rows
-              if r["ok"] and r["reduction"] != "none" and r["case"] != "empty-0x5"]
+              if r["ok"] and r["reduction"] != "none" and r["case"] != "empty-0x5" and r["output"] == "loss"]
     assert passed == [], passed[:8]
-    assert all(r["ok"] for r in rows if r["reduction"] == "none")
+    assert all(r["ok"] for r in rows if r["reduction"] == "none")  # (the gradients: a float16 mean's 1.1 x may
+    # lie within float16's smallest subnormal; test_check_fails_one_element_wrong_and_a_wrong_gradient has them)
     assert not any(r["case"] == "target-zeros" and r["log_target"] and r["reduction"] != "none" for r in rows)
 
 
@@ -71,6 +72,49 @@ def _fake_rows(ours="kldiv_inline", peak_gbps=3350.0):
                              "bytes": nbytes, "floor_gbps": 3000.0, "floor_source": "read_kernel",
                              "pct_of_peak": 100 * nbytes / t / 1e6 / peak_gbps})
     return rows
+
+
+def test_check_fails_one_element_wrong_and_a_wrong_gradient(monkeypatch):
+    # check compared each output by one norm: one element of a reduction='none' output tripled passed float32's
+    # 1e-5 where that element was small (here 2-6 of 12 float32 rows, 20-23 of 36 over three dtypes; now none of
+    # the float32 ones, 1-4 of 36: a 16-bit element whose value is its terms' rounding), and no gradient was ever
+    # checked, so a wrong backward passed `check` and `make results`. Now each element is measured against its own
+    # terms, and both operands' gradients are rows.
+    from kldiv_inline import check
+
+    def one_wrong(f):
+        def g(x, t, reduction="mean", log_target=False):
+            out = f(x, t, reduction=reduction, log_target=log_target)
+            if reduction == "none" and out.numel() > 100:
+                bump, at = torch.zeros_like(out), tuple(n // 2 for n in out.shape)
+                bump[at] = 2 * out.detach()[at]  # (one element tripled)
+                out = out + bump
+            return out
+        return g
+
+    def wrong_backward(f):
+        def g(x, t, reduction="mean", log_target=False):
+            out = f(x, t, reduction=reduction, log_target=log_target)
+            return out + 0.1 * (out - out.detach())  # the same value, every gradient 1.1 x
+        return g
+
+    cases = [c for c in check.CASES if c.name in ("vector-1023", "transposed-130x96", "broadcast-target-row")]
+    monkeypatch.setattr(check, "kl_div_from_probs", one_wrong(check.kl_div_from_probs))
+    monkeypatch.setattr(check, "kl_div", one_wrong(check.kl_div))
+    rows = list(check.run_checks("cpu", dtypes=(torch.float32,), cases=cases))
+    loss_none = [r for r in rows if r["output"] == "loss" and r["reduction"] == "none"]
+    assert loss_none and not any(r["ok"] for r in loss_none)
+    assert all(r["ok"] for r in rows if r["reduction"] != "none")
+    monkeypatch.undo()
+    monkeypatch.setattr(check, "kl_div_from_probs", wrong_backward(check.kl_div_from_probs))
+    monkeypatch.setattr(check, "kl_div", wrong_backward(check.kl_div))
+    rows = list(check.run_checks("cpu", dtypes=(torch.float32, torch.float16), cases=cases))
+    assert {r["output"] for r in rows} == {"loss", "grad input", "grad target"}
+    assert all(r["ok"] for r in rows if r["output"] == "loss")
+    assert not [r for r in rows if r["ok"] and r["output"] != "loss"]
+    monkeypatch.undo()
+    rows = list(check.run_checks("cpu", dtypes=(torch.float16,), cases=cases))
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
 
 
 def test_goals_are_evaluated_from_rows():
