@@ -98,7 +98,8 @@ def generalized_jsd_reference(student_logits: Tensor, teacher_logits: Tensor | N
     (TRL's generalized_jsd_loss convention, label masks, the top-k teacher's k + 1 buckets); differentiable, so
     autograd of it is the reference gradient. ``dtype=torch.float32`` computes the same formula in float32: what
     PyTorch's own float32 autograd makes of it, the yardstick of a float32 kernel's rounding."""
-    keep = labels != ignore_index if labels is not None else None
+    # (labels in int64 first, as the kit takes them: torch compares an int32 tensor with 2**40 wrongly)
+    keep = labels.long() != ignore_index if labels is not None else None
 
     def plain_if_masked(rows: Tensor, fill: float) -> Tensor:
         # A masked token's row replaced by a plain one before the softmax: its logits may be no distribution (all

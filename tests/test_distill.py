@@ -763,6 +763,16 @@ def test_masked_tokens_are_ignored_whatever_they_hold(device):
     torch.testing.assert_close(base, none.sum() / 4)
 
 
+def test_the_reference_takes_int32_labels_against_an_ignore_index_beyond_int32():
+    # torch compares an int32 tensor with 2**40 as False everywhere it should be True: the reference masked
+    # label-0 tokens the kit (labels in int64) keeps, so a test of such labels would fail the right kernel.
+    s, t = torch.randn(4, 7, dtype=torch.float64), torch.randn(4, 7, dtype=torch.float64)
+    labels = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    ref = generalized_jsd_reference(s, t, labels=labels, ignore_index=2**40, reduction="none")
+    assert (ref > 0).all()
+    torch.testing.assert_close(K.generalized_jsd(s, t, labels=labels, ignore_index=2**40, reduction="none"), ref)
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_the_reference_gradient_of_masked_tokens_whatever_they_hold_is_zero(beta):
     # Masked rows of all -inf, a +inf or a NaN: the reference's autograd multiplied the 0 its masked rows get back
