@@ -600,7 +600,9 @@ _CHECK_NUMBERS = itertools.count(1)
 
 def _signature(args: Any) -> tuple:
     """What kind of inputs a case has: each tensor's rank, dtype, device, layout, memory order (contiguous, or the
-    order of its strides and which are 0) and requires_grad; the value of a string, bool, None, dtype, device or
+    order of its strides and which are 0), requires_grad, conjugate and negative bits, the alignment of its first
+    element (to 16 bytes: a vectorised kernel's fast path) and which earlier tensor of the case shares its storage
+    (an in-place kernel given one tensor twice); the value of a string, bool, None, dtype, device or
     enum (a reduction's name, a dtype to compute in), a function's name, and every other argument's type (a
     number, an array, a slice). A case rebuilt under its name in another dtype, on another device or
     transposed (a notebook's cases cell edited, the bench cell run again) is not the case a check ran. Fresh values
@@ -614,8 +616,22 @@ def _signature(args: Any) -> tuple:
         st = t.stride()
         return tuple(sorted(range(t.dim()), key=lambda d: -st[d])), tuple(d for d in range(t.dim()) if st[d] == 0)
 
+    storages: list = []
+
+    def where(t: torch.Tensor) -> tuple:
+        """(alignment of the first element to 16 bytes, the index of the earlier tensor sharing t's storage)."""
+        try:
+            base = t.untyped_storage().data_ptr()
+            align = t.data_ptr() % 16
+        except (RuntimeError, NotImplementedError):  # (a tensor without storage: sparse, a subclass's)
+            return None, None
+        shared = next((i for i, b in enumerate(storages) if b == base and base), None)
+        storages.append(base)
+        return align, shared
+
     def note(t: torch.Tensor) -> torch.Tensor:
-        parts.append(("tensor", t.dim(), t.dtype, t.device, t.layout, order(t), t.requires_grad))
+        parts.append(("tensor", t.dim(), t.dtype, t.device, t.layout, order(t), t.requires_grad, t.is_conj(),
+                      t.is_neg(), *where(t)))
         return t
 
     def walk(obj: Any) -> None:
@@ -689,8 +705,9 @@ def _check_checked(providers: Mapping[str, Callable | None], checked: pd.DataFra
             continue
         if case in now and case in mark.cases and mark.cases[case] != now[case]:
             raise ValueError(f"case {case!r} is not the case {mark} of checked= ran: its inputs' dtypes, devices, "
-                             "ranks, memory orders or other arguments' types differ from those checked: check it "
-                             "again (harness.check) and pass that result")
+                             "ranks, memory orders, conjugate or negative bits, alignment, shared storage or other "
+                             "arguments' types differ from those checked: check it again (harness.check) and pass "
+                             "that result")
         fn = providers.get(name)
         if fn is None:
             continue

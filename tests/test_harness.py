@@ -920,6 +920,32 @@ def test_bench_refuses_a_checked_verdict_for_a_case_rebuilt_otherwise():
             harness.bench({"mine": mine}, [harness.Case("n", (other,))], checked=checked, reps=2)
 
 
+def test_bench_refuses_a_checked_verdict_for_a_case_aliased_conjugated_or_shifted_otherwise():
+    # The signature held no aliasing, conjugate bit or alignment: a kernel right on (y, z) and wrong on (y, y), one
+    # ignoring the conjugate bit, one reading from a 16-byte boundary, were timed "ok" on the other case's check.
+    def axpy(a, b):
+        a.add_(b)
+        a.add_(b)
+        return a
+
+    def run(case_args, checked_args):
+        checked = harness.check({"axpy": axpy}, lambda a, b: a + 2 * b, [harness.Case("c", checked_args)])
+        assert checked.ok.item(), checked.error.item()
+        with pytest.raises(ValueError, match="'c' is not the case check .* shared storage"):
+            harness.bench({"axpy": axpy}, [harness.Case("c", case_args)], checked=checked, reps=2)
+
+    y, z = torch.rand(64), torch.rand(64)
+    run((y, y), (y, z))
+    run((torch.rand(64) + 1j, (torch.rand(64) + 1j).conj()), (torch.rand(64) + 1j, torch.rand(64) + 1j))
+    base = torch.rand(200)
+    run((base[1:65], z), (base[4:68], z))  # 4 bytes past a 16-byte boundary, against on one
+    # the same kind again (fresh values, the same aliasing and alignment) is the case checked
+    checked = harness.check({"axpy": axpy}, lambda a, b: a + 2 * b, [harness.Case("c", (base[4:68], z))])
+    timed = harness.bench({"axpy": axpy}, [harness.Case("c", (torch.rand(200)[8:72], torch.rand(64)))],
+                          checked=checked, reps=2)
+    assert timed.status.item() == "ok"
+
+
 def test_bench_refuses_a_check_made_before_its_extension_was_rebuilt(scale2_dir, tmp_path):
     # bench(checked=) knew a provider by the callable: a lambda over a notebook's `mod` is the same lambda after the
     # build cell ran again on an edited (wrong) source, and was timed "ok" on the old check's verdict.
