@@ -70,8 +70,11 @@ CUDA_SUFFIXES = (".cu",)
 CPP_SUFFIXES = (".cpp", ".cc", ".cxx")
 HEADER_SUFFIXES = (".h", ".hpp", ".cuh")
 
-# `#include "x.h"` or `#include <x.h>`: (the opening delimiter, the name)
-_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*([<"])([^">\n]+)[">]', re.MULTILINE)
+# `#include "x.h"` or `#include <x.h>`: (the opening delimiter, the name). Also spelled `%:include` (a digraph),
+# `#include_next`, and with comments where blanks may go (`#include /* why */ "x.h"`): an edit to a header so
+# included was a cache hit on the old build.
+_BLANK = r'(?:[ \t]|/\*.*?\*/)*'
+_INCLUDE_RE = re.compile(rf'^{_BLANK}(?:#|%:){_BLANK}include(?:_next)?{_BLANK}([<"])([^">\n]+)[">]', re.MULTILINE)
 # The headers that declare what load_inline's generated bindings use (pybind11, torch::wrap_pybind_function).
 _BINDINGS_HEADER_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]torch/(extension|python)\.h[">]', re.MULTILINE)
 # Written last in a build (JSON: the .so's name, size and SHA-256, the build's seconds); a cache entry is a
@@ -946,6 +949,30 @@ def _shell_words(flags: Sequence[str]) -> list[str]:
     return words
 
 
+def _expand_response_files(flags: Sequence[str]) -> list[str]:
+    """gcc's and ld's ``@file`` arguments replaced by the file's words (nested ones too; quoted, as the flags are
+    shell words), so that the cache key, and the search for the headers and libraries they name, follow the file's
+    contents (an edited response file was a cache hit on the old build). A relative one is read from our working
+    directory (the compiler runs in the build folder). ``@name`` that names no file stays, as gcc leaves it."""
+    def words(flag: str, depth: int) -> list[str]:
+        path = Path(flag[1:]) if flag.startswith("@") and len(flag) > 1 else None
+        if path is None or not path.is_file():
+            return [flag]
+        if depth > 10:
+            raise ValueError(f"response file {flag}: nested more than 10 deep (one that names itself?)")
+        try:
+            inner = shlex.split(path.read_text())
+        except ValueError as e:
+            raise ValueError(f"response file {flag}: {e}") from None
+        return [w for i in inner for w in words(i, depth + 1)]
+
+    out = []
+    for f in flags:
+        expanded = words(f, 0) if f.startswith("@") else [f]
+        out += expanded if expanded == [f] else [shlex.quote(w) for w in expanded]
+    return out
+
+
 def _relative_path(value: str) -> bool:
     """Whether a flag's value is a path relative to the working directory: not absolute, and not "=dir" (gcc:
     under the sysroot; nvcc: "-I=dir" is "-I dir"), "$SYSROOT/..." or "-" (gcc's old -I-)."""
@@ -1129,6 +1156,8 @@ class _SourcesChanged(Exception):
 def _load_sources(paths, functions, name, cuda, extra_cflags, extra_cuda_cflags, extra_ldflags, include_dirs,
                   verbose):
     """load_sources' one try, its arguments as lists (a change to a source during the build: _SourcesChanged)."""
+    extra_cflags, extra_cuda_cflags, extra_ldflags = map(_expand_response_files,
+                                                         (extra_cflags, extra_cuda_cflags, extra_ldflags))
     extra_cflags = _absolute_flags(extra_cflags, _SEARCH_DIR_FLAGS + _FORCED_INCLUDE_FLAGS)
     extra_cuda_cflags = _absolute_flags(extra_cuda_cflags,
                                         _SEARCH_DIR_FLAGS + _FORCED_INCLUDE_FLAGS + tuple(_NVCC_LONG_FLAGS), nvcc=True)

@@ -1101,6 +1101,32 @@ def _assert_an_edit_of_flagged_h_changes_the_key(tmp_path, monkeypatch, source: 
     assert _key_of(monkeypatch, [src], **kwargs) != before
 
 
+# Legal spellings of an include the key missed (an edit to the header was a cache hit on the old build).
+@pytest.mark.parametrize("prelude", ['#include /* why */ "flagged.h"', '%:include "flagged.h"',
+                                     '#include_next <flagged.h>', '/* first */ # /* then */ include <flagged.h>'])
+def test_editing_a_header_included_in_another_spelling_changes_the_key(tmp_path, cache, monkeypatch, prelude):
+    _assert_an_edit_of_flagged_h_changes_the_key(tmp_path, monkeypatch, "flagged.cpp", prelude,
+                                                 include_dirs=[tmp_path / "inc"])
+
+
+def test_a_response_file_in_the_flags_is_part_of_the_key(tmp_path, cache, monkeypatch):
+    # extra_cflags=["@flags.rsp"] (gcc reads its arguments from the file): only the flag's text was in the key, so
+    # an edited file was a cache hit on the old build; a header found through an -I it names was not followed.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "inner.rsp").write_text("-DVAL=3\n")
+    (tmp_path / "flags.rsp").write_text("-Iinc @inner.rsp\n")
+    _assert_an_edit_of_flagged_h_changes_the_key(tmp_path, monkeypatch, "flagged.cpp", "#include <flagged.h>",
+                                                 extra_cflags=["@flags.rsp"])
+    src = [tmp_path / "flagged.cpp"]
+    before = _key_of(monkeypatch, src, extra_cflags=["@flags.rsp"])
+    (tmp_path / "inner.rsp").write_text("-DVAL=4\n")
+    assert _key_of(monkeypatch, src, extra_cflags=["@flags.rsp"]) != before
+    assert loader._expand_response_files(["@flags.rsp", "@missing.rsp"]) == ["-Iinc", "-DVAL=4", "@missing.rsp"]
+    (tmp_path / "inner.rsp").write_text("@flags.rsp\n")  # (one that names itself)
+    with pytest.raises(ValueError, match="nested more than 10 deep"):
+        loader._expand_response_files(["@flags.rsp"])
+
+
 def test_a_hit_needs_no_compiler(tmp_path, cache, monkeypatch):
     # A cache built once serves a machine without compilers (a runtime image, a read-only mount): nothing about the
     # compilers but CC / CXX's values is in the key, so none is run or looked for on a hit.
