@@ -439,10 +439,39 @@ def _integer_error(o: torch.Tensor, r: torch.Tensor) -> tuple[float, float]:
 
 
 def _prepare(setup: Callable | None):
-    return setup if setup is not None else (lambda *args: args)
+    if setup is None:
+        return lambda *args: args
+    if not callable(setup):
+        raise TypeError(f"setup must be a callable (*args) -> args, not {type(setup).__name__}")
+
+    def prepared(*args):
+        out = setup(*args)
+        if not isinstance(out, (tuple, list)):  # (a tensor returned would be unpacked row by row)
+            raise TypeError(f"setup must return the case's arguments as a tuple (e.g. `return (x, y)`; "
+                            f"`return (x,)` for one), not {type(out).__name__}")
+        return out
+    return prepared
+
+
+def _check_providers(providers: Any) -> None:
+    """providers: a mapping of names to callables (None: not installed), as check, bench and plot key rows."""
+    if not isinstance(providers, Mapping):
+        raise TypeError(f"providers must be a mapping of names to callables, e.g. {{'mine': fn, 'torch': ref}} "
+                        f"(None for one not installed), not {type(providers).__name__}")
+    for name, fn in providers.items():
+        if not isinstance(name, str):
+            raise TypeError(f"providers' names must be str (they key the rows), not {type(name).__name__}: {name!r}")
+        if fn is not None and not callable(fn):
+            raise TypeError(f"provider {name!r} must be a callable or None (not installed), not "
+                            f"{type(fn).__name__}")
 
 
 def _check_cases(cases: Sequence[Case]) -> None:
+    if isinstance(cases, Case) or not isinstance(cases, Sequence) or isinstance(cases, str):
+        raise TypeError(f"cases must be a list of harness.Case (`[Case(...)]` for one), not {type(cases).__name__}")
+    others = [type(c).__name__ for c in cases if not isinstance(c, Case)]
+    if others:
+        raise TypeError(f"cases must be harness.Case objects, not {', '.join(sorted(set(others)))}")
     names = [c.name for c in cases]
     if len(set(names)) != len(names):
         raise ValueError(f"case names must be unique (they key the rows): {names}")
@@ -470,6 +499,9 @@ def check(providers: Mapping[str, Callable | None], reference: Callable, cases: 
     Each row's ``check_id`` ("check <n>", one per call) records which callable each provider name was, so that
     ``bench(checked=)`` times only the callables checked, also for frames of several checks joined by
     ``pd.concat``; rows without it (built by hand, read from a file) are trusted by name."""
+    _check_providers(providers)
+    if not callable(reference):
+        raise TypeError(f"reference must be a callable, not {type(reference).__name__}")
     _check_cases(cases)
     tolerance = _tolerance_arg(tolerance)
     prepare = _prepare(setup)
@@ -817,6 +849,22 @@ def _below_floor_why(device: str, timer: str) -> str:
             f"memory. Else {causes}")
 
 
+def _check_floor(floor: Any, cases: Sequence[Case]) -> None:
+    """bench's floor=: a floors.Floor with a positive bandwidth, measured on the cases' kind of device (a CUDA
+    floor beside CPU cases gave x_floor 1419, silently)."""
+    if floor is None:
+        return
+    if not isinstance(floor, floors.Floor):
+        raise TypeError(f"floor must be a floors.Floor (floors.measure_floor(device)), not {type(floor).__name__}")
+    if not (isinstance(floor.gbps, numbers.Real) and 0 < floor.gbps < math.inf):
+        raise ValueError(f"floor's bandwidth must be a positive number of GB/s, not {floor.gbps!r}")
+    for case in cases:
+        device = _case_device(case.args).type
+        if device != floor.device:
+            raise ValueError(f"case {case.name!r} is on {device}, the floor was measured on {floor.device}: "
+                             f"give a floor of that device (floors.measure_floor({device!r})), or none")
+
+
 def _check_bench_args(timer: str, reps: int, warmup: int) -> None:
     if timer not in TIMERS:
         raise ValueError(f"timer must be one of {', '.join(map(repr, TIMERS))}, not {timer!r}")
@@ -930,8 +978,15 @@ def bench(providers: Mapping[str, Callable | None], cases: Sequence[Case], *,
     check otherwise, e.g. raised: the check's error), "not installed" (given as None), or "error: ..."
     (raised while timed). rel_err is the check's (empty when timed with reference=None).
     """
+    _check_providers(providers)
     _check_cases(cases)
     _check_bench_args(timer, reps, warmup)
+    _check_floor(floor, cases)
+    if checked is not None and not (isinstance(checked, pd.DataFrame)
+                                    and {"provider", "case", "ok"} <= set(checked.columns)):
+        raise TypeError("checked= takes the frame harness.check returned (columns provider, case, ok, ...), not "
+                        + ("a frame without them (bench's?)" if isinstance(checked, pd.DataFrame)
+                           else type(checked).__name__))
     if tolerance is not _LAST_CHECK:
         tolerance = _tolerance_arg(tolerance)
     verdicts = _verdicts(providers, cases, reference, checked, tolerance, setup, per_element)
@@ -955,4 +1010,8 @@ def plot(timed: pd.DataFrame, ours: str | None = None, *, title: str | None = No
     dotted."""
     from . import plots
 
+    if not (isinstance(timed, pd.DataFrame) and {"provider", "median_ms"} <= set(timed.columns)):
+        raise TypeError("plot takes the frame harness.bench returned (columns provider, median_ms, ...), not "
+                        + ("a frame without them (check's?)" if isinstance(timed, pd.DataFrame)
+                           else type(timed).__name__))
     return plots.plot_timings(timed, ours=ours, title=title)

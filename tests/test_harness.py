@@ -1144,3 +1144,45 @@ def test_a_cases_kind_takes_settings_by_value_and_the_rest_by_type():
     with pytest.raises(ValueError, match="is not the case"):
         harness.bench({"f": f}, [case(torch.rand(4), np.ones(3), slice(0, 2), torch.float16)], checked=checked,
                       reps=2)
+
+
+def test_bad_arguments_get_errors_that_say_what_is_expected():
+    # Each of these read as something else: a list of providers "'list' object has no attribute 'items'", one Case
+    # "'Case' object is not iterable", a setup returning a tensor "the reference raised ... takes 1 positional
+    # argument but 100 were given", a bench frame as checked= an AttributeError, a check frame to plot a KeyError;
+    # a floor of another device gave x_floor 1419 silently, one of 0 GB/s a ZeroDivisionError.
+    x = torch.rand(100)
+    cases = [harness.Case("n", (x,))]
+
+    def double(v):
+        return 2 * v
+
+    with pytest.raises(TypeError, match="providers must be a mapping"):
+        harness.check([double], double, cases)
+    with pytest.raises(TypeError, match="provider 'mine' must be a callable"):
+        harness.check({"mine": 2.0}, double, cases)
+    with pytest.raises(TypeError, match="reference must be a callable"):
+        harness.check({"mine": double}, None, cases)
+    with pytest.raises(TypeError, match=r"cases must be a list of harness.Case \(`\[Case\(...\)\]` for one\)"):
+        harness.check({"mine": double}, double, cases[0])
+    with pytest.raises(TypeError, match="cases must be harness.Case objects, not tuple"):
+        harness.check({"mine": double}, double, [("n", (x,))])
+    with pytest.raises(TypeError, match="setup must return the case's arguments as a tuple"):
+        harness.check({"mine": double}, double, cases, setup=lambda v: v)
+    checked = harness.check({"mine": double}, double, cases)
+    timed = harness.bench({"mine": double}, cases, checked=checked, reps=2)
+    with pytest.raises(TypeError, match="checked= takes the frame harness.check returned.*bench's"):
+        harness.bench({"mine": double}, cases, checked=timed, reps=2)
+    with pytest.raises(TypeError, match="plot takes the frame harness.bench returned.*check's"):
+        harness.plot(checked)
+    with pytest.raises(ValueError, match="case 'n' is on cpu, the floor was measured on cuda"):
+        harness.bench({"mine": double}, cases, checked=checked, reps=2, bytes_moved=lambda v: 800,
+                      floor=floors.Floor("cuda", 3000.0, "read_kernel", {}))
+    with pytest.raises(ValueError, match="floor's bandwidth must be a positive number"):
+        harness.bench({"mine": double}, cases, checked=checked, reps=2, floor=floors.Floor("cpu", 0.0, "x", {}))
+    with pytest.raises(TypeError, match="floor must be a floors.Floor"):
+        harness.bench({"mine": double}, cases, checked=checked, reps=2, floor=20.0)
+    # (what is right still runs)
+    fine = harness.bench({"mine": double}, cases, checked=checked, reps=2, bytes_moved=lambda v: 800,
+                         floor=floors.Floor("cpu", 10.0, "torch_sum", {}))
+    assert fine.status.item() == "ok" and fine.floor_gbps.item() == 10.0
