@@ -257,6 +257,7 @@ def _backward_with(ctx, grad_out):
     reduce, divisor, log_target, from_probs = ctx.flags
     need_x, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     gx = gt = None
+    rounded = None  # (the dtype the gradients are rounded to after their sums, where made in float32)
     grad_out = grad_out.to(ctx.input_dtype).resolve_neg()  # (a negative view: see _kl)
     # The fused gradient is rescaled in place, once: a second backward (retain_graph=True) recomputes.
     # Any tracing (Dynamo, or AOTAutograd alone as in opcheck, which passes tensor subclasses) takes the
@@ -282,8 +283,16 @@ def _backward_with(ctx, grad_out):
         if input is None:  # (not kept: _save)
             input = _stand_in(ctx, target)
         want_x = need_x and not use_fused
-        spread = from_probs and want_x and ctx.input_shape != torch.broadcast_shapes(ctx.input_shape,
-                                                                                      ctx.target_shape)
+        shape = torch.broadcast_shapes(ctx.input_shape, ctx.target_shape)
+        spread = from_probs and want_x and ctx.input_shape != shape
+        if input.dtype in (torch.float16, torch.bfloat16) and (
+                (want_x and ctx.input_shape != shape) or (need_t and ctx.target_shape != shape)):
+            # A broadcast operand's gradient sums the per-element ones over the broadcast dimensions: for 16-bit
+            # operands they are made in float32 (the kernels' lanes), summed, and rounded once. Rounded each
+            # first, a float16 mean's target gradient over 48 rows summed 48 subnormals: 1-2% off (PyTorch's,
+            # which rounds each too, 5-10%). The cost: float32 copies of the operands, this path only.
+            rounded = input.dtype
+            grad_out, input, target = grad_out.float(), input.float(), target.float()
         bx = bt = None
         if (want_x and not spread) or need_t:  # (a spread input's gradient alone: no call that computes nothing)
             bx, bt = _input_grads(grad_out, input, target, reduce, divisor, log_target, from_probs,
@@ -303,6 +312,8 @@ def _backward_with(ctx, grad_out):
         gx = gx.sum_to_size(ctx.input_shape)
     if gt is not None and gt.shape != ctx.target_shape:
         gt = gt.sum_to_size(ctx.target_shape)
+    if rounded is not None:
+        gx, gt = (g.to(rounded) if g is not None else None for g in (gx, gt))
     return gx, gt
 
 
