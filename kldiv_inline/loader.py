@@ -71,9 +71,10 @@ CPP_SUFFIXES = (".cpp", ".cc", ".cxx")
 HEADER_SUFFIXES = (".h", ".hpp", ".cuh")
 
 # `#include "x.h"` or `#include <x.h>`: (the opening delimiter, the name). Also spelled `%:include` (a digraph),
-# `#include_next`, and with comments where blanks may go (`#include /* why */ "x.h"`): an edit to a header so
-# included was a cache hit on the old build.
-_BLANK = r'(?:[ \t]|/\*.*?\*/)*'
+# `#include_next`, and with comments on the line where blanks may go (`#include /* why */ "x.h"`): an edit to a
+# header so included was a cache hit on the old build. (A comment's body holds no "*/", so that a run of comments
+# splits one way only: `.*?` there let the match try exponentially many splits, and spanned code between two.)
+_BLANK = r'(?:[ \t]|/\*(?:[^*\n]|\*(?!/))*\*/)*'
 _INCLUDE_RE = re.compile(rf'^{_BLANK}(?:#|%:){_BLANK}include(?:_next)?{_BLANK}([<"])([^">\n]+)[">]', re.MULTILINE)
 # The headers that declare what load_inline's generated bindings use (pybind11, torch::wrap_pybind_function).
 _BINDINGS_HEADER_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]torch/(extension|python)\.h[">]', re.MULTILINE)
