@@ -43,7 +43,7 @@ import math
 import numbers
 import types
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -191,6 +191,43 @@ def _offset(offset: int, element_size: int) -> int:
     return offset if offset < 2 * unit else unit + offset % unit
 
 
+def _overlap_clusters(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int, list[int]]]:
+    """Groups of two or more tensors whose spans of one storage overlap (same device and dtype; plain strided
+    tensors with memory; one tensor given twice too): (the span's first element, its end, the tensors' positions
+    in ``tensors``), as _copies copies them together."""
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        # (plain tensors: a wrapper subclass has no storage of its own to share)
+        if (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and t.numel() > 0
+                and t.device.type != "meta" and t.untyped_storage().data_ptr() != 0):
+            key = (t.device, t.untyped_storage().data_ptr(), t.dtype)
+            groups.setdefault(key, []).append(i)
+    out = []
+    for members in groups.values():
+        # Tensors whose spans of the storage overlap, copied together (a span of its own each: views of one large
+        # buffer far apart copy only what they reach)
+        spans = sorted((tensors[i].storage_offset(), tensors[i].storage_offset() + _span(tensors[i]), i)
+                       for i in members)
+        clusters: list[list] = []
+        for lo, hi, i in spans:
+            if clusters and lo < clusters[-1][1]:
+                clusters[-1][1] = max(clusters[-1][1], hi)
+                clusters[-1][2].append(i)
+            else:
+                clusters.append([lo, hi, [i]])
+        out += [(lo, hi, positions) for lo, hi, positions in clusters if len(positions) > 1]
+    return out
+
+
+def _sharing(tensors: Sequence[torch.Tensor]) -> dict[int, int]:
+    """For each tensor (by position) whose copy shares memory with an earlier one's, that earlier one's position."""
+    out = {}
+    for _, _, positions in _overlap_clusters(tensors):
+        first = min(positions)
+        out.update({i: first for i in positions if i != first})
+    return out
+
+
 def _copies(obj: Any, dtype_of: Callable[[torch.Tensor], torch.dtype | None]) -> Any:
     """``obj`` with each tensor copied (_leaf, in ``dtype_of(t)``), tensors that share memory copied together so
     that they share the copy alike: a case built to pass one tensor twice, or overlapping views of one buffer
@@ -198,33 +235,15 @@ def _copies(obj: Any, dtype_of: Callable[[torch.Tensor], torch.dtype | None]) ->
     a tensor and its conjugate or negative view (``x`` and ``x.conj()``) too: the memory is copied as it is, and
     each view takes its own bits again. (Tensors of one storage but different dtypes, or other layouts, are copied
     apart.)"""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for t in _tensors(obj):
-        # (plain tensors: a wrapper subclass has no storage of its own to share)
-        if (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and t.numel() > 0
-                and t.device.type != "meta" and t.untyped_storage().data_ptr() != 0):
-            key = (t.device, t.untyped_storage().data_ptr(), t.dtype)
-            groups.setdefault(key, []).append(t)
     shared: dict[int, torch.Tensor] = {}
-    for ts in groups.values():
-        # Tensors whose spans of the storage overlap, copied together (a span of its own each: views of one large
-        # buffer far apart copy only what they reach)
-        spans = sorted(((t.storage_offset(), t.storage_offset() + _span(t), t) for t in ts), key=lambda sp: sp[:2])
-        clusters: list[list] = []
-        for lo, hi, t in spans:
-            if clusters and lo < clusters[-1][1]:
-                clusters[-1][1] = max(clusters[-1][1], hi)
-                clusters[-1][2].append(t)
-            else:
-                clusters.append([lo, hi, [t]])
-        for lo, hi, members in clusters:
-            if len(members) < 2:
-                continue
-            flat = _leaf(_as_stored(members[0].detach()).as_strided((hi - lo,), (1,), lo), dtype_of(members[0]))
-            for t in members:  # (flat keeps lo's offset, _leaf: each view keeps its own alike)
-                view = _with_bits(flat.as_strided(t.shape, t.stride(), flat.storage_offset() + t.storage_offset()
-                                                  - lo), t)
-                shared[id(t)] = view.requires_grad_(t.requires_grad) if t.requires_grad else view
+    tensors = _tensors(obj)
+    for lo, hi, positions in _overlap_clusters(tensors):
+        members = [tensors[i] for i in positions]
+        flat = _leaf(_as_stored(members[0].detach()).as_strided((hi - lo,), (1,), lo), dtype_of(members[0]))
+        for t in members:  # (flat keeps lo's offset, _leaf: each view keeps its own alike)
+            view = _with_bits(flat.as_strided(t.shape, t.stride(), flat.storage_offset() + t.storage_offset()
+                                              - lo), t)
+            shared[id(t)] = view.requires_grad_(t.requires_grad) if t.requires_grad else view
     return _map_tensors(obj, lambda t: shared[id(t)] if id(t) in shared else _leaf(t, dtype_of(t)))
 
 
@@ -466,9 +485,17 @@ def _check_providers(providers: Any) -> None:
                             f"{type(fn).__name__}")
 
 
-def _check_cases(cases: Sequence[Case]) -> None:
-    if isinstance(cases, Case) or not isinstance(cases, Sequence) or isinstance(cases, str):
+def _case_list(cases: Any) -> list[Case]:
+    """check's and bench's cases as a list, checked: any iterable of harness.Case (a list, a dict's values, a
+    generator: read once), each name once."""
+    if isinstance(cases, (Case, str, Mapping)) or not isinstance(cases, Iterable):
         raise TypeError(f"cases must be a list of harness.Case (`[Case(...)]` for one), not {type(cases).__name__}")
+    cases = list(cases)
+    _check_cases(cases)
+    return cases
+
+
+def _check_cases(cases: Sequence[Case]) -> None:
     others = [type(c).__name__ for c in cases if not isinstance(c, Case)]
     if others:
         raise TypeError(f"cases must be harness.Case objects, not {', '.join(sorted(set(others)))}")
@@ -502,7 +529,7 @@ def check(providers: Mapping[str, Callable | None], reference: Callable, cases: 
     _check_providers(providers)
     if not callable(reference):
         raise TypeError(f"reference must be a callable, not {type(reference).__name__}")
-    _check_cases(cases)
+    cases = _case_list(cases)
     tolerance = _tolerance_arg(tolerance)
     prepare = _prepare(setup)
     rows, signatures = [], {}
@@ -633,12 +660,12 @@ _CHECK_NUMBERS = itertools.count(1)
 def _signature(args: Any) -> tuple:
     """What kind of inputs a case has: each tensor's rank, dtype, device, layout, memory order (contiguous, or the
     order of its strides and which are 0), requires_grad, conjugate and negative bits, the alignment of its first
-    element (to 16 bytes: a vectorised kernel's fast path) and which earlier tensor of the case shares its storage
-    (an in-place kernel given one tensor twice); the value of a string, bool, None, dtype, device or
-    enum (a reduction's name, a dtype to compute in), a function's name, and every other argument's type (a
-    number, an array, a slice). A case rebuilt under its name in another dtype, on another device or
-    transposed (a notebook's cases cell edited, the bench cell run again) is not the case a check ran. Fresh values
-    and other sizes (of tensors, or numbers) are: a check of the first rows of a case too large to upcast to
+    element (to 16 bytes: a vectorised kernel's fast path) and which earlier tensor of the case its memory overlaps
+    (an in-place kernel given one tensor twice), as the providers' copies have them; the value of a string, bool,
+    None, dtype, device or enum (a reduction's name, a dtype to compute in), a function's name, and every other
+    argument's type (a number, an array, a slice). A case rebuilt under its name in another dtype, on another device
+    or transposed (a notebook's cases cell edited, the bench cell run again) is not the case a check ran. Fresh
+    values and other sizes (of tensors, or numbers) are: a check of the first rows of a case too large to upcast to
     float64 vouches for the whole case (the kit's suites check so)."""
     parts: list = []
 
@@ -648,22 +675,24 @@ def _signature(args: Any) -> tuple:
         st = t.stride()
         return tuple(sorted(range(t.dim()), key=lambda d: -st[d])), tuple(d for d in range(t.dim()) if st[d] == 0)
 
-    storages: list = []
+    # What the providers get is copies (_copies): aligned storages at the views' offsets, one shared by tensors
+    # whose spans of memory overlap. The signature describes those: alignment from the offset, sharing by overlap.
+    def in_order(obj: Any) -> list[torch.Tensor]:  # (the tensors in walk's order below)
+        if isinstance(obj, torch.Tensor):
+            return [obj]
+        if isinstance(obj, (tuple, list)):
+            return [t for o in obj for t in in_order(o)]
+        if isinstance(obj, Mapping):
+            return [t for k in sorted(obj, key=repr) for t in in_order(obj[k])]
+        return []
 
-    def where(t: torch.Tensor) -> tuple:
-        """(alignment of the first element to 16 bytes, the index of the earlier tensor sharing t's storage)."""
-        try:
-            base = t.untyped_storage().data_ptr()
-            align = t.data_ptr() % 16
-        except (RuntimeError, NotImplementedError):  # (a tensor without storage: sparse, a subclass's)
-            return None, None
-        shared = next((i for i, b in enumerate(storages) if b == base and base), None)
-        storages.append(base)
-        return align, shared
+    shares = _sharing(in_order(args))
+    seen = itertools.count()
 
     def note(t: torch.Tensor) -> torch.Tensor:
+        align = (t.storage_offset() * t.element_size()) % 16 if t.layout == torch.strided else None
         parts.append(("tensor", t.dim(), t.dtype, t.device, t.layout, order(t), t.requires_grad, t.is_conj(),
-                      t.is_neg(), *where(t)))
+                      t.is_neg(), align, shares.get(next(seen))))
         return t
 
     def walk(obj: Any) -> None:
@@ -860,7 +889,7 @@ def _check_floor(floor: Any, cases: Sequence[Case]) -> None:
         raise ValueError(f"floor's bandwidth must be a positive number of GB/s, not {floor.gbps!r}")
     for case in cases:
         device = _case_device(case.args).type
-        if device != floor.device:
+        if device != torch.device(floor.device).type:  # (a floor of "cuda:1" holds for CUDA cases)
             raise ValueError(f"case {case.name!r} is on {device}, the floor was measured on {floor.device}: "
                              f"give a floor of that device (floors.measure_floor({device!r})), or none")
 
@@ -979,7 +1008,7 @@ def bench(providers: Mapping[str, Callable | None], cases: Sequence[Case], *,
     (raised while timed). rel_err is the check's (empty when timed with reference=None).
     """
     _check_providers(providers)
-    _check_cases(cases)
+    cases = _case_list(cases)
     _check_bench_args(timer, reps, warmup)
     _check_floor(floor, cases)
     if checked is not None and not (isinstance(checked, pd.DataFrame)

@@ -939,6 +939,12 @@ def test_bench_refuses_a_checked_verdict_for_a_case_aliased_conjugated_or_shifte
     run((torch.rand(64) + 1j, (torch.rand(64) + 1j).conj()), (torch.rand(64) + 1j, torch.rand(64) + 1j))
     base = torch.rand(200)
     run((base[1:65], z), (base[4:68], z))  # 4 bytes past a 16-byte boundary, against on one
+    # what the providers get is copies: views of one buffer that do not overlap get copies apart, and a view's
+    # copy sits at its offset in an aligned storage, so neither is refused
+    buf = torch.rand(2, 64)
+    checked = harness.check({"axpy": axpy}, lambda a, b: a + 2 * b, [harness.Case("c", (buf[0], buf[1]))])
+    assert harness.bench({"axpy": axpy}, [harness.Case("c", (torch.rand(64), torch.rand(64)))], checked=checked,
+                         reps=2).status.item() == "ok"
     # the same kind again (fresh values, the same aliasing and alignment) is the case checked
     checked = harness.check({"axpy": axpy}, lambda a, b: a + 2 * b, [harness.Case("c", (base[4:68], z))])
     timed = harness.bench({"axpy": axpy}, [harness.Case("c", (torch.rand(200)[8:72], torch.rand(64)))],
@@ -1167,6 +1173,9 @@ def test_bad_arguments_get_errors_that_say_what_is_expected():
         harness.check({"mine": double}, double, cases[0])
     with pytest.raises(TypeError, match="cases must be harness.Case objects, not tuple"):
         harness.check({"mine": double}, double, [("n", (x,))])
+    # (any iterable of cases, read once: a dict's values, a generator; it was refused, or gave no rows)
+    for given in ({"n": cases[0]}.values(), (c for c in cases), tuple(cases)):
+        assert harness.check({"mine": double}, double, given).ok.tolist() == [True]
     with pytest.raises(TypeError, match="setup must return the case's arguments as a tuple"):
         harness.check({"mine": double}, double, cases, setup=lambda v: v)
     checked = harness.check({"mine": double}, double, cases)
