@@ -92,7 +92,9 @@ def main():
     for tree in args.trees:
         env = dict(os.environ, KLDIV_INLINE_KERNELS=os.path.abspath(tree))
         done = subprocess.run([sys.executable, __file__, "--child", "--draws", str(args.draws), "--seed",
-                               str(args.seed)], env=env, check=True, capture_output=True, text=True)
+                               str(args.seed)], env=env, capture_output=True, text=True)
+        if done.returncode:  # (the child's reason: a build error in the tree, no GPU, out of memory)
+            sys.exit(f"{tree}: {done.stderr[-2000:]}")
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     print(f"{'rows':24s} {'beta':>4s} " + " ".join(f"{'tree ' + str(i):>9s}" for i in range(len(args.trees)))
           + f" {'bf16':>9s}   (gradient's error, largest of {args.draws} draws)")

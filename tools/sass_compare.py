@@ -8,7 +8,8 @@ Compiles SOURCE in each directory with torch's include paths and the kit's flags
 disassembles with cuobjdump, and compares each kernel's instructions with addresses and immediates in hex
 masked (shared-memory offsets and branch targets move when code elsewhere changes). Prints one line per kernel:
 identical, changed (with the instruction counts and the number of differing lines), or only in one tree.
-Needs cuobjdump: CUDA's own (CUDA_HOME/bin) or the wheel's (`pip install nvidia-cuda-cuobjdump`).
+Needs cuobjdump: CUDA's own (CUDA_HOME/bin) or the wheels' (`pip install nvidia-cuda-cuobjdump
+nvidia-cuda-nvdisasm`: cuobjdump runs nvdisasm to disassemble).
 """
 import argparse
 import difflib
@@ -38,7 +39,8 @@ def cuobjdump() -> str:
                 return str(cand)
     except ImportError:
         pass
-    sys.exit("cuobjdump not found: set CUDA_HOME to a CUDA with it, or `pip install nvidia-cuda-cuobjdump`")
+    sys.exit("cuobjdump not found: set CUDA_HOME to a CUDA with it, or `pip install nvidia-cuda-cuobjdump "
+             "nvidia-cuda-nvdisasm`")
 
 
 def anonymous(mangled: str) -> str:
@@ -63,7 +65,10 @@ def compile_sass(kernels: Path, source: str, work: Path) -> dict[str, list[str]]
     subprocess.run([str(nvcc), f"-std={std}", "-O3", "--expt-relaxed-constexpr",
                     "-gencode=arch=compute_90,code=sm_90", *inc, f"-I{kernels}", "-cubin", str(kernels / source),
                     "-o", str(cubin)], check=True)
-    text = subprocess.run([cuobjdump(), "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+    done = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True)
+    if done.returncode:  # (its reason, e.g. "Could not find executable file 'nvdisasm'": the wheel needs that too)
+        sys.exit(f"cuobjdump -sass {cubin} failed: {done.stderr.strip()[-2000:]}")
+    text = done.stdout
     kernels_sass: dict[str, list[str]] = {}
     name = None
     for line in text.splitlines():
