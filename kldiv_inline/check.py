@@ -131,17 +131,44 @@ def _conditioning(x, t, log_target: bool, from_probs: bool) -> torch.Tensor:
     return size + t.abs() if from_probs and not log_target else size
 
 
-def _element_error(out: torch.Tensor, ref: torch.Tensor, size: torch.Tensor) -> float:
+def _element_error(out: torch.Tensor, ref: torch.Tensor, size: torch.Tensor, ulps: int = 0) -> float:
     """The largest |out - ref| over the element's own ``size`` (the dtype's smallest subnormal at least, so that
-    a value rounded there counts as exact), where the reference is finite."""
+    a value rounded there counts as exact), where the reference is finite; ``ulps``: each error first less that
+    many units in the last place of the output's dtype at the reference's value."""
     r = ref.double()
     finite = r.isfinite() & size.isfinite()
     if not finite.any():
         return 0.0
     diff = torch.where(finite, (out.double() - r).abs(), 0.0)
     info = torch.finfo(out.dtype)
+    if ulps:
+        diff = (diff - ulps * info.eps * torch.where(finite, r.abs(), 0.0).clamp_min(info.smallest_normal))
+        diff = diff.clamp_min(0.0)
     bound = torch.where(finite, size, 1.0).clamp_min(info.smallest_normal * info.eps)
     return float((diff / bound).max())
+
+
+def _gradient_sizes(x, t, reduction: str, log_target: bool, from_probs: bool, g) -> tuple:
+    """Each gradient element measured by the size of its terms, as _conditioning measures the loss's: the
+    derivatives of t (log t - x) (e^t (t - x) for log_target; x = log p for probabilities) with every term by
+    its magnitude, times |grad_output| over the reduction's divisor, summed over the broadcast dimensions as the
+    gradient is. A gradient element whose terms cancel (t - x near -1) is judged on its terms, one that does
+    not on its own value: one element of a thousand 1.5 x too large passed the norm and the largest element's
+    scale."""
+    x, t, g = x.double(), t.double(), g.double()
+    shape = torch.broadcast_shapes(x.shape, t.shape)
+    logp = x.log().abs() if from_probs else x.abs()
+    if log_target:
+        weight = t.exp()
+        dx = weight / x.abs() if from_probs else weight
+        dt = weight * (t.abs() + logp + 1)
+    else:
+        dx = t.abs() / x.abs() if from_probs else t.abs()
+        dt = torch.where(t > 0, t, 1.0).log().abs() + logp + 1
+    divisor = {"none": 1, "sum": 1, "mean": max(math.prod(shape), 1),
+               "batchmean": x.shape[0] if x.dim() else 1}[reduction]  # (F.kl_div's: the input's first size)
+    scale = g.abs() / divisor
+    return ((dx.expand(shape) * scale).sum_to_size(x.shape), (dt.expand(shape) * scale).sum_to_size(t.shape))
 
 
 def check_one(x, t, reduction: str, log_target: bool, from_probs: bool) -> float:
@@ -165,9 +192,9 @@ def check_one(x, t, reduction: str, log_target: bool, from_probs: bool) -> float
 def check_grads(x, t, reduction: str, log_target: bool, from_probs: bool) -> dict[str, float]:
     """The gradients of both operands against float64 autograd of the reference, for a random grad_output (1 for
     'sum': the forward's fused gradient handed back as is, rescaled otherwise): {"grad input": err, "grad
-    target": err}, each element allowed one unit in the last place of its dtype (a float16 mean's gradients lie
-    in the subnormals, where one rounding is several per cent). Gradients are made in poisoned memory, as outputs
-    are."""
+    target": err}, each element against its own terms' size too (_gradient_sizes), and allowed one unit in the
+    last place of its dtype (a float16 mean's gradients lie in the subnormals, where one rounding is several per
+    cent). Gradients are made in poisoned memory, as outputs are."""
     f = kl_div_from_probs if from_probs else kl_div
     xs, ts = x.detach().requires_grad_(), t.detach().requires_grad_()
     xr, tr = x.detach().double().requires_grad_(), t.detach().double().requires_grad_()
@@ -178,10 +205,14 @@ def check_grads(x, t, reduction: str, log_target: bool, from_probs: bool) -> dic
         g = torch.ones_like(ref) if reduction == "sum" else torch.rand_like(ref) * 1.5 + 0.5
         grads = torch.autograd.grad(out, (xs, ts), g.to(out.dtype))
     want = torch.autograd.grad(ref, (xr, tr), g)
+    sizes = _gradient_sizes(x, t, reduction, log_target, from_probs, g)
     errors = {}
-    for name, got, ref_grad, operand in zip(("grad input", "grad target"), grads, want, (x, t)):
+    for name, got, ref_grad, operand, size in zip(("grad input", "grad target"), grads, want, (x, t), sizes):
         bad = got.dtype != operand.dtype or got.shape != operand.shape
-        errors[name] = math.inf if bad else _error(got, ref_grad, TOLERANCE[operand.dtype], ulps=1)
+        # (each element on its terms: a norm relative to values that cancel to near 0, the target's gradient of
+        # one probability at t / p near 1 / e, is no measure of the kernel; NaN or inf out of place is inf)
+        misplaced = not bad and compare(got, ref_grad, TOLERANCE[operand.dtype])["rel_err"] == math.inf
+        errors[name] = math.inf if bad or misplaced else _element_error(got, ref_grad, size, ulps=1)
     return errors
 
 

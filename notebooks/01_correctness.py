@@ -267,8 +267,8 @@ for reduction in ("none", "sum", "batchmean"):
 # `python -m kldiv_inline check` runs every case above in every dtype, both input forms, with and without
 # `log_target`, in every reduction, on fresh random inputs, and writes `results/<device>/correctness.csv`: a row for
 # the loss (with reduction='none', each element within the tolerance of its own terms' size, so that one wrong
-# element among small ones shows) and one for each operand's gradient (within the tolerance, one unit in the last
-# place allowed each element: a float16 mean's gradients lie in the subnormals). Here the same function,
+# element among small ones shows) and one for each operand's gradient (each element likewise, one unit in the last
+# place allowed: a float16 mean's gradients lie in the subnormals). Here the same function,
 # `check.run_checks`, with its summary; the figure is `plots.plot_correctness`, the drawing of
 # `results/<device>/correctness.png`. The CSV goes to a temporary folder, not into `results/`.
 

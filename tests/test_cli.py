@@ -113,6 +113,29 @@ def test_check_fails_one_element_wrong_and_a_wrong_gradient(monkeypatch):
     assert all(r["ok"] for r in rows if r["output"] == "loss")
     assert not [r for r in rows if r["ok"] and r["output"] != "loss"]
     monkeypatch.undo()
+
+    class OneElement(torch.autograd.Function):  # the identity, whose backward makes one small element 1.5 x
+        @staticmethod
+        def forward(ctx, v):
+            return v.view_as(v)
+
+        @staticmethod
+        def backward(ctx, g):
+            flat = g.clone().reshape(-1)
+            small = flat.abs().where(flat != 0, math.inf).argsort()[max(int((flat != 0).sum()) // 100, 0)]
+            flat[small] *= 1.5  # (at the 1st percentile of the sizes: it hid in the norm and the largest's scale)
+            return flat.reshape(g.shape)
+
+    def one_wrong_element(f):
+        def g(x, t, reduction="mean", log_target=False):
+            return f(OneElement.apply(x), OneElement.apply(t), reduction=reduction, log_target=log_target)
+        return g
+
+    monkeypatch.setattr(check, "kl_div_from_probs", one_wrong_element(check.kl_div_from_probs))
+    monkeypatch.setattr(check, "kl_div", one_wrong_element(check.kl_div))
+    rows = [r for r in check.run_checks("cpu", dtypes=(torch.float32,), cases=cases[:2]) if r["output"] != "loss"]
+    assert rows and not [r for r in rows if r["ok"]]
+    monkeypatch.undo()
     rows = list(check.run_checks("cpu", dtypes=(torch.float16,), cases=cases))
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
 
