@@ -887,9 +887,13 @@ def _check_floor(floor: Any, cases: Sequence[Case]) -> None:
         raise TypeError(f"floor must be a floors.Floor (floors.measure_floor(device)), not {type(floor).__name__}")
     if not (isinstance(floor.gbps, numbers.Real) and 0 < floor.gbps < math.inf):
         raise ValueError(f"floor's bandwidth must be a positive number of GB/s, not {floor.gbps!r}")
+    try:
+        kind = torch.device(floor.device).type  # (a floor of "cuda:1" holds for CUDA cases)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"floor's device must name a torch device (cpu, cuda, ...), not {floor.device!r}") from None
     for case in cases:
         device = _case_device(case.args).type
-        if device != torch.device(floor.device).type:  # (a floor of "cuda:1" holds for CUDA cases)
+        if device != kind:
             raise ValueError(f"case {case.name!r} is on {device}, the floor was measured on {floor.device}: "
                              f"give a floor of that device (floors.measure_floor({device!r})), or none")
 

@@ -1189,6 +1189,8 @@ def test_bad_arguments_get_errors_that_say_what_is_expected():
                       floor=floors.Floor("cuda", 3000.0, "read_kernel", {}))
     with pytest.raises(ValueError, match="floor's bandwidth must be a positive number"):
         harness.bench({"mine": double}, cases, checked=checked, reps=2, floor=floors.Floor("cpu", 0.0, "x", {}))
+    with pytest.raises(ValueError, match="floor's device must name a torch device"):
+        harness.bench({"mine": double}, cases, checked=checked, reps=2, floor=floors.Floor("gpu", 1.0, "x", {}))
     with pytest.raises(TypeError, match="floor must be a floors.Floor"):
         harness.bench({"mine": double}, cases, checked=checked, reps=2, floor=20.0)
     # (what is right still runs)
