@@ -179,22 +179,28 @@ def check_one(x, t, reduction: str, log_target: bool, from_probs: bool) -> float
     with poisoned(x.device.type), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # 'mean' warns, as PyTorch's does
         out = f(x, t, reduction=reduction, log_target=log_target)
+    return _loss_error(out, x, t, reduction, log_target, from_probs)
+
+
+def _loss_error(out, x, t, reduction: str, log_target: bool, from_probs: bool) -> float:
+    """check_one's measure of a loss ``out`` the op gave for (x, t)."""
     if out.dtype != torch.result_type(x, t):
         return math.inf
-    ref = kl_div_reference(x, t, reduction, log_target, from_probs)
-    err = _error(out, ref, TOLERANCE[out.dtype])
+    ref = kl_div_reference(x.detach(), t.detach(), reduction, log_target, from_probs)
+    err = _error(out.detach(), ref, TOLERANCE[out.dtype])
     if reduction == "none" and err != math.inf and out.numel():
-        size = _conditioning(x, t, log_target, from_probs).expand(ref.shape)
-        err = max(err, _element_error(out, ref, size))
+        size = _conditioning(x.detach(), t.detach(), log_target, from_probs).expand(ref.shape)
+        err = max(err, _element_error(out.detach(), ref, size))
     return err
 
 
 def check_grads(x, t, reduction: str, log_target: bool, from_probs: bool) -> dict[str, float]:
     """The gradients of both operands against float64 autograd of the reference, for a random grad_output (1 for
     'sum': the forward's fused gradient handed back as is, rescaled otherwise): {"grad input": err, "grad
-    target": err}, each element against its own terms' size too (_gradient_sizes), and allowed one unit in the
-    last place of its dtype (a float16 mean's gradients lie in the subnormals, where one rounding is several per
-    cent). Gradients are made in poisoned memory, as outputs are."""
+    target": err, "loss": err}, each gradient element against its own terms' size (_gradient_sizes), allowed one
+    unit in the last place of its dtype (a float16 mean's gradients lie in the subnormals, where one rounding is
+    several per cent); "loss" is the training forward's loss as check_one measures it (the kernels that write the
+    gradient in the same pass compute it too). Gradients are made in poisoned memory, as outputs are."""
     f = kl_div_from_probs if from_probs else kl_div
     xs, ts = x.detach().requires_grad_(), t.detach().requires_grad_()
     xr, tr = x.detach().double().requires_grad_(), t.detach().double().requires_grad_()
@@ -206,7 +212,7 @@ def check_grads(x, t, reduction: str, log_target: bool, from_probs: bool) -> dic
         grads = torch.autograd.grad(out, (xs, ts), g.to(out.dtype))
     want = torch.autograd.grad(ref, (xr, tr), g)
     sizes = _gradient_sizes(x, t, reduction, log_target, from_probs, g)
-    errors = {}
+    errors = {"loss": _loss_error(out, x, t, reduction, log_target, from_probs)}
     for name, got, ref_grad, operand, size in zip(("grad input", "grad target"), grads, want, (x, t), sizes):
         bad = got.dtype != operand.dtype or got.shape != operand.shape
         # (each element on its terms: a norm relative to values that cancel to near 0, the target's gradient of
@@ -226,8 +232,10 @@ def run_checks(device: str, dtypes=DTYPES, cases=CASES) -> Iterator[dict]:
             # check that cannot fail. reduction='none' checks where the NaNs lie.
             continue
         x, t = case.make(dtype, device, from_probs, log_target)
-        errors = {"loss": check_one(x, t, reduction, log_target, from_probs)}
-        errors.update(check_grads(x, t, reduction, log_target, from_probs))
+        errors = check_grads(x, t, reduction, log_target, from_probs)
+        # (the loss row: the worse of the plain forward's and the training forward's, which also writes the gradient)
+        errors["loss"] = max(check_one(x, t, reduction, log_target, from_probs), errors["loss"])
+        errors = {k: errors[k] for k in ("loss", "grad input", "grad target")}
         tol = TOLERANCE[dtype]
         for output, err in errors.items():
             yield {

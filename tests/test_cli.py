@@ -136,6 +136,18 @@ def test_check_fails_one_element_wrong_and_a_wrong_gradient(monkeypatch):
     rows = [r for r in check.run_checks("cpu", dtypes=(torch.float32,), cases=cases[:2]) if r["output"] != "loss"]
     assert rows and not [r for r in rows if r["ok"]]
     monkeypatch.undo()
+
+    def wrong_when_training(f):  # (a loss 2% off only where the forward also makes the gradient)
+        def g(x, t, reduction="mean", log_target=False):
+            out = f(x, t, reduction=reduction, log_target=log_target)
+            return out * 1.02 if x.requires_grad else out
+        return g
+
+    monkeypatch.setattr(check, "kl_div_from_probs", wrong_when_training(check.kl_div_from_probs))
+    monkeypatch.setattr(check, "kl_div", wrong_when_training(check.kl_div))
+    rows = [r for r in check.run_checks("cpu", dtypes=(torch.float32,), cases=cases[:1]) if r["output"] == "loss"]
+    assert rows and not [r for r in rows if r["ok"]]
+    monkeypatch.undo()
     rows = list(check.run_checks("cpu", dtypes=(torch.float16,), cases=cases))
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
 
