@@ -168,14 +168,15 @@ def check_one(x, t, reduction: str, log_target: bool, from_probs: bool) -> float
     with poisoned(x.device.type), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # 'mean' warns, as PyTorch's does
         out = f(x, t, reduction=reduction, log_target=log_target)
-    return _loss_error(out, x, t, reduction, log_target, from_probs)
+    return _loss_error(out, kl_div_reference(x, t, reduction, log_target, from_probs), x, t, reduction, log_target,
+                       from_probs)
 
 
-def _loss_error(out, x, t, reduction: str, log_target: bool, from_probs: bool) -> float:
-    """check_one's measure of a loss ``out`` the op gave for (x, t)."""
+def _loss_error(out, ref, x, t, reduction: str, log_target: bool, from_probs: bool) -> float:
+    """check_one's measure of a loss ``out`` the op gave for (x, t), against its float64 reference ``ref``."""
     if out.dtype != torch.result_type(x, t):
         return math.inf
-    ref = kl_div_reference(x.detach(), t.detach(), reduction, log_target, from_probs)
+    ref = ref.detach()
     err = _error(out.detach(), ref, TOLERANCE[out.dtype])
     if reduction == "none" and err != math.inf and out.numel():
         size = _conditioning(x.detach(), t.detach(), log_target, from_probs).expand(ref.shape)
@@ -201,7 +202,7 @@ def check_grads(x, t, reduction: str, log_target: bool, from_probs: bool) -> dic
         grads = torch.autograd.grad(out, (xs, ts), g.to(out.dtype))
     want = torch.autograd.grad(ref, (xr, tr), g)
     sizes = _gradient_sizes(x, t, reduction, log_target, from_probs, g)
-    errors = {"loss": _loss_error(out, x, t, reduction, log_target, from_probs)}
+    errors = {"loss": _loss_error(out, ref, x, t, reduction, log_target, from_probs)}
     for name, got, ref_grad, operand, size in zip(("grad input", "grad target"), grads, want, (x, t), sizes):
         bad = got.dtype != operand.dtype or got.shape != operand.shape
         # (each element on its terms: a norm relative to values that cancel to near 0, the target's gradient of

@@ -156,7 +156,7 @@ def spread(what: str, value: float, mine: dict, other: dict | None = None) -> tu
     median, low, high = q(mine, "median_ms"), q(mine, "q20_ms"), q(mine, "q80_ms")
     if value is None or value != value or not median or not low or not high:
         return None
-    if what in ("x_floor", "x_floor_moved"):
+    if what == "x_floor":  # (floor_goal passes x_floor_moved so: the same floor-over-time ratio)
         return value * low / median, value * high / median
     if what == "pct_of_peak":
         return value * median / high, value * median / low

@@ -491,11 +491,6 @@ def _case_list(cases: Any) -> list[Case]:
     if isinstance(cases, (Case, str, Mapping)) or not isinstance(cases, Iterable):
         raise TypeError(f"cases must be a list of harness.Case (`[Case(...)]` for one), not {type(cases).__name__}")
     cases = list(cases)
-    _check_cases(cases)
-    return cases
-
-
-def _check_cases(cases: Sequence[Case]) -> None:
     others = [type(c).__name__ for c in cases if not isinstance(c, Case)]
     if others:
         raise TypeError(f"cases must be harness.Case objects, not {', '.join(sorted(set(others)))}")
@@ -504,6 +499,7 @@ def _check_cases(cases: Sequence[Case]) -> None:
         raise ValueError(f"case names must be unique (they key the rows): {names}")
     for case in cases:
         _check_meta(case)  # again: meta is a dict, changed perhaps since the case was made
+    return cases
 
 
 def _error(e: Exception) -> str:
@@ -676,23 +672,17 @@ def _signature(args: Any) -> tuple:
         return tuple(sorted(range(t.dim()), key=lambda d: -st[d])), tuple(d for d in range(t.dim()) if st[d] == 0)
 
     # What the providers get is copies (_copies): aligned storages at the views' offsets, one shared by tensors
-    # whose spans of memory overlap. The signature describes those: alignment from the offset, sharing by overlap.
-    def in_order(obj: Any) -> list[torch.Tensor]:  # (the tensors in walk's order below)
-        if isinstance(obj, torch.Tensor):
-            return [obj]
-        if isinstance(obj, (tuple, list)):
-            return [t for o in obj for t in in_order(o)]
-        if isinstance(obj, Mapping):
-            return [t for k in sorted(obj, key=repr) for t in in_order(obj[k])]
-        return []
-
-    shares = _sharing(in_order(args))
-    seen = itertools.count()
+    # whose spans of memory overlap. The signature describes those: alignment from the offset, sharing by overlap
+    # (added after the walk, which must meet every tensor first: where in parts each tensor's entry is).
+    tensors: list[torch.Tensor] = []
+    entries: list[int] = []
 
     def note(t: torch.Tensor) -> torch.Tensor:
         align = (t.storage_offset() * t.element_size()) % 16 if t.layout == torch.strided else None
+        tensors.append(t)
+        entries.append(len(parts))
         parts.append(("tensor", t.dim(), t.dtype, t.device, t.layout, order(t), t.requires_grad, t.is_conj(),
-                      t.is_neg(), align, shares.get(next(seen))))
+                      t.is_neg(), align))
         return t
 
     def walk(obj: Any) -> None:
@@ -714,6 +704,9 @@ def _signature(args: Any) -> tuple:
             parts.append(type(obj).__qualname__)  # (a size, a scale, an array of values, a slice: of any size)
 
     walk(args)
+    shares = _sharing(tensors)
+    for k, at in enumerate(entries):
+        parts[at] += (shares.get(k),)
     return tuple(parts)
 
 

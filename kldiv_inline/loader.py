@@ -969,7 +969,7 @@ def _expand_response_files(flags: Sequence[str]) -> list[str]:
 
     out = []
     for f in flags:
-        expanded = words(f, 0) if f.startswith("@") else [f]
+        expanded = words(f, 0)
         out += expanded if expanded == [f] else [shlex.quote(w) for w in expanded]
     return out
 

@@ -285,14 +285,14 @@ def _backward_with(ctx, grad_out):
         want_x = need_x and not use_fused
         shape = torch.broadcast_shapes(ctx.input_shape, ctx.target_shape)
         spread = from_probs and want_x and ctx.input_shape != shape
-        if input.dtype in (torch.float16, torch.bfloat16) and (
-                (want_x and ctx.input_shape != shape) or (need_t and ctx.target_shape != shape)):
+        lanes = _wide_dtype(input.dtype)
+        if lanes != input.dtype and ((want_x and ctx.input_shape != shape) or (need_t and ctx.target_shape != shape)):
             # A broadcast operand's gradient sums the per-element ones over the broadcast dimensions: for 16-bit
             # operands they are made in float32 (the kernels' lanes), summed, and rounded once. Rounded each
             # first, a float16 mean's target gradient over 48 rows summed 48 subnormals: 1-2% off (PyTorch's,
             # which rounds each too, 5-10%). The cost: float32 copies of the operands, this path only.
             rounded = input.dtype
-            grad_out, input, target = grad_out.float(), input.float(), target.float()
+            grad_out, input, target = grad_out.to(lanes), input.to(lanes), target.to(lanes)
         bx = bt = None
         if (want_x and not spread) or need_t:  # (a spread input's gradient alone: no call that computes nothing)
             bx, bt = _input_grads(grad_out, input, target, reduce, divisor, log_target, from_probs,
